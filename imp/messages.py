@@ -1,0 +1,354 @@
+"""The message catalogue: every message that crosses an actor boundary.
+
+All messages are frozen, tagged msgspec Structs (array_like, gc=False) so that
+they encode fast and small into the event log and decode back to the same
+objects for replay. Changing a field is a schema change: bump SCHEMA_VERSION
+and teach `imp.actors.eventlog` to upcast the old form.
+
+Actor names (receivers/senders in the log):
+    ingress    HTTP front door; owns request handles and their output queues
+    admission  capacity checks, reservations, queued-token limits
+    scheduler  continuous batching; decides every step
+    kv         KV block allocator (paged blocks, refcounts, prefix cache)
+    executor   runs model steps (one per device)
+    detok      incremental detokenizer, stop strings, stream fan-out
+    metrics    figures for /metrics and /health
+    clock      ticks (time enters the cores only through messages)
+
+Flow of one request:
+    ingress -Submit-> admission -Enqueue-> scheduler          (or admission -Reject-> ingress)
+    scheduler -KvRequest-> kv -KvReply-> scheduler            (once per step)
+    scheduler -StepPlan-> executor -StepResult-> scheduler    (once per step)
+    scheduler -TokenOut-> detok -Delta-> ingress              (per produced token batch)
+    ingress -Cancel-> admission -Cancel-> scheduler           (disconnect / stop string)
+    scheduler -Finished-> admission                           (releases queued-token accounting)
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Union
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+
+class FinishReason(enum.IntEnum):
+    """Why a sequence ended. NONE while it runs."""
+
+    NONE = 0
+    STOP = 1  # EOS / stop token / stop string
+    LENGTH = 2  # max_tokens or context end
+    CANCELLED = 3  # client went away
+    TIMEOUT = 4  # --request-timeout; reported to the client as "length"
+    ERROR = 5  # executor fault
+    REJECTED = 6  # refused after enqueue (cannot ever fit)
+
+    def openai(self) -> str:
+        return {
+            FinishReason.STOP: "stop",
+            FinishReason.LENGTH: "length",
+            FinishReason.TIMEOUT: "length",
+        }.get(self, "stop" if self is FinishReason.NONE else self.name.lower())
+
+
+class Struct(
+    msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False
+):
+    """Plain value carried inside messages (not itself a message)."""
+
+
+class Msg(
+    msgspec.Struct,
+    frozen=True,
+    array_like=True,
+    omit_defaults=True,
+    gc=False,
+    tag=True,
+):
+    """Base of every message; the tag is the class name."""
+
+
+# --------------------------------------------------------------------------
+# values
+
+
+class SamplingParams(Struct):
+    """Resolved sampling settings (defaults already applied by ingress)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k filtering (ingress maps the API's 0 -> 50)
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = 0  # always set: ingress draws one when the client gave none
+    stop_token_ids: tuple[int, ...] = ()  # EOS etc.; ends with STOP
+    ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int = -1  # -1 = none; k >= 0 = sampled token's logprob + top k
+
+
+class SampledToken(Struct):
+    seq_id: str
+    token_id: int
+    logprob: float = 0.0
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob) when asked
+
+
+class SeqWork(Struct):
+    """One sequence's share of a step.
+
+    token_ids are the tokens fed this step, at positions start_pos ...
+    start_pos+len-1; block_table covers every position up to the last one.
+    sample says whether the last position's logits are sampled (False for a
+    prefill chunk that does not reach the end of the prompt).
+    gen_index is the index of the token to be sampled among the generated
+    ones; together with params.seed it fixes the random draw, so a
+    recomputed (preempted) sequence draws the same tokens again.
+    """
+
+    seq_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+    params: SamplingParams
+    gen_index: int = 0
+    history: list[int] = []  # generated tokens so far, for penalties (only if a penalty is set)
+
+
+class KvOp(Struct):
+    """One allocator operation, as asked by the scheduler.
+
+    kind = "alloc": a new sequence; token_ids is its full known token list
+           (prompt); the allocator may reuse cached prefix blocks and allocates
+           blocks to hold num_tokens positions.
+    kind = "grow":  make the sequence's table hold num_tokens positions;
+           token_ids are the tokens written since the last op (for hashing
+           newly full blocks into the prefix cache).
+    kind = "free":  release the sequence's blocks (full blocks stay cached).
+    kind = "fork":  new sequence parent->seq_id sharing all parent's blocks
+           (n > 1 siblings), refcounts bumped.
+    """
+
+    kind: str
+    seq_id: str
+    num_tokens: int = 0
+    token_ids: list[int] = []
+    parent: str = ""
+    salt: str = ""  # LoRA adapter name (prefix cache key)
+
+
+class KvResult(Struct):
+    seq_id: str
+    ok: bool
+    block_table: list[int] = []
+    cached_tokens: int = 0  # alloc: prompt tokens found in the prefix cache
+
+
+class KvFigures(Struct):
+    total: int
+    free: int
+    used: int
+    reserved: int
+    cached: int
+    block_size: int
+    evictions: int = 0
+
+
+class QueueFigures(Struct):
+    waiting: int
+    running: int
+    queued_prompt_tokens: int
+    preemptions: int = 0
+    cancellations: int = 0
+    timeouts: int = 0
+    steps: int = 0
+
+
+# --------------------------------------------------------------------------
+# messages
+
+
+class Submit(Msg):
+    """ingress -> admission: a new request, already tokenized."""
+
+    req_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival_ns: int
+    n: int = 1
+    priority: int = 0
+    salt: str = ""
+
+
+class Reject(Msg):
+    """admission/scheduler -> ingress: the request will not run."""
+
+    req_id: str
+    status: int
+    code: str
+    message: str
+    retry_after_s: float = 0.0
+
+
+class Enqueue(Msg):
+    """admission -> scheduler: an admitted request."""
+
+    req_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival_ns: int
+    n: int = 1
+    priority: int = 0
+    salt: str = ""
+    reserved_blocks: int = 0
+
+
+class Cancel(Msg):
+    """ingress -> admission -> scheduler: end a request early."""
+
+    req_id: str
+    reason: FinishReason = FinishReason.CANCELLED
+
+
+class Finished(Msg):
+    """scheduler -> admission: a request left the scheduler (any reason)."""
+
+    req_id: str
+    reason: FinishReason
+
+
+class Tick(Msg):
+    """clock -> scheduler: the time, for timeouts and aging."""
+
+    now_ns: int
+
+
+class KvRequest(Msg):
+    """scheduler -> kv: the allocator operations for one step, in order."""
+
+    step: int
+    ops: list[KvOp]
+
+
+class KvReply(Msg):
+    """kv -> scheduler: one result per alloc/grow/fork op, in order."""
+
+    step: int
+    results: list[KvResult]
+    figures: KvFigures
+
+
+class StepPlan(Msg):
+    """scheduler -> executor: run these sequences for one step."""
+
+    step: int
+    seqs: list[SeqWork]
+    freed: list[str] = []  # sequences the executor can forget
+
+
+class StepResult(Msg):
+    """executor -> scheduler: what the step produced."""
+
+    step: int
+    tokens: list[SampledToken]
+    now_ns: int
+    elapsed_ns: int = 0
+
+
+class StepFailed(Msg):
+    """executor -> scheduler: the step raised; its sequences end with ERROR."""
+
+    step: int
+    error: str
+    now_ns: int
+
+
+class TokenOut(Msg):
+    """scheduler -> detok: new tokens of one choice of a request."""
+
+    req_id: str
+    index: int
+    token_ids: list[int]
+    finish: FinishReason = FinishReason.NONE
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[SampledToken] = []
+    error: str = ""
+
+
+class DetokOpen(Msg):
+    """ingress -> detok: how to render a request's output."""
+
+    req_id: str
+    n: int = 1
+    stop: list[str] = []
+    skip_special: bool = True
+    prompt_tail: list[int] = []  # last prompt tokens, for correct leading spaces
+
+
+class Delta(Msg):
+    """detok -> ingress: new text of one choice."""
+
+    req_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    finish: FinishReason = FinishReason.NONE
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[SampledToken] = []
+    error: str = ""
+
+
+class Figures(Msg):
+    """scheduler -> metrics: queue and KV figures after a step."""
+
+    kv: KvFigures
+    queue: QueueFigures
+
+
+class StepStats(Msg):
+    """scheduler -> metrics: one step's shape and duration."""
+
+    step: int
+    num_seqs: int
+    num_tokens: int
+    num_decode: int
+    elapsed_ns: int
+
+
+class Fault(Msg):
+    """any -> ingress/metrics: an actor failed; waiting callers get an error."""
+
+    actor: str
+    error: str
+
+
+Message = Union[
+    Submit,
+    Reject,
+    Enqueue,
+    Cancel,
+    Finished,
+    Tick,
+    KvRequest,
+    KvReply,
+    StepPlan,
+    StepResult,
+    StepFailed,
+    TokenOut,
+    DetokOpen,
+    Delta,
+    Figures,
+    StepStats,
+    Fault,
+]

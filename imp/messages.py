@@ -294,6 +294,12 @@ class DetokOpen(Msg):
     prompt_tail: list[int] = []  # last prompt tokens, for correct leading spaces
 
 
+class DetokClose(Msg):
+    """ingress -> detok: forget a request that never ran (rejected)."""
+
+    req_id: str
+
+
 class Delta(Msg):
     """detok -> ingress: new text of one choice."""
 
@@ -326,6 +332,21 @@ class StepStats(Msg):
     elapsed_ns: int
 
 
+class RequestStats(Msg):
+    """ingress -> metrics: one finished HTTP generation request."""
+
+    endpoint: str
+    status: int
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    queue_s: float = 0.0
+    ttft_s: float = 0.0
+    duration_s: float = 0.0
+    finish: str = ""
+    itl_s: list[float] = []  # inter-token gaps, for the histogram
+
+
 class Fault(Msg):
     """any -> ingress/metrics: an actor failed; waiting callers get an error."""
 
@@ -347,8 +368,10 @@ Message = Union[
     StepFailed,
     TokenOut,
     DetokOpen,
+    DetokClose,
     Delta,
     Figures,
+    RequestStats,
     StepStats,
     Fault,
 ]

@@ -1,0 +1,43 @@
+# Two commands a user needs: `make serve` and `make test`. Everything else is
+# derived. Torch is pinned to the CPU build; where this machine keeps wheels
+# on disk (/opt/wheels) pip takes them from there.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIPX    := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+HOST    ?= 127.0.0.1
+PORT    ?= 8080
+MODEL   ?= smollm2-135m
+PYTEST_ARGS ?=
+
+.PHONY: serve test test-fast install install-test bench clean
+
+$(VENV)/.stamp-base: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(PIPX) -e .
+	touch $@
+
+$(VENV)/.stamp-test: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(PIPX) -e '.[test]'
+	touch $@ $(VENV)/.stamp-base
+
+install: $(VENV)/.stamp-base
+install-test: $(VENV)/.stamp-test
+
+serve: install
+	$(PY) -m imp pull $(MODEL)
+	$(PY) -m imp --host $(HOST) --port $(PORT) --model $(MODEL)
+
+test: install-test
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install-test
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: install-test
+	$(PY) bench/cpu_serving.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

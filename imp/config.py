@@ -1,0 +1,64 @@
+"""Server configuration: read once at boot (CLI flags), frozen, validated."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    model: str = "smollm2-135m"
+    event_log: str | None = None
+    kv_cache_tokens: int | None = None
+    block_size: int = 16
+    max_batch_size: int = 64
+    max_step_tokens: int = 512
+    max_tokens: int | None = None  # fixed default for max_tokens; None = rest of context
+    max_queued_tokens: int = 0
+    request_timeout_s: float = 0.0
+    chat_template: str | None = None
+    api_key: str | None = None
+    threads: int | None = None
+    log_level: str = "info"
+
+    def __post_init__(self):
+        checks = [
+            (0 < self.port < 65536, "--port must be in 1..65535"),
+            (self.block_size in (8, 16, 32, 64), "--block-size must be 8, 16, 32 or 64"),
+            (self.max_batch_size >= 1, "--max-batch-size must be >= 1"),
+            (self.max_step_tokens >= 16, "--max-step-tokens must be >= 16"),
+            (self.kv_cache_tokens is None or self.kv_cache_tokens >= self.block_size, "--kv-cache-tokens too small"),
+            (self.max_tokens is None or self.max_tokens >= 1, "--max-tokens must be >= 1"),
+            (self.max_queued_tokens >= 0, "--max-queued-tokens must be >= 0"),
+            (self.request_timeout_s >= 0, "--request-timeout must be >= 0"),
+        ]
+        for ok, why in checks:
+            if not ok:
+                raise ValueError(why)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--model", "-m", default=d.model, help="GGUF path or packaged model name (smollm2-135m)")
+    p.add_argument("--event-log", default=None, help="write every actor message to this file")
+    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
+    p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens)
+    p.add_argument("--max-tokens", type=int, default=None, help="default max_tokens (else rest of context)")
+    p.add_argument("--max-queued-tokens", type=int, default=0, help="429 beyond this many queued prompt tokens")
+    p.add_argument("--request-timeout", dest="request_timeout_s", type=float, default=0.0)
+    p.add_argument("--chat-template", default=None, help="jinja file overriding the model's template")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--log-level", default="info")
+
+
+def config_from_args(ns: argparse.Namespace) -> ServerConfig:
+    fields = ServerConfig.__dataclass_fields__
+    return ServerConfig(**{k: v for k, v in vars(ns).items() if k in fields})

@@ -1,0 +1,113 @@
+"""The engine: builds the actors around a loaded model and wires the bus.
+
+Boot-time facts (pool size, model fingerprint, context length) go into each
+core's frozen config, and the configs into the event-log header, so a replay
+rebuilds exactly the cores that ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+
+from imp.actors.admission_core import AdmissionConfig, AdmissionCore
+from imp.actors.base import Bus, CoreActor
+from imp.actors.clock import ClockActor
+from imp.actors.detok import DetokActor
+from imp.actors.eventlog import EventLog, LogHeader
+from imp.actors.executor import ExecutorActor
+from imp.actors.ingress import IngressActor
+from imp.actors.kv_core import KvConfig, KvCore
+from imp.actors.metrics import MetricsActor
+from imp.actors.scheduler_core import SchedulerConfig, SchedulerCore
+from imp.config import ServerConfig
+from imp.messages import SCHEMA_VERSION, KvFigures
+
+log = logging.getLogger("imp.engine")
+
+
+def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprint: str):
+    """The three decision cores, from boot facts. Replay rebuilds them from the header."""
+    kv = KvCore(KvConfig(num_blocks=num_blocks, block_size=cfg.block_size, fingerprint=fingerprint))
+    adm = AdmissionCore(
+        AdmissionConfig(
+            num_blocks=num_blocks,
+            block_size=cfg.block_size,
+            max_context=max_context,
+            max_queued_tokens=cfg.max_queued_tokens,
+        )
+    )
+    sch = SchedulerCore(
+        SchedulerConfig(
+            block_size=cfg.block_size,
+            num_blocks=num_blocks,
+            max_batch_size=cfg.max_batch_size,
+            max_step_tokens=cfg.max_step_tokens,
+            request_timeout_ns=int(cfg.request_timeout_s * 1e9),
+            max_context=max_context,
+        )
+    )
+    return adm, sch, kv
+
+
+class Engine:
+    def __init__(self, cfg: ServerConfig, runner, tokenizer, template, model_name: str):
+        self.cfg = cfg
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.template = template
+        self.model_name = model_name
+        self.max_context = int(runner.config.context_length)
+        self.started_at = time.time()
+        self.actors = []
+        self.draining = False
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        r = self.runner
+        self.eventlog = EventLog(cfg.event_log)
+        adm, sch, kv = build_cores(cfg, r.num_blocks, self.max_context, r.fingerprint)
+        self.cores = {c.name: c for c in (adm, sch, kv)}
+        self.eventlog.open(
+            LogHeader(
+                SCHEMA_VERSION,
+                r.fingerprint,
+                {c.name: msgspec.to_builtins(c.config) for c in (adm, sch, kv)},
+                time.time_ns(),
+                note=f"model={self.model_name}",
+            )
+        )
+        self.bus = bus = Bus(self.eventlog)
+        self.ingress = IngressActor(bus)
+        self.metrics = MetricsActor(
+            bus, self.model_name, KvFigures(r.num_blocks, r.num_blocks, 0, 0, 0, cfg.block_size)
+        )
+        self.actors = [
+            self.ingress,
+            CoreActor(bus, adm),
+            CoreActor(bus, sch),
+            CoreActor(bus, kv),
+            ExecutorActor(bus, r),
+            DetokActor(bus, self.tokenizer),
+            self.metrics,
+            ClockActor(bus),
+        ]
+        for a in self.actors:
+            a.start()
+        await asyncio.sleep(0)
+
+    async def stop(self) -> None:
+        for a in reversed(self.actors):
+            await a.stop()
+        self.eventlog.close()
+
+    @property
+    def kv(self) -> KvFigures:
+        return self.metrics.kv
+
+    @property
+    def fault(self) -> str | None:
+        return self.ingress.fault or (next(iter(self.bus.dead.values())) if self.bus.dead else None)

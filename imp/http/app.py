@@ -1,0 +1,91 @@
+"""The aiohttp application: factory, typed app keys, middlewares.
+
+Handlers are thin: they parse, call the engine, render. Domain errors arrive
+as ApiError and leave as a JSON envelope in the route's dialect; every
+response echoes X-Request-Id.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import re
+import uuid
+
+from aiohttp import web
+
+from imp.http.errors import ApiError, error_response
+
+log = logging.getLogger("imp.http")
+
+ENGINE: web.AppKey = web.AppKey("engine", object)
+_SAFE = re.compile(r"[^\x21-\x7e]")
+_OPEN = {"/health", "/ready"}  # probes never need the key
+
+
+def client_request_id(request: web.Request) -> str | None:
+    raw = request.headers.get("X-Request-Id")
+    if not raw:
+        return None
+    rid = _SAFE.sub("", raw)[:128]
+    return rid or None
+
+
+@web.middleware
+async def context_mw(request: web.Request, handler):
+    rid = client_request_id(request)
+    request["client_request_id"] = rid
+    request["request_id"] = rid or f"req-{uuid.uuid4().hex[:24]}"
+    try:
+        resp = await handler(request)
+    except ApiError as err:
+        resp = error_response(request, err, request["request_id"])
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        msg = {404: f"no route {request.method} {request.path}", 405: f"method {request.method} not allowed on {request.path}"}.get(
+            exc.status, exc.reason
+        )
+        if exc.status == 413:
+            msg = "request body too large"
+        resp = error_response(request, ApiError(exc.status, msg, code="not_found" if exc.status == 404 else None), request["request_id"])
+    except Exception:  # noqa: BLE001 - our fault: log it, answer 500, keep serving
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        resp = error_response(request, ApiError(500, "internal error", code="internal_error"), request["request_id"])
+    if not resp.prepared:
+        resp.headers["X-Request-Id"] = request.get("response_id") or request["request_id"]
+        if request.path.startswith("/v1/messages"):
+            resp.headers["request-id"] = request["request_id"]
+    return resp
+
+
+def auth_mw(api_key: str | None):
+    @web.middleware
+    async def mw(request: web.Request, handler):
+        if api_key and request.path not in _OPEN:
+            got = request.headers.get("x-api-key") or ""
+            auth = request.headers.get("Authorization", "")
+            if auth.lower().startswith("bearer "):
+                got = auth[7:].strip()
+            if not hmac.compare_digest(got.encode(), api_key.encode()):
+                raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
+        return await handler(request)
+
+    return mw
+
+
+def create_app(engine, *, api_key: str | None = None) -> web.Application:
+    from imp.http.routes import ROUTES
+
+    app = web.Application(middlewares=[context_mw, auth_mw(api_key)], client_max_size=32 * 1024 * 1024)
+    app[ENGINE] = engine
+
+    async def engine_ctx(app: web.Application):
+        await engine.start()
+        yield
+        await engine.stop()
+
+    app.cleanup_ctx.append(engine_ctx)
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, handler)
+    return app

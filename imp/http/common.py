@@ -1,0 +1,98 @@
+"""Probe and catalogue routes: /health, /ready, /v1/models, /metrics."""
+
+from __future__ import annotations
+
+import os
+
+from aiohttp import web
+
+from imp.http.app import ENGINE
+from imp.http.errors import ApiError
+
+
+def _kv_fields(engine) -> dict:
+    kv = engine.kv
+    return {
+        "kv_blocks_total": kv.total,
+        "kv_blocks_free": kv.free,
+        "kv_blocks_used": kv.used,
+        "kv_blocks_reserved": kv.reserved,
+        "kv_blocks_cached": kv.cached,
+        "kv_block_size": kv.block_size,
+        "kv_capacity_tokens": kv.total * kv.block_size,
+        "kv_ceiling_blocks": kv.total,
+        "kv_pool_growable": False,
+        "kv_pool_bandwidth_gbps": 0.0,
+    }
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    q = engine.metrics.queue
+    body = {
+        "status": "ok",
+        "pid": os.getpid(),
+        "model_loaded": True,
+        "model": engine.model_name,
+        "queue_depth": q.waiting + q.running,
+        "queue_waiting": q.waiting,
+        "queue_running": q.running,
+        "queued_prompt_tokens": q.queued_prompt_tokens,
+        "suspended": False,
+        **_kv_fields(engine),
+    }
+    fault = engine.fault
+    if fault:
+        body.update(status="unhealthy", code="engine_faulted", error=fault)
+        return web.json_response(body, status=503)
+    if request.query.get("ready") in ("1", "true"):
+        reason = None
+        if q.waiting > 0:
+            reason = "queue"
+        elif q.running >= engine.cfg.max_batch_size:
+            reason = "busy"
+        if reason:
+            body.update(ready=False, reason=reason)
+            return web.json_response(body, status=503, headers={"Retry-After": "1"})
+        body["ready"] = True
+    return web.json_response(body)
+
+
+async def ready(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if engine.fault:
+        return web.json_response({"ready": False, "code": "engine_faulted", "error": engine.fault}, status=503)
+    if engine.draining:
+        return web.json_response({"ready": False, "code": "draining"}, status=503)
+    return web.json_response({"ready": True, "model": engine.model_name})
+
+
+def _model_entry(engine) -> dict:
+    kv = engine.kv
+    return {
+        "id": engine.model_name,
+        "object": "model",
+        "created": int(engine.started_at),
+        "owned_by": "imp",
+        "loaded": True,
+        "context_length": engine.max_context,
+        "max_context_at_width_1": min(engine.max_context, kv.total * kv.block_size),
+    }
+
+
+async def models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    return web.json_response({"object": "list", "data": [_model_entry(engine)]})
+
+
+async def model(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if request.match_info["model"] != engine.model_name:
+        raise ApiError(404, f"model '{request.match_info['model']}' not found", code="model_not_found")
+    return web.json_response(_model_entry(engine))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    return web.Response(body=engine.metrics.exposition(), content_type="text/plain", charset="utf-8",
+                        headers={"X-Prometheus-Format": "0.0.4"})

@@ -1,0 +1,87 @@
+"""The per-token driver every generation dialect shares.
+
+`generate` submits a request and yields its Deltas as they arrive; a refusal
+before the first delta becomes an ApiError (so the handler can still answer
+with a proper status), a fault after it becomes an `error` item the dialect
+renders as its own error event. Leaving the iterator early (client gone,
+handler cancelled) cancels the request upstream, so its KV is freed within a
+step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from aiohttp import web
+
+from imp.http.errors import ApiError
+from imp.messages import Delta, Fault, FinishReason, Reject, RequestStats
+
+
+class StreamFault(Exception):
+    """The engine failed after the response had started."""
+
+
+async def generate(engine, req_id: str, prompt: list[int], gen, *, endpoint: str,
+                   salt: str = "") -> AsyncIterator[Delta]:
+    if engine.fault:
+        raise ApiError(503, f"engine unavailable: {engine.fault}", code="engine_faulted")
+    ingress = engine.ingress
+    handle = ingress.submit(
+        req_id, prompt, gen.params, n=gen.n, priority=gen.priority, stop=gen.stop, salt=salt,
+        prompt_tail=prompt[-4:],
+    )
+    started = False
+    stats = {"prompt": len(prompt), "completion": [0] * gen.n, "cached": 0, "finish": ""}
+    status = 200
+    try:
+        while not handle.done:
+            item = await handle.queue.get()
+            if isinstance(item, Reject):
+                status = item.status
+                headers = {"Retry-After": str(max(1, round(item.retry_after_s)))} if item.status == 429 else None
+                raise ApiError(item.status, item.message, code=item.code, headers=headers)
+            if isinstance(item, Fault):
+                status = 500
+                if not started:
+                    raise ApiError(500, f"engine fault: {item.error}", code="engine_faulted")
+                raise StreamFault(item.error)
+            if item.error and item.finish == FinishReason.ERROR:
+                status = 500
+                if not started:
+                    raise ApiError(500, f"engine step failed: {item.error}", code="engine_step_failed")
+                raise StreamFault(item.error)
+            started = True
+            stats["prompt"] = item.prompt_tokens or stats["prompt"]
+            stats["cached"] = item.cached_tokens
+            stats["completion"][item.index] = item.completion_tokens
+            if item.finish != FinishReason.NONE:
+                stats["finish"] = item.finish.openai()
+            yield item
+    finally:
+        if handle.done:
+            ingress.release(req_id)
+        else:
+            ingress.cancel(req_id)  # client gone or handler failed: free the KV now
+        now = time.monotonic()
+        ingress.stats(
+            RequestStats(
+                endpoint, status, stats["prompt"], sum(stats["completion"]), stats["cached"], 0.0,
+                (handle.first_token_at - handle.arrival) if handle.first_token_at else 0.0,
+                now - handle.arrival, stats["finish"], handle.itl[-256:],
+            )
+        )
+
+
+async def sse_start(request: web.Request, response_id: str) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Request-Id": request.get("client_request_id") or response_id,
+            "X-Accel-Buffering": "no",
+        }
+    )
+    await resp.prepare(request)
+    return resp

@@ -1,0 +1,60 @@
+"""Start the real server as a subprocess, the way a user does."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: str, *args: str, log_path: Path | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "imp", "--model", str(model), "--port", str(self.port), *args]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.log_path = log_path
+        self.out = open(log_path, "wb") if log_path else subprocess.DEVNULL
+        # cwd = the checkout: Python 3.11's stdlib `imp` must not shadow ours
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.out, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.3)
+        raise TimeoutError(f"server not ready in {timeout}s: {self.tail()}")
+
+    def tail(self) -> str:
+        if self.log_path and self.log_path.exists():
+            return self.log_path.read_bytes()[-3000:].decode(errors="replace")
+        return ""
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        try:
+            return self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(5)
+        finally:
+            if self.out is not subprocess.DEVNULL:
+                self.out.close()

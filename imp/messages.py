@@ -126,14 +126,23 @@ class KvOp(Struct):
     """One allocator operation, as asked by the scheduler.
 
     kind = "alloc": a new sequence; token_ids is its full known token list
-           (prompt); the allocator may reuse cached prefix blocks and allocates
-           blocks to hold num_tokens positions.
+           (prompt, or prompt + generated when recomputing a preempted one);
+           the allocator may reuse cached prefix blocks (never the block of
+           the last token) and allocates blocks to hold num_tokens positions.
+           KvResult.cached_tokens = the positions whose KV is already there.
     kind = "grow":  make the sequence's table hold num_tokens positions;
-           token_ids are the tokens written since the last op (for hashing
-           newly full blocks into the prefix cache).
-    kind = "free":  release the sequence's blocks (full blocks stay cached).
-    kind = "fork":  new sequence parent->seq_id sharing all parent's blocks
-           (n > 1 siblings), refcounts bumped.
+           token_ids are the tokens whose KV was written since the last op
+           (for hashing newly full blocks into the prefix cache). They are
+           recorded even when the grow itself fails.
+    kind = "free":  release the sequence's blocks (full blocks stay cached);
+           token_ids as for grow (hashed before the release).
+    kind = "fork":  new sequence parent->seq_id (n > 1 siblings) holding
+           num_tokens positions; token_ids its known tokens (the prompt). It
+           shares the parent's full blocks of those positions, except the one
+           of the last token (refcounts bumped), and gets its own tail blocks.
+           cached_tokens = the shared positions.
+    Once an op fails for want of blocks, every later op of the same
+    KvRequest that needs a new block fails too (no queue jumping).
     """
 
     kind: str
@@ -215,6 +224,7 @@ class Cancel(Msg):
 
     req_id: str
     reason: FinishReason = FinishReason.CANCELLED
+    index: int = -1  # the choice to end (a stop string in one of n); -1 = all
 
 
 class Finished(Msg):

@@ -1,0 +1,99 @@
+"""Admission: refuse what can never run, throttle what would queue too long.
+
+Every request passes here on its way to the scheduler, and so do cancels
+(the inbox is FIFO, so a Cancel can never overtake its Submit).
+
+    400  the prompt plus one generated token does not fit the whole KV pool
+         or the model context (it could never run), or the request is malformed
+    429  the prompt tokens of the requests in the system (admitted and not
+         yet finished) would exceed max_queued_tokens; a request that finds
+         the system empty is always admitted, however long
+    else Enqueue, with reserved_blocks = the blocks its prompt and expected
+         generation take (the scheduler starts a request only while the
+         reservations of the running ones fit the pool)
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from imp.actors.core import CoreError, Out
+from imp.messages import Cancel, Enqueue, Finished, Msg, Reject, Submit
+
+
+class AdmissionConfig(msgspec.Struct, frozen=True):
+    num_blocks: int
+    block_size: int = 16
+    max_context: int = 2048  # the model's context length
+    max_queued_tokens: int = 0  # 0 = unlimited
+    admission_decode_tokens: int = 256  # generation reserved per sequence (capped by max_tokens)
+    retry_after_s: float = 1.0  # told to clients refused with 429
+
+    def __post_init__(self):
+        if min(self.num_blocks, self.block_size, self.max_context) < 1 or self.max_queued_tokens < 0:
+            raise ValueError(f"bad AdmissionConfig {self}")
+
+
+class AdmissionCore:
+    name = "admission"
+
+    def __init__(self, config: AdmissionConfig):
+        self.config = config
+        self.inflight: dict[str, int] = {}  # req_id -> prompt tokens, until Finished
+        self.queued_tokens = 0
+
+    def handle(self, sender: str, msg: Msg) -> Out:
+        if isinstance(msg, Submit):
+            return [self._submit(msg)]
+        if isinstance(msg, Cancel):
+            # Unknown: already finished (or refused); the cancel has nothing to end.
+            return [("scheduler", msg)] if msg.req_id in self.inflight else []
+        if isinstance(msg, Finished):
+            if msg.req_id not in self.inflight:
+                raise CoreError(f"Finished for unknown request {msg.req_id!r}")
+            self.queued_tokens -= self.inflight.pop(msg.req_id)
+            return []
+        raise CoreError(f"admission cannot handle {type(msg).__name__}")
+
+    def _submit(self, m: Submit) -> tuple[str, Msg]:
+        c = self.config
+        n_prompt = len(m.prompt)
+        capacity = c.num_blocks * c.block_size
+
+        def reject(status: int, code: str, text: str, retry: float = 0.0):
+            return ("ingress", Reject(m.req_id, status, code, text, retry))
+
+        if n_prompt == 0:
+            return reject(400, "invalid_request_error", "prompt is empty")
+        if m.params.max_tokens < 1 or m.n < 1:
+            return reject(400, "invalid_request_error", "max_tokens and n must be at least 1")
+        if m.req_id in self.inflight:
+            return reject(400, "invalid_request_error", f"request id {m.req_id!r} is already in use")
+        if n_prompt + 1 > capacity:
+            return reject(400, "context_length_exceeded",
+                          f"prompt of {n_prompt} tokens exceeds KV capacity of {capacity} tokens")
+        if n_prompt + 1 > c.max_context:
+            return reject(400, "context_length_exceeded",
+                          f"prompt of {n_prompt} tokens exceeds the model context of {c.max_context} tokens")
+        if c.max_queued_tokens and self.queued_tokens and self.queued_tokens + n_prompt > c.max_queued_tokens:
+            return reject(429, "rate_limit_exceeded",
+                          f"{self.queued_tokens} prompt tokens queued; limit {c.max_queued_tokens}",
+                          c.retry_after_s)
+        self.inflight[m.req_id] = n_prompt
+        self.queued_tokens += n_prompt
+        return ("scheduler", Enqueue(
+            m.req_id, m.prompt, m.params, m.arrival_ns, m.n, m.priority, m.salt,
+            reserved_blocks=self.reserve(n_prompt, m.params.max_tokens, m.n),
+        ))
+
+    def reserve(self, n_prompt: int, max_tokens: int, n: int) -> int:
+        """Blocks for the prompt and the expected generation of n siblings.
+
+        Siblings share the prompt's full blocks but the one holding its last
+        token; each owns the rest. Capped at the pool so it can always start.
+        """
+        c = self.config
+        end = n_prompt + min(max_tokens, c.admission_decode_tokens)
+        blocks = -(-end // c.block_size)
+        own = blocks - (n_prompt - 1) // c.block_size
+        return min(c.num_blocks, blocks + (n - 1) * own)

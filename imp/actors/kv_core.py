@@ -1,0 +1,244 @@
+"""KV block allocator: paged blocks, refcounts and a prefix cache.
+
+The pool is `num_blocks` blocks of `block_size` positions. A sequence owns a
+block table (block ids in position order); blocks shared between sequences
+(a cached prompt prefix, or the prompt of n > 1 siblings) carry a refcount.
+Only full blocks are ever shared, so the block a sequence writes to is its
+own: no copy-on-write is needed.
+
+Prefix cache: a full block whose tokens have been *written* (the scheduler
+reports written tokens in each op's token_ids) is keyed by a chained SHA-256
+of its token ids, salted with the model fingerprint and the op's salt (the
+LoRA adapter name; different adapters never share KV). A block is hashed only
+once its step has run, so an alloc never reuses a block whose KV is still
+being computed. Freed hashed blocks stay in the cache at refcount 0, in LRU
+order, and are evicted (oldest release first) only when no clean block is
+left. Free blocks, for the figures, include those evictable cached ones.
+
+Ops in one KvRequest apply in order. Once an op fails for want of blocks,
+every later op of the request that needs a new block fails too: the
+scheduler lists decodes before admissions and admissions in priority order,
+so a smaller request behind a failed one never jumps the queue.
+
+Later: `cache_prompt` / `session_id` pins would be a per-block pin count that
+keeps a refcount-0 block out of `_lru` (see `_release`).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import struct
+
+import msgspec
+
+from imp.actors.core import CoreError, Out
+from imp.messages import KvFigures, KvOp, KvReply, KvRequest, KvResult, Msg
+
+
+class KvConfig(msgspec.Struct, frozen=True):
+    num_blocks: int
+    block_size: int = 16
+    fingerprint: str = ""  # model identity: a cache entry never outlives its model
+
+    def __post_init__(self):
+        if self.num_blocks < 1 or self.block_size < 1:
+            raise ValueError(f"bad KvConfig {self}")
+
+
+class _Seq:
+    """A sequence's table and the state of its hash chain."""
+
+    __slots__ = ("last_hash", "n_hashed", "pending", "salt", "table")
+
+    def __init__(self, table: list[int], salt: str, n_hashed: int, last_hash: bytes):
+        self.table = table
+        self.salt = salt
+        self.n_hashed = n_hashed  # leading blocks whose written content is hashed
+        self.last_hash = last_hash  # chain hash of block n_hashed-1 (root if none)
+        self.pending: list[int] = []  # written tokens of block n_hashed, not yet full
+
+
+class KvCore:
+    name = "kv"
+
+    def __init__(self, config: KvConfig):
+        self.config = config
+        n = config.num_blocks
+        self.refcount = [0] * n
+        self.block_hash: list[bytes | None] = [None] * n  # set while the block is the cache entry
+        self.clean: collections.deque[int] = collections.deque(range(n))  # refcount 0, unhashed
+        self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # refcount 0, hashed
+        self.cache: dict[bytes, int] = {}  # chain hash -> block id
+        self.seqs: dict[str, _Seq] = {}
+        self.evictions = 0
+        self._dry = False  # an op of the current request failed for want of blocks
+
+    # ------------------------------------------------------------------ core
+
+    def handle(self, sender: str, msg: Msg) -> Out:
+        if not isinstance(msg, KvRequest):
+            raise CoreError(f"kv cannot handle {type(msg).__name__}")
+        self._dry = False
+        results = []
+        for op in msg.ops:
+            fn = {"alloc": self._alloc, "grow": self._grow, "fork": self._fork, "free": self._free}.get(op.kind)
+            if fn is None:
+                raise CoreError(f"unknown kv op {op.kind!r}")
+            r = fn(op)
+            if r is not None:
+                results.append(r)
+        return [("scheduler", KvReply(msg.step, results, self.figures()))]
+
+    def figures(self) -> KvFigures:
+        free = len(self.clean) + len(self.lru)
+        n = self.config.num_blocks
+        return KvFigures(
+            total=n, free=free, used=n - free, reserved=0, cached=len(self.cache),
+            block_size=self.config.block_size, evictions=self.evictions,
+        )
+
+    def audit(self) -> None:
+        """Assert the allocator's invariants (tests call this after every step)."""
+        holders = [0] * self.config.num_blocks
+        for s in self.seqs.values():
+            assert len(set(s.table)) == len(s.table), "a table holds a block twice"
+            for b in s.table:
+                holders[b] += 1
+        assert holders == self.refcount, "refcounts differ from holders"
+        idle = list(self.clean) + list(self.lru)
+        assert len(set(idle)) == len(idle)
+        assert sorted(b for b in range(len(holders)) if holders[b] == 0) == sorted(idle)
+        assert all(self.block_hash[b] is None for b in self.clean)
+        assert all(self.block_hash[b] is not None for b in self.lru)
+        assert {self.cache[h]: h for h in self.cache} == {
+            b: h for b, h in enumerate(self.block_hash) if h is not None
+        }
+
+    # ------------------------------------------------------------------ ops
+
+    def _alloc(self, op: KvOp) -> KvResult:
+        if op.seq_id in self.seqs:
+            raise CoreError(f"alloc of live sequence {op.seq_id}")
+        bs = self.config.block_size
+        # Longest cached chain of full prompt blocks, never the block holding
+        # the last known token: its logits must be computed to sample.
+        h = last = self._root(op.salt)
+        hits: list[int] = []
+        for i in range(min((len(op.token_ids) - 1) // bs, self._blocks(op.num_tokens))):
+            h = self._chain(h, op.token_ids[i * bs : (i + 1) * bs])
+            if h not in self.cache:
+                break
+            hits.append(self.cache[h])
+            last = h
+        need = self._blocks(op.num_tokens) - len(hits)
+        revived = sum(1 for b in hits if self.refcount[b] == 0)  # taken out of the LRU
+        if not self._can_take(need, revived):
+            return KvResult(op.seq_id, False)
+        for b in hits:
+            self._hold(b)
+        table = hits + [self._take() for _ in range(need)]
+        self.seqs[op.seq_id] = _Seq(table, op.salt, len(hits), last)
+        return KvResult(op.seq_id, True, list(table), cached_tokens=len(hits) * bs)
+
+    def _fork(self, op: KvOp) -> KvResult:
+        """Share the parent's full blocks of the first num_tokens positions
+        (leaving the last token to compute) and give the child its own tail."""
+        if op.seq_id in self.seqs or op.parent not in self.seqs:
+            raise CoreError(f"bad fork {op.parent} -> {op.seq_id}")
+        bs = self.config.block_size
+        k = (op.num_tokens - 1) // bs
+        parent = self.seqs[op.parent]
+        assert k <= len(parent.table), "fork beyond the parent's table"
+        need = self._blocks(op.num_tokens) - k
+        if not self._can_take(need, 0):
+            return KvResult(op.seq_id, False)
+        h = self._root(op.salt)
+        for i in range(k):
+            h = self._chain(h, op.token_ids[i * bs : (i + 1) * bs])
+        for b in parent.table[:k]:
+            self._hold(b)
+        table = parent.table[:k] + [self._take() for _ in range(need)]
+        self.seqs[op.seq_id] = _Seq(table, op.salt, k, h)
+        return KvResult(op.seq_id, True, list(table), cached_tokens=k * bs)
+
+    def _grow(self, op: KvOp) -> KvResult:
+        s = self._seq(op)
+        self._written(s, op.token_ids)  # facts about the past: recorded even if the grow fails
+        need = self._blocks(op.num_tokens) - len(s.table)
+        if need > 0:
+            if not self._can_take(need, 0):
+                return KvResult(op.seq_id, False)
+            s.table.extend(self._take() for _ in range(need))
+        return KvResult(op.seq_id, True, list(s.table))
+
+    def _free(self, op: KvOp) -> None:
+        s = self._seq(op)
+        self._written(s, op.token_ids)
+        del self.seqs[op.seq_id]
+        for b in reversed(s.table):  # tail first: a prefix's head outlives its tail in the LRU
+            self._release(b)
+
+    # ------------------------------------------------------------------ blocks
+
+    def _written(self, s: _Seq, tokens: list[int]) -> None:
+        """Record tokens whose KV is now in place; cache blocks that filled up."""
+        bs = self.config.block_size
+        s.pending.extend(tokens)
+        while len(s.pending) >= bs:
+            assert s.n_hashed < len(s.table), "written past the table"
+            h = self._chain(s.last_hash, s.pending[:bs])
+            b = s.table[s.n_hashed]
+            if h not in self.cache:  # else the same content was computed twice: keep the first
+                assert self.block_hash[b] is None
+                self.cache[h] = b
+                self.block_hash[b] = h
+            s.last_hash, s.n_hashed, s.pending = h, s.n_hashed + 1, s.pending[bs:]
+
+    def _can_take(self, need: int, revived: int) -> bool:
+        if need > 0 and (self._dry or need > len(self.clean) + len(self.lru) - revived):
+            self._dry = True
+            return False
+        return True
+
+    def _take(self) -> int:
+        if self.clean:
+            b = self.clean.popleft()
+        else:
+            b, _ = self.lru.popitem(last=False)
+            del self.cache[self.block_hash[b]]
+            self.block_hash[b] = None
+            self.evictions += 1
+        assert self.refcount[b] == 0
+        self.refcount[b] = 1
+        return b
+
+    def _hold(self, b: int) -> None:
+        if self.refcount[b] == 0:
+            del self.lru[b]
+        self.refcount[b] += 1
+
+    def _release(self, b: int) -> None:
+        assert self.refcount[b] > 0
+        self.refcount[b] -= 1
+        if self.refcount[b] == 0:
+            if self.block_hash[b] is None:
+                self.clean.append(b)
+            else:
+                self.lru[b] = None
+
+    def _seq(self, op: KvOp) -> _Seq:
+        s = self.seqs.get(op.seq_id)
+        if s is None:
+            raise CoreError(f"{op.kind} of unknown sequence {op.seq_id}")
+        return s
+
+    def _blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    def _root(self, salt: str) -> bytes:
+        return hashlib.sha256(f"{self.config.fingerprint}\0{salt}".encode()).digest()
+
+    @staticmethod
+    def _chain(prev: bytes, tokens: list[int]) -> bytes:
+        return hashlib.sha256(prev + struct.pack(f"<{len(tokens)}q", *tokens)).digest()

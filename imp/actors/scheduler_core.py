@@ -1,0 +1,385 @@
+"""Scheduler: continuous batching, one step at a time.
+
+A step is three messages: KvRequest -> kv (frees, then grows of running
+sequences, then allocs/forks of waiting ones), KvReply -> StepPlan to the
+executor, StepResult -> tokens out, requests finished. The scheduler is idle
+only when there is nothing to run; otherwise every reply starts the next step.
+
+Each step, under max_step_tokens and max_batch_size: running sequences first,
+decodes before prefill chunks (chunked prefill), then waiting sequences in
+order. Waiting order is `priority` (lower first, strict), then shortest
+prompt first with aging:
+
+    score = len(prompt) - age_ns * max_context // aging_ns
+
+Prompts are 1 .. max_context-1 tokens, so the scores of two requests that
+arrived aging_ns apart differ by more than any two prompt lengths: **a
+request is never passed over by a request of its priority that arrived
+aging_ns or more after it.** The queue head that does not fit (reservations,
+or the allocator refuses it) blocks those behind it, so that bound holds.
+
+A request starts only while the admission reservations of the running ones
+(plus its own) fit the pool. When a decode cannot grow (the pool is dry), the
+worst running sequence (highest priority number, then newest) is preempted:
+its blocks freed, it waits again and is recomputed later, prompt plus
+generated tokens; gen_index carries on, so it samples the same tokens.
+
+n > 1: sibling i is f"{req_id}#{i}" with seed + i. The siblings wait (HELD)
+until the first has computed the prompt, then fork its full prompt blocks.
+Cancels, timeouts and executor faults end a request at once; tokens of a step
+in flight for it are dropped, its blocks are freed in the next KvRequest.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from imp.actors.core import CoreError, Out
+from imp.messages import (
+    Cancel, Enqueue, Figures, Finished, FinishReason, KvFigures, KvOp, KvReply, KvRequest, Msg,
+    QueueFigures, Reject, SampledToken, SeqWork, StepFailed, StepPlan, StepResult, StepStats, Tick,
+    TokenOut,
+)
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True):
+    num_blocks: int
+    block_size: int = 16
+    max_context: int = 2048
+    max_batch_size: int = 64
+    max_step_tokens: int = 512  # token budget of one step (chunked prefill)
+    request_timeout_ns: int = 0  # 0 = none
+    aging_ns: int = 10_000_000_000  # waiting this long outranks any prompt length
+
+    def __post_init__(self):
+        if min(self.num_blocks, self.block_size, self.max_context, self.max_batch_size,
+               self.max_step_tokens, self.aging_ns) < 1 or self.request_timeout_ns < 0:
+            raise ValueError(f"bad SchedulerConfig {self}")
+
+
+class Status(enum.Enum):
+    HELD = 0  # sibling waiting for the first sequence to compute the prompt
+    WAITING = 1  # new or preempted: needs an alloc (or fork)
+    RUNNING = 2  # holds blocks; gets work every step it fits
+    FINISHED = 3
+
+
+class Phase(enum.Enum):
+    IDLE = 0
+    KV = 1  # KvRequest sent, waiting for the KvReply
+    EXEC = 2  # StepPlan sent, waiting for the StepResult
+
+
+class Req:
+    def __init__(self, m: Enqueue, order: int, reserved: int):
+        self.id, self.prompt, self.priority, self.salt = m.req_id, m.prompt, m.priority, m.salt
+        self.arrival_ns, self.order, self.reserved = m.arrival_ns, order, reserved
+        self.cached_tokens = -1  # prompt tokens found in the prefix cache, at first alloc
+        self.n_running = 0
+        self.n_live = m.n
+        self.seqs: list[Seq] = []
+
+
+class Seq:
+    def __init__(self, req: Req, index: int, params):
+        self.id, self.req, self.index, self.params = f"{req.id}#{index}", req, index, params
+        self.tokens = list(req.prompt)  # prompt + generated
+        self.status = Status.HELD
+        self.num_computed = 0  # positions whose KV is written
+        self.num_reported = 0  # of those, reported to kv (for prefix hashing)
+        self.table: list[int] = []
+        self.in_kv = False  # kv holds a table for it
+        self.admit_no = 0  # when it last started running (preemption picks the newest)
+
+
+class Work:
+    """One sequence's share of the step being prepared or in flight."""
+
+    def __init__(self, seq: Seq, n: int, has_result: bool, new: bool = False):
+        self.seq, self.n, self.has_result, self.new = seq, n, has_result, new
+
+
+class SchedulerCore:
+    name = "scheduler"
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.max_len = min(config.max_context, config.num_blocks * config.block_size)
+        self.requests: dict[str, Req] = {}
+        self.waiting: list[Seq] = []
+        self.running: list[Seq] = []
+        self.frees: list[KvOp] = []  # for the next KvRequest
+        self.freed: list[str] = []  # for the next StepPlan
+        self.batch: list[Work] = []
+        self.phase = Phase.IDLE
+        self.step = 0
+        self.now = 0
+        self.kv = KvFigures(config.num_blocks, config.num_blocks, 0, 0, 0, config.block_size)
+        self.preemptions = self.cancellations = self.timeouts = self.steps = 0
+        self._orders = self._admits = 0
+
+    def handle(self, sender: str, msg: Msg) -> Out:
+        out: Out = []
+        if isinstance(msg, Enqueue):
+            self._advance(msg.arrival_ns, out)
+            self._enqueue(msg, out)
+        elif isinstance(msg, Cancel):
+            r = self.requests.get(msg.req_id)  # unknown: it finished already
+            if r is not None:
+                self.cancellations += msg.reason is FinishReason.CANCELLED
+                self._end(r, msg.reason, out, index=msg.index)
+        elif isinstance(msg, Tick):
+            self._advance(msg.now_ns, out)
+        elif isinstance(msg, KvReply):
+            self._on_kv(msg, out)
+        elif isinstance(msg, StepResult):
+            self._on_result(msg, out)
+        elif isinstance(msg, StepFailed):
+            self._on_failed(msg, out)
+        else:
+            raise CoreError(f"scheduler cannot handle {type(msg).__name__}")
+        self._start(out)
+        return out
+
+    # ------------------------------------------------------------------ step
+
+    def _start(self, out: Out) -> None:
+        """Plan the next step's allocator ops, if idle and there is anything to do."""
+        if self.phase is not Phase.IDLE:
+            return
+        c, ops, self.frees, self.batch = self.config, self.frees, [], []
+        budget = c.max_step_tokens
+        for s in sorted(self.running, key=lambda s: s.num_computed < len(s.tokens) - 1):  # decodes first
+            if budget == 0 or len(self.batch) == c.max_batch_size:
+                break
+            n = min(len(s.tokens) - s.num_computed, budget)
+            op = self._grow_op(s, s.num_computed + n)
+            ops += [op] if op else []
+            self.batch.append(Work(s, n, op is not None))
+            budget -= n
+        reserved, counted, slots = self._reserved(), set(), c.max_batch_size - len(self.running)
+        for s in sorted(self.waiting, key=self._key):
+            r = s.req
+            if budget == 0 or slots == 0:
+                break
+            if r.n_running == 0 and r.id not in counted:
+                if reserved + r.reserved > c.num_blocks:
+                    break  # the head waits for room; nothing behind it jumps ahead
+                reserved += r.reserved
+                counted.add(r.id)
+            lead = r.seqs[0]
+            if (s.index > 0 and len(s.tokens) == len(r.prompt) and lead.status is Status.RUNNING
+                    and lead.num_computed >= (len(r.prompt) - 1) // c.block_size * c.block_size):
+                ops.append(KvOp("fork", s.id, len(s.tokens), list(s.tokens), parent=lead.id, salt=r.salt))
+            else:
+                ops.append(KvOp("alloc", s.id, len(s.tokens), list(s.tokens), salt=r.salt))
+            n = min(len(s.tokens), budget)
+            self.batch.append(Work(s, n, True, new=True))
+            budget -= n
+            slots -= 1
+        if ops or self.batch:
+            self.step += 1
+            self.freed += [op.seq_id for op in ops if op.kind == "free"]
+            self.phase = Phase.KV
+            out.append(("kv", KvRequest(self.step, ops)))
+
+    def _on_kv(self, msg: KvReply, out: Out) -> None:
+        self._check(Phase.KV, msg.step)
+        self.kv = msg.figures
+        results, failed = iter(msg.results), []
+        for w in self.batch:
+            s, res = w.seq, next(results) if w.has_result else None
+            if w.new:
+                if not res.ok:
+                    continue  # still waiting; the allocator refused all behind it too
+                s.in_kv, s.table = True, res.block_table
+                s.num_computed = s.num_reported = res.cached_tokens
+                if s.status is Status.FINISHED:  # ended while the op was in flight
+                    self._free(s)
+                    continue
+                if s.index == 0 and s.req.cached_tokens < 0:
+                    s.req.cached_tokens = res.cached_tokens
+                self._set(s, Status.RUNNING)
+                w.n = min(w.n, len(s.tokens) - s.num_computed)
+            elif res is not None and s.status is Status.RUNNING:
+                if res.ok:
+                    s.table = res.block_table
+                else:
+                    failed.append(s)
+        for s in failed:
+            # Each preemption frees at least the victim's last block, which is
+            # never shared: enough for one decode to grow next step.
+            if s.status is Status.RUNNING:
+                victim = max(self.running, key=lambda v: (v.req.priority, v.admit_no))
+                self._free(victim)
+                victim.num_computed = victim.num_reported = 0
+                self._set(victim, Status.WAITING)
+                self.preemptions += 1
+        self.batch = [w for w in self.batch if w.seq.status is Status.RUNNING and w.seq not in failed]
+        if not self.batch:  # frees only, or nothing could run: try again
+            self.phase = Phase.IDLE
+            out.append(("metrics", self._figures()))
+            return
+        self.phase = Phase.EXEC
+        out.append(("executor", StepPlan(self.step, [self._work(w) for w in self.batch], self.freed)))
+        self.freed = []
+
+    def _on_result(self, msg: StepResult, out: Out) -> None:
+        self._check(Phase.EXEC, msg.step)
+        sampled = {t.seq_id: t for t in msg.tokens}
+        n_tokens = n_decode = 0
+        for w in self.batch:
+            s = w.seq
+            n_tokens += w.n
+            n_decode += w.n == 1 and s.num_computed == len(s.tokens) - 1
+            if s.status is not Status.RUNNING:
+                continue  # ended while the step ran: its tokens are dropped
+            s.num_computed += w.n
+            if s.num_computed == len(s.tokens):
+                if s.id not in sampled:
+                    raise CoreError(f"step {msg.step} sampled nothing for {s.id}")
+                self._sampled(s, sampled[s.id], out)
+        self.phase = Phase.IDLE
+        self.steps += 1
+        out.append(("metrics", StepStats(msg.step, len(self.batch), n_tokens, n_decode, msg.elapsed_ns)))
+        self._advance(msg.now_ns, out)
+        out.append(("metrics", self._figures()))
+
+    def _on_failed(self, msg: StepFailed, out: Out) -> None:
+        self._check(Phase.EXEC, msg.step)
+        for w in self.batch:  # their KV may be garbage: the free reports nothing of this step
+            if w.seq.status is Status.RUNNING:
+                self._end(w.seq.req, FinishReason.ERROR, out, error=msg.error)
+        self.phase = Phase.IDLE
+        self._advance(msg.now_ns, out)
+        out.append(("metrics", self._figures()))
+
+    def _sampled(self, s: Seq, t: SampledToken, out: Out) -> None:
+        s.tokens.append(t.token_id)
+        p, r = s.params, s.req
+        if t.token_id in p.stop_token_ids and not p.ignore_eos:
+            reason = FinishReason.STOP
+        elif len(s.tokens) - len(r.prompt) >= p.max_tokens or len(s.tokens) >= self.max_len:
+            reason = FinishReason.LENGTH
+        else:
+            reason = FinishReason.NONE
+        out.append(("detok", self._token_out(s, [t.token_id], reason, [t] if p.logprobs >= 0 else [])))
+        if s.index == 0:  # the prompt is computed: the siblings may fork it
+            self._release_siblings(r)
+        if reason:
+            self._finish(s, reason, out)
+
+    def _work(self, w: Work) -> SeqWork:
+        s, p = w.seq, w.seq.params
+        start, end = s.num_computed, s.num_computed + w.n
+        gen = s.tokens[len(s.req.prompt):]
+        penalty = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        sample = end == len(s.tokens)
+        return SeqWork(s.id, s.tokens[start:end], start, list(s.table), sample, p,
+                       gen_index=len(gen), history=gen if sample and penalty else [])
+
+    # ------------------------------------------------------------------ requests
+
+    def _enqueue(self, m: Enqueue, out: Out) -> None:
+        if m.req_id in self.requests:
+            raise CoreError(f"duplicate request {m.req_id}")
+        if not 0 < len(m.prompt) < self.max_len:  # admission checks this; never trust a neighbour
+            out.append(("ingress", Reject(m.req_id, 400, "context_length_exceeded",
+                                          f"prompt of {len(m.prompt)} tokens does not fit")))
+            out.append(("admission", Finished(m.req_id, FinishReason.REJECTED)))
+            return
+        self._orders += 1
+        r = self.requests[m.req_id] = Req(m, self._orders, min(m.reserved_blocks, self.config.num_blocks))
+        for i in range(m.n):
+            p = m.params if i == 0 else msgspec.structs.replace(m.params, seed=(m.params.seed + i) % (1 << 63))
+            r.seqs.append(Seq(r, i, p))
+        self._set(r.seqs[0], Status.WAITING)
+
+    def _end(self, r: Req, reason: FinishReason, out: Out, error: str = "", index: int = -1) -> None:
+        """End the request's unfinished choices (index: just that one)."""
+        for s in r.seqs:
+            if s.status is not Status.FINISHED and index in (-1, s.index):
+                out.append(("detok", self._token_out(s, [], reason, [], error)))
+                self._finish(s, reason, out)
+
+    def _finish(self, s: Seq, reason: FinishReason, out: Out) -> None:
+        if s.in_kv:
+            self._free(s)
+        self._set(s, Status.FINISHED)
+        if s.index == 0:  # ended before its first token (a cancel of choice 0): don't strand them
+            self._release_siblings(s.req)
+        if s.req.n_live == 0:
+            del self.requests[s.req.id]
+            out.append(("admission", Finished(s.req.id, reason)))
+
+    def _release_siblings(self, r: Req) -> None:
+        for sib in r.seqs[1:]:
+            if sib.status is Status.HELD:
+                self._set(sib, Status.WAITING)
+
+    def _advance(self, now_ns: int, out: Out) -> None:
+        self.now = max(self.now, now_ns)
+        t = self.config.request_timeout_ns
+        if t:
+            for r in [r for r in self.requests.values() if self.now - r.arrival_ns >= t]:
+                self.timeouts += 1
+                self._end(r, FinishReason.TIMEOUT, out)
+
+    def _set(self, s: Seq, new: Status) -> None:
+        """The one place a sequence changes state (and the lists follow)."""
+        if s.status is Status.WAITING:
+            self.waiting.remove(s)
+        elif s.status is Status.RUNNING:
+            self.running.remove(s)
+            s.req.n_running -= 1
+        s.status = new
+        if new is Status.WAITING:
+            self.waiting.append(s)
+        elif new is Status.RUNNING:
+            self.running.append(s)
+            s.req.n_running += 1
+            self._admits += 1
+            s.admit_no = self._admits
+        elif new is Status.FINISHED:
+            s.req.n_live -= 1
+        assert len(self.running) <= self.config.max_batch_size
+
+    # ------------------------------------------------------------------ helpers
+
+    def _grow_op(self, s: Seq, positions: int) -> KvOp | None:
+        """A grow when the table must grow or a written block filled up (to cache it)."""
+        bs = self.config.block_size
+        if positions <= len(s.table) * bs and s.num_computed // bs == s.num_reported // bs:
+            return None
+        op = KvOp("grow", s.id, positions, s.tokens[s.num_reported:s.num_computed])
+        s.num_reported = s.num_computed
+        return op
+
+    def _free(self, s: Seq) -> None:
+        self.frees.append(KvOp("free", s.id, token_ids=s.tokens[s.num_reported:s.num_computed]))
+        s.in_kv, s.table = False, []
+
+    def _key(self, s: Seq) -> tuple[int, int, int, int]:
+        r = s.req
+        age = self.now - r.arrival_ns
+        return (r.priority, len(r.prompt) - age * self.config.max_context // self.config.aging_ns, r.order, s.index)
+
+    def _reserved(self) -> int:
+        return sum(r.reserved for r in self.requests.values() if r.n_running)
+
+    def _token_out(self, s: Seq, ids: list[int], reason: FinishReason, lp: list, error: str = "") -> TokenOut:
+        if not reason:
+            return TokenOut(s.req.id, s.index, ids, logprobs=lp)
+        return TokenOut(s.req.id, s.index, ids, reason, len(s.req.prompt), max(0, s.req.cached_tokens),
+                        len(s.tokens) - len(s.req.prompt), lp, error)
+
+    def _figures(self) -> Figures:
+        q = QueueFigures(len(self.waiting), len(self.running), sum(len(s.tokens) for s in self.waiting),
+                         self.preemptions, self.cancellations, self.timeouts, self.steps)
+        return Figures(msgspec.structs.replace(self.kv, reserved=self._reserved()), q)
+
+    def _check(self, phase: Phase, step: int) -> None:
+        if self.phase is not phase or step != self.step:
+            raise CoreError(f"step {step} arrived in phase {self.phase.name} of step {self.step}")

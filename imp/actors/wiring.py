@@ -1,0 +1,57 @@
+"""A synchronous in-process router for decision cores (tests and replay).
+
+Messages travel FIFO, exactly as the actor bus delivers them: a core's
+outputs queue behind whatever was already sent. Every message gets a
+sequence number when it is sent and is recorded; those addressed to a name
+with no core ("executor", "detok", "metrics", "ingress", ...) are recorded
+and left for the caller.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from imp.actors.core import Core
+from imp.messages import Msg
+
+
+class Delivery(NamedTuple):
+    seq: int
+    sender: str
+    receiver: str
+    msg: Msg
+
+
+class Router:
+    def __init__(self, cores: dict[str, Core]):
+        self.cores = cores
+        self.log: list[Delivery] = []
+
+    def send(self, inputs: Iterable[tuple[str, str, Msg]]) -> list[Delivery]:
+        """Send (sender, receiver, msg) inputs; run until quiet. Returns the
+        records of this call addressed outside the cores, in order."""
+        start = len(self.log)
+        queue: collections.deque[Delivery] = collections.deque()
+        for sender, receiver, msg in inputs:
+            queue.append(self._record(sender, receiver, msg))
+        while queue:
+            d = queue.popleft()
+            core = self.cores.get(d.receiver)
+            if core is not None:
+                for receiver, msg in core.handle(d.sender, d.msg):
+                    queue.append(self._record(d.receiver, receiver, msg))
+        return [d for d in self.log[start:] if d.receiver not in self.cores]
+
+    def _record(self, sender: str, receiver: str, msg: Msg) -> Delivery:
+        d = Delivery(len(self.log) + 1, sender, receiver, msg)
+        self.log.append(d)
+        return d
+
+
+def route(cores: dict[str, Core], inputs: Iterable[tuple[str, str, Msg]]) -> list[Delivery]:
+    """Deliver inputs among cores until quiet; the full log, in send order."""
+    router = Router(cores)
+    router.send(inputs)
+    return router.log

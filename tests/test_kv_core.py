@@ -1,0 +1,191 @@
+"""KV allocator: unit tests and a property test against simulated KV memory."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from imp.actors.core import CoreError
+from imp.actors.kv_core import KvConfig, KvCore
+from imp.messages import KvOp, KvRequest
+
+BS = 4
+
+
+def run(kv: KvCore, *ops: KvOp):
+    (receiver, reply), = kv.handle("scheduler", KvRequest(1, list(ops)))
+    assert receiver == "scheduler"
+    kv.audit()
+    return reply
+
+
+def alloc(seq, tokens, num=None, salt=""):
+    return KvOp("alloc", seq, len(tokens) if num is None else num, list(tokens), salt=salt)
+
+
+def free(seq, written=()):
+    return KvOp("free", seq, token_ids=list(written))
+
+
+def test_alloc_grow_free_figures():
+    kv = KvCore(KvConfig(num_blocks=8, block_size=BS))
+    r = run(kv, alloc("a", range(6)))
+    assert r.results[0].ok and len(r.results[0].block_table) == 2 and r.results[0].cached_tokens == 0
+    assert (r.figures.used, r.figures.free) == (2, 6)
+    r = run(kv, KvOp("grow", "a", 9, list(range(6))))
+    assert len(r.results[0].block_table) == 3
+    r = run(kv, free("a"))
+    assert r.results == [] and r.figures.free == 8 and r.figures.cached == 1  # the one full written block
+
+
+def test_prefix_hit_needs_written_tokens_and_keeps_last_token():
+    kv = KvCore(KvConfig(8, BS, "model-x"))
+    prompt = list(range(8))  # exactly two blocks
+    run(kv, alloc("a", prompt))
+    # nothing written yet: a twin prompt must not reuse blocks still being computed
+    r = run(kv, alloc("b", prompt))
+    assert r.results[0].cached_tokens == 0
+    run(kv, free("a", prompt), free("b"))
+    r = run(kv, alloc("c", prompt))
+    # both blocks are cached, but the last token's block is computed again
+    assert r.results[0].cached_tokens == 4
+    r = run(kv, alloc("d", prompt + [99]))
+    assert r.results[0].cached_tokens == 8
+
+
+def test_salt_and_fingerprint_separate_cache_entries():
+    kv = KvCore(KvConfig(8, BS, "fp"))
+    prompt = list(range(9))
+    run(kv, alloc("a", prompt))
+    run(kv, free("a", prompt[:8]))
+    assert run(kv, alloc("lora", prompt, salt="adapter")).results[0].cached_tokens == 0
+    assert run(kv, alloc("base", prompt)).results[0].cached_tokens == 8
+    assert KvCore(KvConfig(8, BS, "fp"))._root("") != KvCore(KvConfig(8, BS, "other"))._root("")
+
+
+def test_lru_eviction_oldest_release_first():
+    kv = KvCore(KvConfig(4, BS))
+    for name, base in (("a", 100), ("b", 200)):
+        toks = [base + i for i in range(5)]
+        run(kv, alloc(name, toks))
+        run(kv, free(name, toks[:4]))  # one cached block each; a released first
+    r = run(kv, alloc("c", list(range(12))))  # 3 blocks: 2 clean + evicts the LRU one (a's)
+    assert r.results[0].ok and r.figures.evictions == 1 and r.figures.cached == 1
+    run(kv, free("c"))
+    assert run(kv, alloc("a2", [100, 101, 102, 103, 7])).results[0].cached_tokens == 0
+    assert run(kv, alloc("b2", [200, 201, 202, 203, 7])).results[0].cached_tokens == 4
+
+
+def test_fork_shares_full_prompt_blocks_only():
+    kv = KvCore(KvConfig(8, BS))
+    prompt = list(range(10))
+    parent = run(kv, alloc("p", prompt)).results[0].block_table
+    r = run(kv, KvOp("fork", "c", 10, prompt, parent="p"))
+    child = r.results[0]
+    assert child.ok and child.cached_tokens == 8
+    assert child.block_table[:2] == parent[:2] and child.block_table[2] != parent[2]
+    assert kv.refcount[parent[0]] == 2
+    run(kv, free("p"), free("c"))
+    assert kv.figures().free == 8
+
+
+def test_failure_latches_for_later_ops_in_the_request():
+    kv = KvCore(KvConfig(4, BS))
+    run(kv, alloc("a", range(8)))
+    r = run(kv, alloc("big", range(12)), alloc("small", range(3)), KvOp("grow", "a", 8))
+    assert [x.ok for x in r.results] == [False, False, True]  # the grow needs no block
+    assert r.figures.used == 2
+    assert run(kv, alloc("small", range(3))).results[0].ok  # next request: fresh chance
+
+
+def test_protocol_errors():
+    kv = KvCore(KvConfig(4, BS))
+    with pytest.raises(CoreError):
+        kv.handle("scheduler", KvRequest(1, [KvOp("grow", "nobody", 4)]))
+    with pytest.raises(CoreError):
+        kv.handle("scheduler", KvRequest(1, [KvOp("explode", "a")]))
+    with pytest.raises(ValueError):
+        KvConfig(num_blocks=0)
+
+
+class KvMachine(RuleBasedStateMachine):
+    """Random alloc/fork/grow/free sequences. A model of KV memory records
+    what each block holds; a sequence must always find its own tokens in its
+    table (prefix hits and forks included) and never share the block it writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv = KvCore(KvConfig(num_blocks=10, block_size=BS, fingerprint="m"))
+        self.mem: dict[int, list] = {}  # block -> [(salt, token) per slot]
+        self.seqs: dict[str, dict] = {}  # seq -> tokens, written, table, salt
+        self.n = 0
+
+    def _write(self, name, upto):
+        s = self.seqs[name]
+        for p in range(s["written"], upto):
+            self.mem.setdefault(s["table"][p // BS], [None] * BS)[p % BS] = (s["salt"], s["tokens"][p])
+        new = s["tokens"][s["written"]:upto]
+        s["written"] = upto
+        return new
+
+    @rule(length=st.integers(1, 14), family=st.integers(0, 2), salt=st.sampled_from(["", "l"]))
+    def alloc(self, length, family, salt):
+        self.n += 1
+        name, tokens = f"s{self.n}", [family * 100 + i for i in range(length)]
+        r = run(self.kv, alloc(name, tokens, salt=salt)).results[0]
+        if r.ok:
+            self.seqs[name] = dict(tokens=tokens, written=r.cached_tokens, table=r.block_table, salt=salt)
+            assert r.cached_tokens < length
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(sorted(self.seqs)))
+        p = self.seqs[parent]
+        self._write(parent, len(p["tokens"]))  # the prompt is computed before siblings fork
+        self.n += 1
+        name = f"s{self.n}"
+        r = run(self.kv, KvOp("fork", name, len(p["tokens"]), p["tokens"], parent=parent, salt=p["salt"])).results[0]
+        if r.ok:
+            self.seqs[name] = dict(tokens=list(p["tokens"]), written=r.cached_tokens, table=r.block_table, salt=p["salt"])
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), extra=st.integers(0, 6))
+    def grow(self, data, extra):
+        name = data.draw(st.sampled_from(sorted(self.seqs)))
+        s = self.seqs[name]
+        new = self._write(name, len(s["tokens"]))
+        s["tokens"] += [7000 + len(s["tokens"]) + i for i in range(extra)]
+        r = run(self.kv, KvOp("grow", name, len(s["tokens"]), new)).results[0]
+        if r.ok:
+            s["table"] = r.block_table
+        else:
+            del s["tokens"][len(s["tokens"]) - extra:]
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), write=st.booleans())
+    def free(self, data, write):
+        name = data.draw(st.sampled_from(sorted(self.seqs)))
+        new = self._write(name, len(self.seqs[name]["tokens"])) if write else []
+        run(self.kv, free(name, new))
+        del self.seqs[name]
+
+    @invariant()
+    def tables_hold_what_they_wrote(self):
+        self.kv.audit()
+        writing = {}
+        for name, s in self.seqs.items():
+            assert len(s["table"]) * BS >= len(s["tokens"])
+            for p in range(s["written"]):
+                assert self.mem[s["table"][p // BS]][p % BS] == (s["salt"], s["tokens"][p]), (name, p)
+            if s["written"] < len(s["tokens"]):  # the block it writes next is its own
+                b = s["table"][s["written"] // BS]
+                assert b not in writing and self.kv.refcount[b] == 1, (name, writing.get(b))
+                writing[b] = name
+        used = {b for s in self.seqs.values() for b in s["table"]}
+        assert self.kv.figures().used == len(used)
+
+
+TestKvMachine = KvMachine.TestCase
+TestKvMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

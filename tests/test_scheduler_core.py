@@ -1,0 +1,489 @@
+"""Scheduler (+ kv + admission, wired by the in-process router), driven by a
+deterministic fake executor that keeps a simulated KV memory and checks every
+position each sequence attends to.
+
+The fake model: the token sampled at generation index g of sequence s is a
+pure function of (seed, g, s). So a run's output is known in advance, and a
+preempted-and-recomputed sequence must reproduce it exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from hypothesis import event, given, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from imp.actors.admission_core import AdmissionConfig, AdmissionCore
+from imp.actors.kv_core import KvConfig, KvCore
+from imp.actors.scheduler_core import SchedulerConfig, SchedulerCore
+from imp.actors.wiring import Router, route
+from imp.messages import (
+    Cancel, Enqueue, Figures, Finished, FinishReason, KvReply, KvRequest, Reject, SampledToken,
+    SamplingParams, StepFailed, StepPlan, StepResult, Submit, Tick, TokenOut,
+)
+
+VOCAB, EOS = 40, 0
+MS = 1_000_000
+
+
+def fake_token(seed: int, gen_index: int, seq_id: str) -> int:
+    h = hashlib.sha256(f"{seed}/{gen_index}/{seq_id}".encode()).digest()
+    return int.from_bytes(h[:4], "little") % VOCAB
+
+
+class Spy:
+    """Wraps a core; sees every input with the outputs it caused."""
+
+    def __init__(self, core, observe):
+        self.core, self.name, self.config, self.observe = core, core.name, core.config, observe
+
+    def handle(self, sender, msg):
+        out = self.core.handle(sender, msg)
+        self.observe(msg, out)
+        return out
+
+
+class Sim:
+    def __init__(self, num_blocks=16, block_size=4, max_context=64, max_batch_size=8, max_step_tokens=16,
+                 request_timeout_ns=0, aging_ns=20 * MS, max_queued_tokens=0, decode_reserve=8):
+        self.bs, self.num_blocks = block_size, num_blocks
+        self.max_len = min(max_context, num_blocks * block_size)
+        self.kv = KvCore(KvConfig(num_blocks, block_size, "fake"))
+        self.sched = SchedulerCore(SchedulerConfig(num_blocks, block_size, max_context, max_batch_size,
+                                                   max_step_tokens, request_timeout_ns, aging_ns))
+        self.adm = AdmissionCore(AdmissionConfig(num_blocks, block_size, max_context, max_queued_tokens,
+                                                 admission_decode_tokens=decode_reserve))
+        self.router = Router({"kv": self.kv, "admission": self.adm,
+                              "scheduler": Spy(self.sched, self._observe)})
+        self.mem = [[None] * block_size for _ in range(num_blocks)]  # simulated KV: (salt, token)
+        self.now = 0
+        self.plan: StepPlan | None = None
+        self.submits: dict[str, Submit] = {}
+        self.enqueued: dict[str, Enqueue] = {}
+        self.finished: dict[str, FinishReason] = {}
+        self.rejected: dict[str, Reject] = {}
+        self.tokens: dict[tuple[str, int], list[int]] = {}
+        self.finish: dict[tuple[str, int], TokenOut] = {}
+        self.figures: Figures | None = None
+        self.plans: list[StepPlan] = []
+        # scheduler-side view for the ordering invariant
+        self.sched_now = 0
+        self.fresh: dict[str, tuple] = {}  # enqueued leads never started: req -> (prio, len, arrival, order)
+        self.last_ops = []
+
+    # ------------------------------------------------------------- driving
+
+    def submit(self, req_id, prompt, params, n=1, priority=0, salt=""):
+        m = Submit(req_id, list(prompt), params, self.now, n, priority, salt)
+        self.submits[req_id] = m
+        self._collect(self.router.send([("ingress", "admission", m)]))
+
+    def cancel(self, req_id, index=-1):
+        self._collect(self.router.send([("ingress", "admission", Cancel(req_id, index=index))]))
+
+    def tick(self, dt):
+        self.now += dt
+        self._collect(self.router.send([("clock", "scheduler", Tick(self.now))]))
+
+    def step(self, fail=False) -> bool:
+        if self.plan is None:
+            return False
+        plan, self.plan = self.plan, None
+        self.now += MS
+        if fail:
+            msg = StepFailed(plan.step, "boom", self.now)
+        else:
+            msg = StepResult(plan.step, self._execute(plan), self.now, MS)
+        self._collect(self.router.send([("executor", "scheduler", msg)]))
+        return True
+
+    def drain(self, limit=5000):
+        for _ in range(limit):
+            if not self.step():
+                return
+        raise AssertionError("scheduler never went idle")
+
+    def output(self, req_id, index=0):
+        return self.tokens.get((req_id, index), [])
+
+    def expected(self, req_id, index):
+        """The tokens an unhindered run produces (finishing by STOP or LENGTH)."""
+        m = self.submits[req_id]
+        seed = m.params.seed + index
+        out = []
+        while True:
+            t = fake_token(seed, len(out), f"{req_id}#{index}")
+            out.append(t)
+            if t in m.params.stop_token_ids and not m.params.ignore_eos:
+                return out
+            if len(out) >= m.params.max_tokens or len(m.prompt) + len(out) >= self.max_len:
+                return out
+
+    # ------------------------------------------------------------- fake executor
+
+    def _execute(self, plan: StepPlan) -> list[SampledToken]:
+        bs, writers, ends = self.bs, {}, []
+        for w in plan.seqs:
+            req, index = w.seq_id.rsplit("#", 1)
+            m = self.submits[req]
+            assert w.params.seed == m.params.seed + int(index)
+
+            def expect(p, m=m, w=w):
+                if p < len(m.prompt):
+                    return (m.salt, m.prompt[p])
+                return (m.salt, fake_token(w.params.seed, p - len(m.prompt), w.seq_id))
+
+            end = w.start_pos + len(w.token_ids)
+            assert len(w.token_ids) >= 1 and len(w.block_table) * bs >= end
+            assert len(set(w.block_table)) == len(w.block_table)
+            for i, t in enumerate(w.token_ids):
+                p = w.start_pos + i
+                assert (m.salt, t) == expect(p), (w.seq_id, p)
+                b = w.block_table[p // bs]
+                assert writers.setdefault(b, w.seq_id) == w.seq_id, f"block {b} written by two sequences"
+                self.mem[b][p % bs] = expect(p)
+            ends.append((w, end, expect, m))
+        out = []
+        for w, end, expect, m in ends:  # attention reads, after the whole batch wrote
+            for p in range(end):
+                assert self.mem[w.block_table[p // bs]][p % bs] == expect(p), (w.seq_id, p)
+            if w.sample:
+                assert end == len(m.prompt) + w.gen_index
+                penalty = m.params.repetition_penalty != 1.0
+                gen = [expect(len(m.prompt) + g)[1] for g in range(w.gen_index)]
+                assert w.history == (gen if penalty else [])
+                out.append(SampledToken(w.seq_id, fake_token(w.params.seed, w.gen_index, w.seq_id)))
+        return out
+
+    # ------------------------------------------------------------- observation
+
+    def _collect(self, deliveries):
+        for d in deliveries:
+            m = d.msg
+            if isinstance(m, StepPlan):
+                assert self.plan is None, "two steps in flight"
+                assert len(m.seqs) <= self.sched.config.max_batch_size
+                assert sum(len(w.token_ids) for w in m.seqs) <= self.sched.config.max_step_tokens
+                self.plan = m
+                self.plans.append(m)
+            elif isinstance(m, TokenOut):
+                key = (m.req_id, m.index)
+                assert key not in self.finish, f"output after the end of {key}"
+                self.tokens.setdefault(key, []).extend(m.token_ids)
+                if m.finish:
+                    self.finish[key] = m
+            elif isinstance(m, Reject):
+                self.rejected[m.req_id] = m
+            elif isinstance(m, Figures):
+                assert m.kv.reserved <= self.num_blocks
+                self.figures = m
+
+    def _observe(self, msg, out):
+        """Scheduler in/out: whenever requests that never ran start, none of the
+        waiting ones that never ran may rank before them."""
+        cfg = self.sched.config
+        if isinstance(msg, Enqueue):
+            self.enqueued[msg.req_id] = msg
+            self.fresh[msg.req_id] = (msg.priority, len(msg.prompt), msg.arrival_ns, len(self.enqueued))
+        for t in ("arrival_ns", "now_ns"):
+            self.sched_now = max(self.sched_now, getattr(msg, t, 0))
+        if isinstance(msg, KvReply):
+            with_result = [op for op in self.last_ops if op.kind != "free"]
+            for op, res in zip(with_result, msg.results, strict=True):
+                if op.kind in ("alloc", "fork") and res.ok:
+                    self.fresh.pop(op.seq_id.rsplit("#", 1)[0], None)
+
+        def key(req):
+            prio, length, arrival, order = self.fresh[req]
+            return (prio, length - (self.sched_now - arrival) * cfg.max_context // cfg.aging_ns, order)
+
+        for receiver, m in out:
+            if isinstance(m, Finished):
+                self.finished[m.req_id] = m.reason
+                self.fresh.pop(m.req_id, None)
+            elif isinstance(m, KvRequest):
+                self.last_ops = m.ops
+                starts = [r for r in dict.fromkeys(op.seq_id.rsplit("#", 1)[0] for op in m.ops
+                                                   if op.kind in ("alloc", "fork")) if r in self.fresh]
+                rest = [r for r in self.fresh if r not in starts]
+                for s in starts:
+                    for r in rest:
+                        assert key(s) < key(r), f"{s} started before {r}"
+                        if self.fresh[s][0] == self.fresh[r][0]:  # the aging bound, stated plainly
+                            assert self.fresh[r][2] + cfg.aging_ns > self.fresh[s][2], "starved"
+
+
+def params(max_tokens=8, seed=1, **kw):
+    return SamplingParams(max_tokens=max_tokens, seed=seed, stop_token_ids=(EOS,), **kw)
+
+
+def ids(n, base=1):
+    return [base + (i % 30) for i in range(n)]
+
+
+# --------------------------------------------------------------------------- unit tests
+
+
+def test_single_request_runs_to_length():
+    sim = Sim()
+    sim.submit("a", ids(6), params(max_tokens=5, ignore_eos=True))
+    sim.drain()
+    assert sim.output("a") == sim.expected("a", 0) and len(sim.output("a")) == 5
+    fin = sim.finish[("a", 0)]
+    assert (fin.finish, fin.prompt_tokens, fin.completion_tokens) == (FinishReason.LENGTH, 6, 5)
+    assert sim.finished == {"a": FinishReason.LENGTH}
+    assert sim.figures.kv.used == 0 and sim.figures.kv.reserved == 0
+
+
+def test_stop_token_ends_with_stop_unless_ignore_eos():
+    seed = next(s for s in range(1000) if fake_token(s, 2, "a#0") == EOS and EOS not in
+                [fake_token(s, g, "a#0") for g in range(2)])
+    sim = Sim()
+    sim.submit("a", ids(3), params(max_tokens=10, seed=seed))
+    sim.submit("b", ids(3), params(max_tokens=10, seed=seed, ignore_eos=True))
+    sim.drain()
+    assert sim.finish[("a", 0)].finish == FinishReason.STOP and sim.output("a")[-1] == EOS
+    assert len(sim.output("a")) == 3
+    assert sim.finish[("b", 0)].finish == FinishReason.LENGTH and len(sim.output("b")) == 10
+
+
+def test_chunked_prefill_mixes_decodes_first():
+    sim = Sim(num_blocks=32, max_step_tokens=8)
+    sim.submit("a", ids(3), params(max_tokens=20, ignore_eos=True))
+    sim.step()  # a's prefill
+    sim.submit("b", ids(20), params(max_tokens=2, ignore_eos=True))  # queued while a's decode runs
+    sim.drain()
+    shapes = [[(w.seq_id, len(w.token_ids), w.sample) for w in p.seqs] for p in sim.plans[2:5]]
+    assert shapes == [[("a#0", 1, True), ("b#0", 7, False)],
+                      [("a#0", 1, True), ("b#0", 7, False)],
+                      [("a#0", 1, True), ("b#0", 6, True)]]
+    assert sim.output("b") == sim.expected("b", 0)
+
+
+def test_priority_then_shortest_first_then_aging():
+    sim = Sim(num_blocks=64, max_batch_size=1, aging_ns=10 * MS, max_context=64)
+    sim.submit("block", ids(2), params(max_tokens=3, ignore_eos=True))  # occupies the only slot
+    sim.submit("long", ids(30), params(max_tokens=1))
+    sim.submit("short", ids(5), params(max_tokens=1))
+    sim.submit("urgent", ids(40), params(max_tokens=1), priority=-1)
+    sim.drain()
+    order = list(dict.fromkeys(w.seq_id for p in sim.plans for w in p.seqs))
+    assert order == ["block#0", "urgent#0", "short#0", "long#0"]
+    # aging: "old" waited 10 ms, which outweighs any prompt length
+    sim = Sim(num_blocks=64, max_batch_size=1, aging_ns=10 * MS, max_context=64)
+    sim.submit("block", ids(2), params(max_tokens=12, ignore_eos=True))
+    sim.submit("old", ids(60), params(max_tokens=1))
+    sim.tick(10 * MS)
+    sim.submit("new", ids(1), params(max_tokens=1))
+    sim.drain()
+    order = list(dict.fromkeys(w.seq_id for p in sim.plans for w in p.seqs))
+    assert order == ["block#0", "old#0", "new#0"]
+
+
+def test_n_siblings_fork_the_prompt():
+    sim = Sim(num_blocks=32)
+    sim.submit("a", ids(10), params(max_tokens=4, ignore_eos=True), n=3)
+    sim.drain()
+    for i in range(3):
+        assert sim.output("a", i) == sim.expected("a", i)
+    seqs = {w.seq_id: w for p in sim.plans for w in p.seqs if w.gen_index == 0 and w.sample}
+    lead, sib = seqs["a#0"], seqs["a#1"]
+    assert sib.start_pos == 8 and sib.block_table[:2] == lead.block_table[:2]
+    assert sim.finished == {"a": FinishReason.LENGTH} and sim.figures.kv.used == 0
+
+
+def test_cancel_drops_in_flight_tokens_and_frees():
+    sim = Sim()
+    sim.submit("a", ids(5), params(max_tokens=50, ignore_eos=True))
+    sim.step()
+    sim.step()
+    sim.cancel("a")  # a step is in flight: its token for "a" is dropped
+    sim.cancel("a")  # unknown by now: ignored
+    sim.cancel("ghost")
+    assert sim.finish[("a", 0)].finish == FinishReason.CANCELLED
+    n = len(sim.output("a"))
+    sim.drain()
+    assert len(sim.output("a")) == n == 2
+    assert sim.figures.kv.used == 0 and sim.figures.queue.cancellations == 1
+
+
+def test_cancel_one_choice_keeps_the_others():
+    sim = Sim(num_blocks=32)
+    sim.submit("a", ids(6), params(max_tokens=6, ignore_eos=True), n=2)
+    sim.cancel("a", index=0)  # before the lead ran: the sibling must not be stranded
+    sim.drain()
+    assert sim.finish[("a", 0)].finish == FinishReason.CANCELLED
+    assert sim.output("a", 1) == sim.expected("a", 1)
+    assert sim.finished == {"a": FinishReason.LENGTH}
+
+
+def test_timeout_and_step_failure():
+    sim = Sim(request_timeout_ns=5 * MS)
+    sim.submit("a", ids(5), params(max_tokens=50, ignore_eos=True))
+    sim.step()
+    sim.tick(10 * MS)
+    assert sim.finish[("a", 0)].finish == FinishReason.TIMEOUT
+    sim.drain()
+    assert sim.figures.queue.timeouts == 1 and sim.figures.kv.used == 0
+    sim.submit("b", ids(5), params(max_tokens=50, ignore_eos=True))
+    sim.step(fail=True)
+    fin = sim.finish[("b", 0)]
+    assert fin.finish == FinishReason.ERROR and fin.error == "boom"
+    sim.drain()
+    assert sim.finished["b"] == FinishReason.ERROR and sim.figures.kv.used == 0
+
+
+def test_context_end_is_length():
+    sim = Sim(num_blocks=64, max_context=12)
+    sim.submit("a", ids(9), params(max_tokens=100, ignore_eos=True))
+    sim.drain()
+    assert len(sim.output("a")) == 3 and sim.finish[("a", 0)].finish == FinishReason.LENGTH
+
+
+def test_penalty_history_and_prefix_cache_usage():
+    sim = Sim(num_blocks=32)
+    sim.submit("a", ids(9), params(max_tokens=3, repetition_penalty=1.2, ignore_eos=True))
+    sim.drain()
+    sim.submit("b", ids(9), params(max_tokens=3, ignore_eos=True))
+    sim.drain()
+    assert sim.finish[("b", 0)].cached_tokens == 8  # the fake executor checked the reused KV
+
+
+def test_preemption_reproduces_the_unpreempted_tokens():
+    work = [(f"r{i}", ids(6 + i, base=i), params(max_tokens=24, seed=i, ignore_eos=True)) for i in range(6)]
+    outs = {}
+    for pool in (14, 1000):
+        sim = Sim(num_blocks=pool, block_size=4, max_context=40)
+        for req, prompt, p in work:
+            sim.submit(req, prompt, p)
+        sim.drain()
+        outs[pool] = {k: v for k, v in sim.tokens.items()}
+        if pool == 14:
+            assert sim.figures.queue.preemptions > 0
+        assert sim.figures.kv.used == 0
+    assert outs[14] == outs[1000]
+
+
+def test_replay_gives_the_same_log():
+    """Feed the recorded inputs to fresh cores through `route`: every message is the same."""
+    sim = Sim(num_blocks=12, request_timeout_ns=30 * MS)
+    for i in range(5):
+        sim.submit(f"r{i}", ids(4 + 3 * i, base=i % 2), params(max_tokens=10, seed=i), n=1 + i % 2, priority=i % 2)
+        sim.step()
+    sim.cancel("r1")
+    sim.tick(3 * MS)
+    sim.drain()
+    inputs = [(d.sender, d.receiver, d.msg) for d in sim.router.log if d.sender in ("ingress", "clock", "executor")]
+    fresh = Sim(num_blocks=12, request_timeout_ns=30 * MS)
+    log = route({"kv": fresh.kv, "admission": fresh.adm, "scheduler": fresh.sched}, [])
+    assert log == []
+    replayed = Router({"kv": fresh.kv, "admission": fresh.adm, "scheduler": fresh.sched})
+    for i in inputs:  # one at a time, as they arrived
+        replayed.send([i])
+    assert replayed.log == sim.router.log
+    assert {d.receiver for d in replayed.log} >= {"executor", "detok", "metrics", "kv", "scheduler"}
+
+
+# --------------------------------------------------------------------------- properties
+
+EXAMPLES = 200  # each example: up to 50 rules plus a drain; ~10 s on this 2-core machine
+
+
+REQUEST = st.fixed_dictionaries(dict(
+    length=st.integers(1, 40), family=st.integers(0, 2), n=st.integers(1, 3), priority=st.integers(0, 2),
+    max_tokens=st.integers(1, 12), salt=st.sampled_from(["", "lora"]), ignore_eos=st.booleans(),
+    penalty=st.booleans()))
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(6, 40), block_size=st.sampled_from([2, 4]),
+                max_batch_size=st.integers(1, 6), max_step_tokens=st.integers(1, 24),
+                timeout=st.sampled_from([0, 0, 40 * MS]), max_queued=st.sampled_from([0, 0, 60]),
+                reserve=st.sampled_from([1, 8]), first=st.lists(REQUEST, min_size=1, max_size=6))
+    def setup(self, num_blocks, block_size, max_batch_size, max_step_tokens, timeout, max_queued, reserve,
+              first):
+        self.sim = Sim(num_blocks, block_size, max_context=48, max_batch_size=max_batch_size,
+                       max_step_tokens=max_step_tokens, request_timeout_ns=timeout, aging_ns=5 * MS,
+                       max_queued_tokens=max_queued, decode_reserve=reserve)  # 1: preempts often
+        self.n = 0
+        for r in first:  # every example has work, even when swarm testing turns `submit` off
+            self.submit(r)
+
+    @rule(r=REQUEST)
+    def submit(self, r):
+        self.n += 1
+        prompt = ids(r["length"], base=r["family"] * 10)  # families share prefixes: cache hits
+        p = params(r["max_tokens"], seed=self.n * 7, ignore_eos=r["ignore_eos"],
+                   repetition_penalty=1.1 if r["penalty"] else 1.0)
+        self.sim.submit(f"q{self.n}", prompt, p, n=r["n"], priority=r["priority"], salt=r["salt"])
+
+    @rule(data=st.data())
+    def cancel(self, data):
+        if self.sim.submits:
+            req = data.draw(st.sampled_from(sorted(self.sim.submits)))
+            self.sim.cancel(req, index=data.draw(st.sampled_from([-1, -1, 0, 1])))
+
+    @rule(dt=st.integers(0, 4 * MS))
+    def tick(self, dt):
+        self.sim.tick(dt)
+
+    @rule(k=st.integers(1, 4), fail=st.integers(0, 14))
+    def step(self, k, fail):
+        for _ in range(k):
+            self.sim.step(fail=fail == 0)
+
+    @invariant()
+    def consistent(self):
+        sim = self.sim
+        sim.kv.audit()
+        live = set(sim.enqueued) - set(sim.finished)
+        assert not live or sim.plan is not None, "work left but no step in flight"
+        assert set(sim.enqueued) | set(sim.rejected) == set(sim.submits)
+
+    def teardown(self):
+        sim = self.sim
+        sim.drain()
+        sim.kv.audit()
+        assert set(sim.finished) == set(sim.enqueued), "an admitted request never finished"
+        assert sim.kv.figures().used == 0
+        assert sim.figures is None or (sim.figures.kv.used, sim.figures.kv.reserved) == (0, 0)
+        event(f"requests: {min(len(sim.submits), 10)}")
+        if sim.figures:
+            q = sim.figures.queue
+            for name in ("preemptions", "cancellations", "timeouts"):
+                event(f"{name} > 0: {getattr(q, name) > 0}")
+            event(f"evictions > 0: {sim.figures.kv.evictions > 0}")
+            event(f"cache hits: {any(f.cached_tokens for f in sim.finish.values())}")
+            event(f"steps >= 20: {q.steps >= 20}")
+        for req, m in sim.enqueued.items():
+            for i in range(m.n):
+                fin = sim.finish[(req, i)]
+                want, got = sim.expected(req, i), sim.output(req, i)
+                if fin.finish in (FinishReason.STOP, FinishReason.LENGTH):
+                    assert got == want, (req, i)
+                else:
+                    assert got == want[: len(got)], (req, i)
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=EXAMPLES, stateful_step_count=50, deadline=None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(work=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 20), st.integers(1, 2), st.integers(0, 1)),
+                     min_size=1, max_size=8),
+       pool=st.integers(6, 16), steps_between=st.integers(0, 3))
+def test_small_pool_tokens_equal_huge_pool(work, pool, steps_between):
+    results = []
+    for blocks in (pool, 4096):
+        sim = Sim(num_blocks=blocks, block_size=4, max_context=22, max_batch_size=4, max_step_tokens=12)
+        for i, (length, max_tokens, n, prio) in enumerate(work):
+            sim.submit(f"w{i}", ids(length, base=i % 3), params(max_tokens, seed=i), n=n, priority=prio)
+            for _ in range(steps_between):
+                sim.step()
+        sim.drain()
+        assert sim.kv.figures().used == 0
+        results.append(({k: v for k, v in sim.tokens.items()},
+                        {k: f.finish for k, f in sim.finish.items()}))
+    assert results[0] == results[1]

@@ -294,6 +294,18 @@ class TokenOut(Msg):
     error: str = ""
 
 
+class TokenBatch(Msg):
+    """scheduler -> detok: every TokenOut of one scheduler decision, in order."""
+
+    outs: list[TokenOut]
+
+
+class DeltaBatch(Msg):
+    """detok -> ingress: the Deltas of one TokenBatch, in order."""
+
+    deltas: list["Delta"]
+
+
 class DetokOpen(Msg):
     """ingress -> detok: how to render a request's output."""
 
@@ -377,6 +389,8 @@ Message = Union[
     StepResult,
     StepFailed,
     TokenOut,
+    TokenBatch,
+    DeltaBatch,
     DetokOpen,
     DetokClose,
     Delta,

@@ -20,11 +20,20 @@ from imp.actors.scheduler_core import SchedulerConfig, SchedulerCore
 from imp.actors.wiring import Router, route
 from imp.messages import (
     Cancel, Enqueue, Figures, Finished, FinishReason, KvReply, KvRequest, Reject, SampledToken,
-    SamplingParams, StepFailed, StepPlan, StepResult, Submit, Tick, TokenOut,
+    SamplingParams, StepFailed, StepPlan, StepResult, Submit, Tick, TokenBatch, TokenOut,
 )
 
 VOCAB, EOS = 40, 0
 MS = 1_000_000
+
+
+def _unbatch(msgs):
+    """Flatten TokenBatch into its TokenOuts (the scheduler batches them per decision)."""
+    for m in msgs:
+        if isinstance(m, TokenBatch):
+            yield from m.outs
+        else:
+            yield m
 
 
 def fake_token(seed: int, gen_index: int, seq_id: str) -> int:
@@ -159,8 +168,7 @@ class Sim:
     # ------------------------------------------------------------- observation
 
     def _collect(self, deliveries):
-        for d in deliveries:
-            m = d.msg
+        for m in _unbatch(d.msg for d in deliveries):
             if isinstance(m, StepPlan):
                 assert self.plan is None, "two steps in flight"
                 assert len(m.seqs) <= self.sched.config.max_batch_size

@@ -3,7 +3,7 @@
 One state per (request, choice). Text is decoded incrementally (a multibyte
 character split across tokens is held back, never sent as U+FFFD) and passed
 through the stop matcher. When every choice of a request has hit a stop
-string, the request is cancelled upstream so it frees its KV at once.
+string, that choice is cancelled upstream so it frees its KV at once.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from imp.actors.stops import StopMatcher
 from imp.messages import (
     Cancel,
     Delta,
+    DeltaBatch,
     DetokClose,
     DetokOpen,
     FinishReason,
     Msg,
+    TokenBatch,
     TokenOut,
 )
 
@@ -59,10 +61,19 @@ class DetokActor(Actor):
         elif isinstance(msg, DetokClose):
             self.opens.pop(msg.req_id, None)
             self.reqs.pop(msg.req_id, None)
+        elif isinstance(msg, TokenBatch):
+            deltas: list[Delta] = []
+            for t in msg.outs:
+                self._on_tokens(t, deltas)
+            if deltas:
+                self.send("ingress", DeltaBatch(deltas))
         elif isinstance(msg, TokenOut):
-            self._on_tokens(msg)
+            deltas = []
+            self._on_tokens(msg, deltas)
+            if deltas:
+                self.send("ingress", deltas[0])
 
-    def _on_tokens(self, m: TokenOut) -> None:
+    def _on_tokens(self, m: TokenOut, deltas: list[Delta]) -> None:
         ch = self._choice(m.req_id, m.index)
         final = m.finish != FinishReason.NONE
         if ch.done:
@@ -79,22 +90,18 @@ class DetokActor(Actor):
             finish = FinishReason.STOP
         elif final:
             out += ch.stops.flush()
-        self.send(
-            "ingress",
+        deltas.append(
             Delta(
                 m.req_id, m.index, out, list(m.token_ids), finish,
                 m.prompt_tokens, m.cached_tokens, m.completion_tokens,
                 list(m.logprobs), m.error,
-            ),
+            )
         )
         if final:
             self._forget(m.req_id, m.index)
         elif stopped:
-            op = self.opens.get(m.req_id)
-            n = op.n if op else 1
-            choices = self.reqs.get(m.req_id, {})
-            if len(choices) >= n and all(c.done for c in choices.values()):
-                self.send("admission", Cancel(m.req_id, FinishReason.STOP))
+            # free this choice's KV now rather than at max_tokens
+            self.send("admission", Cancel(m.req_id, FinishReason.STOP, m.index))
 
     def _forget(self, req_id: str, index: int) -> None:
         choices = self.reqs.get(req_id)

@@ -15,6 +15,7 @@ from imp.actors.base import Actor, Bus
 from imp.messages import (
     Cancel,
     Delta,
+    DeltaBatch,
     DetokClose,
     DetokOpen,
     Fault,
@@ -87,21 +88,12 @@ class IngressActor(Actor):
         self.send("metrics", msg)
 
     async def on_message(self, sender: str, msg: Msg) -> None:
-        if isinstance(msg, Delta):
-            h = self.handles.get(msg.req_id)
-            if h is None:
-                return  # handler gone (cancelled); the scheduler was told
+        if isinstance(msg, DeltaBatch):
             now = time.monotonic()
-            if msg.token_ids:
-                if h.first_token_at == 0.0:
-                    h.first_token_at = now
-                elif msg.index == 0:
-                    h.itl.append(now - h.last_token_at)
-                if msg.index == 0:
-                    h.last_token_at = now
-            if msg.finish != FinishReason.NONE:
-                h.finished.add(msg.index)
-            h.queue.put_nowait(msg)
+            for d in msg.deltas:
+                self._deliver(d, now)
+        elif isinstance(msg, Delta):
+            self._deliver(msg, time.monotonic())
         elif isinstance(msg, Reject):
             self.send("detok", DetokClose(msg.req_id))
             h = self.handles.get(msg.req_id)
@@ -112,3 +104,18 @@ class IngressActor(Actor):
             self.fault = msg.error
             for h in list(self.handles.values()):
                 h.queue.put_nowait(msg)
+
+    def _deliver(self, msg: Delta, now: float) -> None:
+        h = self.handles.get(msg.req_id)
+        if h is None:
+            return  # handler gone (cancelled); the scheduler was told
+        if msg.token_ids:
+            if h.first_token_at == 0.0:
+                h.first_token_at = now
+            elif msg.index == 0:
+                h.itl.append(now - h.last_token_at)
+            if msg.index == 0:
+                h.last_token_at = now
+        if msg.finish != FinishReason.NONE:
+            h.finished.add(msg.index)
+        h.queue.put_nowait(msg)

@@ -40,7 +40,7 @@ from imp.actors.core import CoreError, Out
 from imp.messages import (
     Cancel, Enqueue, Figures, Finished, FinishReason, KvFigures, KvOp, KvReply, KvRequest, Msg,
     QueueFigures, Reject, SampledToken, SeqWork, StepFailed, StepPlan, StepResult, StepStats, Tick,
-    TokenOut,
+    TokenBatch, TokenOut,
 )
 
 
@@ -141,7 +141,7 @@ class SchedulerCore:
         else:
             raise CoreError(f"scheduler cannot handle {type(msg).__name__}")
         self._start(out)
-        return out
+        return _batch_tokens(out)
 
     # ------------------------------------------------------------------ step
 
@@ -383,3 +383,19 @@ class SchedulerCore:
     def _check(self, phase: Phase, step: int) -> None:
         if self.phase is not phase or step != self.step:
             raise CoreError(f"step {step} arrived in phase {self.phase.name} of step {self.step}")
+
+
+def _batch_tokens(out: Out) -> Out:
+    """All TokenOuts of one handling travel as one TokenBatch.
+
+    At batch 256 one message instead of 256 is most of the control plane's
+    per-step cost (each message is logged and queued). Order among the
+    TokenOuts, and of detok's messages, is kept.
+    """
+    touts = [m for r, m in out if r == "detok" and type(m) is TokenOut]
+    if not touts:
+        return out
+    first = next(i for i, (r, m) in enumerate(out) if r == "detok" and type(m) is TokenOut)
+    rest = [(r, m) for r, m in out if not (r == "detok" and type(m) is TokenOut)]
+    rest.insert(first, ("detok", TokenBatch(touts)))
+    return rest

@@ -36,7 +36,7 @@ async def generate(engine, req_id: str, prompt: list[int], gen, *, endpoint: str
     stats = {"prompt": len(prompt), "completion": [0] * gen.n, "cached": 0, "finish": ""}
     status = 200
     try:
-        while not handle.done:
+        while not (handle.done and handle.queue.empty()):
             item = await handle.queue.get()
             if isinstance(item, Reject):
                 status = item.status

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from imp.http.app import ENGINE
 from imp.http.driver import StreamFault, generate, sse_start
-from imp.http.errors import bad
+from imp.http.errors import ApiError, bad
 from imp.http.params import sampling
 from imp.messages import FinishReason
 
@@ -148,13 +148,16 @@ async def _complete(request, engine, gen, deltas, rid, created, fp, prompt_len) 
     finish = ["stop"] * gen.n
     completion = [0] * gen.n
     cached = 0
-    async for d in deltas:
-        texts[d.index] += d.text
-        lps[d.index].extend(d.logprobs)
-        if d.finish != FinishReason.NONE:
-            finish[d.index] = d.finish.openai()
-        prompt_len, cached = d.prompt_tokens or prompt_len, d.cached_tokens
-        completion[d.index] = d.completion_tokens
+    try:
+        async for d in deltas:
+            texts[d.index] += d.text
+            lps[d.index].extend(d.logprobs)
+            if d.finish != FinishReason.NONE:
+                finish[d.index] = d.finish.openai()
+            prompt_len, cached = d.prompt_tokens or prompt_len, d.cached_tokens
+            completion[d.index] = d.completion_tokens
+    except StreamFault as exc:  # nothing was sent yet: a plain 500
+        raise ApiError(500, f"engine step failed: {exc}", code="engine_step_failed") from None
     choices = [
         {
             "index": i,

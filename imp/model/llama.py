@@ -1,0 +1,349 @@
+"""Llama forward in torch on CPU, over a paged KV cache (gpt-fast style).
+
+One call runs every new token of every sequence of a step: the tokens are
+concatenated ragged (`N` rows) for all matmuls, and only attention looks at
+sequences one group at a time (see `AttnPlan`).
+
+Shapes (names as in the comments below):
+    N   new tokens in the step, all sequences concatenated
+    B   sequences in the step
+    H   query heads, Hkv key/value heads (GQA: H % Hkv == 0), D head_dim
+    L   context length a sequence attends over (cached + new)
+    KV cache: [n_layers, num_blocks, block_size, Hkv, D]; a flat "slot" is
+    block * block_size + offset.
+
+RoPE layout: llama.cpp's converter permutes HF's Q/K rows so that GGUF rotates
+*adjacent pairs* (x[2i], x[2i+1]) by angle pos * theta^(-2i/D) ("normal" rope,
+as gpt-fast and Meta's reference). HF's GGUF loader undoes that permutation
+and uses rotate_half; both give the same logits (tests/test_model_logits.py).
+
+Weight formats (`weights=`). Measured on the 2-core dev box, SmolLM2-135M,
+torch 2.13, 2 threads, one step's wall time (min of 15, the box was shared
+with other jobs so medians ran 10-30 % higher; context 200 tokens):
+                decode b1   decode b8   prefill 234 tok
+    "f32"       51.7 ms     106 ms      586 ms
+    "bf16"      28.0 ms     142 ms      3329 ms
+    "int8"      26.9 ms     64.5 ms     1048 ms  (default)
+    "hybrid"    26.8 ms     62.0 ms     795 ms
+    "f32"    dense fp32 everywhere: same logits as HF (< 1e-4), slowest decode
+             (the 49152x576 head alone moves 113 MB per step)
+    "int8"   weight-only int8 per output row (`_weight_int8pack_mm`, bf16
+             activations into the GEMV): fast for a few rows, but its GEMM is
+             ~2-3x slower than fp32 MKL for a prefill
+    "hybrid" int8 when a matmul has <= INT8_MAX_ROWS rows, dense fp32 above:
+             fast decode and fast prefill, at the price of both copies in
+             memory (fine for small models on CPU). Logits differ from HF by up
+             to ~1.5 (int8 rows + bf16 activations); argmax agrees.
+Why "int8" is the default: `_weight_int8pack_mm` is batch-invariant (a row's
+result is bit-identical whatever else is in the matmul), dense fp32 MKL GEMM
+is not (row 0 alone vs in a batch differs by ~3e-5), and "hybrid" switches
+arithmetic with the step's row count. A greedy request must give the same
+tokens alone, batched, after a preemption (recompute) and on a prefix-cache
+hit, so the arithmetic may not depend on what else is in the step.
+torch.compile of the glue (compile=True) did not speed decode up here: the
+int8 GEMVs and attention dominate, not Python dispatch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from imp.model.gguf_loader import ModelConfig
+
+import torch
+import torch.nn.functional as F
+
+INT8_MAX_ROWS = 16  # above this many rows the fp32 GEMM beats the int8 GEMV kernel
+
+
+@dataclass
+class KVCache:
+    k: torch.Tensor  # [n_layers, num_blocks, block_size, Hkv, D]
+    v: torch.Tensor  # [n_layers, num_blocks, block_size, Hkv, D]
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype=torch.float32):
+        shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+        return cls(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[2]
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's cache: ([num_blocks, block_size, Hkv, D], same for v)."""
+        return self.k[i], self.v[i]
+
+
+class Linear:
+    """y = x @ W.T for W [out, in], in the format chosen at load time."""
+
+    def __init__(self, w: torch.Tensor, weights: str):
+        assert weights in ("f32", "bf16", "int8", "hybrid"), weights
+        w = w.float().contiguous()
+        self.out_features = w.shape[0]
+        self.dense = None
+        self.q8 = None
+        if weights in ("int8", "hybrid"):
+            # symmetric per-row int8: scale = max|w| / 127
+            scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+            self.q8 = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+            self.scale = scale.to(torch.bfloat16)
+        if weights in ("f32", "hybrid"):
+            self.dense = w
+        if weights == "bf16":
+            self.dense = w.to(torch.bfloat16)
+
+        if self.q8 is None:
+            self.scale = None
+
+    @property
+    def args(self) -> tuple:
+        """Plain tensors for `linear()` (compiled code takes tensors, not objects)."""
+        return (self.q8, self.scale, self.dense)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, *self.args)
+
+
+def linear(x, q8, scale, dense) -> torch.Tensor:
+    # x [N, in] fp32 -> [N, out] fp32
+    if q8 is not None and (dense is None or x.shape[0] <= INT8_MAX_ROWS):
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q8, scale).float()
+    if dense.dtype != x.dtype:
+        return F.linear(x.to(dense.dtype), dense).float()
+    return F.linear(x, dense)
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor  # [d]
+    wqkv: Linear  # [(H + 2 Hkv) D, d]
+    wo: Linear  # [d, H D]
+    ffn_norm: torch.Tensor  # [d]
+    w13: Linear  # [2 d_ff, d]  (gate rows, then up rows)
+    w2: Linear  # [d, d_ff]
+
+
+@dataclass
+class AttnPlan:
+    """How the step's tokens attend, computed once per step (not per layer).
+
+    decode: sequences with exactly one new token, batched into one SDPA call:
+        dec_rows [Bd] row of each in the N new tokens (None: rows are 0..N-1)
+        dec_ctx  [Bd * nb] block ids of each one's context, padded to nb blocks
+                 (L = nb * block_size: whole blocks are gathered, the tail masked)
+        dec_mask [Bd, 1, 1, L] bool, True = attend (None: nothing to mask)
+    prefill: the other sequences, one SDPA call each:
+        (row_start, row_end, ctx [nb] block ids or None, mask [T, nb * block_size] or None)
+        ctx None means no cached prefix: attend causally over the new rows only.
+    """
+
+    slots: torch.Tensor  # [N] cache slot each new token's K/V is written to
+    positions: torch.Tensor  # [N] absolute position of each new token
+    last_rows: torch.Tensor  # [B] row of each sequence's last new token
+    dec_rows: torch.Tensor | None = None
+    dec_ctx: torch.Tensor | None = None
+    dec_len: int = 0  # L of the decode group
+    dec_mask: torch.Tensor | None = None
+    num_decode: int = 0
+    prefill: list = None
+
+
+def rope_tables(cfg: ModelConfig, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_pos, D/2] for pair i rotated by pos * theta^(-2i/D)."""
+    d = int(cfg.extras.get("rope.dimension_count", cfg.head_dim))
+    assert d == cfg.head_dim, "partial rotary not supported"
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cos(ang).float(), torch.sin(ang).float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [N, heads, D]; cos/sin [N, 1, D/2]; pairs (x[2i], x[2i+1]) rotate together
+    xp = x.unflatten(-1, (-1, 2))  # [N, heads, D/2, 2]
+    x0, x1 = xp[..., 0], xp[..., 1]
+    return torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
+
+
+def attn_in(x, norm_w, wqkv: tuple, cos, sin, H: int, Hkv: int, D: int, eps: float):
+    """x [N, d] -> q [N, H, D], k [N, Hkv, D] (both rotated), v [N, Hkv, D]."""
+    N = x.shape[0]
+    h = F.rms_norm(x, (x.shape[-1],), norm_w, eps)
+    qkv = linear(h, *wqkv).view(N, H + 2 * Hkv, D)  # [N, H + 2 Hkv, D]
+    qk = apply_rope(qkv[:, : H + Hkv], cos, sin)  # q and k heads rotate alike
+    return qk[:, :H], qk[:, H:], qkv[:, H + Hkv :]
+
+
+def attn_out_mlp(x, a, wo: tuple, norm_w, w13: tuple, w2: tuple, eps: float):
+    """Residual stream after attention output a [N, H, D] and the SiLU-gated MLP."""
+    x = x + linear(a.flatten(1), *wo)
+    h = F.rms_norm(x, (x.shape[-1],), norm_w, eps)
+    g, u = linear(h, *w13).chunk(2, dim=-1)  # [N, d_ff] each
+    return x + linear(F.silu(g) * u, *w2)
+
+
+class Llama:
+    def __init__(
+        self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], weights: str = "int8",
+        compile: bool = False,
+    ):
+        self.cfg = cfg
+        self.weights = weights
+        # Optional torch.compile of the glue between matmuls (norm, rope, SiLU):
+        # one graph serves all layers (weights are arguments), dynamic in N. It
+        # cost ~60 s of start-up and did not speed SmolLM2 decode up on 2 cores,
+        # so it is off by default; kept for larger models / other CPUs.
+        self._attn_in = torch.compile(attn_in, dynamic=True) if compile else attn_in
+        self._attn_out_mlp = torch.compile(attn_out_mlp, dynamic=True) if compile else attn_out_mlp
+        scaling = cfg.extras.get("rope.scaling.type", "none")
+        if scaling not in ("none", None):
+            raise NotImplementedError(f"rope scaling {scaling!r} not supported yet")
+        t = tensors
+        self.tok_embd = t["token_embd.weight"].float().contiguous()  # [vocab, d]
+        self.layers = []
+        for i in range(cfg.n_layers):
+            p = f"blk.{i}."
+            wqkv = torch.cat([t[p + "attn_q.weight"], t[p + "attn_k.weight"], t[p + "attn_v.weight"]])
+            w13 = torch.cat([t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]])
+            self.layers.append(
+                Layer(
+                    attn_norm=t[p + "attn_norm.weight"].float(),
+                    wqkv=Linear(wqkv, weights),
+                    wo=Linear(t[p + "attn_output.weight"], weights),
+                    ffn_norm=t[p + "ffn_norm.weight"].float(),
+                    w13=Linear(w13, weights),
+                    w2=Linear(t[p + "ffn_down.weight"], weights),
+                )
+            )
+        self.out_norm = t["output_norm.weight"].float()
+        head = t["token_embd.weight"] if cfg.tied_embeddings else t["output.weight"]
+        # the head only ever sees B rows (last positions), never a prefill's N: int8 only
+        self.head = Linear(head, "int8" if weights == "hybrid" else weights)
+        self.cos, self.sin = rope_tables(cfg, cfg.context_length)
+
+    def _attention(self, q, k, v, kc, vc, plan: AttnPlan) -> torch.Tensor:
+        # q [N, H, D], k/v [N, Hkv, D] (already in the cache), kc/vc [num_blocks, block_size, Hkv, D]
+        cfg = self.cfg
+        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        N = q.shape[0]
+        if plan.num_decode == N and plan.dec_rows is None:
+            out = None  # whole step is decode: no scatter back needed
+        else:
+            out = q.new_empty(N, H, D)
+        if plan.num_decode:
+            Bd, L = plan.num_decode, plan.dec_len
+            qd = q[:Bd] if plan.dec_rows is None else q.index_select(0, plan.dec_rows)  # decode rows lead
+            # gather whole blocks (a few large copies rather than one per position)
+            kd = kc.index_select(0, plan.dec_ctx).view(Bd, L, Hkv, D).transpose(1, 2)  # [Bd, Hkv, L, D]
+            vd = vc.index_select(0, plan.dec_ctx).view(Bd, L, Hkv, D).transpose(1, 2)
+            od = F.scaled_dot_product_attention(
+                qd.unsqueeze(2).to(kd.dtype), kd, vd, attn_mask=plan.dec_mask, enable_gqa=True
+            ).squeeze(2).to(q.dtype)  # [Bd, H, D]
+            if out is None:
+                return od
+            if plan.dec_rows is None:
+                out[:Bd] = od
+            else:
+                out.index_copy_(0, plan.dec_rows, od)
+        for a, b, ctx, mask in plan.prefill:
+            qs = q[a:b].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+            if ctx is None:
+                ks, vs = k[a:b], v[a:b]  # [T, Hkv, D]
+            else:
+                ks = kc.index_select(0, ctx).flatten(0, 1)  # [L, Hkv, D], L = blocks * block_size
+                vs = vc.index_select(0, ctx).flatten(0, 1)
+            ks = ks.transpose(0, 1).unsqueeze(0).to(qs.dtype)  # [1, Hkv, L, D]
+            vs = vs.transpose(0, 1).unsqueeze(0).to(qs.dtype)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, is_causal=ctx is None, enable_gqa=True
+            )  # [1, H, T, D]
+            out[a:b] = o[0].transpose(0, 1)
+        return out
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, plan: AttnPlan, cache: KVCache) -> torch.Tensor:
+        """tokens [N] -> logits [B, vocab] fp32 at each sequence's last new token."""
+        cfg = self.cfg
+        H, Hkv, D, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps
+        d = cfg.d_model
+        x = F.embedding(tokens, self.tok_embd)  # [N, d]
+        cos = self.cos.index_select(0, plan.positions).unsqueeze(1)  # [N, 1, D/2]
+        sin = self.sin.index_select(0, plan.positions).unsqueeze(1)
+        for i, lyr in enumerate(self.layers):
+            q, k, v = self._attn_in(x, lyr.attn_norm, lyr.wqkv.args, cos, sin, H, Hkv, D, eps)
+            kc, vc = cache.layer(i)  # [num_blocks, block_size, Hkv, D]
+            kc.view(-1, Hkv, D).index_copy_(0, plan.slots, k.to(kc.dtype))
+            vc.view(-1, Hkv, D).index_copy_(0, plan.slots, v.to(vc.dtype))
+            a = self._attention(q, k, v, kc, vc, plan)  # [N, H, D]
+            x = self._attn_out_mlp(x, a, lyr.wo.args, lyr.ffn_norm, lyr.w13.args, lyr.w2.args, eps)
+        if plan.last_rows.numel() == 0:  # nothing to sample: the step only filled the cache
+            return x.new_empty(0, cfg.vocab_size)
+        x = x.index_select(0, plan.last_rows)  # [B, d]
+        x = F.rms_norm(x, (d,), self.out_norm, eps)
+        return self.head(x)  # [B, vocab]
+
+
+def make_plan(
+    starts: list[int], lens: list[int], block_tables: list[list[int]], block_size: int
+) -> AttnPlan:
+    """AttnPlan for sequences with new tokens at positions start .. start+len-1."""
+    import numpy as np
+
+    bs = block_size
+    B = len(starts)
+    slots, positions, last_rows = [], [], []
+    dec, pre = [], []
+    row = 0
+    for s, n, bt in zip(starts, lens, block_tables):
+        assert n >= 1, "a sequence in a step needs at least one new token"
+        assert (s + n - 1) // bs < len(bt), f"block table too short for position {s + n - 1}"
+        table = np.asarray(bt, dtype=np.int64)
+        pos = np.arange(s, s + n, dtype=np.int64)
+        slots.append(table[pos // bs] * bs + pos % bs)
+        positions.append(pos)
+        last_rows.append(row + n - 1)
+        (dec if n == 1 else pre).append((row, s, n, table))
+        row += n
+    plan = AttnPlan(
+        slots=torch.from_numpy(np.concatenate(slots)),
+        positions=torch.from_numpy(np.concatenate(positions)),
+        last_rows=torch.tensor(last_rows, dtype=torch.int64),
+        prefill=[],
+    )
+    if dec:
+        nb = max(s // bs + 1 for _, s, _, _ in dec)  # blocks covering the longest context
+        ctx = np.zeros((len(dec), nb), dtype=np.int64)  # padding gathers block 0, masked out
+        lens_ = np.empty(len(dec), dtype=np.int64)
+        for j, (_, s, _, table) in enumerate(dec):
+            ctx[j, : s // bs + 1] = table[: s // bs + 1]
+            lens_[j] = s + 1
+        L = nb * bs
+        plan.num_decode = len(dec)
+        plan.dec_len = L
+        plan.dec_ctx = torch.from_numpy(ctx.reshape(-1))
+        rows = [r for r, _, _, _ in dec]
+        if rows != list(range(len(dec))):
+            plan.dec_rows = torch.tensor(rows, dtype=torch.int64)
+        if (lens_ != L).any():
+            m = np.arange(L)[None, :] < lens_[:, None]
+            plan.dec_mask = torch.from_numpy(m).view(len(dec), 1, 1, L)
+    for r, s, n, table in pre:
+        if s == 0:
+            plan.prefill.append((r, r + n, None, None))
+            continue
+        nb = (s + n - 1) // bs + 1
+        ctx = torch.from_numpy(np.ascontiguousarray(table[:nb]))
+        # new token i (position s+i) sees context positions j <= s+i (the rest of the last block too)
+        mask = torch.from_numpy(np.arange(nb * bs)[None, :] <= (s + np.arange(n))[:, None])
+        plan.prefill.append((r, r + n, ctx, mask))
+    assert len(plan.last_rows) == B
+    return plan
+
+
+def default_num_blocks(kv_tokens: int, block_size: int) -> int:
+    return math.ceil(kv_tokens / block_size)

@@ -1,0 +1,148 @@
+"""ModelRunner: one model, one paged KV cache, one step at a time.
+
+The executor calls `step()` from a worker thread (`asyncio.to_thread`); a
+lock makes concurrent calls queue rather than interleave (the cache is
+shared state). Torch releases the GIL inside its kernels, so the event loop
+keeps running while a step computes.
+"""
+
+from __future__ import annotations
+
+import threading
+from imp.messages import PromptLogprob, SampledToken, SeqWork
+from imp.model.gguf_loader import ModelConfig, load_gguf
+from imp.model.llama import KVCache, Llama, default_num_blocks, make_plan
+from imp.model.sampling import LOGPROB_FLOOR, sample
+
+import msgspec
+import torch
+
+DEFAULT_KV_TOKENS = 16384
+SUPPORTED_ARCHS = ("llama",)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Llama,
+        metadata: dict,
+        fingerprint: str,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype = torch.float32,
+    ):
+        self.model = model
+        self.config: ModelConfig = model.cfg
+        self.metadata = metadata
+        self.fingerprint = fingerprint
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.cache = KVCache.allocate(self.config, num_blocks, block_size, kv_dtype)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(
+        cls,
+        path: str,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        kv_tokens: int | None = None,
+        weights: str = "int8",
+        kv_dtype: torch.dtype = torch.float32,
+        num_threads: int | None = None,
+        compile: bool = False,
+    ) -> ModelRunner:
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        g = load_gguf(path)
+        if g.arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"{path}: architecture {g.arch!r} not supported (have {SUPPORTED_ARCHS})")
+        if num_blocks is None:
+            num_blocks = default_num_blocks(kv_tokens or DEFAULT_KV_TOKENS, block_size)
+        model = Llama(g.config, g.tensors, weights=weights, compile=compile)
+        del g.tensors  # the model holds its own (fused, re-quantized) copies
+        return cls(model, g.metadata, g.fingerprint, num_blocks, block_size, kv_dtype)
+
+    def _prepare(self, seqs: list[SeqWork]):
+        assert seqs, "empty step"
+        ctx = self.config.context_length
+        for s in seqs:
+            end = s.start_pos + len(s.token_ids)
+            if end > ctx:
+                raise ValueError(f"{s.seq_id}: position {end - 1} beyond context length {ctx}")
+            if max(s.block_table[: (end - 1) // self.block_size + 1], default=0) >= self.num_blocks:
+                raise ValueError(f"{s.seq_id}: block id out of range (num_blocks={self.num_blocks})")
+        plan = make_plan(
+            [s.start_pos for s in seqs],
+            [len(s.token_ids) for s in seqs],
+            [s.block_table for s in seqs],
+            self.block_size,
+        )
+        tokens = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64)
+        return tokens, plan
+
+    def forward(self, seqs: list[SeqWork]) -> torch.Tensor:
+        """All new tokens of all seqs in one forward -> fp32 logits [B, vocab] at each last position."""
+        tokens, plan = self._prepare(seqs)
+        with self._lock:
+            return self.model.forward(tokens, plan, self.cache)
+
+    def step(self, seqs: list[SeqWork]) -> list[SampledToken]:
+        """forward + sampling, one SampledToken per seq with sample=True or prompt_logprobs >= 0.
+
+        A seq with prompt_logprobs >= 0 also gets its chunk's prompt tokens scored
+        (SampledToken.prompt); if it samples nothing this step, token_id is -1.
+        """
+        tokens, plan = self._prepare(seqs)
+        rows: list[int] = []  # rows of the N new tokens the head runs on
+        sample_at: dict[int, int] = {}  # seq index -> index in rows
+        plp_at: dict[int, tuple[int, int]] = {}  # seq index -> (first index in rows, count)
+        base = 0
+        for i, s in enumerate(seqs):
+            n = len(s.token_ids)
+            if s.prompt_logprobs >= 0:
+                # row j scores the token at position start+j+1 (the last row: prompt_next)
+                count = n if s.prompt_next >= 0 else n - 1
+                plp_at[i] = (len(rows), count)
+                rows.extend(range(base, base + count))
+            if s.sample:
+                sample_at[i] = len(rows)
+                rows.append(base + n - 1)
+            base += n
+        plan.last_rows = torch.tensor(rows, dtype=torch.int64)
+        with self._lock:
+            logits = self.model.forward(tokens, plan, self.cache)  # [len(rows), vocab]
+        order = sorted(sample_at)
+        drawn = dict(zip(order, sample(logits[[sample_at[i] for i in order]], [seqs[i] for i in order]))) if order else {}
+        out = []
+        for i, s in enumerate(seqs):
+            t = drawn.get(i)
+            if i in plp_at:
+                first, count = plp_at[i]
+                scored = prompt_logprobs(logits[first : first + count], s)
+                t = (t or SampledToken(seq_id=s.seq_id, token_id=-1))
+                t = msgspec.structs.replace(t, prompt=scored)
+            if t is not None:
+                out.append(t)
+        return out
+
+
+def prompt_logprobs(logits: torch.Tensor, s: SeqWork) -> tuple[PromptLogprob, ...]:
+    """Raw log-softmax scores of the prompt tokens after each row of the chunk."""
+    if logits.shape[0] == 0:
+        return ()
+    targets = (list(s.token_ids[1:]) + ([s.prompt_next] if s.prompt_next >= 0 else []))[: logits.shape[0]]
+    logp = torch.log_softmax(logits.float(), -1).clamp(min=LOGPROB_FLOOR)  # [T, vocab]
+    tgt = torch.tensor(targets, dtype=torch.int64)
+    chosen = logp.gather(1, tgt[:, None])[:, 0]  # [T]
+    ranks = (logp > chosen[:, None]).sum(-1) + 1
+    k = s.prompt_logprobs
+    if k > 0:
+        top_v, top_i = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
+    else:
+        tops = [()] * len(targets)
+    return tuple(
+        PromptLogprob(position=s.start_pos + j + 1, token_id=t, logprob=lp, rank=r, top=tops[j])
+        for j, (t, lp, r) in enumerate(zip(targets, chosen.tolist(), ranks.tolist()))
+    )

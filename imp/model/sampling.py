@@ -1,0 +1,152 @@
+"""Sampling as plain functions over one sequence's logits row [vocab].
+
+Order of processing (as in HF / vLLM):
+    logit_bias -> penalties (over SeqWork.history) -> temperature ->
+    top_k -> top_p -> min_p -> typical_p -> draw
+Greedy (temperature 0) takes the argmax of the biased, penalized logits.
+
+Determinism: the draw for a sequence depends only on (params.seed, gen_index):
+each draw gets a fresh torch.Generator seeded from a hash of the pair, so a
+sequence recomputed after preemption, or run in another batch, draws the
+same token from the same distribution.
+
+Logprobs are those of the processed distribution (what was sampled from),
+floored at LOGPROB_FLOOR so that JSON never sees -inf or NaN.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from imp.messages import SampledToken, SamplingParams, SeqWork
+
+import torch
+
+LOGPROB_FLOOR = -9999.0
+
+
+def generator_for(seed: int, gen_index: int) -> torch.Generator:
+    digest = hashlib.blake2b(f"{seed}:{gen_index}".encode(), digest_size=8).digest()
+    g = torch.Generator()
+    g.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+    return g
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    if not bias:
+        return logits
+    ids = torch.tensor([t for t, _ in bias], dtype=torch.int64)
+    vals = torch.tensor([b for _, b in bias], dtype=logits.dtype)
+    keep = ids < logits.shape[-1]
+    return logits.index_add(0, ids[keep], vals[keep])
+
+
+def apply_penalties(logits: torch.Tensor, history: list[int], p: SamplingParams) -> torch.Tensor:
+    """Repetition (HF: divide positive logits, multiply negative ones), presence, frequency."""
+    if not history or (
+        p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+    ):
+        return logits
+    ids = torch.tensor(history, dtype=torch.int64)
+    counts = torch.bincount(ids, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
+    seen = counts > 0
+    out = logits
+    if p.repetition_penalty != 1.0:
+        r = p.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+    if p.presence_penalty != 0.0:
+        out = out - p.presence_penalty * seen.to(out.dtype)
+    if p.frequency_penalty != 0.0:
+        out = out - p.frequency_penalty * counts
+    return out
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k).values[-1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=True)
+    cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+    # drop a token when the mass strictly before it already reaches top_p (keeps >= 1)
+    drop_sorted = (cum - torch.softmax(sorted_logits, -1)) >= top_p
+    drop = torch.empty_like(drop_sorted).scatter_(0, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    if min_p <= 0.0:
+        return logits
+    probs = torch.softmax(logits, -1)
+    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+
+
+def typical_filter(logits: torch.Tensor, typical_p: float) -> torch.Tensor:
+    """Locally typical sampling: keep tokens whose surprisal is closest to the entropy."""
+    if typical_p >= 1.0:
+        return logits
+    logp = torch.log_softmax(logits, -1)
+    p = logp.exp()
+    ent = -(torch.nan_to_num(p * logp)).sum()
+    dist = (-logp - ent).abs()
+    order = torch.argsort(dist)
+    cum = p[order].cumsum(-1)
+    n_keep = int((cum < typical_p).sum().item()) + 1
+    drop = torch.ones_like(logits, dtype=torch.bool)
+    drop[order[:n_keep]] = False
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def process(logits: torch.Tensor, work: SeqWork) -> torch.Tensor:
+    """Biased, penalized, tempered and filtered logits [vocab] for one sequence."""
+    p = work.params
+    x = logits.float()
+    x = apply_logit_bias(x, p.logit_bias)
+    x = apply_penalties(x, work.history, p)
+    if p.temperature <= 0.0:
+        return x
+    x = x / p.temperature
+    x = top_k_filter(x, p.top_k)
+    x = top_p_filter(x, p.top_p)
+    x = min_p_filter(x, p.min_p)
+    x = typical_filter(x, p.typical_p)
+    return x
+
+
+def sample_one(logits: torch.Tensor, work: SeqWork) -> SampledToken:
+    """logits [vocab] fp32 -> the sequence's next token (and logprobs if asked)."""
+    p = work.params
+    x = process(logits, work)
+    if p.temperature <= 0.0:
+        token = int(torch.argmax(x).item())
+    else:
+        probs = torch.softmax(x, -1)
+        token = int(torch.multinomial(probs, 1, generator=generator_for(p.seed, work.gen_index)).item())
+    if p.logprobs < 0:
+        return SampledToken(seq_id=work.seq_id, token_id=token)
+    logp = torch.log_softmax(x, -1).nan_to_num(nan=LOGPROB_FLOOR).clamp(min=LOGPROB_FLOOR)
+    top: tuple[tuple[int, float], ...] = ()
+    if p.logprobs > 0:
+        vals, ids = torch.topk(logp, min(p.logprobs, logp.shape[-1]))
+        top = tuple(zip(ids.tolist(), vals.tolist()))
+    return SampledToken(seq_id=work.seq_id, token_id=token, logprob=float(logp[token]), top=top)
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    return (
+        p.temperature <= 0.0 and p.logprobs < 0 and not p.logit_bias
+        and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+    )
+
+
+def sample(logits: torch.Tensor, works: list[SeqWork]) -> list[SampledToken]:
+    """logits [B, vocab] for `works` (same order) -> one token per sequence."""
+    assert logits.shape[0] == len(works)
+    if all(_plain_greedy(w.params) for w in works):
+        ids = torch.argmax(logits, dim=-1).tolist()  # all-greedy fast path, one op
+        return [SampledToken(seq_id=w.seq_id, token_id=t) for w, t in zip(works, ids)]
+    return [sample_one(logits[i], w) for i, w in enumerate(works)]

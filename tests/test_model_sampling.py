@@ -1,0 +1,76 @@
+"""Sampling functions: filters, penalties, determinism, logprobs."""
+
+import math
+from imp.messages import SamplingParams, SeqWork
+from imp.model import sampling as S
+
+import torch
+
+V = 100
+
+
+def work(seq="s", gen_index=0, history=(), **kw):
+    return SeqWork(seq, [0], 0, [0], True, SamplingParams(max_tokens=4, **kw), gen_index, list(history))
+
+
+def logits(seed=0):
+    return torch.randn(V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax():
+    x = torch.stack([logits(0), logits(1)])
+    out = S.sample(x, [work("a"), work("b")])
+    assert [t.token_id for t in out] == x.argmax(-1).tolist()
+    assert [t.seq_id for t in out] == ["a", "b"]
+
+
+def test_draw_depends_only_on_seed_and_gen_index():
+    x = logits()
+    a = [S.sample_one(x, work(gen_index=i, temperature=1.0, seed=7)).token_id for i in range(20)]
+    b = [S.sample_one(x, work(gen_index=i, temperature=1.0, seed=7)).token_id for i in range(20)]
+    c = [S.sample_one(x, work(gen_index=i, temperature=1.0, seed=8)).token_id for i in range(20)]
+    assert a == b and a != c
+    # batch position does not matter
+    both = S.sample(torch.stack([logits(5), x]), [work("z", temperature=1.0), work(gen_index=3, temperature=1.0, seed=7)])
+    assert both[1].token_id == a[3]
+
+
+def test_top_k_one_is_greedy_and_filters_hold():
+    x = logits()
+    for i in range(10):
+        assert S.sample_one(x, work(gen_index=i, temperature=2.0, top_k=1)).token_id == int(x.argmax())
+    top5 = set(torch.topk(x, 5).indices.tolist())
+    for i in range(30):
+        assert S.sample_one(x, work(gen_index=i, temperature=5.0, top_k=5)).token_id in top5
+
+
+def test_top_p_and_min_p_keep_the_head():
+    x = torch.full((V,), -10.0)
+    x[3], x[4] = 5.0, 4.0  # ~0.73 / 0.27 of the mass
+    for i in range(30):
+        assert S.sample_one(x, work(gen_index=i, temperature=1.0, top_p=0.5)).token_id == 3
+        assert S.sample_one(x, work(gen_index=i, temperature=1.0, min_p=0.5)).token_id == 3
+        assert S.sample_one(x, work(gen_index=i, temperature=1.0, top_p=0.9)).token_id in (3, 4)
+
+
+def test_penalties_and_bias():
+    x = torch.zeros(V)
+    x[10], x[11] = 2.0, 1.9
+    assert S.sample_one(x, work()).token_id == 10
+    assert S.sample_one(x, work(history=[10], repetition_penalty=1.5)).token_id == 11
+    assert S.sample_one(x, work(history=[10], presence_penalty=0.5)).token_id == 11
+    assert S.sample_one(x, work(history=[10, 10], frequency_penalty=0.1)).token_id == 11
+    assert S.sample_one(x, work(logit_bias=((42, 100.0),))).token_id == 42
+
+
+def test_logprobs_finite_sorted_and_consistent():
+    x = logits()
+    t = S.sample_one(x, work(temperature=1.0, top_k=3, logprobs=5))
+    assert len(t.top) == 5
+    vals = [lp for _, lp in t.top]
+    assert vals == sorted(vals, reverse=True)
+    assert all(math.isfinite(v) for v in vals) and math.isfinite(t.logprob)
+    assert vals[3] == S.LOGPROB_FLOOR  # filtered out by top_k: floored, not -inf
+    assert t.logprob == dict(t.top)[t.token_id]
+    g = S.sample_one(x, work(logprobs=0))
+    assert g.top == () and abs(g.logprob - torch.log_softmax(x, -1).max().item()) < 1e-5

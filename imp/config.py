@@ -20,8 +20,10 @@ class ServerConfig:
     max_queued_tokens: int = 0
     request_timeout_s: float = 0.0
     chat_template: str | None = None
+    models_dir: str | None = None  # GGUFs listed by /v1/models besides the loaded one
     api_key: str | None = None
     threads: int | None = None
+    device: str = "cpu"  # "cpu" or "cuda[:N]": which executor runs the model
     log_level: str = "info"
 
     def __post_init__(self):
@@ -34,6 +36,7 @@ class ServerConfig:
             (self.max_tokens is None or self.max_tokens >= 1, "--max-tokens must be >= 1"),
             (self.max_queued_tokens >= 0, "--max-queued-tokens must be >= 0"),
             (self.request_timeout_s >= 0, "--request-timeout must be >= 0"),
+            (self.device == "cpu" or self.device.startswith("cuda"), "--device must be cpu or cuda[:N]"),
         ]
         for ok, why in checks:
             if not ok:
@@ -54,8 +57,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued-tokens", type=int, default=0, help="429 beyond this many queued prompt tokens")
     p.add_argument("--request-timeout", dest="request_timeout_s", type=float, default=0.0)
     p.add_argument("--chat-template", default=None, help="jinja file overriding the model's template")
+    p.add_argument("--models-dir", default=None, help="directory of GGUFs to list in /v1/models")
     p.add_argument("--api-key", default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default=d.device, help="cpu (default) or cuda:N (GPU executor)")
     p.add_argument("--log-level", default="info")
 
 

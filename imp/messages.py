@@ -91,6 +91,20 @@ class SamplingParams(Struct):
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int = -1  # -1 = none; k >= 0 = sampled token's logprob + top k
+    # -1 = none; k >= 0 = each prompt token's raw logprob + top k (vLLM prompt_logprobs).
+    # Such a request never reuses cached prefix blocks: every prompt row is forwarded.
+    prompt_logprobs: int = -1
+
+
+class PromptLogprob(Struct):
+    """One prompt token scored by the raw model distribution (log-softmax of
+    the logits at the position before it); position >= 1."""
+
+    position: int
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class SampledToken(Struct):
@@ -98,6 +112,9 @@ class SampledToken(Struct):
     token_id: int
     logprob: float = 0.0
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob) when asked
+    # prompt tokens scored this step (SeqWork.prompt_logprobs >= 0); token_id is -1
+    # when the step sampled nothing for the sequence (a prefill chunk)
+    prompt: tuple[PromptLogprob, ...] = ()
 
 
 class SeqWork(Struct):
@@ -120,6 +137,11 @@ class SeqWork(Struct):
     params: SamplingParams
     gen_index: int = 0
     history: list[int] = []  # generated tokens so far, for penalties (only if a penalty is set)
+    # >= 0: score the prompt tokens at start_pos+1 .. (top k each), i.e. return
+    # the raw logprob rows of this chunk's positions; prompt_next is the prompt
+    # token after the chunk (-1 when the chunk ends the prompt)
+    prompt_logprobs: int = -1
+    prompt_next: int = -1
 
 
 class KvOp(Struct):
@@ -194,6 +216,8 @@ class Submit(Msg):
     n: int = 1
     priority: int = 0
     salt: str = ""
+    cache_prompt: bool = False  # pin the prompt's KV (accepted; the engine part is another issue's)
+    session_id: str = ""  # agent session the prompt belongs to (same)
 
 
 class Reject(Msg):
@@ -217,6 +241,8 @@ class Enqueue(Msg):
     priority: int = 0
     salt: str = ""
     reserved_blocks: int = 0
+    cache_prompt: bool = False
+    session_id: str = ""
 
 
 class Cancel(Msg):
@@ -225,6 +251,15 @@ class Cancel(Msg):
     req_id: str
     reason: FinishReason = FinishReason.CANCELLED
     index: int = -1  # the choice to end (a stop string in one of n); -1 = all
+
+
+class EndThinking(Msg):
+    """ingress -> admission -> scheduler: append `token_ids` (the model's
+    `</think>` spelling) to every running choice of the request as forced
+    output tokens, so the model continues with the answer on the same KV."""
+
+    req_id: str
+    token_ids: list[int]
 
 
 class Finished(Msg):
@@ -292,6 +327,7 @@ class TokenOut(Msg):
     completion_tokens: int = 0
     logprobs: list[SampledToken] = []
     error: str = ""
+    prompt_logprobs: list[PromptLogprob] = []  # with the first token of choice 0
 
 
 class TokenBatch(Msg):
@@ -335,6 +371,7 @@ class Delta(Msg):
     completion_tokens: int = 0
     logprobs: list[SampledToken] = []
     error: str = ""
+    prompt_logprobs: list[PromptLogprob] = []
 
 
 class Figures(Msg):
@@ -381,6 +418,7 @@ Message = Union[
     Reject,
     Enqueue,
     Cancel,
+    EndThinking,
     Finished,
     Tick,
     KvRequest,

@@ -38,7 +38,15 @@ def load_engine(cfg: ServerConfig) -> Engine:
     path = Path(resolve_model(cfg.model))
     t0 = time.monotonic()
     _progress(f"loading {path.name} ...")
-    runner = ModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens)
+    if cfg.device.startswith("cuda"):
+        from imp.model.gpu_runner import GpuModelRunner
+
+        runner = GpuModelRunner.load(
+            str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens, device=cfg.device,
+            max_graph_batch=cfg.max_batch_size,
+        )
+    else:
+        runner = ModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens)
     tokenizer = Tokenizer.from_gguf_metadata(runner.metadata)
     template = ChatTemplate.from_metadata(runner.metadata, override_path=cfg.chat_template)
     name = path.stem if path.suffix == ".gguf" else path.name
@@ -48,6 +56,7 @@ def load_engine(cfg: ServerConfig) -> Engine:
     )
     engine = Engine(cfg, runner, tokenizer, template, name)
     engine.defaults = ModelDefaults.from_metadata(runner.metadata)
+    engine.model_path = path
     return engine
 
 

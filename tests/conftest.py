@@ -19,3 +19,26 @@ def smollm2_path() -> Path:
         return resolve_model("smollm2-135m", progress=False)
     except FetchError as e:
         pytest.skip(f"SmolLM2 GGUF not available: {e}")
+
+
+@pytest.fixture(scope="session")
+def imp_server(smollm2_path, tmp_path_factory):
+    """ONE real server for every e2e module (a model load is ~10 s): SmolLM2,
+    an event log (replayed by test_server_e2e), --models-dir with a second
+    (fake) GGUF so /v1/models lists a model that is not loaded."""
+    from tests.serverproc import ServerProcess
+
+    d = tmp_path_factory.mktemp("srv")
+    models = d / "models"
+    models.mkdir()
+    (models / "other-model.gguf").write_bytes(b"GGUF")
+    srv = ServerProcess(
+        smollm2_path, "--kv-cache-tokens", "8192", "--event-log", str(d / "events.log"),
+        "--models-dir", str(models), log_path=d / "server.out",
+    )
+    srv.event_log = d / "events.log"
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import msgspec
 
 from imp.actors.core import CoreError, Out
-from imp.messages import Cancel, Enqueue, Finished, Msg, Reject, Submit
+from imp.messages import Cancel, EndThinking, Enqueue, Finished, Msg, Reject, Submit
 
 
 class AdmissionConfig(msgspec.Struct, frozen=True):
@@ -45,7 +45,7 @@ class AdmissionCore:
     def handle(self, sender: str, msg: Msg) -> Out:
         if isinstance(msg, Submit):
             return [self._submit(msg)]
-        if isinstance(msg, Cancel):
+        if isinstance(msg, (Cancel, EndThinking)):
             # Unknown: already finished (or refused); the cancel has nothing to end.
             return [("scheduler", msg)] if msg.req_id in self.inflight else []
         if isinstance(msg, Finished):
@@ -84,6 +84,7 @@ class AdmissionCore:
         return ("scheduler", Enqueue(
             m.req_id, m.prompt, m.params, m.arrival_ns, m.n, m.priority, m.salt,
             reserved_blocks=self.reserve(n_prompt, m.params.max_tokens, m.n),
+            cache_prompt=m.cache_prompt, session_id=m.session_id,
         ))
 
     def reserve(self, n_prompt: int, max_tokens: int, n: int) -> int:

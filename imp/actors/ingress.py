@@ -18,6 +18,7 @@ from imp.messages import (
     DeltaBatch,
     DetokClose,
     DetokOpen,
+    EndThinking,
     Fault,
     FinishReason,
     Msg,
@@ -63,6 +64,8 @@ class IngressActor(Actor):
         stop: list[str] | None = None,
         salt: str = "",
         prompt_tail: list[int] | None = None,
+        cache_prompt: bool = False,
+        session_id: str = "",
     ) -> RequestHandle:
         if req_id in self.handles:
             raise ValueError(f"duplicate request id {req_id}")
@@ -70,7 +73,8 @@ class IngressActor(Actor):
         self.send("detok", DetokOpen(req_id, n, list(stop or []), True, list(prompt_tail or [])))
         self.send(
             "admission",
-            Submit(req_id, list(prompt), params, time.monotonic_ns(), n, priority, salt),
+            Submit(req_id, list(prompt), params, time.monotonic_ns(), n, priority, salt,
+                   cache_prompt, session_id),
         )
         return h
 
@@ -79,6 +83,14 @@ class IngressActor(Actor):
         h = self.handles.pop(req_id, None)
         if h is not None and not h.done:
             self.send("admission", Cancel(req_id, FinishReason.CANCELLED))
+
+    def end_thinking(self, req_id: str, token_ids: list[int]) -> bool:
+        """Force the think block of a live request closed; False if it is not live."""
+        h = self.handles.get(req_id)
+        if h is None or h.done:
+            return False
+        self.send("admission", EndThinking(req_id, list(token_ids)))  # after its Submit: FIFO
+        return True
 
     def release(self, req_id: str) -> None:
         """The handler is done with a request that ran to its end."""

@@ -38,7 +38,7 @@ import msgspec
 
 from imp.actors.core import CoreError, Out
 from imp.messages import (
-    Cancel, Enqueue, Figures, Finished, FinishReason, KvFigures, KvOp, KvReply, KvRequest, Msg,
+    Cancel, EndThinking, Enqueue, Figures, Finished, FinishReason, KvFigures, KvOp, KvReply, KvRequest, Msg,
     QueueFigures, Reject, SampledToken, SeqWork, StepFailed, StepPlan, StepResult, StepStats, Tick,
     TokenBatch, TokenOut,
 )
@@ -92,6 +92,8 @@ class Seq:
         self.table: list[int] = []
         self.in_kv = False  # kv holds a table for it
         self.admit_no = 0  # when it last started running (preemption picks the newest)
+        self.plp: list = []  # prompt logprobs gathered during prefill (choice 0 only)
+        self.plp_sent = False  # delivered with the first token: never scored again
 
 
 class Work:
@@ -130,6 +132,10 @@ class SchedulerCore:
             if r is not None:
                 self.cancellations += msg.reason is FinishReason.CANCELLED
                 self._end(r, msg.reason, out, index=msg.index)
+        elif isinstance(msg, EndThinking):
+            r = self.requests.get(msg.req_id)  # unknown: it finished already
+            if r is not None:
+                self._end_thinking(r, msg.token_ids, out)
         elif isinstance(msg, Tick):
             self._advance(msg.now_ns, out)
         elif isinstance(msg, KvReply):
@@ -174,7 +180,10 @@ class SchedulerCore:
                     and lead.num_computed >= (len(r.prompt) - 1) // c.block_size * c.block_size):
                 ops.append(KvOp("fork", s.id, len(s.tokens), list(s.tokens), parent=lead.id, salt=r.salt))
             else:
-                ops.append(KvOp("alloc", s.id, len(s.tokens), list(s.tokens), salt=r.salt))
+                # prompt logprobs need every prompt row forwarded: a salt of its own
+                # makes the prefix cache miss (its own recompute may still hit)
+                salt = r.salt if s.params.prompt_logprobs < 0 else f"{r.salt}\0plp\0{r.id}"
+                ops.append(KvOp("alloc", s.id, len(s.tokens), list(s.tokens), salt=salt))
             n = min(len(s.tokens), budget)
             self.batch.append(Work(s, n, True, new=True))
             budget -= n
@@ -237,6 +246,10 @@ class SchedulerCore:
             if s.status is not Status.RUNNING:
                 continue  # ended while the step ran: its tokens are dropped
             s.num_computed += w.n
+            t = sampled.get(s.id)
+            if t is not None and t.prompt and not s.plp_sent:
+                last = s.plp[-1].position if s.plp else 0
+                s.plp += [e for e in t.prompt if e.position > last]  # a recompute scores again
             if s.num_computed == len(s.tokens):
                 if s.id not in sampled:
                     raise CoreError(f"step {msg.step} sampled nothing for {s.id}")
@@ -265,7 +278,11 @@ class SchedulerCore:
             reason = FinishReason.LENGTH
         else:
             reason = FinishReason.NONE
-        out.append(("detok", self._token_out(s, [t.token_id], reason, [t] if p.logprobs >= 0 else [])))
+        tout = self._token_out(s, [t.token_id], reason, [t] if p.logprobs >= 0 else [])
+        if p.prompt_logprobs >= 0 and s.index == 0 and not s.plp_sent:
+            tout = msgspec.structs.replace(tout, prompt_logprobs=s.plp)
+            s.plp, s.plp_sent = [], True
+        out.append(("detok", tout))
         if s.index == 0:  # the prompt is computed: the siblings may fork it
             self._release_siblings(r)
         if reason:
@@ -277,6 +294,11 @@ class SchedulerCore:
         gen = s.tokens[len(s.req.prompt):]
         penalty = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
         sample = end == len(s.tokens)
+        n_prompt = len(s.req.prompt)
+        if p.prompt_logprobs >= 0 and s.index == 0 and not s.plp_sent and end <= n_prompt:
+            nxt = s.tokens[end] if end < n_prompt else -1
+            return SeqWork(s.id, s.tokens[start:end], start, list(s.table), sample, p, gen_index=len(gen),
+                           prompt_logprobs=p.prompt_logprobs, prompt_next=nxt)
         return SeqWork(s.id, s.tokens[start:end], start, list(s.table), sample, p,
                        gen_index=len(gen), history=gen if sample and penalty else [])
 
@@ -303,6 +325,20 @@ class SchedulerCore:
             if s.status is not Status.FINISHED and index in (-1, s.index):
                 out.append(("detok", self._token_out(s, [], reason, [], error)))
                 self._finish(s, reason, out)
+
+    def _end_thinking(self, r: Req, ids: list[int], out: Out) -> None:
+        """Force `ids` (the model's </think>) into every unfinished choice.
+
+        They join the generated tokens: the next step feeds them (a short
+        prefill), and a token sampled by a step in flight now is dropped,
+        because it was drawn before them. A choice without room for them
+        and one more token keeps thinking to its end.
+        """
+        for s in r.seqs:
+            if s.status is Status.FINISHED or not ids or len(s.tokens) + len(ids) >= self.max_len:
+                continue
+            s.tokens.extend(ids)
+            out.append(("detok", self._token_out(s, list(ids), FinishReason.NONE, [])))
 
     def _finish(self, s: Seq, reason: FinishReason, out: Out) -> None:
         if s.in_kv:

@@ -19,11 +19,14 @@ class StopMatcher:
         if not self.stops:
             return text, False
         buf = self.pending + text
-        hits = [i for s in self.stops if (i := buf.find(s)) >= 0]
+        hits = [(i + len(s), i) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
+            # the stop that completes first wins, as it would token by token: a
+            # longer one starting earlier but ending later never gets the chance
+            end = min(hits)[0]
             self.pending = ""
             self.stopped = True
-            return buf[: min(hits)], True
+            return buf[: min(i for e, i in hits if e == end)], True
         hold = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(buf)), hold, -1):

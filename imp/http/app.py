@@ -79,6 +79,9 @@ def create_app(engine, *, api_key: str | None = None) -> web.Application:
 
     app = web.Application(middlewares=[context_mw, auth_mw(api_key)], client_max_size=32 * 1024 * 1024)
     app[ENGINE] = engine
+    from imp.http.control import LIVE, LiveRequests
+
+    app[LIVE] = LiveRequests()
 
     async def engine_ctx(app: web.Application):
         await engine.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from aiohttp import web
 
@@ -80,16 +81,69 @@ def _model_entry(engine) -> dict:
     }
 
 
+def _directory(engine) -> list[dict]:
+    """The other GGUFs of --models-dir (one level, split parts skipped), not loaded."""
+    d = engine.cfg.models_dir
+    if not d or not Path(d).is_dir():
+        return []
+    loaded = Path(getattr(engine, "model_path", "")).resolve() if getattr(engine, "model_path", None) else None
+    out = []
+    for p in sorted(Path(d).glob("*.gguf")) + sorted(Path(d).glob("*/*.gguf")):
+        if p.resolve() == loaded or p.stem == engine.model_name:
+            continue
+        try:
+            size = p.stat().st_size
+        except OSError:
+            continue
+        out.append({"id": p.stem, "object": "model", "created": int(p.stat().st_mtime), "owned_by": "imp",
+                    "loaded": False, "size_bytes": size})
+    return out
+
+
 async def models(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    return web.json_response({"object": "list", "data": [_model_entry(engine)]})
+    return web.json_response({"object": "list", "data": [_model_entry(engine), *_directory(engine)]})
 
 
 async def model(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    if request.match_info["model"] != engine.model_name:
-        raise ApiError(404, f"model '{request.match_info['model']}' not found", code="model_not_found")
-    return web.json_response(_model_entry(engine))
+    name = request.match_info["model"]
+    if name == engine.model_name:
+        return web.json_response(_model_entry(engine))
+    for m in _directory(engine):
+        if m["id"] == name:
+            return web.json_response(m)
+    raise ApiError(404, f"model '{name[:128]}' not found", code="model_not_found")
+
+
+async def info(request: web.Request) -> web.Response:
+    """TGI's /info shape."""
+    engine = request.app[ENGINE]
+    kv = engine.kv
+    cfg = engine.cfg
+    return web.json_response({
+        "model_id": engine.model_name,
+        "model_sha": engine.runner.fingerprint,
+        "model_dtype": "gguf",
+        "model_device_type": "cpu",
+        "model_pipeline_tag": "text-generation",
+        "max_concurrent_requests": cfg.max_batch_size,
+        "max_best_of": 1,
+        "max_stop_sequences": 16,
+        "max_input_tokens": engine.max_context - 1,
+        "max_input_length": engine.max_context - 1,
+        "max_total_tokens": engine.max_context,
+        "waiting_served_ratio": 0.0,
+        "max_batch_total_tokens": kv.total * kv.block_size,
+        "max_waiting_tokens": cfg.max_queued_tokens,
+        "max_batch_size": cfg.max_batch_size,
+        "max_client_batch_size": 1,
+        "validation_workers": 1,
+        "router": "imp",
+        "version": "0.1.0",
+        "sha": None,
+        "docker_label": None,
+    })
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -30,7 +30,7 @@ async def generate(engine, req_id: str, prompt: list[int], gen, *, endpoint: str
     ingress = engine.ingress
     handle = ingress.submit(
         req_id, prompt, gen.params, n=gen.n, priority=gen.priority, stop=gen.stop, salt=salt,
-        prompt_tail=prompt[-4:],
+        prompt_tail=prompt[-4:], cache_prompt=gen.cache_prompt, session_id=gen.session_id,
     )
     started = False
     stats = {"prompt": len(prompt), "completion": [0] * gen.n, "cached": 0, "finish": ""}

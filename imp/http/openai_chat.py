@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 import uuid
 
 from aiohttp import web
 
 from imp.http.app import ENGINE
+from imp.http.control import live_requests
 from imp.http.driver import StreamFault, generate, sse_start
 from imp.http.errors import ApiError, bad
-from imp.http.params import sampling
+from imp.http.logprobs import chat_content
+from imp.http.params import boolean, sampling
+from imp.http.reasoning import ThinkSplitter, prompt_opens_think
 from imp.messages import FinishReason
+
+log = logging.getLogger("imp.http")
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 _MEDIA = {"image_url", "input_image", "image", "input_audio", "audio", "video", "video_url", "file"}
@@ -77,32 +83,59 @@ def normalize_messages(raw) -> list[dict]:
     return out
 
 
-def prepare_prompt(engine, messages: list[dict], body: dict) -> list[int]:
+_RESERVED_KW = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"}
+
+
+def prepare_prompt(engine, messages: list[dict], body: dict) -> tuple[list[int], bool]:
+    """Render and tokenize; also say whether the prompt leaves a think block open.
+
+    continue_final_message (vLLM): the reply continues the last message, an
+    assistant turn with text; the prompt is the render without a generation
+    prompt, cut right after that text (the HF rule, trailing whitespace
+    dropped).
+    """
     from imp.model.chat_template import TemplateError
 
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise bad("'tools' must be an array", "tools")
+    kw = body.get("chat_template_kwargs")
+    if kw is not None and not isinstance(kw, dict):
+        raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    kw = {k: v for k, v in (kw or {}).items() if isinstance(k, str) and k not in _RESERVED_KW}
+    cont = boolean(body, "continue_final_message")
+    add_gen = body.get("add_generation_prompt")
+    if add_gen is not None and not isinstance(add_gen, bool):
+        raise bad("'add_generation_prompt' must be a boolean", "add_generation_prompt")
+    if cont:
+        if add_gen:
+            raise bad("'continue_final_message' and 'add_generation_prompt': true cannot be combined",
+                      "add_generation_prompt")
+        last = messages[-1]
+        if last["role"] != "assistant" or last.get("tool_calls") or not last["content"].strip():
+            raise bad("'continue_final_message' needs the last message to be an assistant turn with text "
+                      "and no tool_calls", "messages")
+        add_gen = False
+    elif add_gen is None:
+        add_gen = True
     try:
-        return engine.template.render_and_encode(
-            engine.tokenizer, messages, add_generation_prompt=True, tools=tools or None
-        )
+        parts = engine.template.render_parts(messages, add_generation_prompt=add_gen, tools=tools or None, **kw)
     except TemplateError as exc:
         raise bad(f"chat template error: {exc}", "messages", "template_error") from None
-
-
-def _token_entry(tok, tid: int, lp: float) -> dict:
-    s = tok.decode([tid], skip_special=False)
-    return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
-
-
-def logprobs_json(tok, items, top_n: int) -> list[dict]:
-    out = []
-    for st in items:
-        e = _token_entry(tok, st.token_id, st.logprob)
-        e["top_logprobs"] = [_token_entry(tok, t, l) for t, l in st.top[:top_n]]
-        out.append(e)
-    return out
+    if cont:
+        final = messages[-1]["content"]
+        k = max((i for i, (_, trusted) in enumerate(parts) if not trusted), default=-1)
+        if k < 0 or parts[k][0].strip() != final.strip():
+            raise bad("the chat template does not render the final message's text; cannot continue it",
+                      "messages", "template_error")
+        parts = parts[:k] + [(parts[k][0].rstrip(), False)]
+    prompt = engine.tokenizer.encode_chat(parts, add_special=True)
+    # add_special above: BOS when the model wants one and the template did not write it.
+    # A think block is open when the reply's own start opens one: the assistant
+    # prefix being continued, or the template's text after the last message.
+    k = max((i for i, (_, trusted) in enumerate(parts) if not trusted), default=-1)
+    tail = parts[-1][0] if cont else "".join(t for t, _ in parts[k + 1:])
+    return prompt, prompt_opens_think(tail)
 
 
 def usage_json(prompt: int, completion: int, cached: int) -> dict:
@@ -114,6 +147,11 @@ def usage_json(prompt: int, completion: int, cached: int) -> dict:
     }
 
 
+def error_event(message: str, code: str = "engine_faulted") -> bytes:
+    err = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return b"data: " + json.dumps(err).encode() + b"\n\n"
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     body = await read_json(request)
@@ -121,7 +159,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if model is not None and not isinstance(model, str):
         raise bad("'model' must be a string", "model")
     messages = normalize_messages(body.get("messages"))
-    prompt = prepare_prompt(engine, messages, body)
+    prompt, thinking = prepare_prompt(engine, messages, body)
     gen = sampling(
         body,
         defaults=engine.defaults,
@@ -135,22 +173,36 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     request["response_id"] = request.get("client_request_id") or rid
     created = int(time.time())
     fp = f"imp-{engine.runner.fingerprint[:12]}"
-    async with contextlib.aclosing(generate(engine, rid, prompt, gen, endpoint="chat_completions")) as deltas:
-        if not gen.stream:
-            return await _complete(request, engine, gen, deltas, rid, created, fp, len(prompt))
-        return await _stream(request, engine, gen, deltas, rid, created, fp, len(prompt))
+    splitters = [ThinkSplitter(thinking) for _ in range(gen.n)]
+    with live_requests(request).track(rid, request.get("client_request_id"),
+                                      lambda: any(s.thinking for s in splitters)):
+        async with contextlib.aclosing(generate(engine, rid, prompt, gen, endpoint="chat_completions")) as deltas:
+            if not gen.stream:
+                return await _complete(request, engine, gen, deltas, rid, created, fp, len(prompt), splitters)
+            return await _stream(request, engine, gen, deltas, rid, created, fp, len(prompt), splitters)
 
 
-async def _complete(request, engine, gen, deltas, rid, created, fp, prompt_len) -> web.Response:
+def _split(sp: ThinkSplitter, d) -> tuple[str, str]:
+    r, c = sp.push(d.text)
+    if d.finish != FinishReason.NONE:
+        r2, c2 = sp.flush()
+        r, c = r + r2, c + c2
+    return r, c
+
+
+async def _complete(request, engine, gen, deltas, rid, created, fp, prompt_len, splitters) -> web.Response:
     tok = engine.tokenizer
     texts = [""] * gen.n
+    thoughts = [""] * gen.n
     lps: list[list] = [[] for _ in range(gen.n)]
     finish = ["stop"] * gen.n
     completion = [0] * gen.n
     cached = 0
     try:
         async for d in deltas:
-            texts[d.index] += d.text
+            r, c = _split(splitters[d.index], d)
+            thoughts[d.index] += r
+            texts[d.index] += c
             lps[d.index].extend(d.logprobs)
             if d.finish != FinishReason.NONE:
                 finish[d.index] = d.finish.openai()
@@ -158,15 +210,17 @@ async def _complete(request, engine, gen, deltas, rid, created, fp, prompt_len) 
             completion[d.index] = d.completion_tokens
     except StreamFault as exc:  # nothing was sent yet: a plain 500
         raise ApiError(500, f"engine step failed: {exc}", code="engine_step_failed") from None
-    choices = [
-        {
+    choices = []
+    for i in range(gen.n):
+        msg = {"role": "assistant", "content": texts[i]}
+        if splitters[i].saw_think:
+            msg["reasoning_content"] = msg["reasoning"] = thoughts[i]
+        choices.append({
             "index": i,
-            "message": {"role": "assistant", "content": texts[i]},
-            "logprobs": {"content": logprobs_json(tok, lps[i], gen.top_logprobs)} if gen.logprobs else None,
+            "message": msg,
+            "logprobs": {"content": chat_content(tok, lps[i], gen.top_logprobs)} if gen.logprobs else None,
             "finish_reason": finish[i],
-        }
-        for i in range(gen.n)
-    ]
+        })
     return web.json_response(
         {
             "id": rid,
@@ -181,7 +235,7 @@ async def _complete(request, engine, gen, deltas, rid, created, fp, prompt_len) 
     )
 
 
-async def _stream(request, engine, gen, deltas, rid, created, fp, prompt_len) -> web.StreamResponse:
+async def _stream(request, engine, gen, deltas, rid, created, fp, prompt_len, splitters) -> web.StreamResponse:
     """Per-token SSE; the first chunk of each choice carries the role."""
     tok = engine.tokenizer
     resp = None
@@ -207,9 +261,15 @@ async def _stream(request, engine, gen, deltas, rid, created, fp, prompt_len) ->
             completion[d.index] = d.completion_tokens
             prompt_tokens, cached = d.prompt_tokens or prompt_tokens, d.cached_tokens
             done = d.finish != FinishReason.NONE
-            if d.text or d.logprobs:
-                lp = {"content": logprobs_json(tok, d.logprobs, gen.top_logprobs)} if gen.logprobs else None
-                await resp.write(chunk([{"index": d.index, "delta": {"content": d.text}, "logprobs": lp, "finish_reason": None}]))
+            r, c = _split(splitters[d.index], d)
+            if r or c or d.logprobs:
+                delta = {}
+                if r:
+                    delta["reasoning_content"] = delta["reasoning"] = r
+                if c or not r:
+                    delta["content"] = c
+                lp = {"content": chat_content(tok, d.logprobs, gen.top_logprobs)} if gen.logprobs else None
+                await resp.write(chunk([{"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": None}]))
             if done:
                 await resp.write(chunk([{"index": d.index, "delta": {}, "logprobs": None, "finish_reason": d.finish.openai()}]))
         if resp is None:  # nothing at all came back (cannot normally happen)
@@ -218,8 +278,13 @@ async def _stream(request, engine, gen, deltas, rid, created, fp, prompt_len) ->
             await resp.write(chunk([], usage_json(prompt_tokens, sum(completion), cached)))
         await resp.write(b"data: [DONE]\n\n")
     except StreamFault as exc:
-        err = {"error": {"message": f"engine fault: {exc}", "type": "server_error", "param": None, "code": "engine_faulted"}}
-        await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+        await resp.write(error_event(f"engine fault: {exc}"))
     except (ConnectionResetError, ConnectionError):
         pass  # client went away; generate()'s cleanup already cancelled the request
+    except Exception as exc:  # noqa: BLE001 - our bug mid-stream: say so rather than close silently
+        if resp is None:
+            raise
+        log.exception("chat stream %s failed", rid)
+        with contextlib.suppress(ConnectionError):
+            await resp.write(error_event(f"internal error: {type(exc).__name__}", "internal_error"))
     return resp

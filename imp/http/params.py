@@ -107,6 +107,9 @@ class GenRequest:
     priority: int
     logprobs: bool
     top_logprobs: int
+    prompt_logprobs: int = -1  # -1 = not asked; else top N per prompt token (completions)
+    cache_prompt: bool = False
+    session_id: str = ""
 
 
 def sampling(body: dict, *, defaults: ModelDefaults, vocab_size: int, prompt_len: int,
@@ -130,6 +133,15 @@ def sampling(body: dict, *, defaults: ModelDefaults, vocab_size: int, prompt_len
     priority = num(body, "priority", -(2**31), 2**31 - 1, integer=True, default=0)
     ignore_eos = boolean(body, "ignore_eos")
     stream = boolean(body, "stream")
+    cache_prompt = boolean(body, "cache_prompt")
+    session_id = string(body, "session_id", "")
+    if len(session_id) > 256 or any(not c.isprintable() for c in session_id):
+        raise bad("'session_id' must be at most 256 printable characters", "session_id")
+    plp = num(body, "prompt_logprobs", 0, 20, integer=True, default=None)
+    if plp is not None and chat:
+        raise bad("'prompt_logprobs' is only supported on /v1/completions", "prompt_logprobs")
+    if plp is not None and stream:
+        raise bad("'prompt_logprobs' cannot be used with 'stream': true", "prompt_logprobs")
 
     remaining = max_context - prompt_len
     if remaining <= 0:
@@ -191,5 +203,7 @@ def sampling(body: dict, *, defaults: ModelDefaults, vocab_size: int, prompt_len
         ignore_eos=ignore_eos,
         logit_bias=tuple(bias),
         logprobs=top if logprobs else -1,
+        prompt_logprobs=-1 if plp is None else plp,
     )
-    return GenRequest(params, n, stop_list(body), stream, include_usage, priority, logprobs, top)
+    return GenRequest(params, n, stop_list(body), stream, include_usage, priority, logprobs, top,
+                      -1 if plp is None else plp, cache_prompt, session_id)

@@ -1,9 +1,16 @@
 """The routes table: one line per endpoint, one module per dialect."""
 
-from imp.http import common, openai_chat
+from imp.http import common, control, llama_cpp, openai_chat, openai_completions
 
 ROUTES = [
     ("POST", "/v1/chat/completions", openai_chat.chat_completions),
+    ("POST", "/v1/completions", openai_completions.completions),
+    ("POST", "/infill", llama_cpp.infill),
+    ("POST", "/tokenize", llama_cpp.tokenize),
+    ("POST", "/detokenize", llama_cpp.detokenize),
+    ("GET", "/props", llama_cpp.props),
+    ("GET", "/info", common.info),
+    ("POST", "/v1/requests/{id}/end_thinking", control.end_thinking),
     ("GET", "/v1/models", common.models),
     ("GET", "/v1/models/{model:.+}", common.model),
     ("GET", "/health", common.health),

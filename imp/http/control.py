@@ -1,0 +1,74 @@
+"""Control of running requests: POST /v1/requests/{id}/end_thinking.
+
+Generation handlers register each live request under its completion id and
+the client's X-Request-Id; the control route finds it there. Ending a think
+block is the scheduler's job (EndThinking: the model's `</think>` appended
+as forced tokens, the answer continues on the same KV); this module only
+says which request and whether it is still in a think block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+from aiohttp import web
+
+from imp.http.app import ENGINE
+from imp.http.errors import ApiError
+
+
+@dataclass
+class Live:
+    req_id: str
+    thinking: Callable[[], bool]  # is the reply (still) inside a think block?
+    ended: bool = False
+
+
+class LiveRequests:
+    def __init__(self):
+        self._by_id: dict[str, Live] = {}
+
+    @contextlib.contextmanager
+    def track(self, req_id: str, client_id: str | None, thinking: Callable[[], bool]):
+        live = Live(req_id, thinking)
+        ids = [req_id] + ([client_id] if client_id and client_id not in self._by_id else [])
+        for i in ids:
+            self._by_id[i] = live
+        try:
+            yield live
+        finally:
+            for i in ids:
+                if self._by_id.get(i) is live:
+                    del self._by_id[i]
+
+    def get(self, some_id: str) -> Live | None:
+        return self._by_id.get(some_id)
+
+
+LIVE: web.AppKey = web.AppKey("live_requests", LiveRequests)
+
+
+def live_requests(request: web.Request) -> LiveRequests:
+    return request.app[LIVE]
+
+
+def think_end_ids(tok) -> list[int]:
+    # the spelling the model learnt; "\n\n" after it is how chat templates lay out the answer
+    return tok.encode("</think>\n\n", parse_special=True)
+
+
+async def end_thinking(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    rid = request.match_info["id"]
+    live = request.app[LIVE].get(rid)
+    if live is None:
+        raise ApiError(404, f"no running request '{rid[:128]}'", param="id", code="request_not_found")
+    body = {"id": live.req_id, "object": "request.end_thinking"}
+    if live.ended or not live.thinking():
+        return web.json_response(dict(body, ended=False, reason="not_thinking"))
+    if not engine.ingress.end_thinking(live.req_id, think_end_ids(engine.tokenizer)):
+        raise ApiError(404, f"request '{rid[:128]}' has finished", param="id", code="request_not_found")
+    live.ended = True
+    return web.json_response(dict(body, ended=True))

@@ -1,0 +1,145 @@
+"""Shared plumbing for the GPU kernels: lazy CuPy/Numba, compile cache, streams.
+
+Every CuPy kernel here is compiled with NVRTC from source held in its own
+file, once per (source, options) pair, and launched on *torch's current
+stream* through `cupy.cuda.ExternalStream`, so that a launch inside
+`torch.cuda.graph(...)` is captured into the graph like a torch op.
+
+Arguments go to CuPy as numpy scalars: pointers as `np.uint64(t.data_ptr())`,
+sizes as `np.int32`, so no CuPy array is ever created (no second allocator,
+and a few microseconds less per launch).
+
+No CUDA headers are included: bf16/f16 are handled as raw uint16 with the
+conversions below (`PRELUDE`), so NVRTC needs no include path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+PRELUDE = r"""
+typedef unsigned short u16;
+typedef unsigned char u8;
+#define NEG_INF (__int_as_float(0xff800000))
+__device__ __forceinline__ float bf2f(u16 v) { return __uint_as_float(((unsigned)v) << 16); }
+__device__ __forceinline__ float h2f(u16 v) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f; }
+__device__ __forceinline__ u16 f2bf(float f) {  // round to nearest even (no NaN payloads here)
+    unsigned u = __float_as_uint(f);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+__device__ __forceinline__ float warp_sum(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+"""
+
+
+def cupy():
+    import cupy as cp  # noqa: PLC0415 - optional dependency, GPU machines only
+
+    return cp
+
+
+def available() -> bool:
+    """A CUDA device torch can use, and CuPy importable."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        cupy()
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def module(code: str, name_expressions: tuple[str, ...] = (), options: tuple[str, ...] = ()):
+    cp = cupy()
+    opts = ("-std=c++17",) + tuple(options)
+    mod = cp.RawModule(code=PRELUDE + code, options=opts, name_expressions=list(name_expressions) or None)
+    mod.compile()
+    return mod
+
+
+@functools.lru_cache(maxsize=None)
+def function(code: str, name: str, name_expressions: tuple[str, ...] = (), options: tuple[str, ...] = ()):
+    mod = module(code, name_expressions, options)
+    return mod.get_function(name)
+
+
+_streams: dict[int, object] = {}
+
+
+def torch_stream():
+    """CuPy view of torch's current stream (captured when torch captures)."""
+    ptr = torch.cuda.current_stream().cuda_stream
+    s = _streams.get(ptr)
+    if s is None:
+        s = _streams[ptr] = cupy().cuda.ExternalStream(ptr)
+    return s
+
+
+def launch(fn, grid, block, args, shared_mem: int = 0) -> None:
+    with torch_stream():
+        fn(grid, block, args, shared_mem=shared_mem)
+
+
+def ptr(t: torch.Tensor | None) -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def i32(v: int) -> np.int32:
+    return np.int32(v)
+
+
+def f32(v: float) -> np.float32:
+    return np.float32(v)
+
+
+def check(t: torch.Tensor, name: str, dtype: torch.dtype | tuple, ndim: int | None = None,
+          contiguous_last: bool = True, align: int = 0) -> None:
+    """Launcher-side checks: device, dtype, rank, unit stride in the last dim, alignment."""
+    dts = dtype if isinstance(dtype, tuple) else (dtype,)
+    if not t.is_cuda:
+        raise ValueError(f"{name}: expected a CUDA tensor")
+    if t.dtype not in dts:
+        raise ValueError(f"{name}: dtype {t.dtype}, expected {dts}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: rank {t.dim()}, expected {ndim}")
+    if contiguous_last and t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(f"{name}: last dim must have stride 1")
+    if align and t.data_ptr() % align:
+        raise ValueError(f"{name}: data pointer not {align}-byte aligned")
+
+
+# ------------------------------------------------------------------ Numba
+
+
+def numba_cuda():
+    # numba-cuda 0.68 registers overloads for numpy functions that numpy 2.4+
+    # removed (np.row_stack, ...): alias them before its first import, or every
+    # kernel compile fails with AttributeError (seen on the H200 image).
+    for old, new in (("row_stack", "vstack"), ("trapz", "trapezoid"), ("in1d", "isin")):
+        if not hasattr(np, old) and hasattr(np, new):
+            setattr(np, old, getattr(np, new))
+    from numba import cuda  # noqa: PLC0415
+
+    return cuda
+
+
+def nb_array(t: torch.Tensor):
+    """Numba device-array view of a torch tensor (no copy, no stream sync: capturable)."""
+    return numba_cuda().as_cuda_array(t, sync=False)
+
+
+def nb_stream():
+    return numba_cuda().external_stream(torch.cuda.current_stream().cuda_stream)

@@ -1,0 +1,592 @@
+"""GpuModelRunner: the CPU ModelRunner's interface on one CUDA device.
+
+Weights are uploaded once, kept in their GGUF quantization (repacked for
+aligned loads, `imp.kernels.qgemv`); the KV cache is paged in device memory
+([n_layers, num_blocks, block_size, Hkv, D], bf16 by default). The same
+`SeqWork` list goes in, the same `SampledToken` list comes out.
+
+A step takes one of two paths:
+  decode graph: every sequence feeds one token and samples it, and the batch
+      fits a captured bucket (1, 2, 4, ... max_graph_batch). Inputs go into
+      static device buffers in ONE host->device copy; the whole forward
+      (embedding, 9 kernels a layer, head) replays as one CUDA graph.
+  eager: anything else (prefill chunks, mixed steps, prompt logprobs): the
+      same kernels launched one by one; prefill attention through torch SDPA.
+
+Per layer (decode): add+RMSNorm -> QKV GEMV -> RoPE -> KV write (Numba) ->
+paged attention -> O GEMV -> add+RMSNorm -> gate/up GEMV -> SiLU*up -> down
+GEMV. Each matmul picks, per batch size, the quantized GEMV or a dense
+cuBLAS GEMM over a dequantized fp16 copy (bf16 weights: the weights
+themselves), whichever times faster at load (`Linear.choose`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import torch
+from gguf import GGUFReader
+
+from imp.kernels import act as k_act
+from imp.kernels import kv_write as k_kv
+from imp.kernels import paged_attention as k_attn
+from imp.kernels import prefill_attention as k_prefill
+from imp.kernels import qgemv
+from imp.kernels import rmsnorm as k_norm
+from imp.kernels import rope as k_rope
+from imp.kernels import sampling as k_sample
+from imp.messages import SampledToken, SeqWork
+from imp.model.gguf_loader import ModelConfig, config_from_metadata, fingerprint, read_metadata
+from imp.model.llama import default_num_blocks, rope_tables
+from imp.model.quants import dequantize
+from imp.model.runner import DEFAULT_KV_TOKENS, SUPPORTED_ARCHS, prompt_logprobs
+from imp.model.sampling import sample_one
+
+log = logging.getLogger("imp.gpu")
+
+GEMV_MAX_ROWS = 8  # without timing: GEMV up to this many rows, dense GEMM above
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _mm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [N, K] (w's dtype) @ w.T -> fp32, accumulating and writing in fp32 when torch can."""
+    if _MM_OUT_DTYPE[0]:
+        try:
+            return torch.mm(x, w.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError):
+            _MM_OUT_DTYPE[0] = False
+    return torch.mm(x, w.t()).float()
+
+
+_MM_OUT_DTYPE = [True]
+
+
+class Linear:
+    """y = x @ W.T for W the row-concatenation of `parts` (fused QKV, gate+up)."""
+
+    def __init__(self, parts: list[qgemv.QWeight], dense: torch.Tensor | None, tuner: dict):
+        self.parts = parts
+        self.rows = sum(p.rows for p in parts)
+        self.cols = parts[0].cols
+        self.offsets = list(np.cumsum([0] + [p.rows for p in parts])[:-1])
+        self.dense = dense
+        self.key = (tuple((p.fmt, p.rows) for p in parts), self.cols)
+        self.tuner = tuner  # shared by all layers: (key, N) -> "gemv" | "dense"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def mode(self, n: int) -> str:
+        if self.dense is None:
+            return "gemv"
+        m = self.tuner.get((self.key, n))
+        if m is not None:
+            return m
+        return "gemv" if n <= GEMV_MAX_ROWS else "dense"
+
+    def gemv(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.rows, dtype=torch.float32, device=x.device)
+        for p, r0 in zip(self.parts, self.offsets):
+            qgemv.gemv(p, x, out[:, r0:r0 + p.rows])
+        return out
+
+    def dense_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return _mm_f32(x.to(self.dense.dtype), self.dense)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_mm(x) if self.mode(x.shape[0]) == "dense" else self.gemv(x)
+
+    def choose(self, n: int, reps: int = 10) -> str:
+        """Time GEMV against dense for n rows once per shape; remember the faster."""
+        if self.dense is None:
+            return "gemv"
+        if (self.key, n) in self.tuner:
+            return self.tuner[(self.key, n)]
+        if n > 64:
+            self.tuner[(self.key, n)] = "dense"
+            return "dense"
+        x = torch.randn(n, self.cols).to(self.dense.device)  # CPU RNG: the CUDA one is capture-sensitive
+        times = {}
+        for name, fn in (("gemv", self.gemv), ("dense", self.dense_mm)):
+            for _ in range(3):
+                fn(x)
+            torch.cuda.synchronize()
+            # time inside a CUDA graph, as decode runs: Python launch cost must not decide
+            g = None
+            try:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                    for _ in range(reps):
+                        fn(x)
+                g.replay()
+            except Exception:  # noqa: BLE001 - eager timing then
+                g = None
+            torch.cuda.synchronize()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            if g is not None:
+                g.replay()
+            else:
+                for _ in range(reps):
+                    fn(x)
+            e.record()
+            e.synchronize()
+            times[name] = s.elapsed_time(e) / reps
+            del g
+        best = min(times, key=times.get)
+        self.tuner[(self.key, n)] = best
+        log.info("linear %s n=%d: gemv %.1f us, dense %.1f us -> %s", self.key, n, times["gemv"] * 1e3, times["dense"] * 1e3, best)
+        return best
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    wqkv: Linear
+    wo: Linear
+    ffn_norm: torch.Tensor
+    w13: Linear
+    w2: Linear
+
+
+@dataclass
+class Meta:
+    """One forward's device-side inputs (see `_forward`)."""
+
+    tokens: torch.Tensor  # [N] int32
+    positions: torch.Tensor  # [N] int32
+    slots: torch.Tensor  # [N] int32, -1 = skip
+    dec_rows: torch.Tensor | None  # [Bd] int64 rows of decode queries; None = rows 0..Bd-1
+    dec_bt: torch.Tensor | None  # [Bd, max_blocks] int32
+    dec_lens: torch.Tensor | None  # [Bd] int32
+    prefill: list  # (row0, row1, ctx_blocks int64 | None, start)
+    out_rows: torch.Tensor | None  # [R] int64 rows to compute logits for; None = all rows
+    all_decode: bool = False
+
+
+class GpuModelRunner:
+    def __init__(self, cfg: ModelConfig, metadata: dict, fp: str, tensors: dict, qtypes: dict,
+                 num_blocks: int, block_size: int, device: str = "cuda:0", kv_dtype=torch.bfloat16,
+                 dense: bool | None = None, graphs: bool = True, max_graph_batch: int = 64, tune: bool = True):
+        self.config = cfg
+        self.metadata = metadata
+        self.fingerprint = fp
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.kv_dtype = kv_dtype
+        self.notes: list[str] = []  # what fell back, for the bench/logs
+        self._lock = threading.Lock()
+        torch.cuda.set_device(self.device)
+        if cfg.arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"architecture {cfg.arch!r} not supported (have {SUPPORTED_ARCHS})")
+        if cfg.extras.get("rope.scaling.type", "none") not in ("none", None):
+            raise NotImplementedError("rope scaling not supported yet")
+        self._load_weights(tensors, qtypes, dense)
+        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        shape = (cfg.n_layers, num_blocks, block_size, Hkv, D)
+        self.k_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        cos, sin = rope_tables(cfg, cfg.context_length)
+        self.cos, self.sin = cos.to(self.device), sin.to(self.device)
+        self.max_blocks = (cfg.context_length + block_size - 1) // block_size
+        self.kv_impl = "numba" if self._self_check_numba() else "cupy"
+        self.use_numba_sampling = self.kv_impl == "numba"
+        self._graphs: dict[int, tuple] = {}
+        self.buckets = tuple(b for i, b in enumerate(BUCKETS) if i == 0 or BUCKETS[i - 1] < max_graph_batch)
+        if tune:
+            for n in self.buckets:
+                for lin in (self.layers[0].wqkv, self.layers[0].wo, self.layers[0].w13, self.layers[0].w2, self.head):
+                    lin.choose(n)
+        if graphs and self.buckets:
+            try:
+                self._capture()
+            except Exception as e:  # noqa: BLE001 - retry with the CuPy KV write, then eager
+                self._graphs.clear()
+                self.notes.append(f"graph capture failed with {self.kv_impl} KV write: {type(e).__name__}: {str(e)[:200]}")
+                log.warning(self.notes[-1])
+                torch.cuda.synchronize(self.device)
+                if self.kv_impl == "numba":
+                    self.kv_impl = "cupy"
+                    try:
+                        self._capture()
+                    except Exception as e2:  # noqa: BLE001
+                        self._graphs.clear()
+                        self.notes.append(f"graph capture failed, eager decode: {type(e2).__name__}: {str(e2)[:200]}")
+                        log.warning(self.notes[-1])
+
+    # ------------------------------------------------------------------ load
+
+    @classmethod
+    def load(cls, path: str, num_blocks: int | None = None, block_size: int = 16, kv_tokens: int | None = None,
+             device: str = "cuda:0", **kw) -> "GpuModelRunner":
+        reader = GGUFReader(path, "r")
+        md = read_metadata(reader)
+        names = {t.name for t in reader.tensors}
+        cfg = config_from_metadata(md, names)
+        if cfg.arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"{path}: architecture {cfg.arch!r} not supported (have {SUPPORTED_ARCHS})")
+        if num_blocks is None:
+            num_blocks = default_num_blocks(kv_tokens or DEFAULT_KV_TOKENS, block_size)
+        tensors = {t.name: t for t in reader.tensors}
+        qtypes = {t.name: t.tensor_type.name for t in reader.tensors}
+        return cls(cfg, md, fingerprint(path, reader), tensors, qtypes, num_blocks, block_size, device, **kw)
+
+    def _upload(self, t, name: str) -> qgemv.QWeight:
+        fmt = t.tensor_type.name
+        rows, cols = (int(s) for s in reversed(t.shape.tolist()))
+        if fmt in ("F32", "F16"):  # small plain tensors: store as bf16 GEMV weight
+            arr = dequantize(t.data, t.tensor_type, (rows, cols), name=name)
+            w = torch.from_numpy(np.ascontiguousarray(arr)).to(self.device).to(torch.bfloat16)
+            return qgemv.QWeight("BF16", rows, cols, {"w": w})
+        if fmt not in qgemv.FORMATS:
+            raise ValueError(f"tensor {name}: GGML type {fmt} not supported on the GPU (have {qgemv.FORMATS})")
+        return qgemv.repack(np.asarray(t.data), fmt, rows, cols).to(self.device)
+
+    def _vec(self, t, name) -> torch.Tensor:
+        arr = dequantize(t.data, t.tensor_type, (int(np.prod(t.shape)),), name=name)
+        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(self.device)
+
+    def _load_weights(self, t: dict, qtypes: dict, dense: bool | None) -> None:
+        cfg = self.config
+        tuner: dict = {}
+        self._tuner = tuner
+        raw: dict[str, list] = {}
+        total_dense = 0
+        for i in range(cfg.n_layers):
+            p = f"blk.{i}."
+            raw[p + "qkv"] = [self._upload(t[p + n], p + n) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")]
+            raw[p + "o"] = [self._upload(t[p + "attn_output.weight"], p + "o")]
+            raw[p + "13"] = [self._upload(t[p + n], p + n) for n in ("ffn_gate.weight", "ffn_up.weight")]
+            raw[p + "2"] = [self._upload(t[p + "ffn_down.weight"], p + "2")]
+        head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+        raw["head"] = [self._upload(t[head_name], head_name)]
+        for v in raw.values():
+            total_dense += sum(w.rows * w.cols * 2 for w in v if w.fmt != "BF16")
+        if dense is None:  # dense fp16 copies for GEMM batches, when they fit comfortably
+            free, total = torch.cuda.mem_get_info(self.device)
+            dense = total_dense <= 0.3 * free
+        self.dense = dense
+
+        def merge(ws: list[qgemv.QWeight]) -> list[qgemv.QWeight]:
+            out = [ws[0]]
+            for w in ws[1:]:
+                if w.fmt == out[-1].fmt:
+                    out[-1] = qgemv.cat_rows([out[-1], w])
+                else:
+                    out.append(w)
+            return out
+
+        def lin(ws):
+            parts = merge(ws)
+            d = None
+            if all(p.fmt == "BF16" for p in parts) and len(parts) == 1:
+                d = parts[0].parts["w"]
+            elif dense:
+                d = torch.cat([qgemv.reference(p).to(torch.float16) for p in parts])
+            return Linear(parts, d, tuner)
+
+        self.layers = []
+        for i in range(cfg.n_layers):
+            p = f"blk.{i}."
+            self.layers.append(Layer(
+                attn_norm=self._vec(t[p + "attn_norm.weight"], p + "attn_norm"),
+                wqkv=lin(raw.pop(p + "qkv")), wo=lin(raw.pop(p + "o")),
+                ffn_norm=self._vec(t[p + "ffn_norm.weight"], p + "ffn_norm"),
+                w13=lin(raw.pop(p + "13")), w2=lin(raw.pop(p + "2")),
+            ))
+        self.out_norm = self._vec(t["output_norm.weight"], "output_norm")
+        head_parts = raw.pop("head")
+        self.head = lin(head_parts)
+        emb = t["token_embd.weight"]
+        if cfg.tied_embeddings:
+            self.tok_embd = qgemv.reference(self.head.parts[0]) if len(self.head.parts) == 1 else None
+        else:
+            self.tok_embd = None
+        if self.tok_embd is None:
+            self.tok_embd = qgemv.reference(self._upload(emb, "token_embd.weight"))
+        self.tok_embd = self.tok_embd.float().contiguous()  # [vocab, d] fp32
+        self.weight_bytes = sum(lin.nbytes for L in self.layers for lin in (L.wqkv, L.wo, L.w13, L.w2)) + self.head.nbytes
+        torch.cuda.synchronize(self.device)
+
+    def _self_check_numba(self) -> bool:
+        """Numba KV write on a tiny case; torch fallback (noted) if Numba CUDA is unusable here."""
+        try:
+            W = 8
+            k = torch.randn(3, W, device=self.device)
+            v = torch.randn(3, W, device=self.device)
+            kc = torch.zeros(4, W, dtype=self.kv_dtype, device=self.device)
+            vc = torch.zeros_like(kc)
+            slots = torch.tensor([2, -1, 0], dtype=torch.int32, device=self.device)
+            k_kv.kv_write(k, v, kc, vc, slots)
+            rk, rv = k_kv.reference(k, v, torch.zeros_like(kc), torch.zeros_like(vc), slots)
+            torch.cuda.synchronize(self.device)
+            if not (torch.equal(kc, rk) and torch.equal(vc, rv)):
+                raise RuntimeError("numba kv_write mismatch")
+            return True
+        except Exception as e:  # noqa: BLE001
+            self.notes.append(f"numba unavailable, CuPy KV write / torch penalties: {type(e).__name__}: {str(e)[:200]}")
+            log.warning(self.notes[-1])
+            return False
+
+    # ------------------------------------------------------------------ model
+
+    def _forward(self, m: Meta) -> torch.Tensor:
+        cfg = self.config
+        H, Hkv, D, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps
+        N = m.tokens.shape[0]
+        x = self.tok_embd.index_select(0, m.tokens)  # [N, d]
+        delta = None
+        h = torch.empty_like(x)
+        for i, L in enumerate(self.layers):
+            k_norm.add_rmsnorm(x, delta, L.attn_norm, eps, out=h)
+            qkv = L.wqkv(h)  # [N, (H + 2 Hkv) D]
+            k_rope.rope(qkv, m.positions, self.cos, self.sin, H + Hkv)
+            kc, vc = self.k_cache[i], self.v_cache[i]  # [num_blocks, bs, Hkv, D]
+            kf, vf = kc.view(-1, Hkv * D), vc.view(-1, Hkv * D)
+            kn, vn = qkv[:, H * D:(H + Hkv) * D], qkv[:, (H + Hkv) * D:]
+            if self.kv_impl == "numba":
+                k_kv.kv_write(kn, vn, kf, vf, m.slots)
+            else:
+                k_kv.kv_write_cupy(kn, vn, kf, vf, m.slots)
+            a = self._attention(qkv, kn, vn, kc, vc, m, N)
+            delta = L.wo(a)
+            k_norm.add_rmsnorm(x, delta, L.ffn_norm, eps, out=h)
+            gu = L.w13(h)
+            delta = L.w2(k_act.gated_act(gu, "silu"))
+        if m.out_rows is not None:
+            x, delta = x.index_select(0, m.out_rows), delta.index_select(0, m.out_rows)
+        hf = k_norm.add_rmsnorm(x, delta, self.out_norm, eps)
+        return self.head(hf)  # [R, vocab] fp32
+
+    def _attention(self, qkv, kn, vn, kc, vc, m: Meta, N: int) -> torch.Tensor:
+        H, D = self.config.n_heads, self.config.head_dim
+        if m.all_decode:
+            return k_attn.paged_decode(qkv, kc, vc, m.dec_bt, m.dec_lens, H)
+        out = torch.empty(N, H * D, dtype=torch.float32, device=qkv.device)
+        if m.dec_bt is not None:
+            qd = qkv.index_select(0, m.dec_rows)
+            out.index_copy_(0, m.dec_rows, k_attn.paged_decode(qd, kc, vc, m.dec_bt, m.dec_lens, H))
+        for r0, r1, ctx, start in m.prefill:
+            k_prefill.prefill_attention(qkv[r0:r1, :H * D], kn[r0:r1], vn[r0:r1], kc, vc, ctx, start, H, out[r0:r1])
+        return out
+
+    # ------------------------------------------------------------------ inputs
+
+    def _check(self, seqs: list[SeqWork]) -> None:
+        assert seqs, "empty step"
+        ctx = self.config.context_length
+        for s in seqs:
+            end = s.start_pos + len(s.token_ids)
+            if not s.token_ids:
+                raise ValueError(f"{s.seq_id}: no tokens")
+            if end > ctx:
+                raise ValueError(f"{s.seq_id}: position {end - 1} beyond context length {ctx}")
+            nb = (end - 1) // self.block_size + 1
+            if len(s.block_table) < nb:
+                raise ValueError(f"{s.seq_id}: block table too short for position {end - 1}")
+            tbl = s.block_table[:nb]
+            if max(tbl) >= self.num_blocks or min(tbl) < 0:
+                raise ValueError(f"{s.seq_id}: block id out of range (num_blocks={self.num_blocks})")
+
+    def _eager_meta(self, seqs: list[SeqWork], rows: list[int]) -> Meta:
+        bs = self.block_size
+        toks, pos, slots = [], [], []
+        dec, pre = [], []
+        r = 0
+        for s in seqs:
+            n = len(s.token_ids)
+            table = np.asarray(s.block_table, dtype=np.int64)
+            p = np.arange(s.start_pos, s.start_pos + n, dtype=np.int64)
+            toks.append(np.asarray(s.token_ids, dtype=np.int64))
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            (dec if n == 1 else pre).append((r, s, n, table))
+            r += n
+        dev = self.device
+        i32 = lambda a: torch.from_numpy(np.concatenate(a).astype(np.int32)).to(dev)  # noqa: E731
+        m = Meta(tokens=i32(toks), positions=i32(pos), slots=i32(slots), dec_rows=None, dec_bt=None,
+                 dec_lens=None, prefill=[], out_rows=torch.tensor(rows, dtype=torch.int64, device=dev))
+        if dec:
+            nbmax = max((s.start_pos // bs) + 1 for _, s, _, _ in dec)
+            bt = np.zeros((len(dec), nbmax), np.int32)
+            lens = np.zeros(len(dec), np.int32)
+            for j, (_, s, _, table) in enumerate(dec):
+                nb = s.start_pos // bs + 1
+                bt[j, :nb] = table[:nb]
+                lens[j] = s.start_pos + 1
+            m.dec_bt = torch.from_numpy(bt).to(dev)
+            m.dec_lens = torch.from_numpy(lens).to(dev)
+            m.dec_rows = torch.tensor([rr for rr, _, _, _ in dec], dtype=torch.int64, device=dev)
+        for rr, s, n, table in pre:
+            ctx = None
+            if s.start_pos > 0:
+                nb = (s.start_pos + n - 1) // bs + 1
+                ctx = torch.from_numpy(np.ascontiguousarray(table[:nb])).to(dev)
+            m.prefill.append((rr, rr + n, ctx, s.start_pos))
+        return m
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def _capture(self) -> None:
+        """One graph per bucket over static input buffers (largest first, one memory pool)."""
+        M, MB = max(self.buckets), self.max_blocks
+        self._in = torch.zeros(4 * M + M * MB, dtype=torch.int32, device=self.device)
+        self._host = torch.zeros_like(self._in, device="cpu").pin_memory()
+        self._host_np = self._host.numpy()
+        gi = self._in
+        self._static = dict(tokens=gi[0:M], positions=gi[M:2 * M], slots=gi[2 * M:3 * M], lens=gi[3 * M:4 * M],
+                            bt=gi[4 * M:].view(M, MB))
+        self._host_np[2 * M:3 * M] = -1  # no KV writes from padding rows
+        self._in.copy_(self._host)
+        st = self._static
+        pool = None
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            for b in self.buckets:  # warm-up: compiles every kernel, picks tuned paths
+                self._forward(self._graph_meta(b))
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        torch.cuda.synchronize(self.device)
+        for b in sorted(self.buckets, reverse=True):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+                out = self._forward(self._graph_meta(b))
+            pool = g.pool()
+            self._graphs[b] = (g, out)
+        torch.cuda.synchronize(self.device)
+        del st
+
+    def _graph_meta(self, b: int) -> Meta:
+        st = self._static
+        return Meta(tokens=st["tokens"][:b], positions=st["positions"][:b], slots=st["slots"][:b], dec_rows=None,
+                    dec_bt=st["bt"][:b], dec_lens=st["lens"][:b], prefill=[], out_rows=None, all_decode=True)
+
+    def _replay(self, seqs: list[SeqWork]) -> torch.Tensor:
+        B = len(seqs)
+        b = next(x for x in self.buckets if x >= B)
+        M, MB, bs = max(self.buckets), self.max_blocks, self.block_size
+        h = self._host_np
+        bt = h[4 * M:4 * M + b * MB].reshape(b, MB)
+        for i, s in enumerate(seqs):
+            p = s.start_pos
+            nb = p // bs + 1
+            bt[i, :nb] = s.block_table[:nb]
+            h[i] = s.token_ids[0]
+            h[M + i] = p
+            h[2 * M + i] = s.block_table[p // bs] * bs + p % bs
+            h[3 * M + i] = p + 1
+        h[B:b] = 0
+        h[M + B:M + b] = 0
+        h[2 * M + B:2 * M + b] = -1
+        h[3 * M + B:3 * M + b] = 0
+        self._in[: 4 * M + b * MB].copy_(self._host[: 4 * M + b * MB], non_blocking=True)
+        g, out = self._graphs[b]
+        g.replay()
+        return out[:B]
+
+    def _decode_only(self, seqs: list[SeqWork]) -> bool:
+        return bool(self._graphs) and len(seqs) <= max(self._graphs) and all(
+            len(s.token_ids) == 1 and s.sample and s.prompt_logprobs < 0 for s in seqs)
+
+    # ------------------------------------------------------------------ interface
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SeqWork]) -> torch.Tensor:
+        """fp32 logits [B, vocab] (on the device) at each sequence's last new token."""
+        self._check(seqs)
+        rows, base = [], 0
+        for s in seqs:
+            base += len(s.token_ids)
+            rows.append(base - 1)
+        with self._lock:
+            return self._forward(self._eager_meta(seqs, rows)).clone()
+
+    @torch.inference_mode()
+    def step(self, seqs: list[SeqWork]) -> list[SampledToken]:
+        self._check(seqs)
+        with self._lock:
+            if self._decode_only(seqs):
+                logits = self._replay(seqs)
+                return self._sample(logits, seqs)
+            rows: list[int] = []
+            sample_at: dict[int, int] = {}
+            plp_at: dict[int, tuple[int, int]] = {}
+            base = 0
+            for i, s in enumerate(seqs):
+                n = len(s.token_ids)
+                if s.prompt_logprobs >= 0:
+                    count = n if s.prompt_next >= 0 else n - 1
+                    plp_at[i] = (len(rows), count)
+                    rows.extend(range(base, base + count))
+                if s.sample:
+                    sample_at[i] = len(rows)
+                    rows.append(base + n - 1)
+                base += n
+            logits = self._forward(self._eager_meta(seqs, rows)) if rows else None
+            if logits is None:
+                m = self._eager_meta(seqs, [])
+                self._forward(m)
+                return []
+            order = sorted(sample_at)
+            drawn = {}
+            if order:
+                sel = logits.index_select(0, torch.tensor([sample_at[i] for i in order], device=self.device))
+                drawn = dict(zip(order, self._sample(sel, [seqs[i] for i in order])))
+            out = []
+            for i, s in enumerate(seqs):
+                t = drawn.get(i)
+                if i in plp_at:
+                    first, count = plp_at[i]
+                    scored = prompt_logprobs(logits[first:first + count].float().cpu(), s)
+                    t = t or SampledToken(seq_id=s.seq_id, token_id=-1)
+                    t = msgspec.structs.replace(t, prompt=scored)
+                if t is not None:
+                    out.append(t)
+            return out
+
+    def _sample(self, logits: torch.Tensor, seqs: list[SeqWork]) -> list[SampledToken]:
+        ps = [s.params for s in seqs]
+        if all(p.temperature <= 0.0 and p.logprobs < 0 and not p.logit_bias and p.repetition_penalty == 1.0
+               and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 for p in ps):
+            ids = torch.argmax(logits, dim=-1).tolist()
+            return [SampledToken(seq_id=s.seq_id, token_id=t) for s, t in zip(seqs, ids)]
+        cpu = [i for i, p in enumerate(ps) if p.typical_p < 1.0 and p.temperature > 0.0]
+        dev = [i for i in range(len(seqs)) if i not in set(cpu)]
+        out: dict[int, SampledToken] = {}
+        if dev:
+            sel = logits if len(dev) == len(seqs) else logits.index_select(0, torch.tensor(dev, device=self.device))
+            for i, t in zip(dev, k_sample.sample(sel, [seqs[i] for i in dev], self.use_numba_sampling)):
+                out[i] = t
+        for i in cpu:  # typical_p: the CPU sampler, row by row
+            out[i] = sample_one(logits[i].float().cpu(), seqs[i])
+        return [out[i] for i in range(len(seqs))]
+
+    def graph_buckets(self) -> tuple[int, ...]:
+        return tuple(sorted(self._graphs))
+
+    def timing_probe(self, seqs: list[SeqWork], reps: int = 20) -> float:
+        """Median device time (ms) of a graph replay for these decode seqs (no sampling)."""
+        self._replay(seqs)
+        torch.cuda.synchronize(self.device)
+        ts = []
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            self._replay(seqs)
+            e.record()
+            e.synchronize()
+            ts.append(s.elapsed_time(e))
+        return float(np.median(ts))
+
+
+def wall(fn, *a):
+    t0 = time.perf_counter()
+    r = fn(*a)
+    return r, time.perf_counter() - t0

@@ -1,0 +1,148 @@
+"""Scheduler features behind the HTTP surface: EndThinking (forced tokens) and
+prompt logprobs (every prompt row scored once, no prefix-cache reuse).
+
+Driven through the real admission + kv + scheduler cores by a tiny fake
+executor: every sampled token is SAMPLED, and prompt rows are "scored" with
+their position, so what reaches detok can be checked exactly.
+"""
+
+from __future__ import annotations
+
+from imp.actors.admission_core import AdmissionConfig, AdmissionCore
+from imp.actors.kv_core import KvConfig, KvCore
+from imp.actors.scheduler_core import SchedulerConfig, SchedulerCore
+from imp.actors.wiring import Router
+from imp.messages import (
+    EndThinking, FinishReason, KvRequest, PromptLogprob, SampledToken, SamplingParams, StepPlan,
+    StepResult, Submit, TokenBatch, TokenOut,
+)
+
+SAMPLED, THINK_END = 5, [8, 9]
+
+
+class Drive:
+    def __init__(self, max_step_tokens=16):
+        self.router = Router({
+            "kv": KvCore(KvConfig(64, 4, "fake")),
+            "admission": AdmissionCore(AdmissionConfig(64, 4, 128)),
+            "scheduler": SchedulerCore(SchedulerConfig(64, 4, 128, 8, max_step_tokens)),
+        })
+        self.plan: StepPlan | None = None
+        self.plans: list[StepPlan] = []
+        self.outs: list[TokenOut] = []
+        self.kv_ops = []
+        self.now = 0
+
+    def send(self, sender, receiver, msg):
+        for d in self.router.send([(sender, receiver, msg)]):
+            self._see(d.msg)
+        for d in self.router.log:
+            if isinstance(d.msg, KvRequest) and d.msg not in self.kv_ops:
+                self.kv_ops.append(d.msg)
+
+    def _see(self, m):
+        if isinstance(m, StepPlan):
+            self.plan = m
+            self.plans.append(m)
+        elif isinstance(m, TokenBatch):
+            self.outs += m.outs
+        elif isinstance(m, TokenOut):
+            self.outs.append(m)
+
+    def submit(self, rid, prompt, **kw):
+        self.now += 1
+        self.send("ingress", "admission", Submit(rid, prompt, SamplingParams(**kw), self.now))
+
+    def step(self) -> bool:
+        plan, self.plan = self.plan, None
+        if plan is None:
+            return False
+        toks = []
+        for w in plan.seqs:
+            entries = ()
+            if w.prompt_logprobs >= 0:
+                targets = list(w.token_ids[1:]) + ([w.prompt_next] if w.prompt_next >= 0 else [])
+                entries = tuple(PromptLogprob(w.start_pos + 1 + j, t, -float(w.start_pos + 1 + j), 1)
+                                for j, t in enumerate(targets))
+            if w.sample:
+                toks.append(SampledToken(w.seq_id, SAMPLED, prompt=entries))
+            elif entries:
+                toks.append(SampledToken(w.seq_id, -1, prompt=entries))
+        self.now += 1
+        self.send("executor", "scheduler", StepResult(plan.step, toks, self.now))
+        return True
+
+    def run(self, limit=500):
+        for _ in range(limit):
+            if not self.step():
+                return
+        raise AssertionError("never idle")
+
+    def tokens(self, rid, index=0):
+        return [t for o in self.outs if o.req_id == rid and o.index == index for t in o.token_ids]
+
+
+def test_end_thinking_forces_the_tokens_and_the_answer_continues():
+    d = Drive()
+    d.submit("r", list(range(10, 20)), max_tokens=8, ignore_eos=True)
+    d.step()  # prefill + first token
+    d.step()
+    d.send("ingress", "admission", EndThinking("r", THINK_END))
+    d.run()
+    out = d.tokens("r")
+    assert out[:2] == [SAMPLED, SAMPLED]
+    assert out[2:4] == THINK_END  # forced, in order, then the model goes on
+    assert all(t == SAMPLED for t in out[4:]) and len(out) >= 8
+    fin = [o for o in d.outs if o.req_id == "r" and o.finish]
+    assert len(fin) == 1 and fin[0].finish == FinishReason.LENGTH
+    assert fin[0].completion_tokens == len(out)
+    # the forced tokens were fed to the model (KV written), at the right positions
+    fed = [(w.start_pos, w.token_ids) for p in d.plans for w in p.seqs if w.seq_id == "r#0"]
+    assert (12, [SAMPLED, *THINK_END]) in fed or any(THINK_END[0] in ids for _, ids in fed)
+
+
+def test_end_thinking_while_the_step_is_in_flight_drops_that_sample():
+    d = Drive()
+    d.submit("r", list(range(10, 20)), max_tokens=6, ignore_eos=True)
+    d.step()
+    assert d.plan is not None  # the next decode is in flight
+    d.send("ingress", "admission", EndThinking("r", THINK_END))
+    d.run()
+    out = d.tokens("r")
+    assert out[:3] == [SAMPLED, *THINK_END]  # the in-flight token was drawn before them: dropped
+
+
+def test_end_thinking_for_a_finished_request_is_ignored():
+    d = Drive()
+    d.submit("r", [1, 2, 3], max_tokens=2, ignore_eos=True)
+    d.run()
+    n = len(d.outs)
+    d.send("ingress", "admission", EndThinking("r", THINK_END))
+    d.send("ingress", "admission", EndThinking("never", THINK_END))
+    assert len(d.outs) == n and d.plan is None
+
+
+def test_prompt_logprobs_score_every_prompt_token_once_across_chunks():
+    d = Drive(max_step_tokens=16)
+    prompt = list(range(100, 140))  # 40 tokens: three prefill chunks
+    d.submit("p", prompt, max_tokens=3, prompt_logprobs=2)
+    d.run()
+    firsts = [o for o in d.outs if o.req_id == "p" and o.token_ids]
+    assert [e.position for e in firsts[0].prompt_logprobs] == list(range(1, 40))
+    assert [e.token_id for e in firsts[0].prompt_logprobs] == prompt[1:]
+    assert all(not o.prompt_logprobs for o in firsts[1:])
+    works = [w for p in d.plans for w in p.seqs if w.prompt_logprobs >= 0]
+    assert len(works) == 3 and [w.prompt_next for w in works] == [prompt[16], prompt[32], -1]
+
+
+def test_prompt_logprobs_never_reuse_the_prefix_cache():
+    d = Drive()
+    prompt = list(range(200, 230))
+    d.submit("a", prompt, max_tokens=2)
+    d.run()
+    d.submit("b", prompt, max_tokens=2)  # reuses a's cached blocks
+    d.run()
+    d.submit("c", prompt, max_tokens=2, prompt_logprobs=0)  # must not
+    d.run()
+    cached = {o.req_id: o.cached_tokens for o in d.outs if o.finish}
+    assert cached["b"] > 0 and cached["c"] == 0

@@ -1,0 +1,306 @@
+"""The OpenAI-compatible surface through the official openai client, against
+the one shared real server (tests/conftest.py `imp_server`)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
+MSGS = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+
+
+@pytest.fixture(scope="module")
+def cl(imp_server):
+    import openai
+
+    return openai.OpenAI(base_url=imp_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def root(imp_server):
+    """The same client at the server root, for llama.cpp routes (/tokenize, /props ...)."""
+    import openai
+
+    return openai.OpenAI(base_url=imp_server.url, api_key="none", max_retries=0, timeout=120)
+
+
+def raw(server, method, path, body=None, headers=None):
+    data = json.dumps(body).encode() if isinstance(body, (dict, list)) else body
+    req = urllib.request.Request(server.url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+# --------------------------------------------------------------------------- /v1/completions
+
+
+def test_completions_prompt_forms(cl, root):
+    a = cl.completions.create(model="x", prompt=PROMPT, max_tokens=6, temperature=0)
+    assert a.object == "text_completion" and a.id.startswith("cmpl-")
+    assert "Paris" in a.choices[0].text and a.usage.prompt_tokens == 5
+    ids = tokenize(root, PROMPT)
+    b = cl.completions.create(model="x", prompt=ids, max_tokens=6, temperature=0)
+    c = cl.completions.create(model="x", prompt=[ids], max_tokens=6, temperature=0)
+    d = cl.completions.create(model="x", prompt=[PROMPT], max_tokens=6, temperature=0)
+    assert a.choices[0].text == b.choices[0].text == c.choices[0].text == d.choices[0].text
+    e = cl.completions.create(model="x", prompt=PROMPT, max_tokens=3, temperature=0, echo=True)
+    assert e.choices[0].text.startswith(PROMPT)
+
+
+def tokenize(root, text) -> list[int]:
+    return root.post("/tokenize", body={"content": text}, cast_to=object)["tokens"]
+
+
+def test_completions_streaming_equals_non_streaming(cl):
+    kw = dict(model="x", prompt=PROMPT, max_tokens=12, temperature=0)
+    whole = cl.completions.create(**kw)
+    chunks = list(cl.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.object == "text_completion" for c in chunks)
+
+
+def test_completions_seed_reproducible(cl):
+    kw = dict(model="x", prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=77)
+    a = cl.completions.create(**kw)
+    b = cl.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_completions_n(cl):
+    m = cl.completions.create(model="x", prompt="Once upon a time", max_tokens=5, temperature=1.0, n=2)
+    assert [c.index for c in m.choices] == [0, 1]
+
+
+def _check_completion_logprobs(lp, n_tokens, top_n, greedy=True):
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n_tokens
+    for tok, l, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert isinstance(top, dict) and 1 <= len(top) <= top_n and l <= 0
+        if greedy:  # temperature 0: the emitted token is the most likely one
+            assert max(top.values()) == pytest.approx(l) and top.get(tok) == pytest.approx(l)
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+@pytest.mark.parametrize("stop", [None, ["zzz", "Qq"]])
+def test_completions_logprobs_shape_stream_and_not(cl, stop):
+    kw = dict(model="x", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3, stop=stop)
+    r = cl.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    _check_completion_logprobs(lp, r.usage.completion_tokens, 3)
+    assert "".join(lp.tokens) == r.choices[0].text
+    chunks = [c for c in cl.completions.create(stream=True, **kw) if c.choices and c.choices[0].logprobs]
+    toks = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+    offs = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
+    assert toks == lp.tokens and offs == lp.text_offset
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_shape(cl, stream):
+    kw = dict(model="x", messages=MSGS, max_tokens=6, temperature=0, logprobs=True, top_logprobs=4,
+              stop=["zzz"])
+    if stream:
+        entries = [e for c in cl.chat.completions.create(stream=True, **kw)
+                   if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    else:
+        entries = cl.chat.completions.create(**kw).choices[0].logprobs.content
+    assert entries
+    for e in entries:
+        assert len(e.top_logprobs) == 4 and e.top_logprobs[0].token == e.token
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob) and e.bytes is not None
+
+
+def test_prompt_logprobs_and_echo_shapes(cl):
+    r = cl.completions.create(model="x", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True,
+                              extra_body={"prompt_logprobs": 2})
+    ch = r.choices[0]
+    n_prompt, n_out = r.usage.prompt_tokens, r.usage.completion_tokens
+    plp = ch.model_extra["prompt_logprobs"]
+    assert len(plp) == n_prompt and plp[0] is None
+    for e in plp[1:]:
+        assert 1 <= len(e) <= 3
+        for tid, v in e.items():
+            assert int(tid) >= 0 and set(v) == {"logprob", "rank", "decoded_token"} and v["rank"] >= 1
+    lp = ch.logprobs
+    assert len(lp.tokens) == n_prompt + n_out and ch.text.startswith(PROMPT)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(x, float) for x in lp.token_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset[n_prompt] == len(PROMPT)
+
+
+def test_prompt_logprobs_agree_with_the_sampled_logprob(cl, root):
+    """Raw prompt scoring of [prompt + t] at t's position == the logprob t was sampled with
+    (greedy, no penalties: the processed distribution is the raw one there)."""
+    a = cl.completions.create(model="x", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1,
+                              extra_body={"repetition_penalty": 1.0})
+    ids = tokenize(root, PROMPT + a.choices[0].text)
+    b = cl.completions.create(model="x", prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    last = b.choices[0].model_extra["prompt_logprobs"][-1]
+    assert last[str(ids[-1])]["logprob"] == pytest.approx(a.choices[0].logprobs.token_logprobs[0], abs=1e-3)
+    assert last[str(ids[-1])]["rank"] == 1
+
+
+# --------------------------------------------------------------------------- tokenize, props, info, models
+
+
+def test_tokenize_detokenize_round_trip(root):
+    text = "Hello wörld, <|im_start|> 123"
+    t = root.post("/tokenize", body={"content": text, "with_pieces": True}, cast_to=object)
+    assert all(set(p) == {"id", "piece"} for p in t["tokens"])
+    ids = [p["id"] for p in t["tokens"]]
+    assert root.post("/tokenize", body={"prompt": text}, cast_to=object)["tokens"] == ids
+    assert root.post("/detokenize", body={"tokens": ids}, cast_to=object)["content"] == text
+    lit = root.post("/tokenize", body={"content": text, "parse_special": False}, cast_to=object)["tokens"]
+    assert len(lit) > len(ids)  # the control-token spelling stays text when asked
+
+
+def test_props_info_models_shapes(root, cl):
+    p = root.get("/props", cast_to=object)
+    assert p["default_generation_settings"]["n_ctx"] == p["n_ctx"] == 8192
+    assert {"total_slots", "model_path", "chat_template", "bos_token", "eos_token"} <= set(p)
+    assert "im_start" in p["chat_template"] and p["eos_token"] == "<|im_end|>"
+    i = root.get("/info", cast_to=object)
+    assert i["max_total_tokens"] == 8192 and i["model_id"] and i["max_best_of"] == 1
+    models = {m.id: m.model_extra["loaded"] for m in cl.models.list().data}
+    assert models["other-model"] is False and list(models.values()).count(True) == 1
+
+
+# --------------------------------------------------------------------------- reasoning
+
+
+THINK = [{"role": "user", "content": "Explain gravity in detail."}, {"role": "assistant", "content": "<think>"}]
+
+
+def test_continue_final_message_inside_a_think_block(cl):
+    r = cl.chat.completions.create(model="x", messages=THINK, max_tokens=12, temperature=0,
+                                   extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    m = r.choices[0].message
+    assert m.model_extra["reasoning_content"] and m.model_extra["reasoning"] == m.model_extra["reasoning_content"]
+    assert m.content == ""  # still thinking at max_tokens
+    chunks = list(cl.chat.completions.create(model="x", messages=THINK, max_tokens=12, temperature=0, stream=True,
+                                             extra_body={"continue_final_message": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks if c.choices)
+    assert streamed == m.model_extra["reasoning_content"]
+
+
+def test_end_thinking_ends_the_block_and_the_answer_follows(cl, imp_server):
+    got = {"reasoning": "", "content": ""}
+    thinking = threading.Event()
+
+    def run():
+        for c in cl.chat.completions.create(
+                model="x", messages=THINK, max_tokens=60, temperature=0, stream=True,
+                extra_headers={"X-Request-Id": "think-test-1"},
+                extra_body={"continue_final_message": True, "ignore_eos": True}):
+            if c.choices:
+                got["reasoning"] += c.choices[0].delta.model_extra.get("reasoning_content") or ""
+                got["content"] += c.choices[0].delta.content or ""
+                if got["reasoning"]:
+                    thinking.set()
+        thinking.set()
+
+    th = threading.Thread(target=run)
+    th.start()
+    assert thinking.wait(60)
+    status, _, body = raw(imp_server, "POST", "/v1/requests/think-test-1/end_thinking")
+    th.join(60)
+    assert status == 200 and json.loads(body)["ended"], body
+    assert got["reasoning"] and got["content"].strip()
+    assert "</think>" not in got["content"] + got["reasoning"]
+    status, headers, body = raw(imp_server, "POST", "/v1/requests/think-test-1/end_thinking")
+    assert status == 404 and json.loads(body)["error"]["code"] == "request_not_found"
+    assert headers["X-Request-Id"]
+
+
+# --------------------------------------------------------------------------- fields, errors
+
+
+def test_pass_through_fields_are_accepted(cl):
+    r = cl.chat.completions.create(model="x", messages=MSGS, max_tokens=4, temperature=0, extra_body={
+        "cache_prompt": True, "session_id": "sess-1", "priority": 5, "ignore_eos": True, "min_p": 0.1,
+        "typical_p": 0.9, "repetition_penalty": 1.1, "top_k": 0})
+    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
+
+
+C, CH = "/v1/completions", "/v1/chat/completions"
+U = [{"role": "user", "content": "hi"}]
+BAD = [
+    (C, {"max_tokens": 2}, "'prompt' is required"),
+    (C, {"prompt": ["a", "b"]}, "batch"),
+    (C, {"prompt": [[1, 2], [3]]}, "batch"),
+    (C, {"prompt": [1, "a"]}, "prompt"),
+    (C, {"prompt": [99999999]}, "vocabulary"),
+    (C, {"prompt": 5}, "prompt"),
+    (C, {"prompt": ""}, "empty"),
+    (C, {"prompt": "a", "suffix": "b"}, "fill-in-the-middle"),
+    (C, {"prompt": "a", "logprobs": 21}, "logprobs"),
+    (C, {"prompt": "a", "prompt_logprobs": 21}, "prompt_logprobs"),
+    (C, {"prompt": "a", "prompt_logprobs": 1, "stream": True}, "stream"),
+    (C, {"prompt": "a", "echo": True, "logprobs": 1, "stream": True}, "stream"),
+    (C, {"prompt": "a", "temperature": -1}, "temperature"),
+    (C, {"prompt": "a", "top_p": 0}, "top_p"),
+    (C, {"prompt": "a", "min_p": 1.5}, "min_p"),
+    (C, {"prompt": "a", "typical_p": 0}, "typical_p"),
+    (C, {"prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
+    (C, {"prompt": "a", "presence_penalty": 2.5}, "presence_penalty"),
+    (C, {"prompt": "a", "frequency_penalty": -3}, "frequency_penalty"),
+    (C, {"prompt": "a", "n": 5}, "'n'"),
+    (C, {"prompt": "a", "best_of": 2}, "best_of"),
+    (C, {"prompt": "a", "logit_bias": {"1": 101}}, "logit_bias"),
+    (C, {"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    (C, {"prompt": "a", "seed": "x"}, "seed"),
+    (C, {"prompt": "a", "stop": [1]}, "stop"),
+    (C, {"prompt": "a", "ignore_eos": "yes"}, "ignore_eos"),
+    (C, {"prompt": "a", "cache_prompt": 1}, "cache_prompt"),
+    (C, {"prompt": "a", "session_id": 7}, "session_id"),
+    (C, {"prompt": "a", "priority": 1.5}, "priority"),
+    (C, {"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+    (CH, {"messages": U, "continue_final_message": True}, "assistant"),
+    (CH, {"messages": U + [{"role": "assistant", "content": "x"}], "continue_final_message": True,
+          "add_generation_prompt": True}, "add_generation_prompt"),
+    (CH, {"messages": U, "prompt_logprobs": 1}, "prompt_logprobs"),
+    (CH, {"messages": U, "top_logprobs": 3}, "logprobs"),
+    (CH, {"messages": U, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (CH, {"messages": U, "chat_template_kwargs": []}, "chat_template_kwargs"),
+    ("/infill", {"input_prefix": "a"}, "fill-in-the-middle"),
+    ("/tokenize", {"content": 5}, "content"),
+    ("/tokenize", {"content": "a", "with_pieces": "y"}, "with_pieces"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "vocabulary"),
+    ("/detokenize", {"tokens": [True]}, "tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,needle", BAD, ids=[f"{p}:{json.dumps(b)[:40]}" for p, b, _ in BAD])
+def test_bad_values_are_400_envelopes(imp_server, path, body, needle):
+    status, headers, data = raw(imp_server, "POST", path, dict(body, model="x") if path != "/tokenize" and
+                                path != "/detokenize" else body, {"X-Request-Id": "bad-1"})
+    assert status == 400, data
+    err = json.loads(data)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert needle in err["message"]
+    assert headers["X-Request-Id"] == "bad-1"
+
+
+def test_ids_on_every_response(imp_server):
+    status, headers, _ = raw(imp_server, "POST", C, {"prompt": "a", "max_tokens": 1})
+    assert status == 200 and headers["X-Request-Id"].startswith("cmpl-")
+    long = "x" * 300
+    status, headers, _ = raw(imp_server, "GET", "/nope", headers={"X-Request-Id": long})
+    assert status == 404 and headers["X-Request-Id"] == long[:128]
+    status, headers, data = raw(imp_server, "GET", "/v1/completions")
+    assert status == 405 and json.loads(data)["error"]["message"] and headers["X-Request-Id"]

@@ -104,8 +104,8 @@ def main() -> int:
         if srv:
             srv.stop()
     print(f"\nserver: {url if ns.url else 'imp ' + ns.model}   {ns.tokens} tokens per stream, greedy, ignore_eos")
-    print(f"| streams | prompt tokens | TTFT median (ms) | per-stream decode tok/s | aggregate tok/s |")
-    print(f"|---|---|---|---|---|")
+    print("| streams | prompt tokens | TTFT median (ms) | per-stream decode tok/s | aggregate tok/s |")
+    print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['streams']} | {r['prompt']} | {r['ttft_ms']:.0f} | {r['stream_tok_s']:.1f} | {r['agg_tok_s']:.1f} |")
     return 0

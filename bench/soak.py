@@ -81,7 +81,7 @@ async def soak(url: str, requests: int, concurrency: int, disconnect: float, see
         for _ in range(100):
             async with session.get(url + "/health") as r:
                 health = await r.json()
-            if health["kv_blocks_used"] == 0 and health["queue_depth"] == 0:
+            if health["kv_blocks_used"] == health["kv_blocks_pinned"] and health["queue_depth"] == 0:
                 break
             await asyncio.sleep(0.1)
     stats["seconds"] = round(time.perf_counter() - t0, 1)

@@ -190,6 +190,7 @@ class KvFigures(Struct):
     cached: int
     block_size: int
     evictions: int = 0
+    pinned: int = 0  # blocks held by cache_prompt / session pins
 
 
 class QueueFigures(Struct):
@@ -216,8 +217,8 @@ class Submit(Msg):
     n: int = 1
     priority: int = 0
     salt: str = ""
-    cache_prompt: bool = False  # pin the prompt's KV (accepted; the engine part is another issue's)
-    session_id: str = ""  # agent session the prompt belongs to (same)
+    cache_prompt: bool = False  # pin the prompt's full KV blocks against eviction
+    session_id: str = ""  # pin the prompt for the session's next turn (until closed/expired)
 
 
 class Reject(Msg):
@@ -251,6 +252,12 @@ class Cancel(Msg):
     req_id: str
     reason: FinishReason = FinishReason.CANCELLED
     index: int = -1  # the choice to end (a stop string in one of n); -1 = all
+
+
+class SessionClose(Msg):
+    """ingress -> admission -> scheduler: unpin a session's prompt now."""
+
+    session_id: str
 
 
 class EndThinking(Msg):
@@ -419,6 +426,7 @@ Message = Union[
     Enqueue,
     Cancel,
     EndThinking,
+    SessionClose,
     Finished,
     Tick,
     KvRequest,

@@ -47,8 +47,14 @@ def load_engine(cfg: ServerConfig) -> Engine:
         )
     else:
         runner = ModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens)
-    tokenizer = Tokenizer.from_gguf_metadata(runner.metadata)
     template = ChatTemplate.from_metadata(runner.metadata, override_path=cfg.chat_template)
+    if path.is_dir():  # HF directory: tokenizer.json; BOS/EOS texts for the template from it
+        from imp.model.hf_tokenizer import HFTokenizer
+
+        tokenizer = HFTokenizer.from_dir(path)
+        template = ChatTemplate(template.source, tokenizer.token_text("bos"), tokenizer.token_text("eos"))
+    else:
+        tokenizer = Tokenizer.from_gguf_metadata(runner.metadata)
     name = path.stem if path.suffix == ".gguf" else path.name
     _progress(
         f"loaded {name} in {time.monotonic() - t0:.1f}s: {runner.config.n_layers} layers, "

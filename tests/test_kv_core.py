@@ -189,3 +189,38 @@ class KvMachine(RuleBasedStateMachine):
 
 TestKvMachine = KvMachine.TestCase
 TestKvMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def pin(key, tokens, salt=""):
+    return KvOp("pin", key, token_ids=list(tokens), salt=salt)
+
+
+def test_pins_survive_lru_pressure_and_yield_to_real_demand():
+    kv = KvCore(KvConfig(num_blocks=8, block_size=BS))
+    prompt = list(range(9))  # two full blocks + one token
+    run(kv, alloc("a", prompt))
+    r = run(kv, free("a", prompt), pin("session:s", prompt))
+    assert (r.figures.pinned, r.figures.used, r.figures.free) == (2, 2, 6)
+    # six other blocks cycle through the LRU: the pinned prefix is never evicted
+    for i in range(3):
+        other = list(range(100 * (i + 1), 100 * (i + 1) + 8))
+        run(kv, alloc(f"o{i}", other))
+        run(kv, free(f"o{i}", other))
+    r = run(kv, alloc("b", prompt))
+    assert r.results[0].cached_tokens == 8  # the pinned blocks were reused
+    run(kv, free("b", prompt[8:]))  # only the last token was computed
+    # a request needing the whole pool makes the pin yield rather than wait forever
+    r = run(kv, alloc("big", list(range(500, 532))))
+    assert r.results[0].ok and r.figures.pinned == 0 and kv.pins == {}
+    run(kv, free("big"))
+    r = run(kv, KvOp("unpin", "session:s"))  # unpinning a dropped pin is harmless
+    assert r.figures.used == 0
+
+
+def test_pins_never_exceed_half_the_pool():
+    kv = KvCore(KvConfig(num_blocks=8, block_size=BS))
+    for i in range(4):
+        p = list(range(100 * i, 100 * i + 8))
+        run(kv, alloc(f"a{i}", p))
+        run(kv, free(f"a{i}", p), pin(f"prompt:{i}", p))
+    assert kv.figures().pinned <= 4 and list(kv.pins) == ["prompt:2", "prompt:3"]  # oldest dropped

@@ -1,7 +1,6 @@
 """Model runtime logits: paged-cache invariants on a tiny synthetic GGUF (fast),
 and agreement with HF transformers on the real SmolLM2 GGUF (slow)."""
 
-import os
 from imp.messages import SamplingParams, SeqWork
 from imp.model.runner import ModelRunner
 from imp.model.synth import write_synthetic_gguf

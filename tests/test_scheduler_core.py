@@ -20,7 +20,7 @@ from imp.actors.scheduler_core import SchedulerConfig, SchedulerCore
 from imp.actors.wiring import Router, route
 from imp.messages import (
     Cancel, Enqueue, Figures, Finished, FinishReason, KvReply, KvRequest, Reject, SampledToken,
-    SamplingParams, StepFailed, StepPlan, StepResult, Submit, Tick, TokenBatch, TokenOut,
+    SamplingParams, SessionClose, StepFailed, StepPlan, StepResult, Submit, Tick, TokenBatch, TokenOut,
 )
 
 VOCAB, EOS = 40, 0
@@ -83,10 +83,14 @@ class Sim:
 
     # ------------------------------------------------------------- driving
 
-    def submit(self, req_id, prompt, params, n=1, priority=0, salt=""):
-        m = Submit(req_id, list(prompt), params, self.now, n, priority, salt)
+    def submit(self, req_id, prompt, params, n=1, priority=0, salt="", cache_prompt=False, session_id=""):
+        m = Submit(req_id, list(prompt), params, self.now, n, priority, salt,
+                   cache_prompt=cache_prompt, session_id=session_id)
         self.submits[req_id] = m
         self._collect(self.router.send([("ingress", "admission", m)]))
+
+    def close_session(self, sid):
+        self._collect(self.router.send([("ingress", "admission", SessionClose(sid))]))
 
     def cancel(self, req_id, index=-1):
         self._collect(self.router.send([("ingress", "admission", Cancel(req_id, index=index))]))
@@ -197,7 +201,7 @@ class Sim:
         for t in ("arrival_ns", "now_ns"):
             self.sched_now = max(self.sched_now, getattr(msg, t, 0))
         if isinstance(msg, KvReply):
-            with_result = [op for op in self.last_ops if op.kind != "free"]
+            with_result = [op for op in self.last_ops if op.kind not in ("free", "pin", "unpin")]
             for op, res in zip(with_result, msg.results, strict=True):
                 if op.kind in ("alloc", "fork") and res.ok:
                     self.fresh.pop(op.seq_id.rsplit("#", 1)[0], None)
@@ -401,7 +405,7 @@ EXAMPLES = 200  # each example: up to 50 rules plus a drain; ~10 s on this 2-cor
 REQUEST = st.fixed_dictionaries(dict(
     length=st.integers(1, 40), family=st.integers(0, 2), n=st.integers(1, 3), priority=st.integers(0, 2),
     max_tokens=st.integers(1, 12), salt=st.sampled_from(["", "lora"]), ignore_eos=st.booleans(),
-    penalty=st.booleans()))
+    penalty=st.booleans(), pin=st.sampled_from(["", "", "cache", "s1", "s2"])))
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -424,7 +428,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         prompt = ids(r["length"], base=r["family"] * 10)  # families share prefixes: cache hits
         p = params(r["max_tokens"], seed=self.n * 7, ignore_eos=r["ignore_eos"],
                    repetition_penalty=1.1 if r["penalty"] else 1.0)
-        self.sim.submit(f"q{self.n}", prompt, p, n=r["n"], priority=r["priority"], salt=r["salt"])
+        self.sim.submit(f"q{self.n}", prompt, p, n=r["n"], priority=r["priority"], salt=r["salt"],
+                        cache_prompt=r["pin"] == "cache", session_id=r["pin"] if r["pin"] in ("s1", "s2") else "")
+
+    @rule(sid=st.sampled_from(["s1", "s2", "nobody"]))
+    def close_session(self, sid):
+        self.sim.close_session(sid)
 
     @rule(data=st.data())
     def cancel(self, data):
@@ -454,14 +463,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         sim.drain()
         sim.kv.audit()
         assert set(sim.finished) == set(sim.enqueued), "an admitted request never finished"
-        assert sim.kv.figures().used == 0
-        assert sim.figures is None or (sim.figures.kv.used, sim.figures.kv.reserved) == (0, 0)
+        # only pins may hold blocks once everything ended; closing the sessions frees theirs
+        kvf = sim.kv.figures()
+        assert kvf.used == kvf.pinned <= kvf.total // 2
+        for sid in ("s1", "s2"):
+            sim.close_session(sid)
+        sim.drain()
+        sim.kv.audit()
+        assert all(k.startswith("prompt:") for k in sim.kv.pins), "a closed session kept its pin"
+        kvf = sim.kv.figures()
+        assert kvf.used == kvf.pinned
+        assert sim.figures is None or (sim.figures.kv.used - sim.figures.kv.pinned, sim.figures.kv.reserved) == (0, 0)
         event(f"requests: {min(len(sim.submits), 10)}")
         if sim.figures:
             q = sim.figures.queue
             for name in ("preemptions", "cancellations", "timeouts"):
                 event(f"{name} > 0: {getattr(q, name) > 0}")
             event(f"evictions > 0: {sim.figures.kv.evictions > 0}")
+            event(f"pinned > 0 before close: {kvf.pinned > 0 or bool(sim.kv.pins)}")
             event(f"cache hits: {any(f.cached_tokens for f in sim.finish.values())}")
             event(f"steps >= 20: {q.steps >= 20}")
         for req, m in sim.enqueued.items():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import urllib.request
 
 import pytest

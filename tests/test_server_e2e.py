@@ -104,8 +104,9 @@ def test_eight_concurrent_half_streaming(server):
     texts = asyncio.run(main())
     assert len(texts) == 8 and all(t.strip() for t in texts)
     h = _health(server)
-    assert h["kv_blocks_used"] == 0, h
-    assert h["kv_blocks_free"] == h["kv_blocks_total"]  # free counts evictable cached blocks
+    # idle baseline: only pinned prompts (cache_prompt / session_id tests) hold blocks
+    assert h["kv_blocks_used"] == h["kv_blocks_pinned"], h
+    assert h["kv_blocks_free"] + h["kv_blocks_pinned"] == h["kv_blocks_total"]  # free counts evictable cached
 
 
 @pytest.mark.parametrize(
@@ -170,10 +171,29 @@ def test_client_disconnect_frees_kv(server):
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         h = _health(server)
-        if h["kv_blocks_used"] == 0 and h["queue_depth"] == 0:
+        if h["kv_blocks_used"] == h["kv_blocks_pinned"] and h["queue_depth"] == 0:
             break
         time.sleep(0.2)
-    assert h["kv_blocks_used"] == 0 and h["queue_depth"] == 0, h
+    assert h["kv_blocks_used"] == h["kv_blocks_pinned"] and h["queue_depth"] == 0, h
+
+
+def test_session_pins_prompt_until_closed(server):
+    cl = _client(server)
+    msgs = [{"role": "system", "content": "You are a careful assistant. " * 30},
+            {"role": "user", "content": "Say hi."}]
+    before = _health(server)["kv_blocks_pinned"]
+    a = cl.chat.completions.create(model="x", messages=msgs, max_tokens=2, temperature=0,
+                                   extra_body={"session_id": "sess-e2e"})
+    pinned = _health(server)["kv_blocks_pinned"]
+    assert pinned >= before + a.usage.prompt_tokens // 16 - 1  # the prompt's full blocks
+    b = cl.chat.completions.create(model="x", messages=msgs, max_tokens=2, temperature=0)
+    assert b.usage.prompt_tokens_details.cached_tokens >= 16 * (a.usage.prompt_tokens // 16 - 1)
+    status, _, raw = _raw(server, "POST", "/v1/sessions/sess-e2e/close")
+    assert status == 200 and json.loads(raw)["closed"] is True
+    deadline = time.monotonic() + 10
+    while _health(server)["kv_blocks_pinned"] > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _health(server)["kv_blocks_pinned"] <= before
 
 
 def test_event_log_replays_identical(server):

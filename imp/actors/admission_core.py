@@ -18,7 +18,7 @@ from __future__ import annotations
 import msgspec
 
 from imp.actors.core import CoreError, Out
-from imp.messages import Cancel, EndThinking, Enqueue, Finished, Msg, Reject, Submit
+from imp.messages import Cancel, EndThinking, Enqueue, Finished, Msg, Reject, SessionClose, Submit
 
 
 class AdmissionConfig(msgspec.Struct, frozen=True):
@@ -48,6 +48,8 @@ class AdmissionCore:
         if isinstance(msg, (Cancel, EndThinking)):
             # Unknown: already finished (or refused); the cancel has nothing to end.
             return [("scheduler", msg)] if msg.req_id in self.inflight else []
+        if isinstance(msg, SessionClose):  # through here to keep its order after the Submits
+            return [("scheduler", msg)]
         if isinstance(msg, Finished):
             if msg.req_id not in self.inflight:
                 raise CoreError(f"Finished for unknown request {msg.req_id!r}")

@@ -25,6 +25,7 @@ from imp.messages import (
     Reject,
     RequestStats,
     SamplingParams,
+    SessionClose,
     Submit,
 )
 
@@ -91,6 +92,10 @@ class IngressActor(Actor):
             return False
         self.send("admission", EndThinking(req_id, list(token_ids)))  # after its Submit: FIFO
         return True
+
+    def close_session(self, session_id: str) -> None:
+        """Unpin a session's prompt now (else it expires after the session TTL)."""
+        self.send("admission", SessionClose(session_id))
 
     def release(self, req_id: str) -> None:
         """The handler is done with a request that ran to its end."""

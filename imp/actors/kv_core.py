@@ -20,8 +20,12 @@ every later op of the request that needs a new block fails too: the
 scheduler lists decodes before admissions and admissions in priority order,
 so a smaller request behind a failed one never jumps the queue.
 
-Later: `cache_prompt` / `session_id` pins would be a per-block pin count that
-keeps a refcount-0 block out of `_lru` (see `_release`).
+Pins (`cache_prompt`, `session_id`): op "pin" holds the cached full blocks of
+a token list under a key (one refcount each, like a sequence would), so they
+are not evicted by the LRU; "unpin" releases them; pinning a key again
+replaces its old pin. Pins never take more than half the pool, and when an
+op cannot get its blocks otherwise, the oldest pins are dropped first: a pin
+is a cache priority, never a reservation that could deadlock the queue.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class KvCore:
         self.cache: dict[bytes, int] = {}  # chain hash -> block id
         self.seqs: dict[str, _Seq] = {}
         self.evictions = 0
+        self.pins: dict[str, list[int]] = {}  # key -> held blocks, oldest pin first
         self._dry = False  # an op of the current request failed for want of blocks
 
     # ------------------------------------------------------------------ core
@@ -82,7 +87,8 @@ class KvCore:
         self._dry = False
         results = []
         for op in msg.ops:
-            fn = {"alloc": self._alloc, "grow": self._grow, "fork": self._fork, "free": self._free}.get(op.kind)
+            fn = {"alloc": self._alloc, "grow": self._grow, "fork": self._fork, "free": self._free,
+                  "pin": self._pin, "unpin": self._unpin}.get(op.kind)
             if fn is None:
                 raise CoreError(f"unknown kv op {op.kind!r}")
             r = fn(op)
@@ -96,6 +102,7 @@ class KvCore:
         return KvFigures(
             total=n, free=free, used=n - free, reserved=0, cached=len(self.cache),
             block_size=self.config.block_size, evictions=self.evictions,
+            pinned=len(set().union(*self.pins.values())) if self.pins else 0,  # distinct blocks
         )
 
     def audit(self) -> None:
@@ -105,6 +112,11 @@ class KvCore:
             assert len(set(s.table)) == len(s.table), "a table holds a block twice"
             for b in s.table:
                 holders[b] += 1
+        for blocks in self.pins.values():
+            assert len(set(blocks)) == len(blocks), "a pin holds a block twice"
+            for b in blocks:
+                holders[b] += 1
+        assert sum(len(b) for b in self.pins.values()) <= self.config.num_blocks // 2
         assert holders == self.refcount, "refcounts differ from holders"
         idle = list(self.clean) + list(self.lru)
         assert len(set(idle)) == len(idle)
@@ -132,8 +144,7 @@ class KvCore:
             hits.append(self.cache[h])
             last = h
         need = self._blocks(op.num_tokens) - len(hits)
-        revived = sum(1 for b in hits if self.refcount[b] == 0)  # taken out of the LRU
-        if not self._can_take(need, revived):
+        if not self._can_take(need, hits):
             return KvResult(op.seq_id, False)
         for b in hits:
             self._hold(b)
@@ -151,7 +162,7 @@ class KvCore:
         parent = self.seqs[op.parent]
         assert k <= len(parent.table), "fork beyond the parent's table"
         need = self._blocks(op.num_tokens) - k
-        if not self._can_take(need, 0):
+        if not self._can_take(need, parent.table[:k]):
             return KvResult(op.seq_id, False)
         h = self._root(op.salt)
         for i in range(k):
@@ -167,7 +178,7 @@ class KvCore:
         self._written(s, op.token_ids)  # facts about the past: recorded even if the grow fails
         need = self._blocks(op.num_tokens) - len(s.table)
         if need > 0:
-            if not self._can_take(need, 0):
+            if not self._can_take(need):
                 return KvResult(op.seq_id, False)
             s.table.extend(self._take() for _ in range(need))
         return KvResult(op.seq_id, True, list(s.table))
@@ -177,6 +188,30 @@ class KvCore:
         self._written(s, op.token_ids)
         del self.seqs[op.seq_id]
         for b in reversed(s.table):  # tail first: a prefix's head outlives its tail in the LRU
+            self._release(b)
+
+    def _pin(self, op: KvOp) -> None:
+        """Hold the cached full blocks of op.token_ids under the key op.seq_id."""
+        self._unpin(op)
+        bs, h, blocks = self.config.block_size, self._root(op.salt), []
+        for i in range(len(op.token_ids) // bs):
+            h = self._chain(h, op.token_ids[i * bs : (i + 1) * bs])
+            b = self.cache.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        cap = self.config.num_blocks // 2
+        blocks = blocks[:cap]
+        while self.pins and sum(len(v) for v in self.pins.values()) + len(blocks) > cap:
+            for b in self.pins.pop(next(iter(self.pins))):  # the oldest pin goes first
+                self._release(b)
+        for b in blocks:
+            self._hold(b)
+        if blocks:
+            self.pins[op.seq_id] = blocks
+
+    def _unpin(self, op: KvOp) -> None:
+        for b in self.pins.pop(op.seq_id, []):
             self._release(b)
 
     # ------------------------------------------------------------------ blocks
@@ -195,10 +230,17 @@ class KvCore:
                 self.block_hash[b] = h
             s.last_hash, s.n_hashed, s.pending = h, s.n_hashed + 1, s.pending[bs:]
 
-    def _can_take(self, need: int, revived: int) -> bool:
-        if need > 0 and (self._dry or need > len(self.clean) + len(self.lru) - revived):
-            self._dry = True
-            return False
+    def _can_take(self, need: int, keep: list[int] | tuple = ()) -> bool:
+        """Can `need` new blocks be taken, besides the blocks in `keep` (held next)?"""
+        while need > 0:
+            revived = sum(1 for b in keep if self.refcount[b] == 0)  # they leave the LRU
+            if not self._dry and need <= len(self.clean) + len(self.lru) - revived:
+                return True
+            if self._dry or not self.pins:
+                self._dry = True
+                return False
+            for b in self.pins.pop(next(iter(self.pins))):  # the oldest pin yields
+                self._release(b)
         return True
 
     def _take(self) -> int:

@@ -30,7 +30,7 @@ class MetricsActor(Actor):
         h = lambda n, d, *l: Histogram(n, d, l, buckets=_LAT, registry=r)  # noqa: E731
         self.g_model = g("imp_model_loaded", "1 while the model is loaded", "model")
         self.g_model.labels(model_name).set(1)
-        self.g_kv = {k: g(f"imp_kv_blocks_{k}", f"KV blocks {k}") for k in ("total", "free", "used", "reserved", "cached")}
+        self.g_kv = {k: g(f"imp_kv_blocks_{k}", f"KV blocks {k}") for k in ("total", "free", "used", "reserved", "cached", "pinned")}
         self.g_waiting = g("imp_queue_waiting", "requests waiting for a batch slot")
         self.g_running = g("imp_queue_running", "requests in the running batch")
         self.g_depth = g("imp_queue_depth", "waiting + running")

@@ -39,7 +39,7 @@ import msgspec
 from imp.actors.core import CoreError, Out
 from imp.messages import (
     Cancel, EndThinking, Enqueue, Figures, Finished, FinishReason, KvFigures, KvOp, KvReply, KvRequest, Msg,
-    QueueFigures, Reject, SampledToken, SeqWork, StepFailed, StepPlan, StepResult, StepStats, Tick,
+    QueueFigures, Reject, SessionClose, SampledToken, SeqWork, StepFailed, StepPlan, StepResult, StepStats, Tick,
     TokenBatch, TokenOut,
 )
 
@@ -52,6 +52,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     max_step_tokens: int = 512  # token budget of one step (chunked prefill)
     request_timeout_ns: int = 0  # 0 = none
     aging_ns: int = 10_000_000_000  # waiting this long outranks any prompt length
+    session_ttl_ns: int = 600_000_000_000  # an idle session's pinned prompt is released after this
 
     def __post_init__(self):
         if min(self.num_blocks, self.block_size, self.max_context, self.max_batch_size,
@@ -80,6 +81,10 @@ class Req:
         self.n_running = 0
         self.n_live = m.n
         self.seqs: list[Seq] = []
+        # where the prompt's KV is pinned when the request ends ("" = not pinned)
+        self.pin_key = (f"session:{m.session_id}" if m.session_id
+                        else f"prompt:{m.req_id}" if m.cache_prompt else "")
+        self.session_id = m.session_id
 
 
 class Seq:
@@ -112,7 +117,8 @@ class SchedulerCore:
         self.requests: dict[str, Req] = {}
         self.waiting: list[Seq] = []
         self.running: list[Seq] = []
-        self.frees: list[KvOp] = []  # for the next KvRequest
+        self.frees: list[KvOp] = []  # for the next KvRequest (frees, pins, unpins)
+        self.sessions: dict[str, int] = {}  # session id -> last use (ns), oldest first
         self.freed: list[str] = []  # for the next StepPlan
         self.batch: list[Work] = []
         self.phase = Phase.IDLE
@@ -138,6 +144,8 @@ class SchedulerCore:
                 self._end_thinking(r, msg.token_ids, out)
         elif isinstance(msg, Tick):
             self._advance(msg.now_ns, out)
+        elif isinstance(msg, SessionClose):
+            self._close_session(msg.session_id)
         elif isinstance(msg, KvReply):
             self._on_kv(msg, out)
         elif isinstance(msg, StepResult):
@@ -347,8 +355,18 @@ class SchedulerCore:
         if s.index == 0:  # ended before its first token (a cancel of choice 0): don't strand them
             self._release_siblings(s.req)
         if s.req.n_live == 0:
-            del self.requests[s.req.id]
-            out.append(("admission", Finished(s.req.id, reason)))
+            r = s.req
+            del self.requests[r.id]
+            if r.pin_key and reason is not FinishReason.ERROR:  # after the frees: blocks are hashed
+                self.frees.append(KvOp("pin", r.pin_key, token_ids=list(r.prompt), salt=r.salt))
+                if r.session_id:
+                    self.sessions.pop(r.session_id, None)
+                    self.sessions[r.session_id] = self.now
+            out.append(("admission", Finished(r.id, reason)))
+
+    def _close_session(self, sid: str) -> None:
+        self.sessions.pop(sid, None)
+        self.frees.append(KvOp("unpin", f"session:{sid}"))
 
     def _release_siblings(self, r: Req) -> None:
         for sib in r.seqs[1:]:
@@ -357,6 +375,12 @@ class SchedulerCore:
 
     def _advance(self, now_ns: int, out: Out) -> None:
         self.now = max(self.now, now_ns)
+        ttl = self.config.session_ttl_ns
+        while self.sessions:  # oldest use first: stop at the first one still alive
+            sid, last = next(iter(self.sessions.items()))
+            if self.now - last < ttl:
+                break
+            self._close_session(sid)
         t = self.config.request_timeout_ns
         if t:
             for r in [r for r in self.requests.values() if self.now - r.arrival_ns >= t]:

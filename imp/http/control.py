@@ -72,3 +72,12 @@ async def end_thinking(request: web.Request) -> web.Response:
         raise ApiError(404, f"request '{rid[:128]}' has finished", param="id", code="request_not_found")
     live.ended = True
     return web.json_response(dict(body, ended=True))
+
+
+async def close_session(request: web.Request) -> web.Response:
+    """POST /v1/sessions/{id}/close: release the session's pinned prompt now."""
+    sid = request.match_info["id"]
+    if len(sid) > 256 or not sid.isprintable():
+        raise ApiError(400, "session id must be at most 256 printable characters", param="id")
+    request.app[ENGINE].ingress.close_session(sid)
+    return web.json_response({"id": sid, "object": "session", "closed": True})

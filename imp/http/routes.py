@@ -11,6 +11,7 @@ ROUTES = [
     ("GET", "/props", llama_cpp.props),
     ("GET", "/info", common.info),
     ("POST", "/v1/requests/{id}/end_thinking", control.end_thinking),
+    ("POST", "/v1/sessions/{id}/close", control.close_session),
     ("GET", "/v1/models", common.models),
     ("GET", "/v1/models/{model:.+}", common.model),
     ("GET", "/health", common.health),

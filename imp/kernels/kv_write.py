@@ -24,7 +24,6 @@ THREADS = 256
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    import numpy as np
 
     global cuda  # a module global, so the CUDA simulator can swap it in tests
     cuda = cu.numba_cuda()

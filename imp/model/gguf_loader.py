@@ -1,15 +1,19 @@
 """Read a GGUF file: metadata, model shape, dequantized tensors, fingerprint.
 
-The file is memory-mapped by `gguf.GGUFReader`; tensors are dequantized one
-at a time (numpy, see `quants.py`) and handed over as torch tensors, so peak
-memory is the dequantized model plus one tensor's temporaries.
+`open_gguf` parses the header directly (`gguf_file.py`, ~0.3 s even for
+Gemma's 262k vocabulary) and memory-maps the file; its `tensors` mapping
+dequantizes a tensor only when the model asks for it, so a model built from
+it peaks at its own weights plus one dequantized tensor, never the whole
+fp32 model. `load_gguf` is the eager form (every tensor dequantized).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from imp.model.gguf_file import GGUFHeader, TensorInfo, read_header, tensor_bytes
 from imp.model.quants import dequantize
 from typing import Any
 
@@ -45,7 +49,7 @@ class LoadedGGUF:
     arch: str
     config: ModelConfig
     metadata: dict[str, Any]  # every KV field as a plain python value
-    tensors: dict[str, torch.Tensor]  # GGUF tensor name -> dequantized, numpy shape order
+    tensors: Mapping[str, torch.Tensor]  # GGUF tensor name -> dequantized, numpy shape order (lazy: GGUFTensors)
     fingerprint: str  # sha256 hex of header + KV + tensor infos
     qtypes: dict[str, str] = field(default_factory=dict)  # tensor name -> GGML type name
 
@@ -122,7 +126,7 @@ def config_from_metadata(md: dict[str, Any], tensor_names: set[str]) -> ModelCon
     )
 
 
-def fingerprint(path: str, reader: GGUFReader) -> str:
+def fingerprint(path: str, reader: "GGUFReader | GGUFHeader") -> str:
     """sha256 of everything before the tensor data: header, KV and tensor infos.
 
     Names, shapes, types and offsets pin the weights' layout; the weights
@@ -134,27 +138,61 @@ def fingerprint(path: str, reader: GGUFReader) -> str:
     return h.hexdigest()
 
 
-def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedGGUF:
-    # Most of the time here is GGUFReader parsing the tokenizer arrays (~5 s for a
-    # 49k vocab on 2 slow cores); dequantizing SmolLM2's 135M weights takes ~1-2 s.
-    reader = GGUFReader(path, "r")
-    md = read_metadata(reader)
-    names = {t.name for t in reader.tensors}
-    config = config_from_metadata(md, names)
-    tensors: dict[str, torch.Tensor] = {}
-    qtypes: dict[str, str] = {}
-    for t in reader.tensors:
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF ne[] is fastest-first
-        arr = dequantize(t.data, t.tensor_type, shape, name=t.name)
-        if not arr.flags.writeable:  # F32 data is a view of the read-only mmap: own a copy
+class GGUFTensors(Mapping):
+    """name -> dequantized tensor, computed on each access from the memory map."""
+
+    def __init__(self, path: str, header: GGUFHeader, dtype: torch.dtype = torch.float32):
+        self.infos = header.tensors
+        self.dtype = dtype
+        self._mm = np.memmap(path, dtype=np.uint8, mode="r")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        info = self.infos[name]
+        arr = dequantize(self.raw(name), info.qtype, info.shape, name=name)
+        if not arr.flags.writeable:  # F32 data is a view of the read-only map: own a copy
             arr = arr.copy()
-        tensors[t.name] = torch.from_numpy(arr).to(dtype)
-        qtypes[t.name] = t.tensor_type.name
+        return torch.from_numpy(arr).to(self.dtype)
+
+    def raw(self, name: str) -> np.ndarray:
+        """[rows, bytes_per_row] uint8 view of the tensor's encoded bytes."""
+        return tensor_bytes(self._mm, self.infos[name])
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop-1 of a matrix, dequantized (rows hold whole blocks)."""
+        info = self.infos[name]
+        raw = self.raw(name)[start:stop]
+        return torch.from_numpy(dequantize(raw, info.qtype, (raw.shape[0], info.shape[-1]), name=name).copy())
+
+    def info(self, name: str) -> TensorInfo:
+        return self.infos[name]
+
+    def __iter__(self):
+        return iter(self.infos)
+
+    def __len__(self) -> int:
+        return len(self.infos)
+
+    def __contains__(self, name) -> bool:
+        return name in self.infos
+
+
+def open_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedGGUF:
+    """Metadata and config now; tensors dequantized lazily (see `GGUFTensors`)."""
+    path = str(path)
+    header = read_header(path)
+    config = config_from_metadata(header.metadata, set(header.tensors))
     return LoadedGGUF(
         arch=config.arch,
         config=config,
-        metadata=md,
-        tensors=tensors,
-        fingerprint=fingerprint(path, reader),
-        qtypes=qtypes,
+        metadata=header.metadata,
+        tensors=GGUFTensors(path, header, dtype),
+        fingerprint=fingerprint(path, header),
+        qtypes={n: t.qtype.name for n, t in header.tensors.items()},
     )
+
+
+def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedGGUF:
+    """`open_gguf` with every tensor dequantized up front (a plain dict)."""
+    g = open_gguf(path, dtype)
+    g.tensors = {name: g.tensors[name] for name in g.tensors}
+    return g

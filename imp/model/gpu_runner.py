@@ -189,7 +189,7 @@ class GpuModelRunner:
         if cfg.extras.get("rope.scaling.type", "none") not in ("none", None):
             raise NotImplementedError("rope scaling not supported yet")
         self._load_weights(tensors, qtypes, dense)
-        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        Hkv, D = cfg.n_kv_heads, cfg.head_dim
         shape = (cfg.n_layers, num_blocks, block_size, Hkv, D)
         self.k_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)

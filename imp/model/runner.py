@@ -9,16 +9,23 @@ keeps running while a step computes.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from imp.messages import PromptLogprob, SampledToken, SeqWork
-from imp.model.gguf_loader import ModelConfig, load_gguf
+from imp.model.gemma3 import Gemma3
+from imp.model.gguf_loader import ModelConfig, open_gguf
 from imp.model.llama import KVCache, Llama, default_num_blocks, make_plan
+from imp.model.qwen2 import Qwen2
+from imp.model.qwen3 import Qwen3
 from imp.model.sampling import LOGPROB_FLOOR, sample
 
 import msgspec
 import torch
 
 DEFAULT_KV_TOKENS = 16384
-SUPPORTED_ARCHS = ("llama",)
+# `general.architecture` (or config.json's model_type, see hf_dir.py) -> forward.
+# Each has Llama's interface: (cfg, tensors, weights, compile), .cfg, .forward(tokens, plan, cache).
+ARCHS = {"llama": Llama, "qwen2": Qwen2, "qwen3": Qwen3, "gemma3": Gemma3}
+SUPPORTED_ARCHS = ("llama",)  # what gpu_runner.py implements (it imports this name); the CPU runs ARCHS
 
 
 class ModelRunner:
@@ -54,12 +61,17 @@ class ModelRunner:
     ) -> ModelRunner:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        g = load_gguf(path)
-        if g.arch not in SUPPORTED_ARCHS:
-            raise ValueError(f"{path}: architecture {g.arch!r} not supported (have {SUPPORTED_ARCHS})")
+        if Path(path).is_dir():  # HF layout: config.json + *.safetensors, same tensor names as a GGUF
+            from imp.model.hf_dir import open_hf_dir
+
+            g = open_hf_dir(path)
+        else:
+            g = open_gguf(path)  # tensors are dequantized lazily, one at a time, as the model asks
+        if g.arch not in ARCHS:
+            raise ValueError(f"{path}: architecture {g.arch!r} not supported (have {tuple(ARCHS)})")
         if num_blocks is None:
             num_blocks = default_num_blocks(kv_tokens or DEFAULT_KV_TOKENS, block_size)
-        model = Llama(g.config, g.tensors, weights=weights, compile=compile)
+        model = ARCHS[g.arch](g.config, g.tensors, weights=weights, compile=compile)
         del g.tensors  # the model holds its own (fused, re-quantized) copies
         return cls(model, g.metadata, g.fingerprint, num_blocks, block_size, kv_dtype)
 

@@ -1,8 +1,9 @@
 """Synthetic random-weight GGUF files, for tests and benchmarks.
 
-`write_synthetic_gguf` writes a llama-arch model of any shape with random
-weights in a chosen GGML type, plus a minimal byte-level tokenizer so the
-file loads like a real one. Tensors are generated and written one at a time
+`write_synthetic_gguf` writes a llama, qwen2, qwen3 or gemma3 model of any
+shape with random weights in a chosen GGML type, plus a minimal byte-level
+tokenizer so the file loads like a real one. Keys and tensor names are the
+ones llama.cpp's converter writes for each arch (`ARCH_TENSORS`). Tensors are generated and written one at a time
 (GGUFWriter's streaming mode), so an 8B-shaped file needs only one tensor's
 worth of memory.
 
@@ -44,6 +45,15 @@ def synthetic_vocab(vocab: int) -> list[str]:
     return toks + [f"<unused{i}>" for i in range(vocab - len(toks))]
 
 
+# per-layer tensors beyond llama's, as llama.cpp names them
+ARCH_TENSORS = {
+    "llama": (),
+    "qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+    "qwen3": ("attn_q_norm.weight", "attn_k_norm.weight"),
+    "gemma3": ("attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight", "post_ffw_norm.weight"),
+}
+
+
 def _encode(x: np.ndarray, qtype: T) -> np.ndarray:
     if qtype == T.F32:
         return x.astype(np.float32)
@@ -68,12 +78,19 @@ def write_synthetic_gguf(
     rope_theta: float = 10000.0,
     rms_eps: float = 1e-5,
     seed: int = 0,
+    head_dim: int | None = None,
+    sliding_window: int = 512,
 ) -> str:
-    """Write a random llama GGUF to `path`; return the path."""
-    assert arch == "llama", "only llama-arch synthetic models so far"
+    """Write a random `arch` GGUF to `path`; return the path.
+
+    head_dim defaults to d_model // n_heads; qwen3 and gemma3 record it as
+    `{arch}.attention.key_length` (their released models have H * D != d).
+    sliding_window: gemma3 only (its local layers' window).
+    """
+    assert arch in ARCH_TENSORS, f"{arch}: synthetic archs are {sorted(ARCH_TENSORS)}"
     assert qtype in WRITABLE, f"{qtype.name}: gguf cannot quantize it"
     embed_qtype = qtype if embed_qtype is None else embed_qtype
-    head_dim = d_model // n_heads
+    head_dim = head_dim or d_model // n_heads
     rng = np.random.default_rng(seed)
 
     def mat(rows, cols):  # [rows, cols] numpy order; cols = fan_in
@@ -97,6 +114,17 @@ def write_synthetic_gguf(
             (p + "ffn_up.weight", (d_ff, d_model), qtype, lambda: mat(d_ff, d_model)),
             (p + "ffn_down.weight", (d_model, d_ff), qtype, lambda: mat(d_model, d_ff)),
         ]
+        # extra tensors after llama's, so a llama file's random draws stay as they were
+        extra = {
+            "attn_q.bias": ((n_heads * head_dim,), lambda: 0.5 * rng.standard_normal(n_heads * head_dim, dtype=np.float32)),
+            "attn_k.bias": ((n_kv_heads * head_dim,), lambda: 0.5 * rng.standard_normal(n_kv_heads * head_dim, dtype=np.float32)),
+            "attn_v.bias": ((n_kv_heads * head_dim,), lambda: 0.5 * rng.standard_normal(n_kv_heads * head_dim, dtype=np.float32)),
+            "attn_q_norm.weight": ((head_dim,), lambda: norm(head_dim)),
+            "attn_k_norm.weight": ((head_dim,), lambda: norm(head_dim)),
+            "post_attention_norm.weight": ((d_model,), lambda: norm(d_model)),
+            "post_ffw_norm.weight": ((d_model,), lambda: norm(d_model)),
+        }
+        specs += [(p + n, extra[n][0], T.F32, extra[n][1]) for n in ARCH_TENSORS[arch]]
     specs.append(("output_norm.weight", (d_model,), T.F32, lambda: norm(d_model)))
     if not tied:
         specs.append(("output.weight", (vocab, d_model), embed_qtype, lambda: mat(vocab, d_model)))
@@ -112,7 +140,13 @@ def write_synthetic_gguf(
     w.add_float32(f"{arch}.rope.freq_base", rope_theta)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", rms_eps)
     w.add_uint32(f"{arch}.vocab_size", vocab)
-    w.add_uint32(f"{arch}.rope.dimension_count", head_dim)
+    if arch in ("llama", "qwen2"):  # what llama.cpp's converter writes per arch
+        w.add_uint32(f"{arch}.rope.dimension_count", head_dim)
+    else:
+        w.add_uint32(f"{arch}.attention.key_length", head_dim)
+        w.add_uint32(f"{arch}.attention.value_length", head_dim)
+    if arch == "gemma3":
+        w.add_uint32(f"{arch}.attention.sliding_window", sliding_window)
     toks = synthetic_vocab(vocab)
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "default")

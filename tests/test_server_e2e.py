@@ -177,6 +177,29 @@ def test_client_disconnect_frees_kv(server):
     assert h["kv_blocks_used"] == h["kv_blocks_pinned"] and h["queue_depth"] == 0, h
 
 
+def test_non_streaming_disconnect_frees_kv(server):
+    """A non-streaming client that gives up is cancelled too (aiohttp handler cancellation)."""
+    import socket
+
+    body = json.dumps({"model": "x", "messages": MSGS, "max_tokens": 2000, "ignore_eos": True}).encode()
+    s = socket.create_connection(("127.0.0.1", server.port))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.monotonic() + 10
+    while _health(server)["queue_running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _health(server)["queue_running"] >= 1
+    s.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        h = _health(server)
+        if h["queue_depth"] == 0 and h["kv_blocks_used"] == h["kv_blocks_pinned"]:
+            break
+        time.sleep(0.1)
+    assert h["queue_depth"] == 0 and h["kv_blocks_used"] == h["kv_blocks_pinned"], h
+    assert h["cancellations"] >= 1
+
+
 def test_session_pins_prompt_until_closed(server):
     cl = _client(server)
     msgs = [{"role": "system", "content": "You are a careful assistant. " * 30},

@@ -22,6 +22,7 @@ Flow of one request:
     scheduler -TokenOut-> detok -Delta-> ingress              (per produced token batch)
     ingress -Cancel-> admission -Cancel-> scheduler           (disconnect / stop string)
     scheduler -Finished-> admission                           (releases queued-token accounting)
+    ingress -Suspend/Resume-> admission                       (POST /admin/suspend, /admin/resume)
 """
 
 from __future__ import annotations
@@ -269,6 +270,17 @@ class EndThinking(Msg):
     token_ids: list[int]
 
 
+class Suspend(Msg):
+    """ingress -> admission: stop admitting (POST /admin/suspend). New requests
+    are refused with 503 `suspended`; admitted ones run to their end."""
+
+    reason: str = "operator"
+
+
+class Resume(Msg):
+    """ingress -> admission: admit again (POST /admin/resume)."""
+
+
 class Finished(Msg):
     """scheduler -> admission: a request left the scheduler (any reason)."""
 
@@ -379,6 +391,7 @@ class Delta(Msg):
     logprobs: list[SampledToken] = []
     error: str = ""
     prompt_logprobs: list[PromptLogprob] = []
+    stop_str: str = ""  # the stop string that ended this choice (Anthropic stop_sequence)
 
 
 class Figures(Msg):
@@ -429,6 +442,8 @@ Message = Union[
     SessionClose,
     Finished,
     Tick,
+    Suspend,
+    Resume,
     KvRequest,
     KvReply,
     StepPlan,

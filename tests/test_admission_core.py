@@ -69,3 +69,30 @@ def test_cancel_forwarded_only_while_known():
         core.handle("scheduler", Finished("a", FinishReason.STOP))
     with pytest.raises(ValueError):
         AdmissionConfig(num_blocks=0)
+
+
+def test_suspend_refuses_new_requests_503_and_lets_admitted_ones_finish():
+    from imp.messages import Resume, Suspend
+
+    core = AdmissionCore(AdmissionConfig(num_blocks=64, block_size=16, max_context=1024))
+    assert isinstance(submit(core, "running", 10)[1], Enqueue)
+    assert core.handle("ingress", Suspend()) == []
+    r = submit(core, "new", 10)[1]
+    assert (r.status, r.code) == (503, "suspended") and "resume" in r.message
+    assert submit(core, "huge", 5000)[1].status == 400  # a request that can never run stays a 400
+    # the admitted request is never cancelled: its Cancel still forwards, its Finished releases it
+    assert core.handle("ingress", Cancel("running")) == [("scheduler", Cancel("running"))]
+    assert core.handle("scheduler", Finished("running", FinishReason.STOP)) == []
+    assert core.handle("ingress", Suspend()) == []  # idempotent
+    assert core.handle("ingress", Resume()) == []
+    assert isinstance(submit(core, "new", 10)[1], Enqueue)
+    assert core.handle("ingress", Resume()) == []  # resuming an open core is a no-op
+
+
+def test_suspend_and_resume_round_trip_through_msgspec():
+    import msgspec
+
+    from imp.messages import Message, Resume, Suspend
+
+    for m in (Suspend(), Suspend("idle"), Resume()):
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(m), type=Message) == m

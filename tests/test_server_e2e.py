@@ -127,6 +127,8 @@ def test_eight_concurrent_half_streaming(server):
         (b'{"model":"x","messages":[{"role":"user","content":"hi"}],"logit_bias":{"99999999":1}}', "vocabulary"),
         (b'{"model":"x","messages":[{"role":"user","content":"hi"}],"best_of":3}', "best_of"),
         (b'{"model":"x","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}', "text-only"),
+        (b'{"model":"x","messages":[{"role":"user","content":"\\ud800 lone"}]}', "surrogate"),
+        (b'{"model":"x","messages":' + b"[" * 100000 + b"]" * 100000 + b"}", "nested too deeply"),
     ],
 )
 def test_bad_input_is_a_400_envelope(server, body, needle):

@@ -55,3 +55,11 @@ def test_chunking_does_not_change_the_result(text, stops, cuts):
     end = min(hits)[0] if hits else None
     expect = text[: min(i for e, i in hits if e == end)] if hits else text
     assert whole == (expect, bool(hits))
+
+
+def test_matcher_reports_which_stop_hit():
+    m = StopMatcher(["END", "STOP"])
+    assert m.push("a ST") == ("a ", False)
+    assert m.hit == ""
+    assert m.push("OP b") == ("", True)
+    assert m.hit == "STOP"

@@ -5,6 +5,8 @@ Every request passes here on its way to the scheduler, and so do cancels
 
     400  the prompt plus one generated token does not fit the whole KV pool
          or the model context (it could never run), or the request is malformed
+    503  suspended (POST /admin/suspend): nothing new is admitted until Resume;
+         requests admitted before the Suspend run to their end
     429  the prompt tokens of the requests in the system (admitted and not
          yet finished) would exceed max_queued_tokens; a request that finds
          the system empty is always admitted, however long
@@ -18,7 +20,7 @@ from __future__ import annotations
 import msgspec
 
 from imp.actors.core import CoreError, Out
-from imp.messages import Cancel, EndThinking, Enqueue, Finished, Msg, Reject, SessionClose, Submit
+from imp.messages import Cancel, EndThinking, Enqueue, Finished, Msg, Reject, Resume, SessionClose, Submit, Suspend
 
 
 class AdmissionConfig(msgspec.Struct, frozen=True):
@@ -41,6 +43,7 @@ class AdmissionCore:
         self.config = config
         self.inflight: dict[str, int] = {}  # req_id -> prompt tokens, until Finished
         self.queued_tokens = 0
+        self.suspended = ""  # why admission is closed ("" = open)
 
     def handle(self, sender: str, msg: Msg) -> Out:
         if isinstance(msg, Submit):
@@ -50,6 +53,12 @@ class AdmissionCore:
             return [("scheduler", msg)] if msg.req_id in self.inflight else []
         if isinstance(msg, SessionClose):  # through here to keep its order after the Submits
             return [("scheduler", msg)]
+        if isinstance(msg, Suspend):
+            self.suspended = msg.reason or "operator"
+            return []
+        if isinstance(msg, Resume):
+            self.suspended = ""
+            return []
         if isinstance(msg, Finished):
             if msg.req_id not in self.inflight:
                 raise CoreError(f"Finished for unknown request {msg.req_id!r}")
@@ -77,6 +86,8 @@ class AdmissionCore:
         if n_prompt + 1 > c.max_context:
             return reject(400, "context_length_exceeded",
                           f"prompt of {n_prompt} tokens exceeds the model context of {c.max_context} tokens")
+        if self.suspended:
+            return reject(503, "suspended", "the server is suspended; POST /admin/resume admits requests again")
         if c.max_queued_tokens and self.queued_tokens and self.queued_tokens + n_prompt > c.max_queued_tokens:
             return reject(429, "rate_limit_exceeded",
                           f"{self.queued_tokens} prompt tokens queued; limit {c.max_queued_tokens}",

@@ -94,7 +94,7 @@ class DetokActor(Actor):
             Delta(
                 m.req_id, m.index, out, list(m.token_ids), finish,
                 m.prompt_tokens, m.cached_tokens, m.completion_tokens,
-                list(m.logprobs), m.error, list(m.prompt_logprobs),
+                list(m.logprobs), m.error, list(m.prompt_logprobs), ch.stops.hit if stopped else "",
             )
         )
         if final:

@@ -24,9 +24,11 @@ from imp.messages import (
     Msg,
     Reject,
     RequestStats,
+    Resume,
     SamplingParams,
     SessionClose,
     Submit,
+    Suspend,
 )
 
 
@@ -40,6 +42,9 @@ class RequestHandle:
     last_token_at: float = 0.0
     itl: list[float] = field(default_factory=list)
     finished: set = field(default_factory=set)  # choice indexes that ended
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    generated: int = 0  # tokens delivered so far, all choices
 
     @property
     def done(self) -> bool:
@@ -53,6 +58,9 @@ class IngressActor(Actor):
         super().__init__(bus)
         self.handles: dict[str, RequestHandle] = {}
         self.fault: str | None = None
+        self.suspended = False  # POST /admin/suspend; admission refuses while set
+        self.rejections = 0  # Rejects of admission/scheduler, any status
+        self.last_reject_reason: str | None = None
 
     def submit(
         self,
@@ -70,7 +78,8 @@ class IngressActor(Actor):
     ) -> RequestHandle:
         if req_id in self.handles:
             raise ValueError(f"duplicate request id {req_id}")
-        h = self.handles[req_id] = RequestHandle(req_id, n)
+        h = self.handles[req_id] = RequestHandle(req_id, n, prompt_tokens=len(prompt),
+                                                 max_tokens=params.max_tokens)
         self.send("detok", DetokOpen(req_id, n, list(stop or []), True, list(prompt_tail or [])))
         self.send(
             "admission",
@@ -97,6 +106,43 @@ class IngressActor(Actor):
         """Unpin a session's prompt now (else it expires after the session TTL)."""
         self.send("admission", SessionClose(session_id))
 
+    def suspend(self) -> None:
+        """Close admission (new requests get 503 `suspended`); running ones finish."""
+        self.suspended = True
+        self.send("admission", Suspend())
+
+    def resume(self) -> None:
+        self.suspended = False
+        self.send("admission", Resume())
+
+    def live_rows(self, now: float, waiting: int) -> list[dict]:
+        """One row per live request, queued rows first (GET /v1/metrics).
+
+        Ingress sees no scheduler state, so `queued` vs `prefill` is inferred:
+        of the requests without a token yet, the `waiting` newest are queued.
+        """
+        hs = sorted(self.handles.values(), key=lambda h: h.arrival)
+        fresh = [h for h in hs if not h.first_token_at]
+        queued = {id(h) for h in fresh[max(0, len(fresh) - waiting):]} if waiting > 0 else set()
+        rows = []
+        for h in hs:
+            ttft = h.first_token_at - h.arrival if h.first_token_at else None
+            dec = h.last_token_at - h.first_token_at if h.first_token_at else 0.0
+            rows.append({
+                "id": h.req_id,
+                "state": "decode" if h.first_token_at else ("queued" if id(h) in queued else "prefill"),
+                "prompt_tokens": h.prompt_tokens,
+                "generated": h.generated,
+                "max_tokens": h.max_tokens,
+                "n": h.n,
+                "elapsed_s": round(now - h.arrival, 3),
+                "ttft_s": None if ttft is None else round(ttft, 3),
+                "decode_tok_s": round((h.generated - h.n) / dec, 1) if dec > 0 and h.generated > h.n else None,
+            })
+        order = {"queued": 0, "prefill": 1, "decode": 2}
+        rows.sort(key=lambda r: order[r["state"]])  # stable: by arrival within a state
+        return rows
+
     def release(self, req_id: str) -> None:
         """The handler is done with a request that ran to its end."""
         self.handles.pop(req_id, None)
@@ -112,6 +158,8 @@ class IngressActor(Actor):
         elif isinstance(msg, Delta):
             self._deliver(msg, time.monotonic())
         elif isinstance(msg, Reject):
+            self.rejections += 1
+            self.last_reject_reason = msg.code
             self.send("detok", DetokClose(msg.req_id))
             h = self.handles.get(msg.req_id)
             if h is not None:
@@ -127,6 +175,7 @@ class IngressActor(Actor):
         if h is None:
             return  # handler gone (cancelled); the scheduler was told
         if msg.token_ids:
+            h.generated += len(msg.token_ids)
             if h.first_token_at == 0.0:
                 h.first_token_at = now
             elif msg.index == 0:

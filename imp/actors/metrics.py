@@ -7,6 +7,9 @@ series exists from start, at zero, so dashboards can be built before traffic.
 
 from __future__ import annotations
 
+import collections
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from imp.actors.base import Actor, Bus
@@ -14,6 +17,70 @@ from imp.messages import Fault, Figures, KvFigures, Msg, QueueFigures, RequestSt
 
 ENDPOINTS = ("chat_completions", "completions", "messages", "responses", "embeddings", "rerank")
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Rates:
+    """Token rates measured from StepStats (the executor's step time).
+
+    A step that carries prefill tokens counts all its time as prefill (a mixed
+    step's decodes make the prefill rate read low, never high); only pure
+    decode steps feed the decode rates. `now` is the latest decode step, if
+    it ran within `stale_s`; `recent` the last `window` decode steps; lifetime
+    every decode step since start.
+    """
+
+    def __init__(self, window: int = 64, prefill_window: int = 16, stale_s: float = 2.0):
+        self.decode = collections.deque(maxlen=window)  # (tokens, seconds)
+        self.prefill = collections.deque(maxlen=prefill_window)
+        self.stale_s = stale_s
+        self.decode_tokens = 0
+        self.decode_s = 0.0
+        self.prefill_tokens = 0
+        self.prefill_s = 0.0
+        self.last_decode: tuple[int, float, float] | None = None  # (streams, tok/s, when)
+
+    def observe(self, msg: StepStats, now: float) -> None:
+        secs = msg.elapsed_ns / 1e9
+        if secs <= 0 or msg.num_tokens <= 0:
+            return
+        n_prefill = msg.num_tokens - msg.num_decode
+        if n_prefill > 0:
+            self.prefill.append((n_prefill, secs))
+            self.prefill_tokens += n_prefill
+            self.prefill_s += secs
+        elif msg.num_decode > 0:
+            self.decode.append((msg.num_decode, secs))
+            self.decode_tokens += msg.num_decode
+            self.decode_s += secs
+            self.last_decode = (msg.num_decode, msg.num_decode / secs, now)
+
+    @staticmethod
+    def _mean(rows) -> float | None:
+        secs = sum(s for _, s in rows)
+        return sum(t for t, _ in rows) / secs if secs > 0 else None
+
+    @property
+    def prefill_tok_s_recent(self) -> float | None:
+        """Prefill tokens per second over the recent prefill steps; None before the first."""
+        return self._mean(self.prefill)
+
+    def snapshot(self, now: float) -> dict:
+        last = self.last_decode
+        fresh = last is not None and now - last[2] <= self.stale_s
+
+        def rnd(v):
+            return None if v is None else round(v, 1)
+
+        return {
+            "decode_tok_s": rnd(last[1]) if fresh else 0.0,
+            "decode_streams": last[0] if fresh else 0,
+            "prefill_tok_s_recent": rnd(self.prefill_tok_s_recent),
+            "decode_tok_s_recent": rnd(self._mean(self.decode)),
+            "decode_tok_s_lifetime": rnd(self.decode_tokens / self.decode_s) if self.decode_s > 0 else None,
+            "prefill_tok_s_lifetime": rnd(self.prefill_tokens / self.prefill_s) if self.prefill_s > 0 else None,
+            "decode_tokens_total": self.decode_tokens,
+            "prefill_tokens_total": self.prefill_tokens,
+        }
 
 
 class MetricsActor(Actor):
@@ -61,6 +128,7 @@ class MetricsActor(Actor):
         self._max_batch = 0
         self._last: QueueFigures = self.queue
         self._evictions = 0
+        self.rates = Rates()
         self._apply_kv(kv)
 
     def _apply_kv(self, kv: KvFigures) -> None:
@@ -88,6 +156,7 @@ class MetricsActor(Actor):
                     ctr.inc(a - b)
             self.queue = self._last = q
         elif isinstance(msg, StepStats):
+            self.rates.observe(msg, time.monotonic())
             self.c_steps.inc()
             self.c_rows.inc(msg.num_seqs)
             self.g_batch_last.set(msg.num_seqs)

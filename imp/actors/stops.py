@@ -13,20 +13,22 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self.pending = ""
         self.stopped = False
+        self.hit = ""  # the stop string that matched, once stopped
 
     def push(self, text: str) -> tuple[str, bool]:
         """Feed new text; return (text safe to emit, whether a stop matched)."""
         if not self.stops:
             return text, False
         buf = self.pending + text
-        hits = [(i + len(s), i) for s in self.stops if (i := buf.find(s)) >= 0]
+        hits = [(i + len(s), i, s) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
             # the stop that completes first wins, as it would token by token: a
             # longer one starting earlier but ending later never gets the chance
             end = min(hits)[0]
+            _, start, self.hit = min(h for h in hits if h[0] == end)
             self.pending = ""
             self.stopped = True
-            return buf[: min(i for e, i in hits if e == end)], True
+            return buf[:start], True
         hold = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(buf)), hold, -1):

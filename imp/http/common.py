@@ -1,14 +1,17 @@
-"""Probe and catalogue routes: /health, /ready, /v1/models, /metrics."""
+"""Probe, catalogue and admin routes: /health, /ready, /v1/models, /metrics, /admin/suspend|resume."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from pathlib import Path
 
 from aiohttp import web
 
 from imp.http.app import ENGINE
-from imp.http.errors import ApiError
+from imp.http.capacity import band_of
+from imp.http.errors import ApiError, bad
 
 
 def _kv_fields(engine) -> dict:
@@ -45,7 +48,7 @@ async def health(request: web.Request) -> web.Response:
         "timeouts": q.timeouts,
         "swaps": 0,  # a preempted request is recomputed, never swapped to host memory
         "queued_prompt_tokens": q.queued_prompt_tokens,
-        "suspended": False,
+        "suspended": engine.ingress.suspended,
         **_kv_fields(engine),
     }
     fault = engine.fault
@@ -53,11 +56,20 @@ async def health(request: web.Request) -> web.Response:
         body.update(status="unhealthy", code="engine_faulted", error=fault)
         return web.json_response(body, status=503)
     if request.query.get("ready") in ("1", "true"):
+        # 503 with a one-word reason while a new request would not start at once
+        band = band_of(engine.kv)
         reason = None
-        if q.waiting > 0:
+        if engine.ingress.suspended:
+            reason = "suspended"
+        elif engine.draining:
+            reason = "draining"
+        elif band in ("orange", "red"):
+            reason = "pressure"
+        elif q.waiting > 0:
             reason = "queue"
         elif q.running >= engine.cfg.max_batch_size:
             reason = "busy"
+        body["band"] = band
         if reason:
             body.update(ready=False, reason=reason)
             return web.json_response(body, status=503, headers={"Retry-After": "1"})
@@ -66,12 +78,59 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
+    """200 only when an inference request would be taken now; else 503 with a stable code.
+
+    imp loads its model before it listens and never swaps it, so `no_model`
+    answers only for an engine without a runner and `swapping` never does.
+    """
     engine = request.app[ENGINE]
+
+    def no(code: str, **extra) -> web.Response:
+        return web.json_response({"ready": False, "code": code, **extra}, status=503)
+
+    if getattr(engine, "runner", None) is None:
+        return no("no_model")
     if engine.fault:
-        return web.json_response({"ready": False, "code": "engine_faulted", "error": engine.fault}, status=503)
+        return no("engine_faulted", error=engine.fault)
+    if engine.ingress.suspended:
+        return no("suspended", hint="POST /admin/resume")
     if engine.draining:
-        return web.json_response({"ready": False, "code": "draining"}, status=503)
-    return web.json_response({"ready": True, "model": engine.model_name})
+        return no("draining")
+    return web.json_response({"ready": True, "model": engine.model_name, "suspended": False,
+                              "idle_suspended": False})
+
+
+def _in_flight(engine) -> int:
+    q = engine.metrics.queue
+    return max(sum(not h.done for h in engine.ingress.handles.values()), q.waiting + q.running)
+
+
+async def suspend(request: web.Request) -> web.Response:
+    """POST /admin/suspend[?drain_s=N]: stop admitting, then wait (up to N s,
+    default 30) for the admitted requests to finish; they are never cancelled.
+    Sticky until POST /admin/resume. The CPU build keeps its weights and KV pool
+    mapped (kv_released: false)."""
+    engine = request.app[ENGINE]
+    raw = request.query.get("drain_s", "30")
+    try:
+        drain_s = float(raw)
+    except ValueError:
+        raise bad(f"'drain_s' must be a number of seconds, got {raw[:32]!r}", "drain_s") from None
+    if not 0 <= drain_s <= 600:
+        raise bad(f"'drain_s' must be in 0..600, got {drain_s}", "drain_s")
+    engine.ingress.suspend()  # FIFO: every Submit sent after this is refused by admission
+    deadline = time.monotonic() + drain_s
+    while _in_flight(engine) and time.monotonic() < deadline and not engine.fault:
+        await asyncio.sleep(0.05)
+    left = _in_flight(engine)
+    return web.json_response({"suspended": True, "drained": left == 0, "in_flight": left,
+                              "kv_released": False})
+
+
+async def resume(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    engine.ingress.resume()
+    return web.json_response({"suspended": False})
 
 
 def _model_entry(engine) -> dict:

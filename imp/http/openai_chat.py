@@ -26,8 +26,16 @@ _MEDIA = {"image_url", "input_image", "image", "input_audio", "audio", "video", 
 
 
 async def read_json(request: web.Request) -> dict:
+    """The body as a JSON object; every way it can be malformed is a 400 (all dialects use this)."""
     try:
         body = await request.json(loads=json.loads)
+        # a lone UTF-16 surrogate ("\ud800") parses but cannot be encoded: find it now,
+        # not as a 500 deep in the tokenizer
+        json.dumps(body, ensure_ascii=False).encode()
+    except RecursionError:
+        raise bad("request body is nested too deeply") from None
+    except UnicodeEncodeError:
+        raise bad("request body holds an unpaired UTF-16 surrogate (\\ud800-\\udfff) in a string") from None
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
         raise bad(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -158,6 +166,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("'model' must be a string", "model")
+    if boolean(body, "dry_run"):  # POST /v1/estimate's answer; nothing runs
+        from imp.http.capacity import estimate_for  # capacity imports this module
+
+        return web.json_response(estimate_for(engine, body))
     messages = normalize_messages(body.get("messages"))
     prompt, thinking = prepare_prompt(engine, messages, body)
     gen = sampling(

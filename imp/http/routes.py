@@ -1,6 +1,6 @@
 """The routes table: one line per endpoint, one module per dialect."""
 
-from imp.http import common, control, llama_cpp, openai_chat, openai_completions
+from imp.http import anthropic, capacity, common, control, llama_cpp, openai_chat, openai_completions
 
 ROUTES = [
     ("POST", "/v1/chat/completions", openai_chat.chat_completions),
@@ -17,4 +17,13 @@ ROUTES = [
     ("GET", "/health", common.health),
     ("GET", "/ready", common.ready),
     ("GET", "/metrics", common.metrics),
+    # capacity, live metrics, admin suspend/resume
+    ("GET", "/v1/capacity/plan", capacity.capacity_plan),
+    ("POST", "/v1/estimate", capacity.estimate_route),
+    ("GET", "/v1/metrics", capacity.metrics_json),
+    ("POST", "/admin/suspend", common.suspend),
+    ("POST", "/admin/resume", common.resume),
+    # Anthropic Messages dialect
+    ("POST", "/v1/messages", anthropic.messages),
+    ("POST", "/v1/messages/count_tokens", anthropic.count_tokens),
 ]

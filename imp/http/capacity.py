@@ -1,0 +1,308 @@
+"""Capacity and live metrics: GET /v1/capacity/plan, POST /v1/estimate, GET /v1/metrics.
+
+A load balancer (or a harness fanning out subagents) reads these to decide how
+many requests to send and when. Every figure comes from what the actors
+already publish: the scheduler's latest KvFigures/QueueFigures and the step
+rates in the metrics actor, the live request handles in ingress, and the
+model config for KV bytes per token. Nothing here asks a core anything.
+
+The memory band is KV pressure, `max(used, reserved) / total` blocks: `used`
+are blocks held by live sequences, `reserved` what the running requests were
+admitted with (it already counts their used blocks, so the two are not
+summed). green < 0.70 <= yellow < 0.85 <= orange < 0.95 <= red.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from imp.http.app import ENGINE
+from imp.http.errors import bad
+from imp.http.openai_chat import normalize_messages, prepare_prompt, read_json
+from imp.http.params import boolean, num, sampling
+from imp.messages import KvFigures, QueueFigures
+
+from aiohttp import web
+
+BANDS = (("green", 0.70), ("yellow", 0.85), ("orange", 0.95))  # below the bound; else red
+BAND_NAMES = ("green", "yellow", "orange", "red")
+_MAX_WIDTH = 1 << 20
+_MAX_DEPTH = 1 << 31
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def kv_pressure(kv: KvFigures) -> float:
+    return max(kv.used, kv.reserved) / kv.total if kv.total else 1.0
+
+
+def band_of(kv: KvFigures) -> str:
+    p = kv_pressure(kv)
+    return next((name for name, bound in BANDS if p < bound), "red")
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def plan(width: int, depth: int, *, kv: KvFigures, queue: QueueFigures, max_context: int,
+         decode_batch: int, model: str) -> dict:
+    """Can `width` streams of `depth` tokens fit the pool (ok), and start now (admit_now)?"""
+    per_stream = kv.total // width  # blocks
+    max_ctx_w = min(max_context, per_stream * kv.block_size)
+    need = blocks_for(depth, kv.block_size)
+    max_w = kv.total // need if depth <= max_context else 0
+    ok = depth <= max_ctx_w
+    band = band_of(kv)
+    slots = max(0, decode_batch - queue.running)
+    free = min(slots, 1) if band == "yellow" else slots
+    if not ok:
+        reason = f"depth {depth} exceeds max context {max_ctx_w} at width {width}"
+    elif band in ("orange", "red"):
+        reason = f"governor {band}"
+    elif queue.waiting:
+        reason = f"{queue.waiting} waiting for a slot"
+    elif free < width:
+        reason = f"{free} free slot(s) of {decode_batch}, need {width}"
+    else:
+        reason = "ok"
+    return {
+        "width": width, "depth": depth, "ok": ok,
+        "max_context_at_width": max_ctx_w, "max_width_at_depth": max_w,
+        "model": model, "band": band, "decode_batch": decode_batch,
+        "in_flight": queue.running, "waiting": queue.waiting, "slots": slots,
+        "admit_now": reason == "ok", "reason": reason,
+    }
+
+
+def estimate(prompt_tokens: int, *, max_tokens: int | None, n: int, kv: KvFigures, bytes_per_token: int | None,
+             max_context: int, prefill_tok_s: float | None, queued_prompt_tokens: int, model: str) -> dict:
+    """Whether one request fits, without running it. KV only: imp's prefill
+    scratch is transient and not counted."""
+    warm = 0  # the prefix cache is the kv core's; it is not asked
+    tokens = prompt_tokens + n * (max_tokens or 0)
+    need_blocks = blocks_for(tokens, kv.block_size)
+    free_now = kv.total - max(kv.used, kv.reserved)
+    todo = queued_prompt_tokens + prompt_tokens - warm
+    return {
+        "model": model,
+        "prompt_tokens": prompt_tokens,
+        "warm_tokens": warm,
+        "cache_tier": "miss",
+        "max_tokens": max_tokens,
+        "need_blocks": need_blocks,
+        "need_bytes": need_blocks * kv.block_size * bytes_per_token if bytes_per_token else None,
+        "fits_now": need_blocks <= free_now,
+        "fits_drained": need_blocks <= kv.total,
+        "context_ok": prompt_tokens + 1 <= max_context,
+        "context_limit": max_context,
+        "est_ttft_s": round(todo / prefill_tok_s, 3) if prefill_tok_s else None,
+        "resident": True,
+    }
+
+
+def kv_bytes_per_token(runner) -> int | None:
+    """2 (K and V) * layers * KV heads * head dim * the cache's element size."""
+    cfg = runner.config
+    cache = getattr(runner, "cache", None)
+    t = getattr(cache, "k", None) if cache is not None else getattr(runner, "k_cache", None)
+    if t is None:
+        return None
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * t.element_size()
+
+
+def _int_param(request: web.Request, name: str, hi: int) -> int:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        raise bad(f"query parameter '{name}' is required", name)
+    try:
+        v = int(raw)
+    except ValueError:
+        raise bad(f"'{name}' must be an integer, got {raw[:32]!r}", name) from None
+    if not 1 <= v <= hi:
+        raise bad(f"'{name}' must be in 1..{hi}, got {v}", name)
+    return v
+
+
+# --------------------------------------------------------------------------- snapshot
+
+# the fields of each section: a section whose probe fails answers them all as null
+SECTIONS = {
+    "status": ("model", "suspended", "draining", "fault", "uptime_s"),
+    "concurrency": ("decode_batch", "queue_cap", "queued_tokens_cap", "in_flight", "waiting"),
+    "queue": ("waiting", "cap", "queued_prompt_tokens", "eta_s", "retry_after_s", "rejections",
+              "last_reject_reason", "preemptions", "cancellations", "timeouts"),
+    "governor": ("band", "enabled", "kv_pressure", "thresholds"),
+    "memory": ("rss_bytes", "headroom_bytes", "kv_pool_bytes", "kv_used_bytes", "kv_cached_bytes",
+               "kv_free_bytes", "kv_bytes_per_token"),
+    "rates": ("decode_tok_s", "decode_streams", "prefill_tok_s_recent", "decode_tok_s_recent",
+              "decode_tok_s_lifetime", "prefill_tok_s_lifetime", "decode_tokens_total", "prefill_tokens_total"),
+    "capacity": ("block_size", "kv_blocks_total", "kv_capacity_tokens", "max_context", "max_ctx_at_width"),
+}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no MemAvailable in /proc/meminfo")
+
+
+def _widths(decode_batch: int) -> list[int]:
+    w, out = 1, []
+    while w < decode_batch:
+        out.append(w)
+        w *= 2
+    return out + [decode_batch]
+
+
+def snapshot(engine, now: float | None = None) -> dict:
+    now = time.monotonic() if now is None else now
+    cfg, m, ing = engine.cfg, engine.metrics, engine.ingress
+    kv, q = m.kv, m.queue
+
+    def status():
+        return {"model": engine.model_name, "suspended": ing.suspended, "draining": engine.draining,
+                "fault": engine.fault, "uptime_s": round(time.time() - engine.started_at, 1)}
+
+    def concurrency():
+        return {"decode_batch": cfg.max_batch_size, "queue_cap": None,  # imp caps tokens, not requests
+                "queued_tokens_cap": cfg.max_queued_tokens or None, "in_flight": q.running, "waiting": q.waiting}
+
+    def queue():
+        rate = m.rates.prefill_tok_s_recent
+        eta = 0.0 if not q.waiting else (round(q.queued_prompt_tokens / rate, 3) if rate else None)
+        return {"waiting": q.waiting, "cap": None, "queued_prompt_tokens": q.queued_prompt_tokens, "eta_s": eta,
+                "retry_after_s": engine.cores["admission"].config.retry_after_s,
+                "rejections": ing.rejections, "last_reject_reason": ing.last_reject_reason,
+                "preemptions": q.preemptions, "cancellations": q.cancellations, "timeouts": q.timeouts}
+
+    def governor():
+        # it reports a band; /health?ready=1 and the plan route act on it, nothing evicts
+        return {"band": band_of(kv), "enabled": True, "kv_pressure": round(kv_pressure(kv), 4),
+                "thresholds": {name: bound for name, bound in BANDS}}
+
+    def memory():
+        bpt = kv_bytes_per_token(engine.runner)
+        per_block = kv.block_size * bpt
+        return {"rss_bytes": _rss_bytes(), "headroom_bytes": _mem_available(),
+                "kv_pool_bytes": kv.total * per_block, "kv_used_bytes": kv.used * per_block,
+                "kv_cached_bytes": kv.cached * per_block, "kv_free_bytes": kv.free * per_block,
+                "kv_bytes_per_token": bpt}
+
+    def capacity():
+        return {"block_size": kv.block_size, "kv_blocks_total": kv.total,
+                "kv_capacity_tokens": kv.total * kv.block_size, "max_context": engine.max_context,
+                "max_ctx_at_width": {str(w): min(engine.max_context, kv.total // w * kv.block_size)
+                                     for w in _widths(cfg.max_batch_size)}}
+
+    builders = {"status": status, "concurrency": concurrency, "queue": queue, "governor": governor,
+                "memory": memory, "rates": lambda: m.rates.snapshot(now), "capacity": capacity}
+    out: dict = {}
+    for name, build in builders.items():
+        try:
+            out[name] = build()
+        except Exception:  # noqa: BLE001 - a failed probe nulls its section, the rest still answers
+            out[name] = dict.fromkeys(SECTIONS[name])
+    try:
+        out["requests"] = ing.live_rows(now, q.waiting)
+    except Exception:  # noqa: BLE001
+        out["requests"] = None
+    out["resident_models"] = [{"model": engine.model_name, "kind": "chat", "in_flight": q.running,
+                               "waiting": q.waiting}]
+    return {"server": out}
+
+
+def _label(v) -> str:
+    return str(v).replace("\\", r"\\").replace('"', r"\"").replace("\n", r"\n")
+
+
+def prometheus(snap: dict) -> str:
+    """The snapshot as Prometheus text: one gauge per numeric field, imp_<section>_<field>."""
+    s = snap["server"]
+    model = (s.get("status") or {}).get("model") or ""
+    lines: list[str] = []
+
+    def gauge(name: str, samples: list[tuple[dict, float]], help_: str) -> None:
+        samples = [(lab, v) for lab, v in samples if v is not None]
+        if not samples:
+            return
+        lines.append(f"# HELP {name} {help_}")
+        lines.append(f"# TYPE {name} gauge")
+        for lab, v in samples:
+            ls = ",".join(f'{k}="{_label(x)}"' for k, x in lab.items())
+            lines.append(f"{name}{{{ls}}} {float(v)!r}" if ls else f"{name} {float(v)!r}")
+
+    for section in ("status", "concurrency", "queue", "governor", "memory", "rates", "capacity"):
+        for key, v in (s.get(section) or {}).items():
+            if isinstance(v, bool) or (isinstance(v, (int, float)) and math.isfinite(v)):
+                gauge(f"imp_{section}_{key}", [({"model": model}, v)], f"{section}.{key} of GET /v1/metrics")
+    band = (s.get("governor") or {}).get("band")
+    if band:
+        gauge("imp_governor_band", [({"model": model, "band": b}, int(b == band)) for b in BAND_NAMES],
+              "1 for the current KV pressure band")
+    widths = (s.get("capacity") or {}).get("max_ctx_at_width") or {}
+    gauge("imp_capacity_max_ctx", [({"model": model, "width": w}, v) for w, v in widths.items()],
+          "tokens per stream that fit the KV pool at this many streams")
+    if s.get("requests") is not None:
+        gauge("imp_requests_count", [({}, len(s["requests"]))], "live generation requests")
+    gauge("imp_resident_models_in_flight", [({"model": r["model"], "kind": r["kind"]}, r["in_flight"])
+                                            for r in s.get("resident_models") or []],
+          "streams generating now, per resident model")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- handlers
+
+
+async def capacity_plan(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    width = _int_param(request, "width", _MAX_WIDTH)
+    depth = _int_param(request, "depth", _MAX_DEPTH)
+    m = engine.metrics
+    return web.json_response(plan(width, depth, kv=m.kv, queue=m.queue, max_context=engine.max_context,
+                                  decode_batch=engine.cfg.max_batch_size, model=engine.model_name))
+
+
+def estimate_for(engine, body: dict) -> dict:
+    """A chat-completions body -> the estimate (shared with "dry_run": true)."""
+    boolean(body, "dry_run")
+    messages = normalize_messages(body.get("messages"))
+    prompt, _ = prepare_prompt(engine, messages, body)
+    n = num(body, "n", 1, 4, integer=True, default=1)
+    if len(prompt) < engine.max_context:  # every other field as the chat route checks it
+        sampling(body, defaults=engine.defaults, vocab_size=engine.tokenizer.vocab_size, prompt_len=len(prompt),
+                 max_context=engine.max_context, fixed_max_tokens=engine.cfg.max_tokens,
+                 eos_ids=tuple(sorted(engine.tokenizer.eos_ids)))
+    mt = num(body, "max_completion_tokens", 1, integer=True, default=None)
+    if mt is None:
+        mt = num(body, "max_tokens", 1, integer=True, default=None)
+    m = engine.metrics
+    return estimate(len(prompt), max_tokens=mt, n=n, kv=m.kv, bytes_per_token=kv_bytes_per_token(engine.runner),
+                    max_context=engine.max_context, prefill_tok_s=m.rates.prefill_tok_s_recent,
+                    queued_prompt_tokens=m.queue.queued_prompt_tokens, model=engine.model_name)
+
+
+async def estimate_route(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    return web.json_response(estimate_for(engine, await read_json(request)))
+
+
+async def metrics_json(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    fmt = request.query.get("format", "json")
+    if fmt not in ("json", "prometheus"):
+        raise bad(f"'format' must be json or prometheus, got {fmt[:32]!r}", "format")
+    snap = snapshot(engine)
+    if fmt == "prometheus":
+        return web.Response(text=prometheus(snap), content_type="text/plain", charset="utf-8",
+                            headers={"X-Prometheus-Format": "0.0.4"})
+    return web.json_response(snap)

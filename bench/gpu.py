@@ -158,13 +158,191 @@ def graph_vs_eager(runner, name: str, res: dict) -> None:
     log(f"{name}: graph vs eager logits rel err {rel:.2e} (buckets {runner.graph_buckets()})")
 
 
-def bench_model(name: str, path: str, copy_Bps: float, prefills: list[int], rows: list, res: dict) -> None:
+def linear_table(runner, name: str, copy_Bps: float, res: dict) -> str:
+    """The tuner's graph-replayed timings (rotating over the layers' copies of each matrix) as a table."""
+    head = (f"{name}: per-matrix device time, µs (GB/s), n = rows of x; * = chosen (fused variants have "
+            "2 µs per saved kernel taken off)")
+    cands = ("gemv", "x4", "x8", "a4", "k4", "dense")
+    out = [head, "", "| matrix | n | " + " | ".join(cands) + " |", "|---|---|" + "---|" * len(cands)]
+    for (key, n), times in sorted(runner._tune_stats["times"].items(), key=lambda kv: (kv[0][1], -kv[0][0][0][0][1])):
+        if n > 8:
+            continue
+        rows_, cols = sum(r for _, r in key[0]), key[1]
+        nbytes = rows_ * cols * 2 if key[0][0][0] == "BF16" else None
+        best = runner._tuner.get((key, n))
+        cells = []
+        for c in cands:
+            t = times.get(c)
+            if t is None:
+                cells.append("")
+                continue
+            gbs = f" ({nbytes / t / 1e3:.0f})" if nbytes else ""
+            cells.append(f"{t:.1f}{gbs}{'*' if c == best else ''}")
+        out.append(f"| {key[0][0][0]} {rows_}x{cols} | {n} | " + " | ".join(cells) + " |")
+    res[f"{name}_tune_failed"] = runner._tune_stats["failed"]
+    res[f"{name}_tune_times"] = {f"{k[0]}|n={n}": v for (k, n), v in runner._tune_stats["times"].items()}
+    return "\n".join(out)
+
+
+def b1_configs(runner, name: str, copy_Bps: float, rows: list, res: dict) -> None:
+    """Batch-1 decode under three configurations, graphs re-captured for bucket 1 only:
+    legacy (old gemv_bf16 kernel, cuBLAS O projection, separate RoPE / KV write / SiLU*up kernels),
+    new kernels unfused, and the tuned default (new kernels, fused epilogues)."""
+    cfg = runner.config
+    keys = {a: getattr(runner.layers[0], a).key for a in ("wqkv", "wo", "w13", "w2")}
+    keys["head"] = runner.head.key
+    saved_tuner, saved_fuse, saved_buckets = dict(runner._tuner), runner.fuse, runner.buckets
+    best_x = {a: saved_tuner.get((k, 1)) for a, k in keys.items()}
+    configs = {
+        "legacy": ({a: ("dense" if a == "wo" else "gemv") for a in keys}, False),
+        "new kernels, unfused": (best_x, False),
+        "new kernels, fused (default)": (best_x, True),
+    }
+    kv_per_tok = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * runner.k_cache.element_size()
+    runner.buckets = (1,)
+    try:
+        for label, (modes, fuse) in configs.items():
+            for a, k in keys.items():
+                runner._tuner[(k, 1)] = modes[a]
+            runner.fuse = fuse
+            runner._graphs.clear()
+            torch.cuda.empty_cache()
+            runner._capture()
+            runner.k_cache.zero_()
+            s = Seqs(1, PROMPT, 96, np.random.default_rng(1), cfg.vocab_size)
+            s.prefill(runner)
+            for _ in range(5):
+                s.decode(runner)
+            steps = 64
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(steps):
+                s.decode(runner)
+            wall = (time.perf_counter() - t) / steps
+            dev_ms = runner.timing_probe(s.decode_works(), reps=40)
+            ctx = PROMPT + len(s.out[0])
+            bw = (runner.weight_bytes + ctx * kv_per_tok) / (dev_ms / 1e3) / copy_Bps
+            row = dict(model=f"{name} [{label}: {modes}]", batch=1, tok_s=1 / wall, step_ms=wall * 1e3, dev_ms=dev_ms,
+                       dev_tok_s=1e3 / dev_ms, bw_pct=100 * bw, anchor=ANCHORS.get((name, 1), ""))
+            rows.append(row)
+            res.setdefault(f"{name}_b1_configs", []).append(row)
+            log(f"{name} b1 [{label}] {modes}: {1 / wall:.1f} tok/s wall ({wall * 1e3:.3f} ms), graph {dev_ms:.3f} ms, "
+                f"{100 * bw:.0f}% of copy rate")
+    finally:
+        runner._tuner.clear()
+        runner._tuner.update(saved_tuner)
+        runner.fuse, runner.buckets = saved_fuse, saved_buckets
+        runner._graphs.clear()
+        torch.cuda.empty_cache()
+        runner._capture()
+
+
+def profile_decode(runner, name: str, out: Path, res: dict) -> None:
+    """Per-kernel device time of a batch-1 decode step (eager launches of the graph's kernels; the eager
+    path adds an index_select / index_copy_ around the attention)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = runner.config
+    s = Seqs(1, PROMPT, 16, np.random.default_rng(5), cfg.vocab_size)
+    s.prefill(runner)
+    works = s.decode_works()
+    with torch.inference_mode():
+        for _ in range(2):
+            runner.forward(works)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                runner.forward(works)
+            torch.cuda.synchronize()
+    txt = f"{name} b1 decode, eager, 5 steps: per-kernel device time\n" + prof.key_averages().table(
+        sort_by="device_time_total", row_limit=16, max_name_column_width=70)
+    (out / f"profile_decode_{name}.txt").write_text(txt)
+    print(txt, flush=True)
+
+
+def profile_prefill(runner, name: str, P: int, out: Path, res: dict) -> None:
+    """Where one eager prefill of P tokens spends its time: host time per launcher (no syncs), the
+    Numba vs CuPy KV write in eager steps, and torch.profiler's kernel table."""
+    from imp.kernels import act, kv_write, prefill_attention, rmsnorm, rope
+    from imp.model import gpu_runner
+
+    cfg = runner.config
+    toks = np.random.default_rng(P).integers(300, cfg.vocab_size, size=P).tolist()
+    table = list(range((P + BS - 1) // BS + 1))
+    work = [SeqWork(seq_id="p", token_ids=toks, start_pos=0, block_table=table, sample=True, params=GREEDY)]
+
+    def timed(n=3):
+        runner.step(work)
+        ts = []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            runner.step(work)
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts) * 1e3
+
+    for impl in ("numba", "cupy"):
+        runner.eager_kv_impl = impl
+        ms = timed()
+        res[f"{name}_prefill{P}_ms_eager_kv_{impl}"] = ms
+        log(f"{name} prefill {P} with eager KV write {impl}: {ms:.1f} ms")
+    runner.eager_kv_impl = "cupy"
+    host: dict[str, list] = {}
+    patched = []
+
+    def wrap(obj, attr, label):
+        fn = getattr(obj, attr)
+
+        def w(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                host.setdefault(label, []).append(time.perf_counter() - t)
+
+        setattr(obj, attr, w)
+        patched.append((obj, attr, fn))
+
+    for obj, attr in ((kv_write, "kv_write"), (kv_write, "kv_write_cupy"), (prefill_attention, "prefill_attention"),
+                      (rmsnorm, "add_rmsnorm"), (rope, "rope"), (act, "gated_act"), (gpu_runner.Linear, "run"),
+                      (runner, "_eager_meta"), (runner, "_sample")):
+        wrap(obj, attr, f"{getattr(obj, '__name__', type(obj).__name__)}.{attr}")
+    try:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        runner.step(work)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) * 1e3
+    finally:
+        for obj, attr, fn in reversed(patched):
+            if obj is runner:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, fn)
+    lines = [f"{name} prefill {P}: wall {wall:.1f} ms (eager KV write cupy); host time inside launchers (no sync):"]
+    for k, v in sorted(host.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"  {k:40s} calls {len(v):4d}  total {sum(v) * 1e3:7.2f} ms  mean {statistics.mean(v) * 1e6:7.1f} us")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        runner.step(work)
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    lines.append(ka.table(sort_by="device_time_total", row_limit=14, max_name_column_width=60))
+    lines.append(ka.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+    txt = "\n".join(lines)
+    (out / f"profile_prefill_{name}.txt").write_text(txt)
+    print(txt, flush=True)
+
+
+def bench_model(name: str, path: str, copy_Bps: float, prefills: list[int], rows: list, res: dict,
+                extras: bool = False, out: Path | None = None) -> None:
     t0 = time.time()
     kv_tokens = 64 * (PROMPT + 96) + max(prefills + [0]) + 1024
     runner = GpuModelRunner.load(path, block_size=BS, kv_tokens=kv_tokens, max_graph_batch=64)
     log(f"{name}: loaded in {time.time() - t0:.1f}s, weights {runner.weight_bytes / 1e9:.2f} GB, dense copies "
         f"{runner.dense}, notes {runner.notes}, tuner {sorted(set(v for v in runner._tuner.values()))}")
-    res[f"{name}_tuner"] = {f"{k[0][0]}|n={n}": v for (k, n), v in runner._tuner.items()}
+    res[f"{name}_tuner"] = {f"{k[0]}x{k[1]}|n={n}": v for (k, n), v in runner._tuner.items()}
     graph_vs_eager(runner, name, res)
     cfg = runner.config
     kv_per_tok = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * runner.k_cache.element_size()
@@ -206,6 +384,19 @@ def bench_model(name: str, path: str, copy_Bps: float, prefills: list[int], rows
         rows.append(dict(model=name, batch=f"prefill {P}", tok_s=tp, step_ms=statistics.median(ts) * 1e3, dev_ms=None,
                          dev_tok_s=None, bw_pct=None, anchor=ANCHORS.get((name, "prefill"), "") if P == 512 else ""))
         log(f"{name} prefill {P}: {tp:.0f} tok/s ({statistics.median(ts) * 1e3:.1f} ms)")
+    if extras:
+        for fn, a in ((linear_table, (runner, name, copy_Bps, res)), (b1_configs, (runner, name, copy_Bps, rows, res)),
+                      (profile_decode, (runner, name, out or Path("/tmp"), res)),
+                      (profile_prefill, (runner, name, 512, out or Path("/tmp"), res))):
+            try:
+                r = fn(*a)
+                if isinstance(r, str):
+                    print(r, flush=True)
+                    (out or Path("/tmp")).joinpath(f"linears_{name}.md").write_text(r + "\n")
+            except Exception:  # noqa: BLE001
+                import traceback
+
+                traceback.print_exc()
     del runner
     torch.cuda.empty_cache()
 
@@ -228,6 +419,10 @@ def main() -> None:
     ap.add_argument("--prefill", default="512,4096")
     ap.add_argument("--dir", default="/tmp/imp_bench")
     ap.add_argument("--skip-cpu-check", action="store_true")
+    ap.add_argument("--extras", default="", help="models (comma list) that also get the per-matrix table, "
+                    "the batch-1 legacy/unfused/fused comparison and the decode / prefill-512 profiles. "
+                    "torch.profiler leaves CUPTI attached: models measured after it in the same process "
+                    "launch slower (seen: 135M b1 1,043 -> 869 tok/s), so give it the last model or run it alone")
     a = ap.parse_args()
     logging_setup()
     out = Path(a.out)
@@ -249,7 +444,8 @@ def main() -> None:
         try:
             if name == "135m-q4_1" and not a.skip_cpu_check:
                 check_135m_vs_cpu(str(path), res)
-            bench_model(name, str(path), ceil["copy_Bps"], prefills, rows, res)
+            bench_model(name, str(path), ceil["copy_Bps"], prefills, rows, res, extras=name in a.extras.split(","),
+                        out=out)
         except Exception as e:  # noqa: BLE001 - keep going: the other models still get measured
             import traceback
 

@@ -243,3 +243,86 @@ def test_gumbel_draw_follows_distribution():
     draws = torch.argmax(probs.log()[None, :] + g, -1)
     freq = torch.bincount(draws, minlength=V).float() / R
     assert (freq - probs).abs().max() < 0.015
+
+
+# ------------------------------------------------------------------ gemv_bf16x (two rows a warp, fused epilogues)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(qgemv.XVARIANTS))
+@pytest.mark.parametrize("rows,cols", [(64, 256), (201, 520), (576, 1536), (96, 4096)])
+@pytest.mark.parametrize("B", [1, 3, 8, 13])
+def test_gemv_bf16x_plain(variant, rows, cols, B):
+    _skip_without_gpu()
+    _, w = _weight("BF16", rows, cols, rows + cols + B)
+    w = w.to(DEV)
+    xb = torch.randn(B, cols + 4, device=DEV)
+    x = xb[:, 4:]  # row-strided, 16-byte aligned
+    out = _poison(B, rows)
+    qgemv.gemv_bf16x(w, x, out, variant=variant)
+    assert _rel(out, qgemv.gemv_reference(w, x)) < 1e-5
+    if qgemv.XVARIANTS[variant][2] == 1:  # no K split: same per-lane chunk order and reduction as gemv_bf16
+        assert torch.equal(out, qgemv.gemv(w, x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(qgemv.XVARIANTS))
+@pytest.mark.parametrize("kind", ["silu", "gelu"])
+@pytest.mark.parametrize("F,cols,B", [(96, 512, 1), (700, 264, 5), (64, 4096, 8)])
+def test_gemv_bf16x_gated(variant, kind, F, cols, B):
+    _skip_without_gpu()
+    from imp.kernels import act
+
+    _, w = _weight("BF16", 2 * F, cols, F + cols + B)
+    w = w.to(DEV)
+    x = torch.randn(B, cols, device=DEV)
+    out = _poison(B, F)
+    qgemv.gemv_bf16x(w, x, out, variant=variant, mode="gated", act=kind)
+    assert _rel(out, act.reference(qgemv.gemv_reference(w, x), kind)) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(qgemv.XVARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,H,Hkv,D,cols", [(1, 4, 2, 64, 256), (6, 8, 2, 128, 512), (9, 6, 6, 32, 200)])
+def test_gemv_bf16x_qkv_rope_kv(variant, dtype, B, H, Hkv, D, cols):
+    _skip_without_gpu()
+    from imp.kernels import kv_write, rope
+    from imp.model.gguf_loader import ModelConfig
+    from imp.model.llama import rope_tables
+
+    cfg = ModelConfig("llama", 1, H * D, H, Hkv, D, 4, 10, 4096, 10000.0, 1e-5, True, {})
+    cos, sin = (t.to(DEV) for t in rope_tables(cfg, 4096))
+    N, W, S = (H + 2 * Hkv) * D, Hkv * D, 64
+    _, w = _weight("BF16", N, cols, N + cols + B)
+    w = w.to(DEV)
+    x = torch.randn(B, cols, device=DEV)
+    pos = torch.randint(0, 4096, (B,), dtype=torch.int32, device=DEV)
+    slots = torch.randperm(S, device=DEV)[:B].to(torch.int32)
+    slots[1::3] = -1
+    kc = torch.randn(S, W, device=DEV).to(dtype)
+    vc = torch.randn(S, W, device=DEV).to(dtype)
+    ref = qgemv.gemv(w, x)
+    rope.rope(ref, pos, cos, sin, H + Hkv)
+    want_k, want_v = kv_write.reference(ref[:, H * D:(H + Hkv) * D], ref[:, (H + Hkv) * D:], kc, vc, slots)
+    out = _poison(B, N)
+    qgemv.gemv_bf16x(w, x, out, variant=variant, mode="qkv", rope=(pos, cos, sin, (H + Hkv) * D),
+                     kv=(kc, vc, slots, H * D))
+    torch.cuda.synchronize()
+    assert _rel(out, ref) < 1e-6
+    assert _rel(out, qgemv.gemv_reference(w, x)) > 1e-3  # RoPE was applied (positions are random)
+    tol = 1e-6 if dtype == torch.float32 else 5e-3
+    written = slots[slots >= 0].long()
+    untouched = torch.ones(S, dtype=torch.bool, device=DEV)
+    untouched[written] = False
+    assert torch.equal(kc[untouched], want_k[untouched]) and torch.equal(vc[untouched], want_v[untouched])
+    assert _rel(kc[written].float(), want_k[written].float()) < tol
+    assert _rel(vc[written].float(), want_v[written].float()) < tol
+
+
+def test_gemv_bf16x_rejects_bad_layouts():
+    w = qgemv.QWeight("Q4_0", 4, 64, {})
+    with pytest.raises(ValueError):
+        qgemv.gemv_bf16x(w, torch.zeros(1, 64))
+    assert not qgemv.x_ok(qgemv.QWeight("BF16", 4, 60, {}))
+    assert qgemv.x_ok(qgemv.QWeight("BF16", 4, 64, {}))

@@ -134,3 +134,32 @@ def test_smollm2_greedy_matches_cpu(smollm2_path):
                               max_graph_batch=4)
     prompts = [[1, 2, 3, 4, 5, 6], list(range(100, 140)), [42]]
     assert greedy_run(gpu, prompts, 8) == greedy_run(cpu, prompts, 8)
+
+
+@pytest.mark.parametrize("variant", ["x4", "x8", "a4", "k4"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_fused_gemv_path(tmp_path_factory, monkeypatch, variant, kv_dtype):
+    """BF16 weights through qgemv.gemv_bf16x with the fused QKV+RoPE+KV-write and gate/up+SiLU epilogues
+    (forced: no tuning): greedy tokens equal to the CPU runner's with an fp32 cache (prefill through the
+    unfused dense path, decode fused, eager and graphed), and graph-replayed logits equal to eager ones."""
+    from imp.model import gpu_runner
+    from imp.model.gpu_runner import GpuModelRunner
+    from imp.model.runner import ModelRunner
+
+    monkeypatch.setattr(gpu_runner, "X_DEFAULT", variant)
+    path = _model(tmp_path_factory, T.BF16)
+    gpu = GpuModelRunner.load(path, num_blocks=64, block_size=BS, kv_dtype=kv_dtype, tune=False, max_graph_batch=8)
+    assert not gpu.notes, gpu.notes
+    assert gpu.fuse and gpu.layers[0].wqkv.mode(1) == variant and gpu.layers[0].w13.mode(8) == variant
+    if kv_dtype == torch.float32:
+        cpu = ModelRunner.load(path, num_blocks=64, block_size=BS, weights="f32")
+        assert greedy_run(gpu, PROMPTS, 12) == greedy_run(cpu, PROMPTS, 12)
+    works = [SeqWork(seq_id=str(i), token_ids=[7 + i], start_pos=len(p), block_table=list(range(4 * i, 4 * i + 4)),
+                     sample=True, params=GREEDY) for i, p in enumerate(PROMPTS[:3])]
+    pre = [SeqWork(seq_id=str(i), token_ids=p, start_pos=0, block_table=list(range(4 * i, 4 * i + 4)), sample=True,
+                   params=GREEDY) for i, p in enumerate(PROMPTS[:3])]
+    gpu.step(pre)
+    with torch.inference_mode():
+        g = gpu._replay(works).double().cpu()
+        e = gpu.forward(works).double().cpu()
+    assert float((g - e).norm() / e.norm()) < 1e-5

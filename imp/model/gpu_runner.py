@@ -17,7 +17,13 @@ Per layer (decode): add+RMSNorm -> QKV GEMV -> RoPE -> KV write (Numba) ->
 paged attention -> O GEMV -> add+RMSNorm -> gate/up GEMV -> SiLU*up -> down
 GEMV. Each matmul picks, per batch size, the quantized GEMV or a dense
 cuBLAS GEMM over a dequantized fp16 copy (bf16 weights: the weights
-themselves), whichever times faster at load (`Linear.choose`).
+themselves), whichever times faster at load (`Linear.choose`, graph-replayed
+over the layers' copies of the matrix so that none is timed from L2). BF16
+weights also have `qgemv.gemv_bf16x` (two rows a warp, variants x4/x8/a4/k4);
+where it wins, the QKV GEMV also applies RoPE and writes k/v into the cache,
+and the gate/up GEMV writes SiLU(gate)*up: 7 kernels a layer instead of 10.
+Outside graphs the KV write is the CuPy kernel (a Numba launch costs ~0.45 ms
+of host time: 14 ms of a 512-token 8B prefill).
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ from imp.model.sampling import sample_one
 log = logging.getLogger("imp.gpu")
 
 GEMV_MAX_ROWS = 8  # without timing: GEMV up to this many rows, dense GEMM above
+X_DEFAULT = "x4"  # untimed choice for BF16 weights at <= GEMV_MAX_ROWS rows (qgemv.gemv_bf16x variant)
+FUSED_CREDIT_US = 2.0  # tuner: graph cost of one small kernel that a fused gemv_bf16x epilogue saves
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -69,26 +77,38 @@ _MM_OUT_DTYPE = [True]
 class Linear:
     """y = x @ W.T for W the row-concatenation of `parts` (fused QKV, gate+up)."""
 
-    def __init__(self, parts: list[qgemv.QWeight], dense: torch.Tensor | None, tuner: dict):
+    def __init__(self, parts: list[qgemv.QWeight], dense: torch.Tensor | None, tuner: dict, stats: dict | None = None):
         self.parts = parts
         self.rows = sum(p.rows for p in parts)
         self.cols = parts[0].cols
         self.offsets = list(np.cumsum([0] + [p.rows for p in parts])[:-1])
         self.dense = dense
         self.key = (tuple((p.fmt, p.rows) for p in parts), self.cols)
-        self.tuner = tuner  # shared by all layers: (key, N) -> "gemv" | "dense"
+        self.tuner = tuner  # shared by all layers: (key, N) -> "gemv" | "dense" | a qgemv.XVARIANTS name
+        # shared too: "times" (key, N) -> {candidate: µs}, "failed": candidates that raised
+        self.stats = stats if stats is not None else {"times": {}, "failed": []}
+        # BF16 weight in one piece: the two-rows-a-warp GEMV (with fused epilogues for QKV and gate/up)
+        self.xw = parts[0] if len(parts) == 1 and qgemv.x_ok(parts[0]) else None
 
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
+    def candidates(self, n: int) -> list[str]:
+        c = ["gemv"]
+        if self.xw is not None and n <= GEMV_MAX_ROWS:
+            c += list(qgemv.XVARIANTS)
+        if self.dense is not None:
+            c.append("dense")
+        return c
+
     def mode(self, n: int) -> str:
-        if self.dense is None:
-            return "gemv"
         m = self.tuner.get((self.key, n))
         if m is not None:
             return m
-        return "gemv" if n <= GEMV_MAX_ROWS else "dense"
+        if n <= GEMV_MAX_ROWS:
+            return X_DEFAULT if self.xw is not None else "gemv"
+        return "gemv" if self.dense is None else "dense"
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape[0], self.rows, dtype=torch.float32, device=x.device)
@@ -99,49 +119,74 @@ class Linear:
     def dense_mm(self, x: torch.Tensor) -> torch.Tensor:
         return _mm_f32(x.to(self.dense.dtype), self.dense)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_mm(x) if self.mode(x.shape[0]) == "dense" else self.gemv(x)
+    def run(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if name == "dense":
+            return self.dense_mm(x)
+        if name == "gemv":
+            return self.gemv(x)
+        return qgemv.gemv_bf16x(self.xw, x, variant=name)
 
-    def choose(self, n: int, reps: int = 10) -> str:
-        """Time GEMV against dense for n rows once per shape; remember the faster."""
-        if self.dense is None:
-            return "gemv"
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(self.mode(x.shape[0]), x)
+
+    def time_us(self, name: str, x: torch.Tensor, peers: list[Linear], reps: int = 12) -> float:
+        """Device µs of one call, replayed in a CUDA graph (as decode runs: Python launch cost must not
+        decide) over `peers` in turn (the same matrix of other layers), so that a matrix smaller than
+        L2 (the 8B O projection, 34 MB) is not timed from L2."""
+        peers = peers or [self]
+        for i in range(3):
+            peers[i % len(peers)].run(name, x)
+        torch.cuda.synchronize()
+        g = None
+        try:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                for i in range(reps):
+                    peers[i % len(peers)].run(name, x)
+            g.replay()
+        except Exception:  # noqa: BLE001 - eager timing then
+            g = None
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        if g is not None:
+            g.replay()
+        else:
+            for i in range(reps):
+                peers[i % len(peers)].run(name, x)
+        e.record()
+        e.synchronize()
+        del g
+        return s.elapsed_time(e) / reps * 1e3
+
+    def choose(self, n: int, reps: int = 12, peers: list[Linear] | None = None, credit_us: float = 0.0) -> str:
+        """Time every candidate for n rows once per shape; remember the fastest. `credit_us` is taken off
+        the qgemv.gemv_bf16x variants' times where the forward fuses a small kernel into them (RoPE +
+        KV write after QKV, SiLU*up after gate/up), which this plain timing does not see."""
         if (self.key, n) in self.tuner:
             return self.tuner[(self.key, n)]
-        if n > 64:
-            self.tuner[(self.key, n)] = "dense"
-            return "dense"
-        x = torch.randn(n, self.cols).to(self.dense.device)  # CPU RNG: the CUDA one is capture-sensitive
+        cands = self.candidates(n)
+        if n > 64 and "dense" in cands:
+            cands = ["dense"]
+        if len(cands) == 1:
+            self.tuner[(self.key, n)] = cands[0]
+            return cands[0]
+        dev = self.parts[0].parts[next(iter(self.parts[0].parts))].device
+        x = torch.randn(n, self.cols).to(dev)  # CPU RNG: the CUDA one is capture-sensitive
         times = {}
-        for name, fn in (("gemv", self.gemv), ("dense", self.dense_mm)):
-            for _ in range(3):
-                fn(x)
-            torch.cuda.synchronize()
-            # time inside a CUDA graph, as decode runs: Python launch cost must not decide
-            g = None
+        for name in cands:
             try:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, capture_error_mode="thread_local"):
-                    for _ in range(reps):
-                        fn(x)
-                g.replay()
-            except Exception:  # noqa: BLE001 - eager timing then
-                g = None
-            torch.cuda.synchronize()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            if g is not None:
-                g.replay()
-            else:
-                for _ in range(reps):
-                    fn(x)
-            e.record()
-            e.synchronize()
-            times[name] = s.elapsed_time(e) / reps
-            del g
+                t = self.time_us(name, x, peers or [self], reps)
+            except Exception as e:  # noqa: BLE001 - a variant that fails to build or run is not chosen
+                torch.cuda.synchronize()
+                log.warning("linear %s n=%d: %s failed: %s: %s", self.key, n, name, type(e).__name__, str(e)[:200])
+                self.stats["failed"].append(f"{self.key} n={n} {name}: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            times[name] = t - (credit_us if name in qgemv.XVARIANTS else 0.0)
         best = min(times, key=times.get)
         self.tuner[(self.key, n)] = best
-        log.info("linear %s n=%d: gemv %.1f us, dense %.1f us -> %s", self.key, n, times["gemv"] * 1e3, times["dense"] * 1e3, best)
+        self.stats["times"][(self.key, n)] = times
+        log.info("linear %s n=%d: %s -> %s", self.key, n, {k: round(v, 1) for k, v in times.items()}, best)
         return best
 
 
@@ -200,10 +245,16 @@ class GpuModelRunner:
         self.use_numba_sampling = self.kv_impl == "numba"
         self._graphs: dict[int, tuple] = {}
         self.buckets = tuple(b for i, b in enumerate(BUCKETS) if i == 0 or BUCKETS[i - 1] < max_graph_batch)
+        # fused QKV (+RoPE +KV write) and gate/up (+SiLU*up) GEMVs where the tuner picks a gemv_bf16x variant
+        self.fuse = kv_dtype in (torch.float32, torch.bfloat16)
+        self.eager_kv_impl = "cupy"  # outside graphs: the CuPy launch costs far less host time than Numba's
         if tune:
+            credit = {"wqkv": FUSED_CREDIT_US * 2, "w13": FUSED_CREDIT_US} if self.fuse else {}
             for n in self.buckets:
-                for lin in (self.layers[0].wqkv, self.layers[0].wo, self.layers[0].w13, self.layers[0].w2, self.head):
-                    lin.choose(n)
+                for attr in ("wqkv", "wo", "w13", "w2"):
+                    getattr(self.layers[0], attr).choose(n, peers=[getattr(L, attr) for L in self.layers],
+                                                         credit_us=credit.get(attr, 0.0))
+                self.head.choose(n)
         if graphs and self.buckets:
             try:
                 self._capture()
@@ -257,6 +308,7 @@ class GpuModelRunner:
         cfg = self.config
         tuner: dict = {}
         self._tuner = tuner
+        self._tune_stats: dict = {"times": {}, "failed": []}
         raw: dict[str, list] = {}
         total_dense = 0
         for i in range(cfg.n_layers):
@@ -290,7 +342,7 @@ class GpuModelRunner:
                 d = parts[0].parts["w"]
             elif dense:
                 d = torch.cat([qgemv.reference(p).to(torch.float16) for p in parts])
-            return Linear(parts, d, tuner)
+            return Linear(parts, d, tuner, self._tune_stats)
 
         self.layers = []
         for i in range(cfg.n_layers):
@@ -344,22 +396,33 @@ class GpuModelRunner:
         x = self.tok_embd.index_select(0, m.tokens)  # [N, d]
         delta = None
         h = torch.empty_like(x)
+        capturing = torch.cuda.is_current_stream_capturing()
         for i, L in enumerate(self.layers):
             k_norm.add_rmsnorm(x, delta, L.attn_norm, eps, out=h)
-            qkv = L.wqkv(h)  # [N, (H + 2 Hkv) D]
-            k_rope.rope(qkv, m.positions, self.cos, self.sin, H + Hkv)
             kc, vc = self.k_cache[i], self.v_cache[i]  # [num_blocks, bs, Hkv, D]
             kf, vf = kc.view(-1, Hkv * D), vc.view(-1, Hkv * D)
-            kn, vn = qkv[:, H * D:(H + Hkv) * D], qkv[:, (H + Hkv) * D:]
-            if self.kv_impl == "numba":
-                k_kv.kv_write(kn, vn, kf, vf, m.slots)
+            qm = L.wqkv.mode(N)
+            if self.fuse and qm in qgemv.XVARIANTS:  # one kernel: QKV GEMV, RoPE on q/k, k/v into the cache
+                qkv = qgemv.gemv_bf16x(L.wqkv.xw, h, variant=qm, mode="qkv",
+                                       rope=(m.positions, self.cos, self.sin, (H + Hkv) * D), kv=(kf, vf, m.slots, H * D))
+                kn, vn = qkv[:, H * D:(H + Hkv) * D], qkv[:, (H + Hkv) * D:]
             else:
-                k_kv.kv_write_cupy(kn, vn, kf, vf, m.slots)
+                qkv = L.wqkv.run(qm, h)  # [N, (H + 2 Hkv) D]
+                k_rope.rope(qkv, m.positions, self.cos, self.sin, H + Hkv)
+                kn, vn = qkv[:, H * D:(H + Hkv) * D], qkv[:, (H + Hkv) * D:]
+                if self.kv_impl == "numba" and (capturing or self.eager_kv_impl == "numba"):
+                    k_kv.kv_write(kn, vn, kf, vf, m.slots)
+                else:
+                    k_kv.kv_write_cupy(kn, vn, kf, vf, m.slots)
             a = self._attention(qkv, kn, vn, kc, vc, m, N)
             delta = L.wo(a)
             k_norm.add_rmsnorm(x, delta, L.ffn_norm, eps, out=h)
-            gu = L.w13(h)
-            delta = L.w2(k_act.gated_act(gu, "silu"))
+            gm = L.w13.mode(N)
+            if self.fuse and gm in qgemv.XVARIANTS:  # one kernel: gate/up GEMV and SiLU(gate) * up
+                act = qgemv.gemv_bf16x(L.w13.xw, h, variant=gm, mode="gated", act="silu")
+            else:
+                act = k_act.gated_act(L.w13.run(gm, h), "silu")
+            delta = L.w2(act)
         if m.out_rows is not None:
             x, delta = x.index_select(0, m.out_rows), delta.index_select(0, m.out_rows)
         hf = k_norm.add_rmsnorm(x, delta, self.out_norm, eps)

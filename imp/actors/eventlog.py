@@ -4,8 +4,8 @@ File format: a stream of frames, each a 4-byte little-endian length followed by
 a msgpack document. The first frame is a `LogHeader`; every later frame is an
 `Envelope`. Records are encoded on the event-loop thread (msgspec is fast) and
 written by a background thread in batches, so the log never blocks a step on
-disk I/O. Without a file the log keeps a bounded in-memory ring of envelopes,
-enough to dump the recent past when something goes wrong.
+disk I/O. Without a file the log keeps a bounded in-memory ring of encoded envelopes,
+enough to dump the recent past when something goes wrong (`dump`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ class EventLog:
 
     def __init__(self, path: str | Path | None = None, ring: int = 20000):
         self.path = Path(path) if path else None
-        self.ring: collections.deque[Envelope] = collections.deque(maxlen=ring)
+        # the ring keeps encoded frames, not objects: 20k live message objects
+        # would make every cyclic-GC pass walk them (measured: +1 ms/step at batch 256)
+        self.ring: collections.deque[bytes] = collections.deque(maxlen=ring)
         self.count = 0
         self._buf: list[bytes] = []
         self._lock = threading.Lock()
@@ -78,9 +80,9 @@ class EventLog:
         if not self.enabled:
             return
         self.count += 1
-        self.ring.append(env)
+        doc = _frame(_enc.encode(env))
+        self.ring.append(doc)
         if self._fh is not None:
-            doc = _frame(_enc.encode(env))
             with self._lock:
                 self._buf.append(doc)
             if len(self._buf) >= 256:
@@ -122,8 +124,7 @@ class EventLog:
         """Write the in-memory ring (with the header) to a file."""
         with open(path, "wb") as fh:
             fh.write(_frame(_enc.encode(self.header)))
-            for env in self.ring:
-                fh.write(_frame(_enc.encode(env)))
+            fh.write(b"".join(self.ring))
 
 
 def read_log(path: str | Path) -> tuple[LogHeader, Iterator[Envelope]]:

@@ -291,7 +291,7 @@ class SchedulerCore:
             tout = msgspec.structs.replace(tout, prompt_logprobs=s.plp)
             s.plp, s.plp_sent = [], True
         out.append(("detok", tout))
-        if s.index == 0:  # the prompt is computed: the siblings may fork it
+        if s.index == 0 and len(r.seqs) > 1:  # the prompt is computed: the siblings may fork it
             self._release_siblings(r)
         if reason:
             self._finish(s, reason, out)
@@ -299,16 +299,16 @@ class SchedulerCore:
     def _work(self, w: Work) -> SeqWork:
         s, p = w.seq, w.seq.params
         start, end = s.num_computed, s.num_computed + w.n
-        gen = s.tokens[len(s.req.prompt):]
+        n_prompt = len(s.req.prompt)
+        n_gen = len(s.tokens) - n_prompt
         penalty = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
         sample = end == len(s.tokens)
-        n_prompt = len(s.req.prompt)
         if p.prompt_logprobs >= 0 and s.index == 0 and not s.plp_sent and end <= n_prompt:
             nxt = s.tokens[end] if end < n_prompt else -1
-            return SeqWork(s.id, s.tokens[start:end], start, list(s.table), sample, p, gen_index=len(gen),
+            return SeqWork(s.id, s.tokens[start:end], start, list(s.table), sample, p, gen_index=n_gen,
                            prompt_logprobs=p.prompt_logprobs, prompt_next=nxt)
         return SeqWork(s.id, s.tokens[start:end], start, list(s.table), sample, p,
-                       gen_index=len(gen), history=gen if sample and penalty else [])
+                       gen_index=n_gen, history=s.tokens[n_prompt:] if sample and penalty else [])
 
     # ------------------------------------------------------------------ requests
 

@@ -55,3 +55,26 @@ def test_tampered_log_reports_first_divergence(tmp_path, capsys):
     assert replay_main([str(bad)]) == 1
     out = capsys.readouterr().out
     assert f"DIVERGENCE at seq {seq} (scheduler)" in out
+
+
+def test_a_router_run_dumps_to_a_replayable_log(tmp_path, capsys):
+    """What a failing hypothesis case saves replays identical (and steps)."""
+    from imp.actors.wiring import Router, dump
+    from imp.config import ServerConfig
+    from imp.engine import build_cores
+    from imp.messages import SamplingParams, SampledToken, StepResult, Submit
+
+    cores = build_cores(ServerConfig(max_batch_size=4, max_step_tokens=32), 16, 256, "fp")
+    router = Router({c.name: c for c in cores})
+    p = SamplingParams(max_tokens=3, seed=1)
+    outs = router.send([("ingress", "admission", Submit(f"r{i}", list(range(5 + i)), p, i)) for i in range(3)])
+    for step in range(1, 50):
+        plans = [d.msg for d in outs if isinstance(d.msg, StepPlan)]
+        if not plans:
+            break
+        toks = [SampledToken(w.seq_id, 7) for w in plans[0].seqs if w.sample]
+        outs = router.send([("executor", "scheduler", StepResult(plans[0].step, toks, 100 + step))])
+    dump(router, tmp_path / "case.log", note="test")
+    assert replay_main([str(tmp_path / "case.log"), "--step"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].endswith("identical") and any("StepPlan" in line for line in out)

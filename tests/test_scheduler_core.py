@@ -9,6 +9,8 @@ preempted-and-recomputed sequence must reproduce it exactly.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import hashlib
 
 from hypothesis import event, given, settings, strategies as st
@@ -399,6 +401,18 @@ def test_replay_gives_the_same_log():
 
 # --------------------------------------------------------------------------- properties
 
+def _save_failure(sim) -> None:
+    """Keep a failing case's exact message order for `python -m imp replay LOG --step`."""
+    import os
+    import time as _time
+
+    from imp.actors.wiring import dump
+
+    d = Path(os.environ.get("IMP_REPLAY_FAILURES", Path(__file__).resolve().parent.parent / "replay" / "failures"))
+    d.mkdir(parents=True, exist_ok=True)
+    dump(sim.router, d / f"scheduler-{_time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log", note="hypothesis failure")
+
+
 EXAMPLES = 200  # each example: up to 50 rules plus a drain; ~10 s on this 2-core machine
 
 
@@ -452,6 +466,13 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self):
+        try:
+            self._consistent()
+        except BaseException:
+            _save_failure(self.sim)
+            raise
+
+    def _consistent(self):
         sim = self.sim
         sim.kv.audit()
         live = set(sim.enqueued) - set(sim.finished)
@@ -459,6 +480,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert set(sim.enqueued) | set(sim.rejected) == set(sim.submits)
 
     def teardown(self):
+        try:
+            self._teardown()
+        except BaseException:
+            _save_failure(self.sim)
+            raise
+
+    def _teardown(self):
         sim = self.sim
         sim.drain()
         sim.kv.audit()

@@ -55,3 +55,29 @@ def route(cores: dict[str, Core], inputs: Iterable[tuple[str, str, Msg]]) -> lis
     router = Router(cores)
     router.send(inputs)
     return router.log
+
+
+def dump(router: Router, path, note: str = "") -> None:
+    """Write a router's deliveries as an event log that `python -m imp replay` reads.
+
+    A failing hypothesis case calls this, so its exact interleaving can be
+    saved under replay/ and stepped through (`python -m imp replay LOG --step`).
+    """
+    import msgspec
+
+    from imp.actors.eventlog import Envelope, EventLog, LogHeader
+    from imp.messages import SCHEMA_VERSION
+
+    kv = router.cores.get("kv")
+    log = EventLog(path)
+    log.open(LogHeader(
+        SCHEMA_VERSION,
+        getattr(getattr(kv, "config", None), "fingerprint", ""),
+        {name: msgspec.to_builtins(c.config) for name, c in router.cores.items()},
+        note=note,
+    ))
+    step = 0
+    for d in router.log:
+        step = getattr(d.msg, "step", step) if d.sender == "scheduler" else step
+        log.append(Envelope(d.seq, d.sender, d.receiver, step, 0, d.msg))
+    log.close()

@@ -32,6 +32,10 @@ def imp_server(smollm2_path, tmp_path_factory):
     models = d / "models"
     models.mkdir()
     (models / "other-model.gguf").write_bytes(b"GGUF")
+    hf = models / "tiny-hf-model"  # an HF directory is listed too
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"\0" * 8)
     srv = ServerProcess(
         smollm2_path, "--kv-cache-tokens", "8192", "--event-log", str(d / "events.log"),
         "--models-dir", str(models), log_path=d / "server.out",

@@ -147,20 +147,23 @@ def _model_entry(engine) -> dict:
 
 
 def _directory(engine) -> list[dict]:
-    """The other GGUFs of --models-dir (one level, split parts skipped), not loaded."""
+    """The other models of --models-dir, not loaded: GGUF files (one level down too)
+    and HF directories (config.json + *.safetensors)."""
     d = engine.cfg.models_dir
     if not d or not Path(d).is_dir():
         return []
     loaded = Path(getattr(engine, "model_path", "")).resolve() if getattr(engine, "model_path", None) else None
     out = []
-    for p in sorted(Path(d).glob("*.gguf")) + sorted(Path(d).glob("*/*.gguf")):
-        if p.resolve() == loaded or p.stem == engine.model_name:
+    hf_dirs = [c.parent for c in sorted(Path(d).glob("*/config.json")) if any(c.parent.glob("*.safetensors"))]
+    for p in sorted(Path(d).glob("*.gguf")) + sorted(Path(d).glob("*/*.gguf")) + hf_dirs:
+        name = p.name if p.is_dir() else p.stem
+        if p.resolve() == loaded or name == engine.model_name:
             continue
         try:
-            size = p.stat().st_size
+            size = sum(f.stat().st_size for f in p.glob("*.safetensors")) if p.is_dir() else p.stat().st_size
         except OSError:
             continue
-        out.append({"id": p.stem, "object": "model", "created": int(p.stat().st_mtime), "owned_by": "imp",
+        out.append({"id": name, "object": "model", "created": int(p.stat().st_mtime), "owned_by": "imp",
                     "loaded": False, "size_bytes": size})
     return out
 

@@ -305,9 +305,10 @@ class SchedulerCore:
         sample = end == len(s.tokens)
         if p.prompt_logprobs >= 0 and s.index == 0 and not s.plp_sent and end <= n_prompt:
             nxt = s.tokens[end] if end < n_prompt else -1
-            return SeqWork(s.id, s.tokens[start:end], start, list(s.table), sample, p, gen_index=n_gen,
+            return SeqWork(s.id, s.tokens[start:end], start, s.table, sample, p, gen_index=n_gen,
                            prompt_logprobs=p.prompt_logprobs, prompt_next=nxt)
-        return SeqWork(s.id, s.tokens[start:end], start, list(s.table), sample, p,
+        # s.table is never mutated in place (always replaced by a KvReply's list): share it
+        return SeqWork(s.id, s.tokens[start:end], start, s.table, sample, p,
                        gen_index=n_gen, history=s.tokens[n_prompt:] if sample and penalty else [])
 
     # ------------------------------------------------------------------ requests

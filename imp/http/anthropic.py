@@ -21,7 +21,7 @@ from aiohttp import web
 
 from imp.http.app import ENGINE
 from imp.http.control import live_requests
-from imp.http.driver import StreamFault, generate
+from imp.http.driver import StreamFault, generate, stream_failed
 from imp.http.errors import ApiError, bad, error_body, error_response
 from imp.http.openai_chat import prepare_prompt, read_json
 from imp.http.params import boolean, num, sampling
@@ -442,16 +442,9 @@ async def _stream(request, engine, deltas, mid, prompt_len, splitter, echo) -> w
                                        "usage": _usage(prompt_len, completion, cached)})
             + _event("message_stop", {"type": "message_stop"})
         )
-    except StreamFault as exc:
-        await resp.write(_error_event(request, 500, f"engine fault: {exc}"))
-    except (ConnectionResetError, ConnectionError):
-        pass  # client went away; generate()'s cleanup already cancelled the request
-    except Exception as exc:  # noqa: BLE001 - our bug mid-stream: say so rather than close silently
-        if resp is None:
-            raise
-        log.exception("messages stream %s failed", mid)
-        with contextlib.suppress(ConnectionError):
-            await resp.write(_error_event(request, 500, f"internal error: {type(exc).__name__}"))
+    except Exception as exc:  # noqa: BLE001 - fault, disconnect or our bug: see stream_failed
+        await stream_failed(exc, resp, lambda message, _code: _error_event(request, 500, message),
+                            f"messages stream {mid}")
     return resp
 
 

@@ -10,13 +10,18 @@ step.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from aiohttp import web
 
 from imp.http.errors import ApiError
 from imp.messages import Delta, Fault, FinishReason, Reject, RequestStats
+
+
+log = logging.getLogger("imp.http")
 
 
 class StreamFault(Exception):
@@ -85,3 +90,26 @@ async def sse_start(request: web.Request, response_id: str) -> web.StreamRespons
     )
     await resp.prepare(request)
     return resp
+
+
+async def stream_failed(exc: Exception, resp: web.StreamResponse | None,
+                        render: Callable[[str, str], bytes], what: str) -> None:
+    """End a started stream that failed, in the dialect's own error event.
+
+    Every dialect's stream ends the same way: an engine fault or our own bug
+    becomes an error event (never a silent close), a client that went away
+    needs nothing (generate()'s cleanup already cancelled the request), and a
+    failure before the response started is re-raised for the middleware to
+    answer with a status.
+    """
+    if resp is None:
+        raise exc
+    if isinstance(exc, ConnectionError):
+        return
+    if isinstance(exc, StreamFault):
+        message, code = f"engine fault: {exc}", "engine_faulted"
+    else:
+        log.exception("%s failed", what, exc_info=exc)
+        message, code = f"internal error: {type(exc).__name__}", "internal_error"
+    with contextlib.suppress(ConnectionError):
+        await resp.write(render(message, code))

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from imp.http.app import ENGINE
 from imp.http.control import live_requests
-from imp.http.driver import StreamFault, generate, sse_start
+from imp.http.driver import StreamFault, generate, sse_start, stream_failed
 from imp.http.errors import ApiError, bad
 from imp.http.logprobs import chat_content
 from imp.http.params import boolean, sampling
@@ -289,14 +289,6 @@ async def _stream(request, engine, gen, deltas, rid, created, fp, prompt_len, sp
         if gen.include_usage:
             await resp.write(chunk([], usage_json(prompt_tokens, sum(completion), cached)))
         await resp.write(b"data: [DONE]\n\n")
-    except StreamFault as exc:
-        await resp.write(error_event(f"engine fault: {exc}"))
-    except (ConnectionResetError, ConnectionError):
-        pass  # client went away; generate()'s cleanup already cancelled the request
-    except Exception as exc:  # noqa: BLE001 - our bug mid-stream: say so rather than close silently
-        if resp is None:
-            raise
-        log.exception("chat stream %s failed", rid)
-        with contextlib.suppress(ConnectionError):
-            await resp.write(error_event(f"internal error: {type(exc).__name__}", "internal_error"))
+    except Exception as exc:  # noqa: BLE001 - fault, disconnect or our bug: see stream_failed
+        await stream_failed(exc, resp, error_event, f"chat stream {rid}")
     return resp

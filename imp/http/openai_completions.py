@@ -22,7 +22,7 @@ from aiohttp import web
 
 from imp.http.app import ENGINE
 from imp.http.control import live_requests
-from imp.http.driver import StreamFault, generate, sse_start
+from imp.http.driver import StreamFault, generate, sse_start, stream_failed
 from imp.http.errors import ApiError, bad
 from imp.http.fim import build_infill, model_fim
 from imp.http.logprobs import CompletionLogprobs, merge, prompt_logprobs_json
@@ -201,14 +201,6 @@ async def _stream(request, ctx: _Ctx, deltas, think) -> web.StreamResponse:
         if gen.include_usage:
             await resp.write(chunk([], usage_json(prompt_tokens, sum(completion), cached)))
         await resp.write(b"data: [DONE]\n\n")
-    except StreamFault as exc:
-        await resp.write(error_event(f"engine fault: {exc}"))
-    except (ConnectionResetError, ConnectionError):
-        pass
-    except Exception as exc:  # noqa: BLE001 - our bug mid-stream: an error event, not a silent close
-        if resp is None:
-            raise
-        log.exception("completion stream %s failed", ctx.rid)
-        with contextlib.suppress(ConnectionError):
-            await resp.write(error_event(f"internal error: {type(exc).__name__}", "internal_error"))
+    except Exception as exc:  # noqa: BLE001 - fault, disconnect or our bug: see stream_failed
+        await stream_failed(exc, resp, error_event, f"completion stream {ctx.rid}")
     return resp

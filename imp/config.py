@@ -24,6 +24,8 @@ class ServerConfig:
     api_key: str | None = None
     threads: int | None = None
     device: str = "cpu"  # "cpu" or "cuda[:N]": which executor runs the model
+    pipeline_depth: int = 0  # steps in flight: 2 plans step N+1 while N runs; 0 = auto (2 on a GPU, 1 on CPU)
+    data_parallel: int = 1  # model replicas, one executor each (cuda:K, cuda:K+1, ... from --device)
     log_level: str = "info"
 
     def __post_init__(self):
@@ -37,6 +39,8 @@ class ServerConfig:
             (self.max_queued_tokens >= 0, "--max-queued-tokens must be >= 0"),
             (self.request_timeout_s >= 0, "--request-timeout must be >= 0"),
             (self.device == "cpu" or self.device.startswith("cuda"), "--device must be cpu or cuda[:N]"),
+            (self.pipeline_depth in (0, 1, 2), "--pipeline-depth must be 1 or 2 (0 = auto)"),
+            (1 <= self.data_parallel <= 64, "--data-parallel must be 1..64"),
         ]
         for ok, why in checks:
             if not ok:
@@ -61,7 +65,24 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default=d.device, help="cpu (default) or cuda:N (GPU executor)")
+    p.add_argument("--pipeline-depth", type=int, default=0,
+                   help="steps in flight: 2 = plan step N+1 while step N runs (default: 2 on a GPU, 1 on CPU)")
+    p.add_argument("--data-parallel", type=int, default=1,
+                   help="model replicas, one scheduler + KV pool + executor each; with --device cuda:K they take "
+                        "cuda:K .. cuda:K+N-1 (on CPU they share the cores)")
     p.add_argument("--log-level", default="info")
+
+
+def replica_devices(cfg: ServerConfig) -> list[str]:
+    """One device per replica: cuda:K, cuda:K+1, ... from --device cuda[:K]; "cpu" repeated."""
+    if not cfg.device.startswith("cuda"):
+        return ["cpu"] * cfg.data_parallel
+    base = int(cfg.device.partition(":")[2] or 0)
+    return [f"cuda:{base + i}" for i in range(cfg.data_parallel)]
+
+
+def pipeline_depth(cfg: ServerConfig) -> int:
+    return cfg.pipeline_depth or (2 if cfg.device.startswith("cuda") else 1)
 
 
 def config_from_args(ns: argparse.Namespace) -> ServerConfig:

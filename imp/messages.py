@@ -143,6 +143,16 @@ class SeqWork(Struct):
     # token after the chunk (-1 when the chunk ends the prompt)
     prompt_logprobs: int = -1
     prompt_next: int = -1
+    # Pipelined steps (scheduler pipeline_depth > 1): the last `pending` tokens
+    # of this sequence were sampled by earlier steps still in flight when the
+    # scheduler planned this one, so it does not know them. A fed token of
+    # PENDING_TOKEN stands for the one the previous step sampled for this
+    # sequence, and `history` lacks those `pending` tokens: the executor
+    # supplies both (on the device, or from the results it already has).
+    pending: int = 0
+
+
+PENDING_TOKEN = -1
 
 
 class KvOp(Struct):

@@ -55,11 +55,16 @@ def _show(receiver: str, msg) -> str:
 
 
 def replay(header: LogHeader, envelopes, *, step_print=None) -> ReplayResult:
+    from imp.actors.replicas import Routed, split_name
+
     types = core_types()
     cores = {}
-    for name, (cls, cfg_cls) in types.items():
-        if name in header.configs:
-            cores[name] = cls(msgspec.convert(header.configs[name], cfg_cls))
+    for name, cfg in header.configs.items():  # "scheduler.1": replica 1 of a data-parallel engine
+        base, index = split_name(name)
+        if base in types:
+            cls, cfg_cls = types[base]
+            core = cls(msgspec.convert(cfg, cfg_cls))
+            cores[name] = core if index is None else Routed(core, index)
     pending: dict[str, list] = {name: [] for name in cores}  # emitted, not yet matched
     res = ReplayResult(inputs={n: 0 for n in cores}, decisions={n: 0 for n in cores})
     t0 = time.perf_counter()

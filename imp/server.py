@@ -12,7 +12,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from imp.config import ServerConfig
+from imp.config import ServerConfig, replica_devices
 from imp.engine import Engine
 from imp.http.app import create_app
 from imp.http.params import ModelDefaults
@@ -38,15 +38,18 @@ def load_engine(cfg: ServerConfig) -> Engine:
     path = Path(resolve_model(cfg.model))
     t0 = time.monotonic()
     _progress(f"loading {path.name} ...")
-    if cfg.device.startswith("cuda"):
-        from imp.model.gpu_runner import GpuModelRunner
+    runners = []
+    for device in replica_devices(cfg):  # data parallel: one full model copy per device
+        if device.startswith("cuda"):
+            from imp.model.gpu_runner import GpuModelRunner
 
-        runner = GpuModelRunner.load(
-            str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens, device=cfg.device,
-            max_graph_batch=cfg.max_batch_size,
-        )
-    else:
-        runner = ModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens)
+            runners.append(GpuModelRunner.load(
+                str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens, device=device,
+                max_graph_batch=cfg.max_batch_size,
+            ))
+        else:
+            runners.append(ModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens))
+    runner = runners[0]
     template = ChatTemplate.from_metadata(runner.metadata, override_path=cfg.chat_template)
     if path.is_dir():  # HF directory: tokenizer.json; BOS/EOS texts for the template from it
         from imp.model.hf_tokenizer import HFTokenizer
@@ -59,8 +62,9 @@ def load_engine(cfg: ServerConfig) -> Engine:
     _progress(
         f"loaded {name} in {time.monotonic() - t0:.1f}s: {runner.config.n_layers} layers, "
         f"ctx {runner.config.context_length}, KV pool {runner.num_blocks} x {runner.block_size} tokens"
+        + (f" on each of {len(runners)} replicas ({', '.join(replica_devices(cfg))})" if len(runners) > 1 else "")
     )
-    engine = Engine(cfg, runner, tokenizer, template, name)
+    engine = Engine(cfg, runners, tokenizer, template, name)
     engine.defaults = ModelDefaults.from_metadata(runner.metadata)
     engine.model_path = path
     return engine

@@ -9,9 +9,12 @@ carries, without sockets.
 
 from __future__ import annotations
 
+import collections
+
 import msgspec
 import pytest
 
+from imp.actors.executor import resolve_pending
 from imp.actors.wiring import Router
 from imp.config import ServerConfig
 from imp.engine import build_cores
@@ -47,8 +50,8 @@ class Harness:
     """Cores + router + the real model; runs until every request finished."""
 
     def __init__(self, runner, num_blocks: int, max_batch: int = 64, step_tokens: int = 128,
-                 reserve_decode: int | None = None):
-        cfg = ServerConfig(max_batch_size=max_batch, max_step_tokens=step_tokens)
+                 reserve_decode: int | None = None, depth: int = 1):
+        cfg = ServerConfig(max_batch_size=max_batch, max_step_tokens=step_tokens, pipeline_depth=depth)
         self.cores = build_cores(cfg, num_blocks, runner.config.context_length, runner.fingerprint)
         if reserve_decode is not None:  # under-reserve so the pool runs dry mid-decode
             adm = self.cores[0]
@@ -59,6 +62,9 @@ class Harness:
         self.tokens: dict[str, list[int]] = {}
         self.finish: dict[str, TokenOut] = {}
         self.now = 0
+        self.inflight: collections.deque[StepPlan] = collections.deque()
+        self.last: dict[str, int] = {}  # what the previous step sampled (pipelined plans feed it)
+        self.pending_fed = 0
 
     @property
     def scheduler(self):
@@ -70,20 +76,21 @@ class Harness:
         self._drain(self.router.send([("ingress", "admission", Submit(req_id, prompt, p, self.now))]))
 
     def run(self) -> None:
-        while self.plan is not None:
-            plan, self.plan = self.plan, None
-            toks = self.runner.step(plan.seqs) if plan.seqs else []
+        while self.inflight:
+            plan = self.inflight.popleft()
+            self.pending_fed += sum(w.pending for w in plan.seqs)
+            seqs = resolve_pending(plan.seqs, self.last)  # as the executor actor does
+            toks = self.runner.step(seqs) if seqs else []
+            self.last = {t.seq_id: t.token_id for t in toks}
             self.now += 1
             self._drain(self.router.send([("executor", "scheduler", StepResult(plan.step, toks, self.now))]))
-
-    plan: StepPlan | None = None
 
     def _drain(self, deliveries) -> None:
         for d in deliveries:
             m = d.msg
             if isinstance(m, StepPlan):
-                assert self.plan is None
-                self.plan = m
+                assert len(self.inflight) < self.scheduler.config.pipeline_depth
+                self.inflight.append(m)
             for t in m.outs if isinstance(m, TokenBatch) else [m] if isinstance(m, TokenOut) else []:
                 self.tokens.setdefault(t.req_id, []).extend(t.token_ids)
                 if t.finish != FinishReason.NONE:
@@ -124,3 +131,17 @@ def test_alone_batch_preempted_and_cached_are_identical(runner, prompts):
     again.run()
     assert again.finish["b"].cached_tokens > 0
     assert again.tokens["b"] == again.tokens["a"] == alone["r15"]
+
+    # pipelined (step N+1 planned while N runs, feeding the token in flight): the
+    # batch and the preempting pool give the same tokens again
+    piped = Harness(runner, num_blocks=400, depth=2)
+    for i, p in enumerate(prompts):
+        piped.submit(f"r{i}", p)
+    piped.run()
+    assert piped.pending_fed > 0 and piped.tokens == alone
+    small = Harness(runner, num_blocks=need // 16 + 4, reserve_decode=1, depth=2)
+    for i, p in enumerate(prompts):
+        small.submit(f"r{i}", p)
+    small.run()
+    assert small.scheduler.preemptions > 0
+    assert small.tokens == alone

@@ -163,3 +163,90 @@ def test_bf16_fused_gemv_path(tmp_path_factory, monkeypatch, variant, kv_dtype):
         g = gpu._replay(works).double().cpu()
         e = gpu.forward(works).double().cpu()
     assert float((g - e).norm() / e.norm()) < 1e-5
+
+
+# --------------------------------------------------------------------------- pipelining
+
+def pipelined_run(runner, prompts: list[list[int]], steps: int, params=GREEDY) -> list[list[int]]:
+    """As greedy_run, but step k+1 is launched before step k is collected,
+    feeding PENDING_TOKEN (as the executor does with a depth-2 scheduler).
+    Prompt 0 joins late (from step 2, as a prefill in a mixed eager step)."""
+    from imp.messages import PENDING_TOKEN
+
+    tables, base = [], 0
+    for p in prompts:
+        nb = (len(p) + steps + 2) // BS + 1
+        tables.append(list(range(base + nb - 1, base - 1, -1)))
+        base += nb
+    n_gen = [0] * len(prompts)  # generated tokens planned so far (the last may be in flight)
+    out: list[list[int]] = [[] for _ in prompts]
+    landed = []
+
+    def plan(late: bool):
+        seqs = []
+        for i, p in enumerate(prompts):
+            if i == 0 and not late:
+                continue
+            if n_gen[i] == 0:
+                seqs.append(SeqWork(seq_id=str(i), token_ids=p, start_pos=0, block_table=tables[i], sample=True,
+                                    params=params))
+            else:
+                penalized = params.repetition_penalty != 1.0
+                seqs.append(SeqWork(seq_id=str(i), token_ids=[PENDING_TOKEN], start_pos=len(p) + n_gen[i] - 1,
+                                    block_table=tables[i], sample=True, params=params, gen_index=n_gen[i],
+                                    history=out[i][:n_gen[i] - 1] if penalized else [], pending=1))
+            n_gen[i] += 1
+        return seqs
+
+    h = runner.launch(plan(False))
+    for k in range(1, steps + 2):
+        nxt = runner.launch(plan(k >= 2)) if k < steps + 1 else None  # launched while h runs
+        for t in runner.collect(h):
+            out[int(t.seq_id)].append(t.token_id)
+        landed.append(h)
+        h = nxt
+    return [o[:steps] for o in out]
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_pipelined_launches_match_step_by_step(tmp_path_factory, graphs):
+    from imp.model.gpu_runner import GpuModelRunner
+
+    path = _model(tmp_path_factory, T.Q8_0)
+    gpu = GpuModelRunner.load(path, num_blocks=64, block_size=BS, kv_dtype=torch.float32, dense=False,
+                              graphs=graphs, max_graph_batch=8)
+    steps = 10
+    for params in (GREEDY, SamplingParams(max_tokens=64, repetition_penalty=1.3),
+                   SamplingParams(max_tokens=64, temperature=0.9, top_p=0.9, seed=5)):
+        got = pipelined_run(gpu, PROMPTS, steps, params)
+        # the same schedule, one step at a time (every token known on the host)
+        want = []
+        for i, p in enumerate(PROMPTS):
+            o = []
+            seq = [SeqWork(seq_id="x", token_ids=p, start_pos=0, block_table=list(range(60, 64)), sample=True,
+                           params=params)]
+            for g in range(steps if i else steps - 1):
+                t = gpu.step(seq)[0].token_id
+                o.append(t)
+                pen = params.repetition_penalty != 1.0
+                seq = [SeqWork(seq_id="x", token_ids=[t], start_pos=len(p) + g, block_table=list(range(60, 64)),
+                               sample=True, params=params, gen_index=g + 1, history=o[:] if pen else [])]
+            want.append(o)
+        assert [g[:len(w)] for g, w in zip(got, want)] == want, params
+
+
+def test_fill_pending_kernel():
+    from imp.kernels.pending import fill_pending, fill_pending_reference
+
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((1, 1), (7, 3), (300, 256), (1000, 600)):
+        tokens = torch.randint(0, 1000, (n,), generator=g, dtype=torch.int32)
+        sampled = torch.randint(0, 50000, (k + 5,), generator=g, dtype=torch.int32)
+        rows = torch.randperm(n, generator=g)[:k].to(torch.int32)
+        rows[::3] = -1  # skipped entries
+        src = torch.randint(0, k + 5, (k,), generator=g, dtype=torch.int32)
+        want = tokens.clone()
+        fill_pending_reference(want, rows, src, sampled, k)
+        got = tokens.cuda()
+        fill_pending(got, rows.cuda(), src.cuda(), sampled.cuda(), k)
+        assert torch.equal(got.cpu(), want)

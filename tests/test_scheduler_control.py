@@ -12,8 +12,10 @@ from imp.actors.admission_core import AdmissionConfig, AdmissionCore
 from imp.actors.kv_core import KvConfig, KvCore
 from imp.actors.scheduler_core import SchedulerConfig, SchedulerCore
 from imp.actors.wiring import Router
+import collections
+
 from imp.messages import (
-    EndThinking, FinishReason, KvRequest, PromptLogprob, SampledToken, SamplingParams, StepPlan,
+    PENDING_TOKEN, EndThinking, FinishReason, KvRequest, PromptLogprob, SampledToken, SamplingParams, StepPlan,
     StepResult, Submit, TokenBatch, TokenOut,
 )
 
@@ -21,13 +23,13 @@ SAMPLED, THINK_END = 5, [8, 9]
 
 
 class Drive:
-    def __init__(self, max_step_tokens=16):
+    def __init__(self, max_step_tokens=16, depth=1):
         self.router = Router({
             "kv": KvCore(KvConfig(64, 4, "fake")),
             "admission": AdmissionCore(AdmissionConfig(64, 4, 128)),
-            "scheduler": SchedulerCore(SchedulerConfig(64, 4, 128, 8, max_step_tokens)),
+            "scheduler": SchedulerCore(SchedulerConfig(64, 4, 128, 8, max_step_tokens, pipeline_depth=depth)),
         })
-        self.plan: StepPlan | None = None
+        self.inflight: collections.deque[StepPlan] = collections.deque()
         self.plans: list[StepPlan] = []
         self.outs: list[TokenOut] = []
         self.kv_ops = []
@@ -42,7 +44,7 @@ class Drive:
 
     def _see(self, m):
         if isinstance(m, StepPlan):
-            self.plan = m
+            self.inflight.append(m)
             self.plans.append(m)
         elif isinstance(m, TokenBatch):
             self.outs += m.outs
@@ -53,10 +55,14 @@ class Drive:
         self.now += 1
         self.send("ingress", "admission", Submit(rid, prompt, SamplingParams(**kw), self.now))
 
+    @property
+    def plan(self) -> StepPlan | None:
+        return self.inflight[0] if self.inflight else None
+
     def step(self) -> bool:
-        plan, self.plan = self.plan, None
-        if plan is None:
+        if not self.inflight:
             return False
+        plan = self.inflight.popleft()
         toks = []
         for w in plan.seqs:
             entries = ()
@@ -110,6 +116,22 @@ def test_end_thinking_while_the_step_is_in_flight_drops_that_sample():
     d.run()
     out = d.tokens("r")
     assert out[:3] == [SAMPLED, *THINK_END]  # the in-flight token was drawn before them: dropped
+
+
+def test_end_thinking_with_two_steps_in_flight():
+    """Pipelined: the decode in flight and the one planned behind it (feeding
+    its pending token) both belong to the old context; the forced tokens are
+    fed right after the last token delivered, and the answer goes on."""
+    d = Drive(depth=2)
+    d.submit("r", list(range(10, 20)), max_tokens=6, ignore_eos=True)
+    d.step()  # prefill + first token; two decodes are now in flight
+    assert len(d.inflight) == 2 and d.inflight[-1].seqs[0].token_ids == [PENDING_TOKEN]
+    d.send("ingress", "admission", EndThinking("r", THINK_END))
+    d.run()
+    out = d.tokens("r")
+    assert out[:3] == [SAMPLED, *THINK_END] and out[3:] == [SAMPLED] * (len(out) - 3) and len(out) >= 6
+    after = [(w.start_pos, w.token_ids) for p in d.plans[3:] for w in p.seqs]
+    assert after[0] == (10, [SAMPLED, *THINK_END])  # position 10 = the first generated token
 
 
 def test_end_thinking_for_a_finished_request_is_ignored():

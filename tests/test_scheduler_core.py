@@ -5,14 +5,23 @@ position each sequence attends to.
 The fake model: the token sampled at generation index g of sequence s is a
 pure function of (seed, g, s). So a run's output is known in advance, and a
 preempted-and-recomputed sequence must reproduce it exactly.
+
+Pipelined (pipeline_depth 2): up to two plans are in flight and execute in
+order; a PENDING_TOKEN is resolved from the previous executed plan's
+samples, as the executors do. KV requests can be held back so that a
+step's result lands before the next step's KvReply.
 """
 
 from __future__ import annotations
 
+import collections
+import os
+import hashlib
 from pathlib import Path
 
-import hashlib
+import msgspec
 
+import pytest
 from hypothesis import event, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -21,7 +30,7 @@ from imp.actors.kv_core import KvConfig, KvCore
 from imp.actors.scheduler_core import SchedulerConfig, SchedulerCore
 from imp.actors.wiring import Router, route
 from imp.messages import (
-    Cancel, Enqueue, Figures, Finished, FinishReason, KvReply, KvRequest, Reject, SampledToken,
+    PENDING_TOKEN, Cancel, Enqueue, Figures, Finished, FinishReason, KvReply, KvRequest, Reject, SampledToken,
     SamplingParams, SessionClose, StepFailed, StepPlan, StepResult, Submit, Tick, TokenBatch, TokenOut,
 )
 
@@ -55,21 +64,38 @@ class Spy:
         return out
 
 
+class HoldKv:
+    """Wraps the kv core: while `hold` is set, KvRequests wait in `held` until released."""
+
+    def __init__(self, core):
+        self.core, self.name, self.config = core, core.name, core.config
+        self.hold, self.held = False, collections.deque()
+
+    def handle(self, sender, msg):
+        if self.hold and isinstance(msg, KvRequest):
+            self.held.append(msg)
+            return []
+        return self.core.handle(sender, msg)
+
+
 class Sim:
     def __init__(self, num_blocks=16, block_size=4, max_context=64, max_batch_size=8, max_step_tokens=16,
-                 request_timeout_ns=0, aging_ns=20 * MS, max_queued_tokens=0, decode_reserve=8):
+                 request_timeout_ns=0, aging_ns=20 * MS, max_queued_tokens=0, decode_reserve=8, pipeline_depth=1):
         self.bs, self.num_blocks = block_size, num_blocks
         self.max_len = min(max_context, num_blocks * block_size)
         self.kv = KvCore(KvConfig(num_blocks, block_size, "fake"))
         self.sched = SchedulerCore(SchedulerConfig(num_blocks, block_size, max_context, max_batch_size,
-                                                   max_step_tokens, request_timeout_ns, aging_ns))
+                                                   max_step_tokens, request_timeout_ns, aging_ns,
+                                                   pipeline_depth=pipeline_depth))
+        self.hold_kv = HoldKv(self.kv)
         self.adm = AdmissionCore(AdmissionConfig(num_blocks, block_size, max_context, max_queued_tokens,
                                                  admission_decode_tokens=decode_reserve))
-        self.router = Router({"kv": self.kv, "admission": self.adm,
+        self.router = Router({"kv": self.hold_kv, "admission": self.adm,
                               "scheduler": Spy(self.sched, self._observe)})
         self.mem = [[None] * block_size for _ in range(num_blocks)]  # simulated KV: (salt, token)
         self.now = 0
-        self.plan: StepPlan | None = None
+        self.inflight: collections.deque[StepPlan] = collections.deque()
+        self.prev_sampled: dict[str, int] = {}  # what the last executed plan sampled, by sequence
         self.submits: dict[str, Submit] = {}
         self.enqueued: dict[str, Enqueue] = {}
         self.finished: dict[str, FinishReason] = {}
@@ -101,19 +127,34 @@ class Sim:
         self.now += dt
         self._collect(self.router.send([("clock", "scheduler", Tick(self.now))]))
 
-    def step(self, fail=False) -> bool:
-        if self.plan is None:
+    @property
+    def plan(self) -> StepPlan | None:
+        return self.inflight[0] if self.inflight else None
+
+    def release_kv(self) -> bool:
+        if not self.hold_kv.held:
             return False
-        plan, self.plan = self.plan, None
+        msg = self.hold_kv.held.popleft()
+        outs = self.kv.handle("scheduler", msg)
+        self._collect(self.router.send([("kv", r, m) for r, m in outs]))
+        return True
+
+    def step(self, fail=False) -> bool:
+        """Run the oldest plan in flight (or, with none, let a held KvRequest through)."""
+        if not self.inflight:
+            return self.release_kv()
+        plan = self.inflight.popleft()
         self.now += MS
-        if fail:
+        if fail:  # nothing of it ran: the next plan's pending tokens cannot be resolved
             msg = StepFailed(plan.step, "boom", self.now)
+            self.prev_sampled = {}
         else:
             msg = StepResult(plan.step, self._execute(plan), self.now, MS)
         self._collect(self.router.send([("executor", "scheduler", msg)]))
         return True
 
     def drain(self, limit=5000):
+        self.hold_kv.hold = False
         for _ in range(limit):
             if not self.step():
                 return
@@ -139,10 +180,20 @@ class Sim:
 
     def _execute(self, plan: StepPlan) -> list[SampledToken]:
         bs, writers, ends = self.bs, {}, []
+        prev, self.prev_sampled = self.prev_sampled, {}
         for w in plan.seqs:
             req, index = w.seq_id.rsplit("#", 1)
             m = self.submits[req]
             assert w.params.seed == m.params.seed + int(index)
+            assert w.pending <= 1 and (PENDING_TOKEN in w.token_ids) == (w.pending == 1), w
+            if w.pending:
+                assert w.token_ids == [PENDING_TOKEN] and w.sample, w
+                if w.seq_id not in prev:  # the step that sampled it failed: the sequence has ended
+                    assert (req, int(index)) in self.finish, f"{w.seq_id}: nothing to resolve its token from"
+                    continue
+                penalty = w.params.repetition_penalty != 1.0  # the only penalty the machine sets
+                w = msgspec.structs.replace(w, token_ids=[prev[w.seq_id]],
+                                            history=w.history + [prev[w.seq_id]] if penalty else [])
 
             def expect(p, m=m, w=w):
                 if p < len(m.prompt):
@@ -161,14 +212,18 @@ class Sim:
             ends.append((w, end, expect, m))
         out = []
         for w, end, expect, m in ends:  # attention reads, after the whole batch wrote
+            req, index = w.seq_id.rsplit("#", 1)
+            if (req, int(index)) in self.finish:
+                continue  # a share planned before its sequence ended (pipelined): what it reads is never used
             for p in range(end):
                 assert self.mem[w.block_table[p // bs]][p % bs] == expect(p), (w.seq_id, p)
             if w.sample:
                 assert end == len(m.prompt) + w.gen_index
                 penalty = m.params.repetition_penalty != 1.0
                 gen = [expect(len(m.prompt) + g)[1] for g in range(w.gen_index)]
-                assert w.history == (gen if penalty else [])
+                assert w.history == (gen if penalty else []), (w.history, gen)
                 out.append(SampledToken(w.seq_id, fake_token(w.params.seed, w.gen_index, w.seq_id)))
+                self.prev_sampled[w.seq_id] = out[-1].token_id
         return out
 
     # ------------------------------------------------------------- observation
@@ -176,10 +231,10 @@ class Sim:
     def _collect(self, deliveries):
         for m in _unbatch(d.msg for d in deliveries):
             if isinstance(m, StepPlan):
-                assert self.plan is None, "two steps in flight"
+                assert len(self.inflight) < self.sched.config.pipeline_depth, "too many steps in flight"
                 assert len(m.seqs) <= self.sched.config.max_batch_size
                 assert sum(len(w.token_ids) for w in m.seqs) <= self.sched.config.max_step_tokens
-                self.plan = m
+                self.inflight.append(m)
                 self.plans.append(m)
             elif isinstance(m, TokenOut):
                 key = (m.req_id, m.index)
@@ -379,6 +434,50 @@ def test_preemption_reproduces_the_unpreempted_tokens():
     assert outs[14] == outs[1000]
 
 
+@pytest.mark.parametrize("hold", [False, True])
+def test_pipelined_steps_feed_the_pending_token(hold):
+    sim = Sim(pipeline_depth=2)
+    sim.hold_kv.hold = hold  # True: each result lands before the next step's KvReply
+    sim.submit("a", ids(6), params(max_tokens=5, ignore_eos=True, repetition_penalty=1.1))
+    for _ in range(3):
+        sim.step()
+    sim.drain()
+    assert sim.output("a") == sim.expected("a", 0) and len(sim.output("a")) == 5
+    fed = [w.token_ids for p in sim.plans for w in p.seqs]
+    if hold:  # a result landed before the KvReply: the token is known (drain stops holding)
+        assert PENDING_TOKEN not in sum(fed[:3], []) and len(fed[1]) == 1
+    else:  # planned while the previous step ran: decodes feed the token in flight
+        assert fed[1:] == [[PENDING_TOKEN]] * 4 and [w.pending for w in sim.plans[1].seqs] == [1]
+    assert len(sim.plans) == 5  # max_tokens is known: no step past the last token
+    assert sim.figures.kv.used == 0
+
+
+def test_pipelined_stop_wastes_one_step_and_drops_its_token():
+    seed = next(s for s in range(1000) if fake_token(s, 2, "a#0") == EOS and EOS not in
+                [fake_token(s, g, "a#0") for g in range(2)])
+    sim = Sim(pipeline_depth=2)
+    sim.submit("a", ids(3), params(max_tokens=10, seed=seed))
+    sim.drain()
+    assert sim.output("a") == sim.expected("a", 0) and sim.finish[("a", 0)].finish == FinishReason.STOP
+    assert len(sim.plans) == 4  # the step after the stop token ran, its token dropped
+    assert sim.figures.kv.used == 0
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_preemption_reproduces_the_unpreempted_tokens_at_depth(depth):
+    work = [(f"r{i}", ids(6 + i, base=i), params(max_tokens=24, seed=i, ignore_eos=True)) for i in range(6)]
+    outs = {}
+    for pool in (14, 1000):
+        sim = Sim(num_blocks=pool, block_size=4, max_context=40, pipeline_depth=depth)
+        for req, prompt, p in work:
+            sim.submit(req, prompt, p)
+        sim.drain()
+        outs[pool] = dict(sim.tokens)
+        assert (sim.figures.queue.preemptions > 0) == (pool == 14)
+        assert sim.figures.kv.used == 0
+    assert outs[14] == outs[1000]
+
+
 def test_replay_gives_the_same_log():
     """Feed the recorded inputs to fresh cores through `route`: every message is the same."""
     sim = Sim(num_blocks=12, request_timeout_ns=30 * MS)
@@ -413,7 +512,7 @@ def _save_failure(sim) -> None:
     dump(sim.router, d / f"scheduler-{_time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log", note="hypothesis failure")
 
 
-EXAMPLES = 200  # each example: up to 50 rules plus a drain; ~10 s on this 2-core machine
+EXAMPLES = int(os.environ.get("IMP_SCHED_EXAMPLES", 200))  # each example: up to 50 rules plus a drain; ~10 s on this 2-core machine
 
 
 REQUEST = st.fixed_dictionaries(dict(
@@ -426,12 +525,15 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(6, 40), block_size=st.sampled_from([2, 4]),
                 max_batch_size=st.integers(1, 6), max_step_tokens=st.integers(1, 24),
                 timeout=st.sampled_from([0, 0, 40 * MS]), max_queued=st.sampled_from([0, 0, 60]),
-                reserve=st.sampled_from([1, 8]), first=st.lists(REQUEST, min_size=1, max_size=6))
+                reserve=st.sampled_from([1, 8]), depth=st.sampled_from([1, 2]),
+                first=st.lists(REQUEST, min_size=1, max_size=6))
     def setup(self, num_blocks, block_size, max_batch_size, max_step_tokens, timeout, max_queued, reserve,
-              first):
+              depth, first):
         self.sim = Sim(num_blocks, block_size, max_context=48, max_batch_size=max_batch_size,
                        max_step_tokens=max_step_tokens, request_timeout_ns=timeout, aging_ns=5 * MS,
-                       max_queued_tokens=max_queued, decode_reserve=reserve)  # 1: preempts often
+                       max_queued_tokens=max_queued, decode_reserve=reserve,  # 1: preempts often
+                       pipeline_depth=depth)
+        event(f"pipeline depth {depth}")
         self.n = 0
         for r in first:  # every example has work, even when swarm testing turns `submit` off
             self.submit(r)
@@ -444,6 +546,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                    repetition_penalty=1.1 if r["penalty"] else 1.0)
         self.sim.submit(f"q{self.n}", prompt, p, n=r["n"], priority=r["priority"], salt=r["salt"],
                         cache_prompt=r["pin"] == "cache", session_id=r["pin"] if r["pin"] in ("s1", "s2") else "")
+
+    @rule(hold=st.booleans())
+    def hold_kv(self, hold):
+        """Hold KvRequests back (a step's result may then land before the next KvReply)."""
+        self.sim.hold_kv.hold = hold
+
+    @rule()
+    def release_kv(self):
+        self.sim.release_kv()
 
     @rule(sid=st.sampled_from(["s1", "s2", "nobody"]))
     def close_session(self, sid):
@@ -475,8 +586,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _consistent(self):
         sim = self.sim
         sim.kv.audit()
+        core = sim.sched
+        assert core._reserved() == sum(r.reserved for r in core.requests.values() if r.n_running), \
+            "the incremental reservation figure drifted"
         live = set(sim.enqueued) - set(sim.finished)
-        assert not live or sim.plan is not None, "work left but no step in flight"
+        assert not live or sim.inflight or sim.hold_kv.held, "work left but no step in flight"
         assert set(sim.enqueued) | set(sim.rejected) == set(sim.submits)
 
     def teardown(self):

@@ -13,6 +13,11 @@ Every request passes here on its way to the scheduler, and so do cancels
     else Enqueue, with reserved_blocks = the blocks its prompt and expected
          generation take (the scheduler starts a request only while the
          reservations of the running ones fit the pool)
+
+With several replicas (data parallel: one scheduler and KV pool per device,
+`imp.actors.replicas`) each request goes to the replica with the fewest
+reserved blocks, or to the one that holds its session's pinned prompt; its
+cancels and end_thinking follow it there. num_blocks is one replica's pool.
 """
 
 from __future__ import annotations
@@ -20,7 +25,11 @@ from __future__ import annotations
 import msgspec
 
 from imp.actors.core import CoreError, Out
+from imp.actors.replicas import pick, replica_name
 from imp.messages import Cancel, EndThinking, Enqueue, Finished, Msg, Reject, Resume, SessionClose, Submit, Suspend
+
+
+MAX_SESSIONS = 65536  # session -> replica affinities kept (a forgotten one just picks again)
 
 
 class AdmissionConfig(msgspec.Struct, frozen=True):
@@ -30,9 +39,10 @@ class AdmissionConfig(msgspec.Struct, frozen=True):
     max_queued_tokens: int = 0  # 0 = unlimited
     admission_decode_tokens: int = 256  # generation reserved per sequence (capped by max_tokens)
     retry_after_s: float = 1.0  # told to clients refused with 429
+    replicas: int = 1  # schedulers (data parallel), each with a pool of num_blocks
 
     def __post_init__(self):
-        if min(self.num_blocks, self.block_size, self.max_context) < 1 or self.max_queued_tokens < 0:
+        if min(self.num_blocks, self.block_size, self.max_context, self.replicas) < 1 or self.max_queued_tokens < 0:
             raise ValueError(f"bad AdmissionConfig {self}")
 
 
@@ -44,15 +54,23 @@ class AdmissionCore:
         self.inflight: dict[str, int] = {}  # req_id -> prompt tokens, until Finished
         self.queued_tokens = 0
         self.suspended = ""  # why admission is closed ("" = open)
+        self.owner: dict[str, tuple[int, int]] = {}  # req_id -> (replica, reserved blocks), until Finished
+        self.loads = [0] * config.replicas  # reserved blocks of the unfinished requests on each replica
+        self.sessions: dict[str, int] = {}  # session id -> the replica holding its pin
+
+    def _sched(self, replica: int) -> str:
+        return replica_name("scheduler", replica, self.config.replicas)
 
     def handle(self, sender: str, msg: Msg) -> Out:
         if isinstance(msg, Submit):
             return [self._submit(msg)]
         if isinstance(msg, (Cancel, EndThinking)):
             # Unknown: already finished (or refused); the cancel has nothing to end.
-            return [("scheduler", msg)] if msg.req_id in self.inflight else []
+            return [(self._sched(self.owner[msg.req_id][0]), msg)] if msg.req_id in self.inflight else []
         if isinstance(msg, SessionClose):  # through here to keep its order after the Submits
-            return [("scheduler", msg)]
+            r = self.sessions.pop(msg.session_id, None)
+            reps = range(self.config.replicas) if r is None else [r]
+            return [(self._sched(i), msg) for i in reps]
         if isinstance(msg, Suspend):
             self.suspended = msg.reason or "operator"
             return []
@@ -63,6 +81,8 @@ class AdmissionCore:
             if msg.req_id not in self.inflight:
                 raise CoreError(f"Finished for unknown request {msg.req_id!r}")
             self.queued_tokens -= self.inflight.pop(msg.req_id)
+            r, blocks = self.owner.pop(msg.req_id)
+            self.loads[r] -= blocks
             return []
         raise CoreError(f"admission cannot handle {type(msg).__name__}")
 
@@ -94,10 +114,18 @@ class AdmissionCore:
                           c.retry_after_s)
         self.inflight[m.req_id] = n_prompt
         self.queued_tokens += n_prompt
-        return ("scheduler", Enqueue(
+        reserved = self.reserve(n_prompt, m.params.max_tokens, m.n)
+        r = pick(self.loads, self.sessions.get(m.session_id) if m.session_id else None)
+        if m.session_id:
+            self.sessions.pop(m.session_id, None)
+            self.sessions[m.session_id] = r  # most recent last; the oldest go first past the cap
+            if len(self.sessions) > MAX_SESSIONS:
+                del self.sessions[next(iter(self.sessions))]
+        self.owner[m.req_id] = (r, reserved)
+        self.loads[r] += reserved
+        return (self._sched(r), Enqueue(
             m.req_id, m.prompt, m.params, m.arrival_ns, m.n, m.priority, m.salt,
-            reserved_blocks=self.reserve(n_prompt, m.params.max_tokens, m.n),
-            cache_prompt=m.cache_prompt, session_id=m.session_id,
+            reserved_blocks=reserved, cache_prompt=m.cache_prompt, session_id=m.session_id,
         ))
 
     def reserve(self, n_prompt: int, max_tokens: int, n: int) -> int:

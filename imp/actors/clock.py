@@ -12,10 +12,10 @@ from imp.messages import Msg, Tick
 class ClockActor(Actor):
     name = "clock"
 
-    def __init__(self, bus: Bus, period_s: float = 0.25, to: str = "scheduler"):
+    def __init__(self, bus: Bus, period_s: float = 0.25, to: str | list[str] = "scheduler"):
         super().__init__(bus)
         self.period_s = period_s
-        self.to = to
+        self.to = [to] if isinstance(to, str) else list(to)  # every scheduler replica
         self._ticker: asyncio.Task | None = None
 
     async def on_start(self) -> None:
@@ -24,7 +24,9 @@ class ClockActor(Actor):
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(self.period_s)
-            self.send(self.to, Tick(time.monotonic_ns()))
+            now = time.monotonic_ns()
+            for to in self.to:
+                self.send(to, Tick(now))
 
     async def on_message(self, sender: str, msg: Msg) -> None:
         pass

@@ -1,9 +1,23 @@
-"""Executor actor (CPU, torch): runs one model step per StepPlan.
+"""Executor actor: runs one model step per StepPlan, in plan order.
 
-The model runs on a dedicated worker thread so the event loop keeps serving
-HTTP while a step computes; torch releases the GIL inside its kernels. The
-executor reads the clock (it is a shell, not a core): the time it puts into
+The model runs on worker threads so the event loop keeps serving HTTP while
+a step computes (torch releases the GIL inside its kernels). The executor
+reads the clock (it is a shell, not a core): the time it puts into
 StepResult is how time reaches the scheduler, and the log records it.
+
+Two ways to run a step:
+  sync (CPU ModelRunner): `runner.step(seqs)` on one thread. With a
+      pipelining scheduler a plan can feed PENDING_TOKEN; by the time it runs
+      here the previous step has finished, so the token is filled in on the
+      host from that step's samples (`resolve_pending`).
+  launch/collect (GpuModelRunner): `runner.launch(seqs)` enqueues the step on
+      the device and returns at once; a second thread waits for it with
+      `runner.collect(handle)` and sends the StepResult. So step N+1 is
+      launched while the GPU still runs step N (the scheduler planned it
+      meanwhile), and PENDING_TOKEN is read on the device from step N's
+      samples without a round trip to the host.
+Results go back strictly in plan order; a launch that raises becomes a
+StepFailed in its turn.
 """
 
 from __future__ import annotations
@@ -12,26 +26,66 @@ import asyncio
 import concurrent.futures
 import time
 
+import msgspec
+
 from imp.actors.base import Actor, Bus
-from imp.messages import Msg, StepFailed, StepPlan, StepResult
+from imp.messages import PENDING_TOKEN, Msg, SampledToken, SeqWork, StepFailed, StepPlan, StepResult
+
+
+def _penalized(w: SeqWork) -> bool:
+    p = w.params
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def resolve_pending(seqs: list[SeqWork], last: dict[str, int]) -> list[SeqWork]:
+    """Fill in PENDING_TOKEN (and the history it completes) from `last`, the
+    tokens the previous step sampled. A share whose token is unknown (that
+    step failed, so the scheduler has ended the sequence) is left out."""
+    out = []
+    for w in seqs:
+        if not w.pending:
+            out.append(w)
+            continue
+        t = last.get(w.seq_id)
+        if t is None:
+            continue
+        toks = [t if x == PENDING_TOKEN else x for x in w.token_ids]
+        out.append(msgspec.structs.replace(w, token_ids=toks, pending=0,
+                                           history=w.history + [t] if _penalized(w) else w.history))
+    return out
 
 
 class ExecutorActor(Actor):
     name = "executor"
 
-    def __init__(self, bus: Bus, runner, name: str = "executor"):
+    def __init__(self, bus: Bus, runner, name: str = "executor", scheduler: str = "scheduler"):
         self.name = name
         super().__init__(bus)
+        self.scheduler = scheduler  # its replica's scheduler (data parallel: "scheduler.i")
         self.runner = runner
-        # one thread: torch's per-thread state (threads, grad mode) stays put
+        self.pipelined = hasattr(runner, "launch") and hasattr(runner, "collect")
+        # one launch thread: torch's per-thread state (threads, grad mode, device) stays put
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-wait")
+        self._landing: asyncio.Queue | None = None
+        self._collector: asyncio.Task | None = None
+        self._last: dict[str, int] = {}  # sync path: what the previous step sampled
         self.steps = 0
 
-    def _run_step(self, plan: StepPlan):
+    def _run_step(self, plan: StepPlan) -> list[SampledToken]:
+        import torch
+
+        seqs = resolve_pending(plan.seqs, self._last) if any(w.pending for w in plan.seqs) else plan.seqs
+        with torch.inference_mode():
+            tokens = self.runner.step(seqs) if seqs else []
+        self._last = {t.seq_id: t.token_id for t in tokens}
+        return tokens
+
+    def _launch(self, plan: StepPlan):
         import torch
 
         with torch.inference_mode():
-            return self.runner.step(plan.seqs)
+            return self.runner.launch(plan.seqs)
 
     async def on_message(self, sender: str, msg: Msg) -> None:
         if not isinstance(msg, StepPlan):
@@ -40,14 +94,45 @@ class ExecutorActor(Actor):
             self.runner.forget(msg.freed)
         t0 = time.monotonic_ns()
         loop = asyncio.get_running_loop()
+        if self.pipelined:
+            if self._collector is None:
+                self._landing = asyncio.Queue()
+                self._collector = asyncio.create_task(self._collect_loop(), name=f"{self.name}-collect")
+            try:
+                handle = await loop.run_in_executor(self._pool, self._launch, msg) if msg.seqs else None
+                self._landing.put_nowait((msg.step, t0, handle, None))
+            except Exception as exc:  # noqa: BLE001 - a failed step ends its requests, not the server
+                self._landing.put_nowait((msg.step, t0, None, exc))
+            return
         try:
             tokens = await loop.run_in_executor(self._pool, self._run_step, msg) if msg.seqs else []
         except Exception as exc:  # noqa: BLE001 - a failed step ends its requests, not the server
-            self.send("scheduler", StepFailed(msg.step, f"{type(exc).__name__}: {exc}", time.monotonic_ns()))
+            self._last = {}
+            self.send(self.scheduler, StepFailed(msg.step, f"{type(exc).__name__}: {exc}", time.monotonic_ns()))
             return
         now = time.monotonic_ns()
         self.steps += 1
-        self.send("scheduler", StepResult(msg.step, tokens, now, now - t0))
+        self.send(self.scheduler, StepResult(msg.step, tokens, now, now - t0))
+
+    async def _collect_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            step, t0, handle, exc = await self._landing.get()
+            tokens: list[SampledToken] = []
+            if exc is None and handle is not None:
+                try:
+                    tokens = await loop.run_in_executor(self._waiter, self.runner.collect, handle)
+                except Exception as e:  # noqa: BLE001
+                    exc = e
+            now = time.monotonic_ns()
+            if exc is not None:
+                self.send(self.scheduler, StepFailed(step, f"{type(exc).__name__}: {exc}", now))
+                continue
+            self.steps += 1
+            self.send(self.scheduler, StepResult(step, tokens, now, now - t0))
 
     async def on_stop(self) -> None:
+        if self._collector is not None:
+            self._collector.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._waiter.shutdown(wait=False, cancel_futures=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 import time
 
+import msgspec
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from imp.actors.base import Actor, Bus
@@ -83,12 +85,24 @@ class Rates:
         }
 
 
+def _sum_figures(figs: list[Figures]) -> Figures:
+    if len(figs) == 1:
+        return figs[0]
+    add = lambda structs: type(structs[0])(*(sum(vals) for vals in zip(*(msgspec.structs.astuple(x) for x in structs))))  # noqa: E731
+    kv = add([f.kv for f in figs])
+    return Figures(msgspec.structs.replace(kv, block_size=figs[0].kv.block_size), add([f.queue for f in figs]))
+
+
 class MetricsActor(Actor):
     name = "metrics"
 
-    def __init__(self, bus: Bus, model_name: str, kv: KvFigures):
+    def __init__(self, bus: Bus, model_name: str, kv: KvFigures, sources: list[str] | None = None):
+        """kv: one scheduler's pool at boot; sources: the scheduler replicas
+        (data parallel), whose figures are summed."""
         super().__init__(bus)
         self.registry = r = CollectorRegistry()
+        self._figs = {name: Figures(kv, QueueFigures(0, 0, 0)) for name in (sources or ["scheduler"])}
+        kv = _sum_figures(list(self._figs.values())).kv
         self.kv = kv
         self.queue = QueueFigures(0, 0, 0)
         self.faults: list[str] = []
@@ -141,6 +155,9 @@ class MetricsActor(Actor):
 
     async def on_message(self, sender: str, msg: Msg) -> None:
         if isinstance(msg, Figures):
+            if len(self._figs) > 1:  # data parallel: the sum over replicas
+                self._figs[sender] = msg
+                msg = _sum_figures(list(self._figs.values()))
             self._apply_kv(msg.kv)
             q, last = msg.queue, self._last
             self.g_waiting.set(q.waiting)

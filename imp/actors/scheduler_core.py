@@ -24,6 +24,18 @@ worst running sequence (highest priority number, then newest) is preempted:
 its blocks freed, it waits again and is recomputed later, prompt plus
 generated tokens; gen_index carries on, so it samples the same tokens.
 
+Pipelining (pipeline_depth 2): the next step is planned as soon as one is
+sent to the executor, so the GPU never waits for the host. A sequence whose
+sampled token is still in flight feeds PENDING_TOKEN (the executor fills in
+what the previous step sampled) and its stop is seen one step late: that
+step's token is dropped. Every in-flight share of a step carries the
+sequence's epoch; preemption, leaving RUNNING and end_thinking start a new
+epoch, and results of an older one are ignored (their KV positions are
+written again). Stale writes are harmless: a step writes only positions past
+the sequence's reported ones, in blocks it owns, and the executor runs steps
+in order, so a block freed and handed to another sequence is written by its
+new owner after the stale write.
+
 n > 1: sibling i is f"{req_id}#{i}" with seed + i. The siblings wait (HELD)
 until the first has computed the prompt, then fork its full prompt blocks.
 Cancels, timeouts and executor faults end a request at once; tokens of a step
@@ -32,6 +44,7 @@ in flight for it are dropped, its blocks are freed in the next KvRequest.
 
 from __future__ import annotations
 
+import collections
 import enum
 
 import msgspec
@@ -39,7 +52,7 @@ import msgspec
 from imp.actors.core import CoreError, Out
 from imp.messages import (
     Cancel, EndThinking, Enqueue, Figures, Finished, FinishReason, KvFigures, KvOp, KvReply, KvRequest, Msg,
-    QueueFigures, Reject, SessionClose, SampledToken, SeqWork, StepFailed, StepPlan, StepResult, StepStats, Tick,
+    PENDING_TOKEN, QueueFigures, Reject, SessionClose, SampledToken, SeqWork, StepFailed, StepPlan, StepResult, StepStats, Tick,
     TokenBatch, TokenOut,
 )
 
@@ -53,10 +66,12 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     request_timeout_ns: int = 0  # 0 = none
     aging_ns: int = 10_000_000_000  # waiting this long outranks any prompt length
     session_ttl_ns: int = 600_000_000_000  # an idle session's pinned prompt is released after this
+    pipeline_depth: int = 1  # steps in flight at once: 2 plans step N+1 while the executor runs step N
 
     def __post_init__(self):
         if min(self.num_blocks, self.block_size, self.max_context, self.max_batch_size,
-               self.max_step_tokens, self.aging_ns) < 1 or self.request_timeout_ns < 0:
+               self.max_step_tokens, self.aging_ns) < 1 or self.request_timeout_ns < 0 \
+                or self.pipeline_depth not in (1, 2):
             raise ValueError(f"bad SchedulerConfig {self}")
 
 
@@ -68,9 +83,8 @@ class Status(enum.Enum):
 
 
 class Phase(enum.Enum):
-    IDLE = 0
+    IDLE = 0  # free to plan a step (when fewer than pipeline_depth are in flight)
     KV = 1  # KvRequest sent, waiting for the KvReply
-    EXEC = 2  # StepPlan sent, waiting for the StepResult
 
 
 class Req:
@@ -99,13 +113,18 @@ class Seq:
         self.admit_no = 0  # when it last started running (preemption picks the newest)
         self.plp: list = []  # prompt logprobs gathered during prefill (choice 0 only)
         self.plp_sent = False  # delivered with the first token: never scored again
+        self.epoch = 0  # results of in-flight work from an older epoch are ignored
+        self.ahead = 0  # positions fed by steps in flight (this epoch), beyond num_computed
+        self.pending = 0  # tokens those steps will sample (0 or 1), beyond len(tokens)
 
 
 class Work:
-    """One sequence's share of the step being prepared or in flight."""
+    """One sequence's share of the step being prepared or in flight: positions
+    start .. start+n-1, sampling after the last when `sample`."""
 
-    def __init__(self, seq: Seq, n: int, has_result: bool, new: bool = False):
+    def __init__(self, seq: Seq, n: int, has_result: bool, new: bool = False, start: int = 0, sample: bool = False):
         self.seq, self.n, self.has_result, self.new = seq, n, has_result, new
+        self.start, self.sample, self.epoch = start, sample, seq.epoch
 
 
 class SchedulerCore:
@@ -120,16 +139,20 @@ class SchedulerCore:
         self.frees: list[KvOp] = []  # for the next KvRequest (frees, pins, unpins)
         self.sessions: dict[str, int] = {}  # session id -> last use (ns), oldest first
         self.freed: list[str] = []  # for the next StepPlan
-        self.batch: list[Work] = []
+        self.batch: list[Work] = []  # the step being prepared (phase KV)
+        self.inflight: collections.deque[tuple[int, list[Work]]] = collections.deque()  # sent to the executor
         self.phase = Phase.IDLE
+        self.stalled = False  # a planned step came to nothing while another ran: wait for news
         self.step = 0
         self.now = 0
         self.kv = KvFigures(config.num_blocks, config.num_blocks, 0, 0, 0, config.block_size)
         self.preemptions = self.cancellations = self.timeouts = self.steps = 0
         self._orders = self._admits = 0
+        self._reserved_running = 0  # sum of reserved over requests with a running sequence (kept by _set)
 
     def handle(self, sender: str, msg: Msg) -> Out:
         out: Out = []
+        self.stalled = self.stalled and isinstance(msg, KvReply)
         if isinstance(msg, Enqueue):
             self._advance(msg.arrival_ns, out)
             self._enqueue(msg, out)
@@ -161,17 +184,24 @@ class SchedulerCore:
 
     def _start(self, out: Out) -> None:
         """Plan the next step's allocator ops, if idle and there is anything to do."""
-        if self.phase is not Phase.IDLE:
+        c = self.config
+        if self.phase is not Phase.IDLE or len(self.inflight) >= c.pipeline_depth or (self.stalled and self.inflight):
             return
-        c, ops, self.frees, self.batch = self.config, self.frees, [], []
+        ops, self.frees, self.batch = self.frees, [], []
         budget = c.max_step_tokens
-        for s in sorted(self.running, key=lambda s: s.num_computed < len(s.tokens) - 1):  # decodes first
-            if budget == 0 or len(self.batch) == c.max_batch_size:
+        n_prompt = lambda s: len(s.req.prompt)  # noqa: E731
+        for s in sorted(self.running, key=lambda s: len(s.tokens) + s.pending - s.num_computed - s.ahead > 1):
+            if budget == 0 or len(self.batch) == c.max_batch_size:  # decodes first, then prefill chunks
                 break
-            n = min(len(s.tokens) - s.num_computed, budget)
-            op = self._grow_op(s, s.num_computed + n)
+            start, vlen = s.num_computed + s.ahead, len(s.tokens) + s.pending
+            if s.pending and (vlen - n_prompt(s) >= s.params.max_tokens or vlen >= self.max_len):
+                continue  # the token in flight is its last
+            n = min(vlen - start, budget)
+            op = self._grow_op(s, start + n)
             ops += [op] if op else []
-            self.batch.append(Work(s, n, op is not None))
+            w = Work(s, n, op is not None, start=start, sample=start + n == vlen)
+            s.ahead, s.pending = s.ahead + n, s.pending + w.sample
+            self.batch.append(w)
             budget -= n
         reserved, counted, slots = self._reserved(), set(), c.max_batch_size - len(self.running)
         for s in sorted(self.waiting, key=self._key):
@@ -219,8 +249,11 @@ class SchedulerCore:
                 if s.index == 0 and s.req.cached_tokens < 0:
                     s.req.cached_tokens = res.cached_tokens
                 self._set(s, Status.RUNNING)
-                w.n = min(w.n, len(s.tokens) - s.num_computed)
-            elif res is not None and s.status is Status.RUNNING:
+                w.start, w.epoch = s.num_computed, s.epoch
+                w.n = min(w.n, len(s.tokens) - w.start)
+                w.sample = w.start + w.n == len(s.tokens)
+                s.ahead, s.pending = w.n, int(w.sample)
+            elif res is not None and s.status is Status.RUNNING and w.epoch == s.epoch:
                 if res.ok:
                     s.table = res.block_table
                 else:
@@ -234,46 +267,52 @@ class SchedulerCore:
                 victim.num_computed = victim.num_reported = 0
                 self._set(victim, Status.WAITING)
                 self.preemptions += 1
-        self.batch = [w for w in self.batch if w.seq.status is Status.RUNNING and w.seq not in failed]
-        if not self.batch:  # frees only, or nothing could run: try again
-            self.phase = Phase.IDLE
+        keep = []
+        for w in self.batch:
+            s = w.seq
+            if s.status is Status.RUNNING and w.epoch == s.epoch:
+                if s not in failed:
+                    keep.append(w)
+                else:  # its grow failed: it sits this step out
+                    s.ahead, s.pending = s.ahead - w.n, s.pending - w.sample
+        self.batch, self.phase = [], Phase.IDLE
+        if not keep:  # frees only, or nothing could run: try again (after the step in flight lands)
+            self.stalled = True
             out.append(("metrics", self._figures()))
             return
-        self.phase = Phase.EXEC
-        out.append(("executor", StepPlan(self.step, [self._work(w) for w in self.batch], self.freed)))
+        self.inflight.append((self.step, keep))
+        out.append(("executor", StepPlan(self.step, [self._work(w) for w in keep], self.freed)))
         self.freed = []
 
     def _on_result(self, msg: StepResult, out: Out) -> None:
-        self._check(Phase.EXEC, msg.step)
+        batch = self._landed(msg.step)
         sampled = {t.seq_id: t for t in msg.tokens}
         n_tokens = n_decode = 0
-        for w in self.batch:
+        for w in batch:
             s = w.seq
             n_tokens += w.n
-            n_decode += w.n == 1 and s.num_computed == len(s.tokens) - 1
-            if s.status is not Status.RUNNING:
-                continue  # ended while the step ran: its tokens are dropped
+            n_decode += w.n == 1 and w.sample
+            if s.status is not Status.RUNNING or w.epoch != s.epoch:
+                continue  # ended, preempted or redirected while the step ran: its results are dropped
             s.num_computed += w.n
+            s.ahead, s.pending = s.ahead - w.n, s.pending - w.sample
             t = sampled.get(s.id)
             if t is not None and t.prompt and not s.plp_sent:
                 last = s.plp[-1].position if s.plp else 0
                 s.plp += [e for e in t.prompt if e.position > last]  # a recompute scores again
-            if s.num_computed == len(s.tokens):
-                if s.id not in sampled:
-                    raise CoreError(f"step {msg.step} sampled nothing for {s.id}")
-                self._sampled(s, sampled[s.id], out)
-        self.phase = Phase.IDLE
+            if w.sample:
+                if t is None or s.num_computed != len(s.tokens):
+                    raise CoreError(f"step {msg.step} sampled nothing for {s.id} at {s.num_computed}")
+                self._sampled(s, t, out)
         self.steps += 1
-        out.append(("metrics", StepStats(msg.step, len(self.batch), n_tokens, n_decode, msg.elapsed_ns)))
+        out.append(("metrics", StepStats(msg.step, len(batch), n_tokens, n_decode, msg.elapsed_ns)))
         self._advance(msg.now_ns, out)
         out.append(("metrics", self._figures()))
 
     def _on_failed(self, msg: StepFailed, out: Out) -> None:
-        self._check(Phase.EXEC, msg.step)
-        for w in self.batch:  # their KV may be garbage: the free reports nothing of this step
-            if w.seq.status is Status.RUNNING:
+        for w in self._landed(msg.step):  # their KV may be garbage: the free reports nothing of this step
+            if w.seq.status is Status.RUNNING and w.epoch == w.seq.epoch:
                 self._end(w.seq.req, FinishReason.ERROR, out, error=msg.error)
-        self.phase = Phase.IDLE
         self._advance(msg.now_ns, out)
         out.append(("metrics", self._figures()))
 
@@ -298,18 +337,22 @@ class SchedulerCore:
 
     def _work(self, w: Work) -> SeqWork:
         s, p = w.seq, w.seq.params
-        start, end = s.num_computed, s.num_computed + w.n
-        n_prompt = len(s.req.prompt)
-        n_gen = len(s.tokens) - n_prompt
+        start, end, sample = w.start, w.start + w.n, w.sample
+        n_prompt, known = len(s.req.prompt), len(s.tokens)
+        n_gen = max(known, end) - n_prompt
         penalty = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-        sample = end == len(s.tokens)
         if p.prompt_logprobs >= 0 and s.index == 0 and not s.plp_sent and end <= n_prompt:
             nxt = s.tokens[end] if end < n_prompt else -1
             return SeqWork(s.id, s.tokens[start:end], start, s.table, sample, p, gen_index=n_gen,
                            prompt_logprobs=p.prompt_logprobs, prompt_next=nxt)
+        toks, pending = s.tokens[start:end], max(0, end - known)  # a result may have landed since planning
+        if pending:  # depth 2: only the token the step in flight samples is unknown
+            if pending > 1 or w.n != 1:
+                raise CoreError(f"{s.id}: {pending} unknown tokens in a {w.n}-token share")
+            toks = [PENDING_TOKEN]
         # s.table is never mutated in place (always replaced by a KvReply's list): share it
-        return SeqWork(s.id, s.tokens[start:end], start, s.table, sample, p,
-                       gen_index=n_gen, history=s.tokens[n_prompt:] if sample and penalty else [])
+        return SeqWork(s.id, toks, start, s.table, sample, p, gen_index=n_gen,
+                       history=s.tokens[n_prompt:end] if sample and penalty else [], pending=pending)
 
     # ------------------------------------------------------------------ requests
 
@@ -346,6 +389,7 @@ class SchedulerCore:
         for s in r.seqs:
             if s.status is Status.FINISHED or not ids or len(s.tokens) + len(ids) >= self.max_len:
                 continue
+            s.epoch, s.ahead, s.pending = s.epoch + 1, 0, 0  # work in flight fed the old context
             s.tokens.extend(ids)
             out.append(("detok", self._token_out(s, list(ids), FinishReason.NONE, [])))
 
@@ -393,14 +437,19 @@ class SchedulerCore:
         if s.status is Status.WAITING:
             self.waiting.remove(s)
         elif s.status is Status.RUNNING:
+            s.epoch, s.ahead, s.pending = s.epoch + 1, 0, 0  # its steps in flight no longer count
             self.running.remove(s)
             s.req.n_running -= 1
+            if s.req.n_running == 0:
+                self._reserved_running -= s.req.reserved
         s.status = new
         if new is Status.WAITING:
             self.waiting.append(s)
         elif new is Status.RUNNING:
             self.running.append(s)
             s.req.n_running += 1
+            if s.req.n_running == 1:
+                self._reserved_running += s.req.reserved
             self._admits += 1
             s.admit_no = self._admits
         elif new is Status.FINISHED:
@@ -428,7 +477,8 @@ class SchedulerCore:
         return (r.priority, len(r.prompt) - age * self.config.max_context // self.config.aging_ns, r.order, s.index)
 
     def _reserved(self) -> int:
-        return sum(r.reserved for r in self.requests.values() if r.n_running)
+        # kept incrementally: summing over every request was a tenth of a step at batch 256
+        return self._reserved_running
 
     def _token_out(self, s: Seq, ids: list[int], reason: FinishReason, lp: list, error: str = "") -> TokenOut:
         if not reason:
@@ -444,6 +494,12 @@ class SchedulerCore:
     def _check(self, phase: Phase, step: int) -> None:
         if self.phase is not phase or step != self.step:
             raise CoreError(f"step {step} arrived in phase {self.phase.name} of step {self.step}")
+
+    def _landed(self, step: int) -> list[Work]:
+        """The oldest step in flight, whose result (or failure) this is."""
+        if not self.inflight or self.inflight[0][0] != step:
+            raise CoreError(f"result of step {step} but in flight: {[st for st, _ in self.inflight]}")
+        return self.inflight.popleft()[1]
 
 
 def _batch_tokens(out: Out) -> Out:

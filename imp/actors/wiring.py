@@ -78,6 +78,6 @@ def dump(router: Router, path, note: str = "") -> None:
     ))
     step = 0
     for d in router.log:
-        step = getattr(d.msg, "step", step) if d.sender == "scheduler" else step
+        step = getattr(d.msg, "step", step) if d.sender.startswith("scheduler") else step
         log.append(Envelope(d.seq, d.sender, d.receiver, step, 0, d.msg))
     log.close()

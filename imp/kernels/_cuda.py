@@ -62,35 +62,58 @@ def available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def module(code: str, name_expressions: tuple[str, ...] = (), options: tuple[str, ...] = ()):
+def module(code: str, name_expressions: tuple[str, ...] = (), options: tuple[str, ...] = (), device: int = 0):
+    """Compiled and loaded on `device` (a loaded module belongs to one device's context)."""
     cp = cupy()
     opts = ("-std=c++17",) + tuple(options)
-    mod = cp.RawModule(code=PRELUDE + code, options=opts, name_expressions=list(name_expressions) or None)
-    mod.compile()
+    with cp.cuda.Device(device):
+        mod = cp.RawModule(code=PRELUDE + code, options=opts, name_expressions=list(name_expressions) or None)
+        mod.compile()
     return mod
 
 
-@functools.lru_cache(maxsize=None)
 def function(code: str, name: str, name_expressions: tuple[str, ...] = (), options: tuple[str, ...] = ()):
-    mod = module(code, name_expressions, options)
-    return mod.get_function(name)
+    """The kernel for torch's current device (data parallel: one runner per device, each on its own thread)."""
+    return _function(code, name, name_expressions, options, torch.cuda.current_device())
 
 
-_streams: dict[int, object] = {}
+@functools.lru_cache(maxsize=None)
+def _function(code: str, name: str, name_expressions: tuple[str, ...], options: tuple[str, ...], device: int):
+    mod = module(code, name_expressions, options, device)
+    with cupy().cuda.Device(device):
+        return mod.get_function(name)
+
+
+_streams: dict[tuple[int, int], object] = {}
 
 
 def torch_stream():
     """CuPy view of torch's current stream (captured when torch captures)."""
+    dev = torch.cuda.current_device()
     ptr = torch.cuda.current_stream().cuda_stream
-    s = _streams.get(ptr)
+    s = _streams.get((dev, ptr))  # by device too: every device's default stream is 0
     if s is None:
-        s = _streams[ptr] = cupy().cuda.ExternalStream(ptr)
+        try:
+            s = cupy().cuda.ExternalStream(ptr, dev)
+        except TypeError:  # older CuPy: no device_id argument
+            s = cupy().cuda.ExternalStream(ptr)
+        _streams[(dev, ptr)] = s
     return s
 
 
 def launch(fn, grid, block, args, shared_mem: int = 0) -> None:
     with torch_stream():
         fn(grid, block, args, shared_mem=shared_mem)
+
+
+def use_device(index: int) -> None:
+    """Make `index` this thread's device for torch and CuPy alike, once, outside any
+    capture (switching devices around each launch breaks CUDA graph capture)."""
+    torch.cuda.set_device(index)
+    try:
+        cupy().cuda.runtime.setDevice(index)
+    except ImportError:  # CuPy-less checks (torch fallbacks) still work
+        pass
 
 
 def ptr(t: torch.Tensor | None) -> np.uint64:
@@ -143,3 +166,14 @@ def nb_array(t: torch.Tensor):
 
 def nb_stream():
     return numba_cuda().external_stream(torch.cuda.current_stream().cuda_stream)
+
+
+def nb_launch(kernel, grid, block, *tensors) -> None:
+    """Launch a Numba kernel on torch's current device and stream, over torch tensors."""
+    cuda = numba_cuda()
+    dev = torch.cuda.current_device()
+    if dev == 0:
+        kernel[grid, block, nb_stream()](*(nb_array(t) for t in tensors))
+        return
+    with cuda.gpus[dev]:  # Numba's context for that device on this thread
+        kernel[grid, block, nb_stream()](*(nb_array(t) for t in tensors))

@@ -85,7 +85,7 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tenso
     else:
         fn, args = write_bf16, (k.view(torch.int32), v.view(torch.int32), kc.view(torch.int16), vc.view(torch.int16), slots)
     blocks = (N * W + THREADS - 1) // THREADS
-    fn[blocks, THREADS, cu.nb_stream()](*(cu.nb_array(a) for a in args))
+    cu.nb_launch(fn, blocks, THREADS, *args)
 
 
 CUPY_SRC = r"""

@@ -112,8 +112,7 @@ def bias_and_penalties(logits: torch.Tensor, works: list[SeqWork], use_numba: bo
         vals = torch.tensor(b_vals, dtype=torch.float32, device=dev)
         if use_numba:
             add_bias, _ = _nb_kernels()
-            add_bias[(len(b_ids) + THREADS - 1) // THREADS, THREADS, cu.nb_stream()](
-                cu.nb_array(logits), cu.nb_array(rows), cu.nb_array(ids), cu.nb_array(vals))
+            cu.nb_launch(add_bias, (len(b_ids) + THREADS - 1) // THREADS, THREADS, logits, rows, ids, vals)
         else:
             logits.index_put_((rows.long(), ids.long()), vals, accumulate=True)
     if p_ids:
@@ -123,8 +122,7 @@ def bias_and_penalties(logits: torch.Tensor, works: list[SeqWork], use_numba: bo
         prm = torch.from_numpy(params).to(dev)
         if use_numba:
             _, penalize = _nb_kernels()
-            penalize[(len(p_ids) + THREADS - 1) // THREADS, THREADS, cu.nb_stream()](
-                cu.nb_array(logits), cu.nb_array(rows), cu.nb_array(ids), cu.nb_array(cnt), cu.nb_array(prm))
+            cu.nb_launch(penalize, (len(p_ids) + THREADS - 1) // THREADS, THREADS, logits, rows, ids, cnt, prm)
         else:
             r_, i_ = rows.long(), ids.long()
             x = logits[r_, i_]
@@ -155,6 +153,13 @@ def filter_logits(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_
 
 def sample(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = True) -> list[SampledToken]:
     """logits [R, V] fp32 on the device -> one SampledToken per work (typical_p ignored: see module doc)."""
+    tokens, processed = sample_ids(logits, works, use_numba)
+    return _to_sampled(tokens, processed, works)
+
+
+def sample_ids(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drawn ids [R] int64 and the processed logits, left on the device (no host sync)."""
     R, V = logits.shape
     dev = logits.device
     x = logits.float().contiguous().clone()
@@ -173,6 +178,12 @@ def sample(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = True) -
         is_greedy = f(greedy, torch.bool)
         tokens = torch.where(is_greedy, tokens, drawn)
         processed = torch.where(is_greedy[:, None], x, filt)
+    return tokens, processed
+
+
+def _to_sampled(tokens: torch.Tensor, processed: torch.Tensor, works: list[SeqWork]) -> list[SampledToken]:
+    V = processed.shape[1]
+    ps = [w.params for w in works]
     want = [p.logprobs >= 0 for p in ps]
     ids = tokens.tolist()
     if not any(want):

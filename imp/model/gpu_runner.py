@@ -24,6 +24,15 @@ where it wins, the QKV GEMV also applies RoPE and writes k/v into the cache,
 and the gate/up GEMV writes SiLU(gate)*up: 7 kernels a layer instead of 10.
 Outside graphs the KV write is the CuPy kernel (a Numba launch costs ~0.45 ms
 of host time: 14 ms of a 512-token 8B prefill).
+
+Pipelining: `launch(seqs)` enqueues a whole step (inputs, forward, sampling,
+the sampled ids' copy to pinned host memory) and returns a handle without
+waiting; `collect(handle)` waits for that step and returns its tokens
+(`step` = both). The sampled ids also stay in a device buffer, so the next
+step, launched before this one finishes, feeds them where its SeqWork says
+PENDING_TOKEN (`imp.kernels.pending`, inside the decode graph). Host input
+buffers alternate so that writing step N+1's inputs never races step N's
+copy still queued on the stream.
 """
 
 from __future__ import annotations
@@ -38,7 +47,9 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 
+from imp.kernels import _cuda
 from imp.kernels import act as k_act
+from imp.kernels import pending as k_pending
 from imp.kernels import kv_write as k_kv
 from imp.kernels import paged_attention as k_attn
 from imp.kernels import prefill_attention as k_prefill
@@ -46,7 +57,7 @@ from imp.kernels import qgemv
 from imp.kernels import rmsnorm as k_norm
 from imp.kernels import rope as k_rope
 from imp.kernels import sampling as k_sample
-from imp.messages import SampledToken, SeqWork
+from imp.messages import PENDING_TOKEN, SampledToken, SeqWork
 from imp.model.gguf_loader import ModelConfig, config_from_metadata, fingerprint, read_metadata
 from imp.model.llama import default_num_blocks, rope_tables
 from imp.model.quants import dequantize
@@ -59,6 +70,20 @@ GEMV_MAX_ROWS = 8  # without timing: GEMV up to this many rows, dense GEMM above
 X_DEFAULT = "x4"  # untimed choice for BF16 weights at <= GEMV_MAX_ROWS rows (qgemv.gemv_bf16x variant)
 FUSED_CREDIT_US = 2.0  # tuner: graph cost of one small kernel that a fused gemv_bf16x epilogue saves
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_SAMPLED = 4096  # sequences sampled in one step (the device buffer of sampled ids)
+RING = 4  # pinned buffers for sampled ids: a step's slot is reused 4 launches later (<= 2 are in flight)
+
+
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """A side stream for graph capture on `device`. torch.cuda.graph's default one is
+    created once, on whichever device captured first: a second device must bring its own."""
+    idx = device.index or 0
+    if idx not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[idx] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[idx]
 
 
 def _mm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -140,7 +165,7 @@ class Linear:
         g = None
         try:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            with torch.cuda.graph(g, stream=capture_stream(x.device), capture_error_mode="thread_local"):
                 for i in range(reps):
                     peers[i % len(peers)].run(name, x)
             g.replay()
@@ -213,6 +238,30 @@ class Meta:
     prefill: list  # (row0, row1, ctx_blocks int64 | None, start)
     out_rows: torch.Tensor | None  # [R] int64 rows to compute logits for; None = all rows
     all_decode: bool = False
+    pending: tuple | None = None  # (rows [k] int32, src [k] int32, k): tokens[rows] = previous step's sampled[src]
+
+
+class Landing:
+    """A launched step: its sampled ids land in a pinned buffer when `event` completes."""
+
+    def __init__(self, seq_ids: list[str], ring: torch.Tensor | None, event, tokens: list[SampledToken] | None):
+        self.seq_ids, self.ring, self.event, self.tokens = seq_ids, ring, event, tokens
+        self._ids: list[int] | None = None
+
+    def ids(self) -> list[int]:
+        """The sampled ids (waits for the step); safe from any thread, idempotent."""
+        if self._ids is None:
+            if self.tokens is not None:
+                self._ids = [t.token_id for t in self.tokens]
+            else:
+                self.event.synchronize()
+                self._ids = self.ring[:len(self.seq_ids)].tolist()
+        return self._ids
+
+
+def _penalized(w: SeqWork) -> bool:
+    p = w.params
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 class GpuModelRunner:
@@ -228,7 +277,12 @@ class GpuModelRunner:
         self.kv_dtype = kv_dtype
         self.notes: list[str] = []  # what fell back, for the bench/logs
         self._lock = threading.Lock()
-        torch.cuda.set_device(self.device)
+        _cuda.use_device(self.device.index or 0)
+        self._sampled = torch.zeros(MAX_SAMPLED, dtype=torch.int32, device=self.device)  # last step's ids
+        self._prev_rows: dict[str, int] = {}  # seq id -> index in _sampled, for the next step's PENDING_TOKEN
+        self._prev: Landing | None = None
+        self._ring = [torch.zeros(MAX_SAMPLED, dtype=torch.int32).pin_memory() for _ in range(RING)]
+        self._ring_i = 0
         if cfg.arch not in SUPPORTED_ARCHS:
             raise ValueError(f"architecture {cfg.arch!r} not supported (have {SUPPORTED_ARCHS})")
         if cfg.extras.get("rope.scaling.type", "none") not in ("none", None):
@@ -393,6 +447,8 @@ class GpuModelRunner:
         cfg = self.config
         H, Hkv, D, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps
         N = m.tokens.shape[0]
+        if m.pending is not None:  # the previous step's samples, where this one feeds PENDING_TOKEN
+            k_pending.fill_pending(m.tokens, m.pending[0], m.pending[1], self._sampled, m.pending[2])
         x = self.tok_embd.index_select(0, m.tokens)  # [N, d]
         delta = None
         h = torch.empty_like(x)
@@ -458,16 +514,22 @@ class GpuModelRunner:
             if max(tbl) >= self.num_blocks or min(tbl) < 0:
                 raise ValueError(f"{s.seq_id}: block id out of range (num_blocks={self.num_blocks})")
 
-    def _eager_meta(self, seqs: list[SeqWork], rows: list[int]) -> Meta:
+    def _eager_meta(self, seqs: list[SeqWork], rows: list[int], src: dict[int, int] | None = None) -> Meta:
         bs = self.block_size
         toks, pos, slots = [], [], []
         dec, pre = [], []
+        ph_rows, ph_src = [], []
         r = 0
-        for s in seqs:
+        for i, s in enumerate(seqs):
             n = len(s.token_ids)
             table = np.asarray(s.block_table, dtype=np.int64)
             p = np.arange(s.start_pos, s.start_pos + n, dtype=np.int64)
-            toks.append(np.asarray(s.token_ids, dtype=np.int64))
+            if src and i in src:  # PENDING_TOKEN: filled in on the device (a one-token share)
+                ph_rows.append(r)
+                ph_src.append(src[i])
+                toks.append(np.zeros(n, dtype=np.int64))
+            else:
+                toks.append(np.asarray(s.token_ids, dtype=np.int64))
             pos.append(p)
             slots.append(table[p // bs] * bs + p % bs)
             (dec if n == 1 else pre).append((r, s, n, table))
@@ -476,6 +538,8 @@ class GpuModelRunner:
         i32 = lambda a: torch.from_numpy(np.concatenate(a).astype(np.int32)).to(dev)  # noqa: E731
         m = Meta(tokens=i32(toks), positions=i32(pos), slots=i32(slots), dec_rows=None, dec_bt=None,
                  dec_lens=None, prefill=[], out_rows=torch.tensor(rows, dtype=torch.int64, device=dev))
+        if ph_rows:
+            m.pending = (i32([np.asarray(ph_rows)]), i32([np.asarray(ph_src)]), len(ph_rows))
         if dec:
             nbmax = max((s.start_pos // bs) + 1 for _, s, _, _ in dec)
             bt = np.zeros((len(dec), nbmax), np.int32)
@@ -500,14 +564,19 @@ class GpuModelRunner:
     def _capture(self) -> None:
         """One graph per bucket over static input buffers (largest first, one memory pool)."""
         M, MB = max(self.buckets), self.max_blocks
-        self._in = torch.zeros(4 * M + M * MB, dtype=torch.int32, device=self.device)
-        self._host = torch.zeros_like(self._in, device="cpu").pin_memory()
-        self._host_np = self._host.numpy()
+        # [tokens | positions | slots | lens | pending rows | pending src | block tables]
+        self._in = torch.zeros(6 * M + M * MB, dtype=torch.int32, device=self.device)
+        # two host copies, alternating: step N+1 is written while step N's copy may still be queued
+        self._hosts = [torch.zeros_like(self._in, device="cpu").pin_memory() for _ in range(2)]
+        self._host_events = [None, None]
+        self._host_i = 0
         gi = self._in
         self._static = dict(tokens=gi[0:M], positions=gi[M:2 * M], slots=gi[2 * M:3 * M], lens=gi[3 * M:4 * M],
-                            bt=gi[4 * M:].view(M, MB))
-        self._host_np[2 * M:3 * M] = -1  # no KV writes from padding rows
-        self._in.copy_(self._host)
+                            ph_rows=gi[4 * M:5 * M], ph_src=gi[5 * M:6 * M], bt=gi[6 * M:].view(M, MB))
+        for h in self._hosts:
+            h.numpy()[2 * M:3 * M] = -1  # no KV writes from padding rows
+            h.numpy()[4 * M:5 * M] = -1  # no pending tokens
+        self._in.copy_(self._hosts[0])
         st = self._static
         pool = None
         s = torch.cuda.Stream(self.device)
@@ -519,7 +588,7 @@ class GpuModelRunner:
         torch.cuda.synchronize(self.device)
         for b in sorted(self.buckets, reverse=True):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(g, pool=pool, stream=capture_stream(self.device), capture_error_mode="thread_local"):
                 out = self._forward(self._graph_meta(b))
             pool = g.pool()
             self._graphs[b] = (g, out)
@@ -529,27 +598,42 @@ class GpuModelRunner:
     def _graph_meta(self, b: int) -> Meta:
         st = self._static
         return Meta(tokens=st["tokens"][:b], positions=st["positions"][:b], slots=st["slots"][:b], dec_rows=None,
-                    dec_bt=st["bt"][:b], dec_lens=st["lens"][:b], prefill=[], out_rows=None, all_decode=True)
+                    dec_bt=st["bt"][:b], dec_lens=st["lens"][:b], prefill=[], out_rows=None, all_decode=True,
+                    pending=(st["ph_rows"][:b], st["ph_src"][:b], b))
 
-    def _replay(self, seqs: list[SeqWork]) -> torch.Tensor:
+    def _replay(self, seqs: list[SeqWork], src: dict[int, int] | None = None) -> torch.Tensor:
+        """Graph-replayed decode; src: row -> index in _sampled for PENDING_TOKEN rows."""
         B = len(seqs)
         b = next(x for x in self.buckets if x >= B)
         M, MB, bs = max(self.buckets), self.max_blocks, self.block_size
-        h = self._host_np
-        bt = h[4 * M:4 * M + b * MB].reshape(b, MB)
+        i_host = self._host_i
+        self._host_i ^= 1
+        if self._host_events[i_host] is not None:
+            self._host_events[i_host].synchronize()  # its last copy has left (long ago: two steps back)
+        host = self._hosts[i_host]
+        h = host.numpy()
+        bt = h[6 * M:6 * M + b * MB].reshape(b, MB)
+        src = src or {}
         for i, s in enumerate(seqs):
             p = s.start_pos
             nb = p // bs + 1
             bt[i, :nb] = s.block_table[:nb]
-            h[i] = s.token_ids[0]
+            j = src.get(i, -1)
+            h[i] = 0 if j >= 0 else s.token_ids[0]
             h[M + i] = p
             h[2 * M + i] = s.block_table[p // bs] * bs + p % bs
             h[3 * M + i] = p + 1
+            h[4 * M + i] = i if j >= 0 else -1
+            h[5 * M + i] = max(j, 0)
         h[B:b] = 0
         h[M + B:M + b] = 0
         h[2 * M + B:2 * M + b] = -1
         h[3 * M + B:3 * M + b] = 0
-        self._in[: 4 * M + b * MB].copy_(self._host[: 4 * M + b * MB], non_blocking=True)
+        h[4 * M + B:4 * M + b] = -1
+        self._in[: 6 * M + b * MB].copy_(host[: 6 * M + b * MB], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._host_events[i_host] = ev
         g, out = self._graphs[b]
         g.replay()
         return out[:B]
@@ -569,50 +653,118 @@ class GpuModelRunner:
             base += len(s.token_ids)
             rows.append(base - 1)
         with self._lock:
+            _cuda.use_device(self.device.index or 0)
             return self._forward(self._eager_meta(seqs, rows)).clone()
 
-    @torch.inference_mode()
     def step(self, seqs: list[SeqWork]) -> list[SampledToken]:
+        return self.collect(self.launch(seqs))
+
+    def collect(self, h: Landing) -> list[SampledToken]:
+        """Wait for a launched step; its tokens, in the order of its sampled shares."""
+        if h.tokens is not None:
+            return h.tokens
+        return [SampledToken(seq_id=sid, token_id=t) for sid, t in zip(h.seq_ids, h.ids())]
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[SeqWork]) -> Landing:
+        """Enqueue one step on the device and return without waiting for it.
+
+        A share feeding PENDING_TOKEN whose sequence the previous step did not
+        sample (that step failed: the scheduler has ended it) is left out.
+        """
         self._check(seqs)
         with self._lock:
-            if self._decode_only(seqs):
-                logits = self._replay(seqs)
-                return self._sample(logits, seqs)
-            rows: list[int] = []
-            sample_at: dict[int, int] = {}
-            plp_at: dict[int, tuple[int, int]] = {}
-            base = 0
-            for i, s in enumerate(seqs):
-                n = len(s.token_ids)
-                if s.prompt_logprobs >= 0:
-                    count = n if s.prompt_next >= 0 else n - 1
-                    plp_at[i] = (len(rows), count)
-                    rows.extend(range(base, base + count))
-                if s.sample:
-                    sample_at[i] = len(rows)
-                    rows.append(base + n - 1)
-                base += n
-            logits = self._forward(self._eager_meta(seqs, rows)) if rows else None
-            if logits is None:
-                m = self._eager_meta(seqs, [])
-                self._forward(m)
-                return []
-            order = sorted(sample_at)
-            drawn = {}
-            if order:
-                sel = logits.index_select(0, torch.tensor([sample_at[i] for i in order], device=self.device))
-                drawn = dict(zip(order, self._sample(sel, [seqs[i] for i in order])))
-            out = []
-            for i, s in enumerate(seqs):
-                t = drawn.get(i)
-                if i in plp_at:
-                    first, count = plp_at[i]
-                    scored = prompt_logprobs(logits[first:first + count].float().cpu(), s)
-                    t = t or SampledToken(seq_id=s.seq_id, token_id=-1)
-                    t = msgspec.structs.replace(t, prompt=scored)
-                if t is not None:
-                    out.append(t)
-            return out
+            _cuda.use_device(self.device.index or 0)  # per thread: the executor's thread starts on device 0
+            try:
+                return self._launch(seqs)
+            except BaseException:
+                self._prev_rows, self._prev = {}, None  # nothing to feed the next step from
+                raise
+
+    def _launch(self, seqs: list[SeqWork]) -> Landing:
+        seqs = [s for s in seqs if not s.pending or s.seq_id in self._prev_rows]
+        src: dict[int, int] = {}
+        for i, s in enumerate(seqs):
+            if s.pending:
+                if s.pending != 1 or list(s.token_ids) != [PENDING_TOKEN]:
+                    raise ValueError(f"{s.seq_id}: pending {s.pending} with tokens {list(s.token_ids)[:4]}")
+                src[i] = self._prev_rows[s.seq_id]
+        if not seqs:
+            return self._landed([], None, [])
+        if self._decode_only(seqs):
+            logits = self._replay(seqs, src)
+            return self._sample_and_land(logits, seqs)
+        rows: list[int] = []
+        sample_at: dict[int, int] = {}
+        plp_at: dict[int, tuple[int, int]] = {}
+        base = 0
+        for i, s in enumerate(seqs):
+            n = len(s.token_ids)
+            if s.prompt_logprobs >= 0:
+                count = n if s.prompt_next >= 0 else n - 1
+                plp_at[i] = (len(rows), count)
+                rows.extend(range(base, base + count))
+            if s.sample:
+                sample_at[i] = len(rows)
+                rows.append(base + n - 1)
+            base += n
+        logits = self._forward(self._eager_meta(seqs, rows, src))  # rows == []: KV writes only
+        order = sorted(sample_at)
+        if not plp_at:
+            if not order:
+                return self._landed([], None, [])
+            sel = logits.index_select(0, torch.tensor([sample_at[i] for i in order], device=self.device))
+            return self._sample_and_land(sel, [seqs[i] for i in order])
+        # prompt logprobs: scored on the host now (not pipelined; such steps are prefill chunks)
+        drawn: dict[int, SampledToken] = {}
+        if order:
+            sel = logits.index_select(0, torch.tensor([sample_at[i] for i in order], device=self.device))
+            drawn = dict(zip(order, self.collect(self._sample_and_land(sel, [seqs[i] for i in order]))))
+        out = []
+        for i, s in enumerate(seqs):
+            t = drawn.get(i)
+            if i in plp_at:
+                first, count = plp_at[i]
+                scored = prompt_logprobs(logits[first:first + count].float().cpu(), s)
+                t = t or SampledToken(seq_id=s.seq_id, token_id=-1)
+                t = msgspec.structs.replace(t, prompt=scored)
+            if t is not None:
+                out.append(t)
+        return Landing([t.seq_id for t in out], None, None, out)
+
+    def _sample_and_land(self, logits: torch.Tensor, seqs: list[SeqWork]) -> Landing:
+        """Sample rows of logits for seqs; keep the ids on the device for the next
+        step's PENDING_TOKEN and start their copy to the host."""
+        if len(seqs) > MAX_SAMPLED:
+            raise ValueError(f"{len(seqs)} sequences sampled in one step (at most {MAX_SAMPLED})")
+        if any(s.pending and _penalized(s) for s in seqs):  # penalties count the token in flight: need it here
+            prev = dict(zip(self._prev.seq_ids, self._prev.ids()))
+            seqs = [msgspec.structs.replace(s, history=s.history + [prev[s.seq_id]]) if s.pending and _penalized(s)
+                    else s for s in seqs]
+        ps = [s.params for s in seqs]
+        tokens = None
+        if all(p.temperature <= 0.0 and p.logprobs < 0 and not p.logit_bias and p.repetition_penalty == 1.0
+               and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 for p in ps):
+            ids = torch.argmax(logits, dim=-1)
+        elif any(p.logprobs >= 0 or (p.typical_p < 1.0 and p.temperature > 0.0) for p in ps):
+            tokens = self._sample(logits, seqs)  # logprobs / typical_p: on the host now
+            ids = torch.tensor([t.token_id for t in tokens], dtype=torch.int32).to(self.device, non_blocking=False)
+        else:
+            ids = k_sample.sample_ids(logits, seqs, self.use_numba_sampling)[0]
+        B = len(seqs)
+        self._sampled[:B].copy_(ids)
+        ring = self._ring[self._ring_i]
+        self._ring_i = (self._ring_i + 1) % RING
+        ring[:B].copy_(self._sampled[:B], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return self._landed([s.seq_id for s in seqs], ring, tokens, ev)
+
+    def _landed(self, seq_ids: list[str], ring, tokens, event=None) -> Landing:
+        h = Landing(seq_ids, ring, event, tokens)
+        self._prev_rows = {sid: j for j, sid in enumerate(seq_ids)} if ring is not None else {}
+        self._prev = h
+        return h
 
     def _sample(self, logits: torch.Tensor, seqs: list[SeqWork]) -> list[SampledToken]:
         ps = [s.params for s in seqs]

@@ -39,8 +39,10 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def synthetic_vocab(vocab: int) -> list[str]:
-    """3 specials, the 256 byte tokens, then filler tokens up to `vocab`."""
-    toks = SPECIALS + _bytes_to_unicode()
+    """3 specials, the 256 byte tokens, the one merge's result ("Ġt": a BPE
+    tokenizer refuses a merge whose result is not in the vocabulary), then
+    filler tokens up to `vocab`."""
+    toks = SPECIALS + _bytes_to_unicode() + ["Ġt"]
     assert vocab >= len(toks), f"vocab must be >= {len(toks)}"
     return toks + [f"<unused{i}>" for i in range(vocab - len(toks))]
 

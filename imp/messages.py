@@ -32,7 +32,7 @@ from typing import Union
 
 import msgspec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: SeqWork.pending, params sent once per admission, replica names
 
 
 class FinishReason(enum.IntEnum):
@@ -135,7 +135,10 @@ class SeqWork(Struct):
     start_pos: int
     block_table: list[int]
     sample: bool
-    params: SamplingParams
+    # sent with a sequence's first share after each (re)admission (alloc or fork), None
+    # after that: the executor keeps them until the sequence is freed (half of a
+    # batch-256 plan's bytes were repeated SamplingParams)
+    params: SamplingParams | None
     gen_index: int = 0
     history: list[int] = []  # generated tokens so far, for penalties (only if a penalty is set)
     # >= 0: score the prompt tokens at start_pos+1 .. (top k each), i.e. return

@@ -14,7 +14,7 @@ import collections
 import msgspec
 import pytest
 
-from imp.actors.executor import resolve_pending
+from imp.actors.executor import attach_params, resolve_pending
 from imp.actors.wiring import Router
 from imp.config import ServerConfig
 from imp.engine import build_cores
@@ -65,6 +65,7 @@ class Harness:
         self.inflight: collections.deque[StepPlan] = collections.deque()
         self.last: dict[str, int] = {}  # what the previous step sampled (pipelined plans feed it)
         self.pending_fed = 0
+        self.kept: dict = {}
 
     @property
     def scheduler(self):
@@ -79,7 +80,7 @@ class Harness:
         while self.inflight:
             plan = self.inflight.popleft()
             self.pending_fed += sum(w.pending for w in plan.seqs)
-            seqs = resolve_pending(plan.seqs, self.last)  # as the executor actor does
+            seqs = resolve_pending(attach_params(plan, self.kept), self.last)  # as the executor actor does
             toks = self.runner.step(seqs) if seqs else []
             self.last = {t.seq_id: t.token_id for t in toks}
             self.now += 1

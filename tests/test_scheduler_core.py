@@ -26,6 +26,7 @@ from hypothesis import event, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from imp.actors.admission_core import AdmissionConfig, AdmissionCore
+from imp.actors.executor import attach_params
 from imp.actors.kv_core import KvConfig, KvCore
 from imp.actors.scheduler_core import SchedulerConfig, SchedulerCore
 from imp.actors.wiring import Router, route
@@ -96,6 +97,7 @@ class Sim:
         self.now = 0
         self.inflight: collections.deque[StepPlan] = collections.deque()
         self.prev_sampled: dict[str, int] = {}  # what the last executed plan sampled, by sequence
+        self.kept_params: dict = {}  # SamplingParams by sequence, as the executor keeps them
         self.submits: dict[str, Submit] = {}
         self.enqueued: dict[str, Enqueue] = {}
         self.finished: dict[str, FinishReason] = {}
@@ -148,6 +150,7 @@ class Sim:
         if fail:  # nothing of it ran: the next plan's pending tokens cannot be resolved
             msg = StepFailed(plan.step, "boom", self.now)
             self.prev_sampled = {}
+            attach_params(plan, self.kept_params)  # the executor saw the plan before it failed
         else:
             msg = StepResult(plan.step, self._execute(plan), self.now, MS)
         self._collect(self.router.send([("executor", "scheduler", msg)]))
@@ -181,7 +184,7 @@ class Sim:
     def _execute(self, plan: StepPlan) -> list[SampledToken]:
         bs, writers, ends = self.bs, {}, []
         prev, self.prev_sampled = self.prev_sampled, {}
-        for w in plan.seqs:
+        for w in attach_params(plan, self.kept_params):  # KeyError: a share came without params never sent
             req, index = w.seq_id.rsplit("#", 1)
             m = self.submits[req]
             assert w.params.seed == m.params.seed + int(index)

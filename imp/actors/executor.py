@@ -17,7 +17,9 @@ Two ways to run a step:
       meanwhile), and PENDING_TOKEN is read on the device from step N's
       samples without a round trip to the host.
 Results go back strictly in plan order; a launch that raises becomes a
-StepFailed in its turn.
+StepFailed in its turn. A sequence's SamplingParams come with its first share
+after each admission only; `attach_params` keeps them (until the plan that
+frees the sequence) and hands the runners complete SeqWorks.
 """
 
 from __future__ import annotations
@@ -29,12 +31,30 @@ import time
 import msgspec
 
 from imp.actors.base import Actor, Bus
-from imp.messages import PENDING_TOKEN, Msg, SampledToken, SeqWork, StepFailed, StepPlan, StepResult
+from imp.messages import (
+    PENDING_TOKEN, Msg, SampledToken, SamplingParams, SeqWork, StepFailed, StepPlan, StepResult,
+)
 
 
 def _penalized(w: SeqWork) -> bool:
     p = w.params
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def attach_params(plan: StepPlan, kept: dict[str, SamplingParams]) -> list[SeqWork]:
+    """Forget the plan's freed sequences, keep the params it brings, and return its
+    shares with params filled in. A share without params for a sequence never seen
+    is the scheduler's bug: KeyError."""
+    for sid in plan.freed:
+        kept.pop(sid, None)
+    out = []
+    for w in plan.seqs:
+        if w.params is None:
+            w = msgspec.structs.replace(w, params=kept[w.seq_id])
+        else:
+            kept[w.seq_id] = w.params
+        out.append(w)
+    return out
 
 
 def resolve_pending(seqs: list[SeqWork], last: dict[str, int]) -> list[SeqWork]:
@@ -70,22 +90,23 @@ class ExecutorActor(Actor):
         self._landing: asyncio.Queue | None = None
         self._collector: asyncio.Task | None = None
         self._last: dict[str, int] = {}  # sync path: what the previous step sampled
+        self._params: dict[str, SamplingParams] = {}  # by sequence, from its first share
         self.steps = 0
 
-    def _run_step(self, plan: StepPlan) -> list[SampledToken]:
+    def _run_step(self, seqs: list[SeqWork]) -> list[SampledToken]:
         import torch
 
-        seqs = resolve_pending(plan.seqs, self._last) if any(w.pending for w in plan.seqs) else plan.seqs
+        seqs = resolve_pending(seqs, self._last) if any(w.pending for w in seqs) else seqs
         with torch.inference_mode():
             tokens = self.runner.step(seqs) if seqs else []
         self._last = {t.seq_id: t.token_id for t in tokens}
         return tokens
 
-    def _launch(self, plan: StepPlan):
+    def _launch(self, seqs: list[SeqWork]):
         import torch
 
         with torch.inference_mode():
-            return self.runner.launch(plan.seqs)
+            return self.runner.launch(seqs)
 
     async def on_message(self, sender: str, msg: Msg) -> None:
         if not isinstance(msg, StepPlan):
@@ -94,18 +115,26 @@ class ExecutorActor(Actor):
             self.runner.forget(msg.freed)
         t0 = time.monotonic_ns()
         loop = asyncio.get_running_loop()
+        try:
+            seqs, bad = attach_params(msg, self._params), None
+        except KeyError as exc:  # a protocol bug: fail the step (in its turn), not the actor
+            seqs, bad = [], RuntimeError(f"no sampling params for {exc}")
         if self.pipelined:
             if self._collector is None:
                 self._landing = asyncio.Queue()
                 self._collector = asyncio.create_task(self._collect_loop(), name=f"{self.name}-collect")
             try:
-                handle = await loop.run_in_executor(self._pool, self._launch, msg) if msg.seqs else None
+                if bad is not None:
+                    raise bad
+                handle = await loop.run_in_executor(self._pool, self._launch, seqs) if seqs else None
                 self._landing.put_nowait((msg.step, t0, handle, None))
             except Exception as exc:  # noqa: BLE001 - a failed step ends its requests, not the server
                 self._landing.put_nowait((msg.step, t0, None, exc))
             return
         try:
-            tokens = await loop.run_in_executor(self._pool, self._run_step, msg) if msg.seqs else []
+            if bad is not None:
+                raise bad
+            tokens = await loop.run_in_executor(self._pool, self._run_step, seqs) if seqs else []
         except Exception as exc:  # noqa: BLE001 - a failed step ends its requests, not the server
             self._last = {}
             self.send(self.scheduler, StepFailed(msg.step, f"{type(exc).__name__}: {exc}", time.monotonic_ns()))

@@ -88,6 +88,9 @@ class Phase(enum.Enum):
 
 
 class Req:
+    __slots__ = ("id", "prompt", "priority", "salt", "arrival_ns", "order", "reserved", "cached_tokens", "n_running",
+                 "n_live", "seqs", "pin_key", "session_id")
+
     def __init__(self, m: Enqueue, order: int, reserved: int):
         self.id, self.prompt, self.priority, self.salt = m.req_id, m.prompt, m.priority, m.salt
         self.arrival_ns, self.order, self.reserved = m.arrival_ns, order, reserved
@@ -102,6 +105,9 @@ class Req:
 
 
 class Seq:
+    __slots__ = ("id", "req", "index", "params", "tokens", "status", "num_computed", "num_reported", "table", "in_kv",
+                 "admit_no", "plp", "plp_sent", "epoch", "ahead", "pending")
+
     def __init__(self, req: Req, index: int, params):
         self.id, self.req, self.index, self.params = f"{req.id}#{index}", req, index, params
         self.tokens = list(req.prompt)  # prompt + generated
@@ -121,6 +127,8 @@ class Seq:
 class Work:
     """One sequence's share of the step being prepared or in flight: positions
     start .. start+n-1, sampling after the last when `sample`."""
+
+    __slots__ = ("seq", "n", "has_result", "new", "start", "sample", "epoch")
 
     def __init__(self, seq: Seq, n: int, has_result: bool, new: bool = False, start: int = 0, sample: bool = False):
         self.seq, self.n, self.has_result, self.new = seq, n, has_result, new
@@ -341,9 +349,10 @@ class SchedulerCore:
         n_prompt, known = len(s.req.prompt), len(s.tokens)
         n_gen = max(known, end) - n_prompt
         penalty = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        sent = p if w.new else None  # the executor keeps them from the first share of an admission
         if p.prompt_logprobs >= 0 and s.index == 0 and not s.plp_sent and end <= n_prompt:
             nxt = s.tokens[end] if end < n_prompt else -1
-            return SeqWork(s.id, s.tokens[start:end], start, s.table, sample, p, gen_index=n_gen,
+            return SeqWork(s.id, s.tokens[start:end], start, s.table, sample, sent, gen_index=n_gen,
                            prompt_logprobs=p.prompt_logprobs, prompt_next=nxt)
         toks, pending = s.tokens[start:end], max(0, end - known)  # a result may have landed since planning
         if pending:  # depth 2: only the token the step in flight samples is unknown
@@ -351,7 +360,7 @@ class SchedulerCore:
                 raise CoreError(f"{s.id}: {pending} unknown tokens in a {w.n}-token share")
             toks = [PENDING_TOKEN]
         # s.table is never mutated in place (always replaced by a KvReply's list): share it
-        return SeqWork(s.id, toks, start, s.table, sample, p, gen_index=n_gen,
+        return SeqWork(s.id, toks, start, s.table, sample, sent, gen_index=n_gen,
                        history=s.tokens[n_prompt:end] if sample and penalty else [], pending=pending)
 
     # ------------------------------------------------------------------ requests

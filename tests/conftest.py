@@ -41,8 +41,5 @@ def imp_server(smollm2_path, tmp_path_factory):
         "--models-dir", str(models), log_path=d / "server.out",
     )
     srv.event_log = d / "events.log"
-    try:
-        srv.wait_ready()
+    with srv:
         yield srv
-    finally:
-        srv.stop()

@@ -48,6 +48,17 @@ class ServerProcess:
             return self.log_path.read_bytes()[-3000:].decode(errors="replace")
         return ""
 
+    def __enter__(self) -> "ServerProcess":
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self) -> int:
         self.proc.terminate()
         try:

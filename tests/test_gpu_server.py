@@ -45,11 +45,8 @@ def gpu_server(tmp_path_factory, smollm2_path):
     srv = ServerProcess(smollm2_path, "--device", "cuda:0", "--event-log", str(d / "events.log"), "--kv-cache-tokens", "8192",
                         log_path=d / "server.out")
     srv.event_log = d / "events.log"
-    try:
-        srv.wait_ready()
+    with srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def _complete(url: str, prompt: list[int], **kw) -> list[int]:
@@ -90,8 +87,7 @@ def test_data_parallel_two_gpus(smollm2_path, tmp_path):
     log = tmp_path / "events.log"
     srv = ServerProcess(smollm2_path, "--device", "cuda:0", "--data-parallel", "2", "--event-log", str(log),
                         "--kv-cache-tokens", "8192", log_path=tmp_path / "server.out")
-    try:
-        srv.wait_ready()
+    with srv:
         prompts = [[5 + i, 9, 200 + i, 3] + list(range(40, 40 + 7 * i)) for i in range(12)]
         alone = [_complete(srv.url, p) for p in prompts]
         with concurrent.futures.ThreadPoolExecutor(12) as ex:
@@ -100,8 +96,6 @@ def test_data_parallel_two_gpus(smollm2_path, tmp_path):
         h = _get(srv.url + "/health")
         assert (h["kv_blocks_used"], h["kv_blocks_reserved"]) == (0, 0)
         assert "on each of 2 replicas (cuda:0, cuda:1)" in srv.tail()
-    finally:
-        srv.stop()
     r = subprocess.run([sys.executable, "-m", "imp", "replay", str(log)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "identical" in r.stdout, r.stdout + r.stderr
     lines = {ln.split()[0]: int(ln.split()[1]) for ln in r.stdout.splitlines() if ln.startswith("  ")}

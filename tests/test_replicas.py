@@ -125,8 +125,7 @@ def test_server_data_parallel_2_on_cpu(smollm2_path, tmp_path):
     log = tmp_path / "events.log"
     srv = ServerProcess(smollm2_path, "--data-parallel", "2", "--pipeline-depth", "2", "--kv-cache-tokens", "4096",
                         "--event-log", str(log), log_path=tmp_path / "server.out")
-    try:
-        srv.wait_ready()
+    with srv:
         prompts = [f"Write a sentence about the number {i}." for i in range(6)]
 
         def complete(p):
@@ -140,8 +139,6 @@ def test_server_data_parallel_2_on_cpu(smollm2_path, tmp_path):
         with urllib.request.urlopen(srv.url + "/health") as r:
             h = json.loads(r.read())
         assert h["kv_blocks_total"] == 2 * 256 and (h["kv_blocks_used"], h["kv_blocks_reserved"]) == (0, 0)
-    finally:
-        srv.stop()
     r = subprocess.run([sys.executable, "-m", "imp", "replay", str(log)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "identical" in r.stdout, r.stdout + r.stderr
     assert "scheduler.1" in r.stdout and "kv.1" in r.stdout

@@ -61,7 +61,7 @@ from imp.messages import PENDING_TOKEN, SampledToken, SeqWork
 from imp.model.gguf_loader import ModelConfig, config_from_metadata, fingerprint, read_metadata
 from imp.model.llama import default_num_blocks, rope_tables
 from imp.model.quants import dequantize
-from imp.model.runner import DEFAULT_KV_TOKENS, SUPPORTED_ARCHS, prompt_logprobs
+from imp.model.runner import DEFAULT_KV_TOKENS, SUPPORTED_ARCHS, head_rows, with_prompt_logprobs
 from imp.model.sampling import sample_one
 
 log = logging.getLogger("imp.gpu")
@@ -694,20 +694,7 @@ class GpuModelRunner:
         if self._decode_only(seqs):
             logits = self._replay(seqs, src)
             return self._sample_and_land(logits, seqs)
-        rows: list[int] = []
-        sample_at: dict[int, int] = {}
-        plp_at: dict[int, tuple[int, int]] = {}
-        base = 0
-        for i, s in enumerate(seqs):
-            n = len(s.token_ids)
-            if s.prompt_logprobs >= 0:
-                count = n if s.prompt_next >= 0 else n - 1
-                plp_at[i] = (len(rows), count)
-                rows.extend(range(base, base + count))
-            if s.sample:
-                sample_at[i] = len(rows)
-                rows.append(base + n - 1)
-            base += n
+        rows, sample_at, plp_at = head_rows(seqs)
         logits = self._forward(self._eager_meta(seqs, rows, src))  # rows == []: KV writes only
         order = sorted(sample_at)
         if not plp_at:
@@ -720,16 +707,7 @@ class GpuModelRunner:
         if order:
             sel = logits.index_select(0, torch.tensor([sample_at[i] for i in order], device=self.device))
             drawn = dict(zip(order, self.collect(self._sample_and_land(sel, [seqs[i] for i in order]))))
-        out = []
-        for i, s in enumerate(seqs):
-            t = drawn.get(i)
-            if i in plp_at:
-                first, count = plp_at[i]
-                scored = prompt_logprobs(logits[first:first + count].float().cpu(), s)
-                t = t or SampledToken(seq_id=s.seq_id, token_id=-1)
-                t = msgspec.structs.replace(t, prompt=scored)
-            if t is not None:
-                out.append(t)
+        out = with_prompt_logprobs(seqs, drawn, plp_at, logits)
         return Landing([t.seq_id for t in out], None, None, out)
 
     def _sample_and_land(self, logits: torch.Tensor, seqs: list[SeqWork]) -> Landing:

@@ -106,37 +106,55 @@ class ModelRunner:
         (SampledToken.prompt); if it samples nothing this step, token_id is -1.
         """
         tokens, plan = self._prepare(seqs)
-        rows: list[int] = []  # rows of the N new tokens the head runs on
-        sample_at: dict[int, int] = {}  # seq index -> index in rows
-        plp_at: dict[int, tuple[int, int]] = {}  # seq index -> (first index in rows, count)
-        base = 0
-        for i, s in enumerate(seqs):
-            n = len(s.token_ids)
-            if s.prompt_logprobs >= 0:
-                # row j scores the token at position start+j+1 (the last row: prompt_next)
-                count = n if s.prompt_next >= 0 else n - 1
-                plp_at[i] = (len(rows), count)
-                rows.extend(range(base, base + count))
-            if s.sample:
-                sample_at[i] = len(rows)
-                rows.append(base + n - 1)
-            base += n
+        rows, sample_at, plp_at = head_rows(seqs)
         plan.last_rows = torch.tensor(rows, dtype=torch.int64)
         with self._lock:
             logits = self.model.forward(tokens, plan, self.cache)  # [len(rows), vocab]
         order = sorted(sample_at)
         drawn = dict(zip(order, sample(logits[[sample_at[i] for i in order]], [seqs[i] for i in order]))) if order else {}
-        out = []
-        for i, s in enumerate(seqs):
-            t = drawn.get(i)
-            if i in plp_at:
-                first, count = plp_at[i]
-                scored = prompt_logprobs(logits[first : first + count], s)
-                t = (t or SampledToken(seq_id=s.seq_id, token_id=-1))
-                t = msgspec.structs.replace(t, prompt=scored)
-            if t is not None:
-                out.append(t)
-        return out
+        return with_prompt_logprobs(seqs, drawn, plp_at, logits)
+
+
+def head_rows(seqs: list[SeqWork]) -> tuple[list[int], dict[int, int], dict[int, tuple[int, int]]]:
+    """Which of a step's new-token rows the head runs on (both runners).
+
+    Returns rows (indices into the step's N new tokens), sample_at (seq index ->
+    index in rows of its last token, for seqs that sample) and plp_at (seq index ->
+    (first index in rows, count) for seqs scoring prompt tokens: row j scores the
+    token at position start+j+1, the last one prompt_next when given).
+    """
+    rows: list[int] = []
+    sample_at: dict[int, int] = {}
+    plp_at: dict[int, tuple[int, int]] = {}
+    base = 0
+    for i, s in enumerate(seqs):
+        n = len(s.token_ids)
+        if s.prompt_logprobs >= 0:
+            count = n if s.prompt_next >= 0 else n - 1
+            plp_at[i] = (len(rows), count)
+            rows.extend(range(base, base + count))
+        if s.sample:
+            sample_at[i] = len(rows)
+            rows.append(base + n - 1)
+        base += n
+    return rows, sample_at, plp_at
+
+
+def with_prompt_logprobs(seqs: list[SeqWork], drawn: dict[int, SampledToken], plp_at: dict[int, tuple[int, int]],
+                         logits: torch.Tensor) -> list[SampledToken]:
+    """One SampledToken per seq that sampled or scored prompt tokens, in seq order;
+    prompt rows scored from logits (any device) by `prompt_logprobs`. A seq that
+    only scored gets token_id -1."""
+    out = []
+    for i, s in enumerate(seqs):
+        t = drawn.get(i)
+        if i in plp_at:
+            first, count = plp_at[i]
+            scored = prompt_logprobs(logits[first:first + count].float().cpu(), s)
+            t = msgspec.structs.replace(t or SampledToken(seq_id=s.seq_id, token_id=-1), prompt=scored)
+        if t is not None:
+            out.append(t)
+    return out
 
 
 def prompt_logprobs(logits: torch.Tensor, s: SeqWork) -> tuple[PromptLogprob, ...]:

@@ -100,7 +100,7 @@ def _fake_engine(runner=None):
     adm = types.SimpleNamespace(config=types.SimpleNamespace(retry_after_s=1.0))
     return types.SimpleNamespace(cfg=cfg, metrics=m, ingress=ing, model_name="m", max_context=2048,
                                  draining=False, fault=None, started_at=time.time(), runner=runner,
-                                 cores={"admission": adm})
+                                 runners=[runner], cores={"admission": adm})
 
 
 def test_snapshot_nulls_a_failed_section_and_prometheus_parses():
@@ -278,3 +278,22 @@ def test_suspend_drains_refuses_and_resumes(imp_server):
     assert chat(imp_server)[0] == 200
     assert jraw(imp_server, "GET", "/ready")[0] == 200
     assert jraw(imp_server, "POST", "/admin/suspend?drain_s=x")[0] == 400
+
+
+def test_plan_and_estimate_with_replicas():
+    """Two data-parallel replicas of 100 blocks: a stream lives in one pool."""
+    from imp.http.capacity import estimate, plan
+
+    total = kv(200, used=0)
+    p = plan(3, 16 * 60, kv=total, queue=QueueFigures(0, 0, 0), max_context=4096, decode_batch=16, model="m",
+             replicas=2)
+    assert p["max_context_at_width"] == 50 * 16  # 3 streams over 2 pools: 2 share one pool of 100 blocks
+    assert p["max_width_at_depth"] == 2 * (100 // 60) and p["ok"] is False
+    full = KvFigures(100, 0, 100, 100, 0, 16)
+    empty = KvFigures(100, 100, 0, 0, 0, 16)
+    e = estimate(16 * 80, max_tokens=None, n=1, kv=kv(200), bytes_per_token=None, max_context=4096,
+                 prefill_tok_s=None, queued_prompt_tokens=0, model="m", replica_kv=[full, empty])
+    assert (e["need_blocks"], e["fits_now"], e["fits_drained"]) == (80, True, True)
+    e = estimate(16 * 120, max_tokens=None, n=1, kv=kv(200), bytes_per_token=None, max_context=4096,
+                 prefill_tok_s=None, queued_prompt_tokens=0, model="m", replica_kv=[full, empty])
+    assert (e["fits_now"], e["fits_drained"]) == (False, False)  # 120 blocks: more than one pool holds

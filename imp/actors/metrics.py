@@ -200,5 +200,9 @@ class MetricsActor(Actor):
             self.faults.append(msg.error)
             self.c_faults.inc()
 
+    def replica_kv(self) -> list[KvFigures]:
+        """Each scheduler replica's latest KV figures (one entry without data parallel)."""
+        return [f.kv for f in self._figs.values()] if len(self._figs) > 1 else [self.kv]
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -48,12 +48,16 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 
 def plan(width: int, depth: int, *, kv: KvFigures, queue: QueueFigures, max_context: int,
-         decode_batch: int, model: str) -> dict:
-    """Can `width` streams of `depth` tokens fit the pool (ok), and start now (admit_now)?"""
-    per_stream = kv.total // width  # blocks
+         decode_batch: int, model: str, replicas: int = 1) -> dict:
+    """Can `width` streams of `depth` tokens fit the pool (ok), and start now (admit_now)?
+
+    With data-parallel replicas (kv = their sum, decode_batch = all their slots) a
+    stream lives in one replica's pool: the streams are spread evenly over them."""
+    pool = kv.total // replicas  # one replica's blocks
+    per_stream = pool // -(-width // replicas)  # blocks
     max_ctx_w = min(max_context, per_stream * kv.block_size)
     need = blocks_for(depth, kv.block_size)
-    max_w = kv.total // need if depth <= max_context else 0
+    max_w = replicas * (pool // need) if depth <= max_context else 0
     ok = depth <= max_ctx_w
     band = band_of(kv)
     slots = max(0, decode_batch - queue.running)
@@ -78,13 +82,17 @@ def plan(width: int, depth: int, *, kv: KvFigures, queue: QueueFigures, max_cont
 
 
 def estimate(prompt_tokens: int, *, max_tokens: int | None, n: int, kv: KvFigures, bytes_per_token: int | None,
-             max_context: int, prefill_tok_s: float | None, queued_prompt_tokens: int, model: str) -> dict:
+             max_context: int, prefill_tok_s: float | None, queued_prompt_tokens: int, model: str,
+             replica_kv: list[KvFigures] | None = None) -> dict:
     """Whether one request fits, without running it. KV only: imp's prefill
-    scratch is transient and not counted."""
+    scratch is transient and not counted. With data-parallel replicas
+    (replica_kv) it must fit one replica's pool: the emptiest, for fits_now."""
     warm = 0  # the prefix cache is the kv core's; it is not asked
     tokens = prompt_tokens + n * (max_tokens or 0)
     need_blocks = blocks_for(tokens, kv.block_size)
-    free_now = kv.total - max(kv.used, kv.reserved)
+    pools = replica_kv or [kv]
+    free_now = max(r.total - max(r.used, r.reserved) for r in pools)
+    pool_total = max(r.total for r in pools)
     todo = queued_prompt_tokens + prompt_tokens - warm
     return {
         "model": model,
@@ -95,7 +103,7 @@ def estimate(prompt_tokens: int, *, max_tokens: int | None, n: int, kv: KvFigure
         "need_blocks": need_blocks,
         "need_bytes": need_blocks * kv.block_size * bytes_per_token if bytes_per_token else None,
         "fits_now": need_blocks <= free_now,
-        "fits_drained": need_blocks <= kv.total,
+        "fits_drained": need_blocks <= pool_total,
         "context_ok": prompt_tokens + 1 <= max_context,
         "context_limit": max_context,
         "est_ttft_s": round(todo / prefill_tok_s, 3) if prefill_tok_s else None,
@@ -168,13 +176,15 @@ def snapshot(engine, now: float | None = None) -> dict:
     now = time.monotonic() if now is None else now
     cfg, m, ing = engine.cfg, engine.metrics, engine.ingress
     kv, q = m.kv, m.queue
+    reps = len(engine.runners)  # data-parallel replicas: a stream lives in one of their pools
+    slots_total = cfg.max_batch_size * reps
 
     def status():
         return {"model": engine.model_name, "suspended": ing.suspended, "draining": engine.draining,
                 "fault": engine.fault, "uptime_s": round(time.time() - engine.started_at, 1)}
 
     def concurrency():
-        return {"decode_batch": cfg.max_batch_size, "queue_cap": None,  # imp caps tokens, not requests
+        return {"decode_batch": slots_total, "queue_cap": None,  # imp caps tokens, not requests
                 "queued_tokens_cap": cfg.max_queued_tokens or None, "in_flight": q.running, "waiting": q.waiting}
 
     def queue():
@@ -201,8 +211,9 @@ def snapshot(engine, now: float | None = None) -> dict:
     def capacity():
         return {"block_size": kv.block_size, "kv_blocks_total": kv.total,
                 "kv_capacity_tokens": kv.total * kv.block_size, "max_context": engine.max_context,
-                "max_ctx_at_width": {str(w): min(engine.max_context, kv.total // w * kv.block_size)
-                                     for w in _widths(cfg.max_batch_size)}}
+                "max_ctx_at_width": {str(w): plan(w, 1, kv=kv, queue=q, max_context=engine.max_context,
+                                                  decode_batch=slots_total, model="", replicas=reps)["max_context_at_width"]
+                                     for w in _widths(slots_total)}}
 
     builders = {"status": status, "concurrency": concurrency, "queue": queue, "governor": governor,
                 "memory": memory, "rates": lambda: m.rates.snapshot(now), "capacity": capacity}
@@ -268,8 +279,9 @@ async def capacity_plan(request: web.Request) -> web.Response:
     width = _int_param(request, "width", _MAX_WIDTH)
     depth = _int_param(request, "depth", _MAX_DEPTH)
     m = engine.metrics
+    n = len(engine.runners)
     return web.json_response(plan(width, depth, kv=m.kv, queue=m.queue, max_context=engine.max_context,
-                                  decode_batch=engine.cfg.max_batch_size, model=engine.model_name))
+                                  decode_batch=engine.cfg.max_batch_size * n, model=engine.model_name, replicas=n))
 
 
 def estimate_for(engine, body: dict) -> dict:
@@ -288,7 +300,8 @@ def estimate_for(engine, body: dict) -> dict:
     m = engine.metrics
     return estimate(len(prompt), max_tokens=mt, n=n, kv=m.kv, bytes_per_token=kv_bytes_per_token(engine.runner),
                     max_context=engine.max_context, prefill_tok_s=m.rates.prefill_tok_s_recent,
-                    queued_prompt_tokens=m.queue.queued_prompt_tokens, model=engine.model_name)
+                    queued_prompt_tokens=m.queue.queued_prompt_tokens, model=engine.model_name,
+                    replica_kv=m.replica_kv())
 
 
 async def estimate_route(request: web.Request) -> web.Response:

@@ -67,7 +67,7 @@ async def health(request: web.Request) -> web.Response:
             reason = "pressure"
         elif q.waiting > 0:
             reason = "queue"
-        elif q.running >= engine.cfg.max_batch_size:
+        elif q.running >= engine.cfg.max_batch_size * len(engine.runners):
             reason = "busy"
         body["band"] = band
         if reason:

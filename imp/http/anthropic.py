@@ -25,7 +25,7 @@ from imp.http.driver import StreamFault, generate, stream_failed
 from imp.http.errors import ApiError, bad, error_body, error_response
 from imp.http.openai_chat import prepare_prompt, read_json
 from imp.http.params import boolean, num, sampling
-from imp.http.reasoning import ThinkSplitter
+from imp.http.reasoning import ThinkSplitter, split_delta
 from imp.messages import FinishReason
 
 log = logging.getLogger("imp.http")
@@ -341,14 +341,6 @@ async def messages(request: web.Request, echo: dict) -> web.StreamResponse:
             return await _complete(request, engine, deltas, mid, len(prompt), splitter)
 
 
-def _split(sp: ThinkSplitter, d) -> tuple[str, str]:
-    r, c = sp.push(d.text)
-    if d.finish != FinishReason.NONE:
-        r2, c2 = sp.flush()
-        r, c = r + r2, c + c2
-    return r, c
-
-
 def _stop(d) -> tuple[str, str | None]:
     if d.finish == FinishReason.STOP and d.stop_str:
         return "stop_sequence", d.stop_str
@@ -374,7 +366,7 @@ async def _complete(request, engine, deltas, mid, prompt_len, splitter) -> web.R
     completion = cached = 0
     try:
         async for d in deltas:
-            r, c = _split(splitter, d)
+            r, c = split_delta(splitter, d)
             thought, text = thought + r, text + c
             prompt_len, cached, completion = d.prompt_tokens or prompt_len, d.cached_tokens, d.completion_tokens
             if d.finish != FinishReason.NONE:
@@ -417,7 +409,7 @@ async def _stream(request, engine, deltas, mid, prompt_len, splitter, echo) -> w
                 msg = _message(engine, mid, [], (None, None), _usage(prompt_len, completion, cached))
                 await resp.write(_event("message_start", {"type": "message_start", "message": msg})
                                  + _event("ping", {"type": "ping"}))
-            r, c = _split(splitter, d)
+            r, c = split_delta(splitter, d)
             if r or (splitter.saw_think and open_kind is None and index < 0):
                 await block("thinking")
                 if r:

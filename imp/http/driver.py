@@ -79,6 +79,18 @@ async def generate(engine, req_id: str, prompt: list[int], gen, *, endpoint: str
         )
 
 
+async def sse_end(request: web.Request, resp: web.StreamResponse | None, usage_chunk: bytes | None
+                  ) -> web.StreamResponse:
+    """Close an OpenAI-dialect stream: the usage chunk when asked for, then [DONE]
+    (a stream that got no delta at all is started first)."""
+    if resp is None:
+        resp = await sse_start(request, request["response_id"])
+    if usage_chunk is not None:
+        await resp.write(usage_chunk)
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
 async def sse_start(request: web.Request, response_id: str) -> web.StreamResponse:
     resp = web.StreamResponse(
         headers={

@@ -12,11 +12,11 @@ from aiohttp import web
 
 from imp.http.app import ENGINE
 from imp.http.control import live_requests
-from imp.http.driver import StreamFault, generate, sse_start, stream_failed
+from imp.http.driver import StreamFault, generate, sse_end, sse_start, stream_failed
 from imp.http.errors import ApiError, bad
 from imp.http.logprobs import chat_content
 from imp.http.params import boolean, sampling
-from imp.http.reasoning import ThinkSplitter, prompt_opens_think
+from imp.http.reasoning import ThinkSplitter, prompt_opens_think, split_delta
 from imp.messages import FinishReason
 
 log = logging.getLogger("imp.http")
@@ -194,14 +194,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             return await _stream(request, engine, gen, deltas, rid, created, fp, len(prompt), splitters)
 
 
-def _split(sp: ThinkSplitter, d) -> tuple[str, str]:
-    r, c = sp.push(d.text)
-    if d.finish != FinishReason.NONE:
-        r2, c2 = sp.flush()
-        r, c = r + r2, c + c2
-    return r, c
-
-
 async def _complete(request, engine, gen, deltas, rid, created, fp, prompt_len, splitters) -> web.Response:
     tok = engine.tokenizer
     texts = [""] * gen.n
@@ -212,7 +204,7 @@ async def _complete(request, engine, gen, deltas, rid, created, fp, prompt_len, 
     cached = 0
     try:
         async for d in deltas:
-            r, c = _split(splitters[d.index], d)
+            r, c = split_delta(splitters[d.index], d)
             thoughts[d.index] += r
             texts[d.index] += c
             lps[d.index].extend(d.logprobs)
@@ -273,7 +265,7 @@ async def _stream(request, engine, gen, deltas, rid, created, fp, prompt_len, sp
             completion[d.index] = d.completion_tokens
             prompt_tokens, cached = d.prompt_tokens or prompt_tokens, d.cached_tokens
             done = d.finish != FinishReason.NONE
-            r, c = _split(splitters[d.index], d)
+            r, c = split_delta(splitters[d.index], d)
             if r or c or d.logprobs:
                 delta = {}
                 if r:
@@ -284,11 +276,8 @@ async def _stream(request, engine, gen, deltas, rid, created, fp, prompt_len, sp
                 await resp.write(chunk([{"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": None}]))
             if done:
                 await resp.write(chunk([{"index": d.index, "delta": {}, "logprobs": None, "finish_reason": d.finish.openai()}]))
-        if resp is None:  # nothing at all came back (cannot normally happen)
-            resp = await sse_start(request, request["response_id"])
-        if gen.include_usage:
-            await resp.write(chunk([], usage_json(prompt_tokens, sum(completion), cached)))
-        await resp.write(b"data: [DONE]\n\n")
+        usage = chunk([], usage_json(prompt_tokens, sum(completion), cached)) if gen.include_usage else None
+        resp = await sse_end(request, resp, usage)
     except Exception as exc:  # noqa: BLE001 - fault, disconnect or our bug: see stream_failed
         await stream_failed(exc, resp, error_event, f"chat stream {rid}")
     return resp

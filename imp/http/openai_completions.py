@@ -22,7 +22,7 @@ from aiohttp import web
 
 from imp.http.app import ENGINE
 from imp.http.control import live_requests
-from imp.http.driver import StreamFault, generate, sse_start, stream_failed
+from imp.http.driver import StreamFault, generate, sse_end, sse_start, stream_failed
 from imp.http.errors import ApiError, bad
 from imp.http.fim import build_infill, model_fim
 from imp.http.logprobs import CompletionLogprobs, merge, prompt_logprobs_json
@@ -196,11 +196,8 @@ async def _stream(request, ctx: _Ctx, deltas, think) -> web.StreamResponse:
             if d.finish != FinishReason.NONE:
                 await resp.write(chunk([{"index": d.index, "text": "", "logprobs": None,
                                          "finish_reason": d.finish.openai()}]))
-        if resp is None:
-            resp = await sse_start(request, request["response_id"])
-        if gen.include_usage:
-            await resp.write(chunk([], usage_json(prompt_tokens, sum(completion), cached)))
-        await resp.write(b"data: [DONE]\n\n")
+        usage = chunk([], usage_json(prompt_tokens, sum(completion), cached)) if gen.include_usage else None
+        resp = await sse_end(request, resp, usage)
     except Exception as exc:  # noqa: BLE001 - fault, disconnect or our bug: see stream_failed
         await stream_failed(exc, resp, error_event, f"completion stream {ctx.rid}")
     return resp

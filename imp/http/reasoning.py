@@ -82,3 +82,12 @@ def _partial_suffix(buf: str, tag: str) -> int:
         if buf.endswith(tag[:k]):
             return k
     return 0
+
+
+def split_delta(sp: ThinkSplitter, d) -> tuple[str, str]:
+    """A Delta's text as (reasoning, content); a finishing delta also flushes what the splitter held."""
+    r, c = sp.push(d.text)
+    if d.finish:
+        r2, c2 = sp.flush()
+        r, c = r + r2, c + c2
+    return r, c

@@ -107,12 +107,7 @@ class HFTokenizer(Tokenizer):
         self.add_bos = add_bos and self.bos_id is not None
         self.add_eos = bool(config.get("add_eos_token", False)) and self.eos_id is not None
 
-        self._hf_special = hf
-        self._hf_literal = _HFTokenizer.from_str(hf.to_str())
-        self._hf_literal.encode_special_tokens = True
-        specials = sorted({tokens[i] for i in self._special if tokens[i]}, key=len, reverse=True)
-        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
-        self._special_by_text = {tokens[i]: i for i in sorted(self._special, reverse=True)}
+        self._set_engines(hf, tokens)
 
         eog = {i for i in (self.eos_id,) if i is not None}
         gen_eos = (generation_config or {}).get("eos_token_id")

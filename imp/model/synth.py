@@ -18,21 +18,16 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter, quant_shape_to_byte_shape
 from gguf import quants as gq
 
+from imp.model.tokenizer import bytes_to_unicode
+
 # types gguf.quants can write (the k-quants it can only read)
 WRITABLE = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 
 
 def _bytes_to_unicode() -> list[str]:
-    """GPT-2's printable stand-ins for the 256 byte values."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for _, c in sorted(zip(bs, cs))]
+    """GPT-2's printable stand-ins for the 256 byte values, in byte order."""
+    table = bytes_to_unicode()
+    return [table[b] for b in range(256)]
 
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -45,6 +40,32 @@ def synthetic_vocab(vocab: int) -> list[str]:
     toks = SPECIALS + _bytes_to_unicode() + ["Ġt"]
     assert vocab >= len(toks), f"vocab must be >= {len(toks)}"
     return toks + [f"<unused{i}>" for i in range(vocab - len(toks))]
+
+
+def add_shape(w: GGUFWriter, arch: str, n_layers: int, context_length: int, d_model: int, d_ff: int, n_heads: int,
+              n_kv_heads: int, rope_theta: float, rms_eps: float, vocab: int) -> None:
+    """The model-shape keys every synthetic GGUF carries (synth and synth_raw)."""
+    w.add_uint32(f"{arch}.block_count", n_layers)
+    w.add_uint32(f"{arch}.context_length", context_length)
+    w.add_uint32(f"{arch}.embedding_length", d_model)
+    w.add_uint32(f"{arch}.feed_forward_length", d_ff)
+    w.add_uint32(f"{arch}.attention.head_count", n_heads)
+    w.add_uint32(f"{arch}.attention.head_count_kv", n_kv_heads)
+    w.add_float32(f"{arch}.rope.freq_base", rope_theta)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", rms_eps)
+    w.add_uint32(f"{arch}.vocab_size", vocab)
+
+
+def add_synthetic_tokenizer(w: GGUFWriter, vocab: int) -> None:
+    """A byte-level BPE tokenizer over `synthetic_vocab` (loads like a real one)."""
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_array("tokenizer.ggml.tokens", synthetic_vocab(vocab))
+    w.add_array("tokenizer.ggml.token_type", [3] * len(SPECIALS) + [1] * (vocab - len(SPECIALS)))
+    w.add_array("tokenizer.ggml.merges", ["Ġ t"])  # one merge; BPE needs a non-empty list
+    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
 
 
 # per-layer tensors beyond llama's, as llama.cpp names them
@@ -133,15 +154,7 @@ def write_synthetic_gguf(
 
     w = GGUFWriter(str(path), arch)
     w.add_name(f"synthetic-{arch}-{n_layers}L-{d_model}d")
-    w.add_uint32(f"{arch}.block_count", n_layers)
-    w.add_uint32(f"{arch}.context_length", context_length)
-    w.add_uint32(f"{arch}.embedding_length", d_model)
-    w.add_uint32(f"{arch}.feed_forward_length", d_ff)
-    w.add_uint32(f"{arch}.attention.head_count", n_heads)
-    w.add_uint32(f"{arch}.attention.head_count_kv", n_kv_heads)
-    w.add_float32(f"{arch}.rope.freq_base", rope_theta)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", rms_eps)
-    w.add_uint32(f"{arch}.vocab_size", vocab)
+    add_shape(w, arch, n_layers, context_length, d_model, d_ff, n_heads, n_kv_heads, rope_theta, rms_eps, vocab)
     if arch in ("llama", "qwen2"):  # what llama.cpp's converter writes per arch
         w.add_uint32(f"{arch}.rope.dimension_count", head_dim)
     else:
@@ -149,15 +162,7 @@ def write_synthetic_gguf(
         w.add_uint32(f"{arch}.attention.value_length", head_dim)
     if arch == "gemma3":
         w.add_uint32(f"{arch}.attention.sliding_window", sliding_window)
-    toks = synthetic_vocab(vocab)
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "default")
-    w.add_array("tokenizer.ggml.tokens", toks)
-    w.add_array("tokenizer.ggml.token_type", [3] * len(SPECIALS) + [1] * (vocab - len(SPECIALS)))
-    w.add_array("tokenizer.ggml.merges", ["Ġ t"])  # one merge; BPE needs a non-empty list
-    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
-    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
-    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    add_synthetic_tokenizer(w, vocab)
     w.add_string(
         "tokenizer.chat_template",
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

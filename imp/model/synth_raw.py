@@ -16,7 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 
-from imp.model.synth import SPECIALS, synthetic_vocab
+from imp.model.synth import add_shape, add_synthetic_tokenizer
 
 BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q8_0: (32, 34), T.Q4_K: (256, 144), T.Q6_K: (256, 210), T.BF16: (1, 2), T.F32: (1, 4)}
 _POOL_BLOCKS = 1 << 16
@@ -105,25 +105,9 @@ def write_raw_gguf(
     arch = "llama"
     w = GGUFWriter(str(path), arch)
     w.add_name(f"synthetic-raw-{n_layers}L-{d_model}d")
-    w.add_uint32(f"{arch}.block_count", n_layers)
-    w.add_uint32(f"{arch}.context_length", context_length)
-    w.add_uint32(f"{arch}.embedding_length", d_model)
-    w.add_uint32(f"{arch}.feed_forward_length", d_ff)
-    w.add_uint32(f"{arch}.attention.head_count", n_heads)
-    w.add_uint32(f"{arch}.attention.head_count_kv", n_kv_heads)
-    w.add_float32(f"{arch}.rope.freq_base", rope_theta)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", rms_eps)
-    w.add_uint32(f"{arch}.vocab_size", vocab)
+    add_shape(w, arch, n_layers, context_length, d_model, d_ff, n_heads, n_kv_heads, rope_theta, rms_eps, vocab)
     w.add_uint32(f"{arch}.rope.dimension_count", hd)
-    toks = synthetic_vocab(vocab)
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "default")
-    w.add_array("tokenizer.ggml.tokens", toks)
-    w.add_array("tokenizer.ggml.token_type", [3] * len(SPECIALS) + [1] * (vocab - len(SPECIALS)))
-    w.add_array("tokenizer.ggml.merges", ["Ġ t"])
-    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
-    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
-    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    add_synthetic_tokenizer(w, vocab)
     for name, r, c, qt, _ in specs:
         be, bs = BLOCK[qt]
         shape = (c,) if r == 1 else (r, c)

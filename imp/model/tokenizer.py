@@ -162,14 +162,7 @@ class Tokenizer:
         user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == USER_DEFINED]
         if user:
             hf.add_tokens(user)
-        # Two engines rather than toggling `encode_special_tokens` per call,
-        # which would race between threads.
-        self._hf_special = hf
-        self._hf_literal = _HFTokenizer.from_str(hf.to_str())
-        self._hf_literal.encode_special_tokens = True
-        specials = sorted({tokens[i] for i in self._special if tokens[i]}, key=len, reverse=True)
-        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
-        self._special_by_text = {tokens[i]: i for i in sorted(self._special, reverse=True)}
+        self._set_engines(hf, tokens)
 
         eog = {i for i in (self.eos_id, tid("eot_token_id"), tid("eom_token_id")) if i is not None}
         eog |= {self._special_by_text[t] for t in EOG_TEXTS if t in self._special_by_text}
@@ -184,6 +177,17 @@ class Tokenizer:
         return cls(gguf_metadata(path))
 
     # ------------------------------------------------------------------ encode
+
+    def _set_engines(self, hf: _HFTokenizer, tokens: list[str]) -> None:
+        """Two engines (special-token literals parsed / kept as text) rather than toggling
+        `encode_special_tokens` per call, which would race between threads; and the
+        special-token matcher. Needs self._special (the special token ids)."""
+        self._hf_special = hf
+        self._hf_literal = _HFTokenizer.from_str(hf.to_str())
+        self._hf_literal.encode_special_tokens = True
+        specials = sorted({tokens[i] for i in self._special if tokens[i]}, key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._special_by_text = {tokens[i]: i for i in sorted(self._special, reverse=True)}
 
     def encode(self, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
         """Token ids of `text`. add_special adds BOS/EOS as the model asks;

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from imp.messages import SamplingParams, SeqWork  # noqa: E402
-from imp.model.gpu_runner import GpuModelRunner  # noqa: E402
+from imp.gpu.runner import GpuModelRunner  # noqa: E402
 
 path = sys.argv[1]
 work = [SeqWork(seq_id="a", token_ids=[1, 2, 3, 4, 5], start_pos=0, block_table=[0], sample=True,

@@ -6,7 +6,7 @@
    and a bf16 8192^3 matmul;
 2. writes random-weight GGUFs to /tmp/imp_bench (SmolLM2-135M shape Q4_1 with a
    Q8_0 tied embedding; Llama-3-8B shape BF16; 8B Q4_K with Q6_K attn_v /
-   ffn_down / output, like Q4_K_M) with `imp.model.synth_raw` (tiled random
+   ffn_down / output, like Q4_K_M) with `tests.fixtures.synth_raw` (tiled random
    blocks: disk-bound);
 3. correctness: 135M greedy tokens and logits vs the CPU runner (fp32
    weights); each model's graph-replayed decode logits vs its eager logits;
@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from imp.messages import PENDING_TOKEN, SamplingParams, SeqWork  # noqa: E402
-from imp.model.gpu_runner import GpuModelRunner  # noqa: E402
-from imp.model.synth_raw import write_raw_gguf  # noqa: E402
+from imp.gpu.runner import GpuModelRunner  # noqa: E402
+from tests.fixtures.synth_raw import write_raw_gguf  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=1 << 20)
 BS = 16
@@ -169,7 +169,7 @@ def graph_vs_eager(runner, name: str, res: dict) -> None:
     s.prefill(runner)
     works = s.decode_works()
     with torch.inference_mode():
-        g = runner._replay(works).double().cpu()
+        g = runner.graphs.replay(works).double().cpu()
         e = runner.forward(works).double().cpu()
     rel = float((g - e).norm() / e.norm())
     res[f"{name}_graph_vs_eager_rel_err"] = rel
@@ -182,12 +182,12 @@ def linear_table(runner, name: str, copy_Bps: float, res: dict) -> str:
             "2 µs per saved kernel taken off)")
     cands = ("gemv", "x4", "x8", "a4", "k4", "dense")
     out = [head, "", "| matrix | n | " + " | ".join(cands) + " |", "|---|---|" + "---|" * len(cands)]
-    for (key, n), times in sorted(runner._tune_stats["times"].items(), key=lambda kv: (kv[0][1], -kv[0][0][0][0][1])):
+    for (key, n), times in sorted(runner.w.tune_stats["times"].items(), key=lambda kv: (kv[0][1], -kv[0][0][0][0][1])):
         if n > 8:
             continue
         rows_, cols = sum(r for _, r in key[0]), key[1]
         nbytes = rows_ * cols * 2 if key[0][0][0] == "BF16" else None
-        best = runner._tuner.get((key, n))
+        best = runner.w.tuner.get((key, n))
         cells = []
         for c in cands:
             t = times.get(c)
@@ -197,8 +197,8 @@ def linear_table(runner, name: str, copy_Bps: float, res: dict) -> str:
             gbs = f" ({nbytes / t / 1e3:.0f})" if nbytes else ""
             cells.append(f"{t:.1f}{gbs}{'*' if c == best else ''}")
         out.append(f"| {key[0][0][0]} {rows_}x{cols} | {n} | " + " | ".join(cells) + " |")
-    res[f"{name}_tune_failed"] = runner._tune_stats["failed"]
-    res[f"{name}_tune_times"] = {f"{k[0]}|n={n}": v for (k, n), v in runner._tune_stats["times"].items()}
+    res[f"{name}_tune_failed"] = runner.w.tune_stats["failed"]
+    res[f"{name}_tune_times"] = {f"{k[0]}|n={n}": v for (k, n), v in runner.w.tune_stats["times"].items()}
     return "\n".join(out)
 
 
@@ -207,9 +207,9 @@ def b1_configs(runner, name: str, copy_Bps: float, rows: list, res: dict) -> Non
     legacy (old gemv_bf16 kernel, cuBLAS O projection, separate RoPE / KV write / SiLU*up kernels),
     new kernels unfused, and the tuned default (new kernels, fused epilogues)."""
     cfg = runner.config
-    keys = {a: getattr(runner.layers[0], a).key for a in ("wqkv", "wo", "w13", "w2")}
-    keys["head"] = runner.head.key
-    saved_tuner, saved_fuse, saved_buckets = dict(runner._tuner), runner.fuse, runner.buckets
+    keys = {a: getattr(runner.w.layers[0], a).key for a in ("wqkv", "wo", "w13", "w2")}
+    keys["head"] = runner.w.head.key
+    saved_tuner, saved_fuse, saved_buckets = dict(runner.w.tuner), runner.fwd.fuse, runner.graphs.buckets
     best_x = {a: saved_tuner.get((k, 1)) for a, k in keys.items()}
     configs = {
         "legacy": ({a: ("dense" if a == "wo" else "gemv") for a in keys}, False),
@@ -217,15 +217,15 @@ def b1_configs(runner, name: str, copy_Bps: float, rows: list, res: dict) -> Non
         "new kernels, fused (default)": (best_x, True),
     }
     kv_per_tok = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * runner.k_cache.element_size()
-    runner.buckets = (1,)
+    runner.graphs.buckets = (1,)
     try:
         for label, (modes, fuse) in configs.items():
             for a, k in keys.items():
-                runner._tuner[(k, 1)] = modes[a]
-            runner.fuse = fuse
-            runner._graphs.clear()
+                runner.w.tuner[(k, 1)] = modes[a]
+            runner.fwd.fuse = fuse
+            runner.graphs.graphs.clear()
             torch.cuda.empty_cache()
-            runner._capture()
+            runner.graphs.capture(runner.fwd)
             runner.k_cache.zero_()
             s = Seqs(1, PROMPT, 96, np.random.default_rng(1), cfg.vocab_size)
             s.prefill(runner)
@@ -239,7 +239,7 @@ def b1_configs(runner, name: str, copy_Bps: float, rows: list, res: dict) -> Non
             wall = (time.perf_counter() - t) / steps
             dev_ms = runner.timing_probe(s.decode_works(), reps=40)
             ctx = PROMPT + len(s.out[0])
-            bw = (runner.weight_bytes + ctx * kv_per_tok) / (dev_ms / 1e3) / copy_Bps
+            bw = (runner.w.weight_bytes + ctx * kv_per_tok) / (dev_ms / 1e3) / copy_Bps
             row = dict(model=f"{name} [{label}: {modes}]", batch=1, tok_s=1 / wall, step_ms=wall * 1e3, dev_ms=dev_ms,
                        dev_tok_s=1e3 / dev_ms, bw_pct=100 * bw, anchor=ANCHORS.get((name, 1), ""))
             rows.append(row)
@@ -247,12 +247,12 @@ def b1_configs(runner, name: str, copy_Bps: float, rows: list, res: dict) -> Non
             log(f"{name} b1 [{label}] {modes}: {1 / wall:.1f} tok/s wall ({wall * 1e3:.3f} ms), graph {dev_ms:.3f} ms, "
                 f"{100 * bw:.0f}% of copy rate")
     finally:
-        runner._tuner.clear()
-        runner._tuner.update(saved_tuner)
-        runner.fuse, runner.buckets = saved_fuse, saved_buckets
-        runner._graphs.clear()
+        runner.w.tuner.clear()
+        runner.w.tuner.update(saved_tuner)
+        runner.fwd.fuse, runner.graphs.buckets = saved_fuse, saved_buckets
+        runner.graphs.graphs.clear()
         torch.cuda.empty_cache()
-        runner._capture()
+        runner.graphs.capture(runner.fwd)
 
 
 def profile_decode(runner, name: str, out: Path, res: dict) -> None:
@@ -282,7 +282,7 @@ def profile_prefill(runner, name: str, P: int, out: Path, res: dict) -> None:
     """Where one eager prefill of P tokens spends its time: host time per launcher (no syncs), the
     Numba vs CuPy KV write in eager steps, and torch.profiler's kernel table."""
     from imp.kernels import act, kv_write, prefill_attention, rmsnorm, rope
-    from imp.model import gpu_runner
+    from imp.gpu import linear as gpu_linear
 
     cfg = runner.config
     toks = np.random.default_rng(P).integers(300, cfg.vocab_size, size=P).tolist()
@@ -322,7 +322,7 @@ def profile_prefill(runner, name: str, P: int, out: Path, res: dict) -> None:
         patched.append((obj, attr, fn))
 
     for obj, attr in ((kv_write, "kv_write"), (kv_write, "kv_write_cupy"), (prefill_attention, "prefill_attention"),
-                      (rmsnorm, "add_rmsnorm"), (rope, "rope"), (act, "gated_act"), (gpu_runner.Linear, "run"),
+                      (rmsnorm, "add_rmsnorm"), (rope, "rope"), (act, "gated_act"), (gpu_linear.Linear, "run"),
                       (runner, "_eager_meta"), (runner, "_sample")):
         wrap(obj, attr, f"{getattr(obj, '__name__', type(obj).__name__)}.{attr}")
     try:
@@ -358,9 +358,9 @@ def bench_model(name: str, path: str, copy_Bps: float, prefills: list[int], rows
     t0 = time.time()
     kv_tokens = 64 * (PROMPT + MAX_NEW) + max(prefills + [0]) + 1024
     runner = GpuModelRunner.load(path, block_size=BS, kv_tokens=kv_tokens, max_graph_batch=64)
-    log(f"{name}: loaded in {time.time() - t0:.1f}s, weights {runner.weight_bytes / 1e9:.2f} GB, dense copies "
-        f"{runner.dense}, notes {runner.notes}, tuner {sorted(set(v for v in runner._tuner.values()))}")
-    res[f"{name}_tuner"] = {f"{k[0]}x{k[1]}|n={n}": v for (k, n), v in runner._tuner.items()}
+    log(f"{name}: loaded in {time.time() - t0:.1f}s, weights {runner.w.weight_bytes / 1e9:.2f} GB, dense copies "
+        f"{runner.w.dense}, notes {runner.notes}, tuner {sorted(set(v for v in runner.w.tuner.values()))}")
+    res[f"{name}_tuner"] = {f"{k[0]}x{k[1]}|n={n}": v for (k, n), v in runner.w.tuner.items()}
     graph_vs_eager(runner, name, res)
     cfg = runner.config
     kv_per_tok = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * runner.k_cache.element_size()
@@ -384,7 +384,7 @@ def bench_model(name: str, path: str, copy_Bps: float, prefills: list[int], rows
         s.decode_pipelined(runner, steps)
         pipe = (time.perf_counter() - t) / steps
         ctx = PROMPT + len(s.out[0])
-        step_bytes = runner.weight_bytes + B * ctx * kv_per_tok
+        step_bytes = runner.w.weight_bytes + B * ctx * kv_per_tok
         bw = step_bytes / (dev_ms / 1e3) / copy_Bps
         row = dict(model=name, batch=B, tok_s=B / wall, step_ms=wall * 1e3, dev_ms=dev_ms, dev_tok_s=B / (dev_ms / 1e3),
                    bw_pct=100 * bw, anchor=ANCHORS.get((name, B), ""), pipe_tok_s=B / pipe)

@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = """
 import resource, sys, time
-from imp.model.fetch import resolve_model
+from imp.fetch import resolve_model
 from imp.model.runner import ModelRunner
-from imp.model.tokenizer import Tokenizer
+from imp.text.tokenizer import Tokenizer
 path = resolve_model(sys.argv[1], progress=False)
 t1 = time.time(); r = ModelRunner.load(str(path)); t2 = time.time()
 peak_model = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu import SHAPES  # noqa: E402
 
-from imp.model.synth_raw import write_raw_gguf  # noqa: E402
+from tests.fixtures.synth_raw import write_raw_gguf  # noqa: E402
 
 if __name__ == "__main__":
     name, out = sys.argv[1], Path(sys.argv[2])

@@ -11,14 +11,14 @@ from imp.config import add_serve_args, config_from_args
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "replay":
-        from imp.replay import main as replay_main
+        from imp.core.replay import main as replay_main
 
         return replay_main(argv[1:])
     if argv and argv[0] == "pull":
         p = argparse.ArgumentParser(prog="python -m imp pull")
         p.add_argument("name")
         ns = p.parse_args(argv[1:])
-        from imp.model.fetch import resolve_model
+        from imp.fetch import resolve_model
 
         print(resolve_model(ns.name))
         return 0

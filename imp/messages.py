@@ -3,7 +3,7 @@
 All messages are frozen, tagged msgspec Structs (array_like, gc=False) so that
 they encode fast and small into the event log and decode back to the same
 objects for replay. Changing a field is a schema change: bump SCHEMA_VERSION
-and teach `imp.actors.eventlog` to upcast the old form.
+and teach `imp.log.eventlog` to upcast the old form.
 
 Actor names (receivers/senders in the log):
     ingress    HTTP front door; owns request handles and their output queues
@@ -95,6 +95,28 @@ class SamplingParams(Struct):
     # -1 = none; k >= 0 = each prompt token's raw logprob + top k (vLLM prompt_logprobs).
     # Such a request never reuses cached prefix blocks: every prompt row is forwarded.
     prompt_logprobs: int = -1
+
+    # The sampling policy, decided here once: every runner, sampler and the
+    # scheduler ask these instead of re-testing the fields.
+    @property
+    def greedy(self) -> bool:
+        """The draw is an argmax (of the biased, penalized logits)."""
+        return self.temperature <= 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """A repetition/presence/frequency penalty applies: the sampler needs the history."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Argmax of the raw logits, nothing else asked: a batch of these is one argmax."""
+        return self.greedy and self.logprobs < 0 and not self.logit_bias and not self.penalized
+
+    @property
+    def host_sampled(self) -> bool:
+        """Needs the CPU sampler even on a GPU (logprobs, typical_p)."""
+        return self.logprobs >= 0 or (self.typical_p < 1.0 and not self.greedy)
 
 
 class PromptLogprob(Struct):

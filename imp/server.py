@@ -13,7 +13,7 @@ from pathlib import Path
 from aiohttp import web
 
 from imp.config import ServerConfig, replica_devices
-from imp.engine import Engine
+from imp.engine.engine import Engine
 from imp.http.app import create_app
 from imp.http.params import ModelDefaults
 
@@ -28,10 +28,10 @@ def load_engine(cfg: ServerConfig) -> Engine:
     """Everything that reads the disk or the environment happens here, once."""
     import torch
 
-    from imp.model.chat_template import ChatTemplate
-    from imp.model.fetch import resolve_model
+    from imp.text.chat_template import ChatTemplate
+    from imp.fetch import resolve_model
     from imp.model.runner import ModelRunner
-    from imp.model.tokenizer import Tokenizer
+    from imp.text.tokenizer import Tokenizer
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -41,7 +41,7 @@ def load_engine(cfg: ServerConfig) -> Engine:
     runners = []
     for device in replica_devices(cfg):  # data parallel: one full model copy per device
         if device.startswith("cuda"):
-            from imp.model.gpu_runner import GpuModelRunner
+            from imp.gpu.runner import GpuModelRunner
 
             runners.append(GpuModelRunner.load(
                 str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens, device=device,
@@ -52,7 +52,7 @@ def load_engine(cfg: ServerConfig) -> Engine:
     runner = runners[0]
     template = ChatTemplate.from_metadata(runner.metadata, override_path=cfg.chat_template)
     if path.is_dir():  # HF directory: tokenizer.json; BOS/EOS texts for the template from it
-        from imp.model.hf_tokenizer import HFTokenizer
+        from imp.text.hf_tokenizer import HFTokenizer
 
         tokenizer = HFTokenizer.from_dir(path)
         template = ChatTemplate(template.source, tokenizer.token_text("bos"), tokenizer.token_text("eos"))

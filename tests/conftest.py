@@ -13,7 +13,7 @@ def smollm2_path() -> Path:
     env = os.environ.get("IMP_TEST_MODEL")
     if env and Path(env).is_file():
         return Path(env)
-    from imp.model.fetch import FetchError, resolve_model
+    from imp.fetch import FetchError, resolve_model
 
     try:
         return resolve_model("smollm2-135m", progress=False)

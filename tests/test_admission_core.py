@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from imp.actors.admission_core import AdmissionConfig, AdmissionCore
-from imp.actors.core import CoreError
+from imp.core.admission import AdmissionConfig, AdmissionCore
+from imp.core.core import CoreError
 from imp.messages import Cancel, Enqueue, Finished, FinishReason, Reject, SamplingParams, Submit
 
 P = SamplingParams(max_tokens=8)

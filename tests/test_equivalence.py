@@ -14,10 +14,11 @@ import collections
 import msgspec
 import pytest
 
-from imp.actors.executor import attach_params, resolve_pending
-from imp.actors.wiring import Router
+from imp.actors.executor import attach_params
+from imp.sampling.pending import resolve_pending
+from imp.core.router import Router
 from imp.config import ServerConfig
-from imp.engine import build_cores
+from imp.engine.engine import build_cores
 from imp.messages import FinishReason, SamplingParams, StepPlan, StepResult, Submit, TokenBatch, TokenOut
 
 pytestmark = pytest.mark.slow
@@ -34,7 +35,7 @@ def runner(smollm2_path):
 
 @pytest.fixture(scope="module")
 def prompts(runner):
-    from imp.model.tokenizer import Tokenizer
+    from imp.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf_metadata(runner.metadata)
     words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex".split()

@@ -1,6 +1,6 @@
 """The event log round-trips every message and survives a torn tail."""
 
-from imp.actors.eventlog import Envelope, EventLog, LogHeader, read_log
+from imp.log.eventlog import Envelope, EventLog, LogHeader, read_log
 from imp.messages import SCHEMA_VERSION, Cancel, SamplingParams, SeqWork, StepPlan, Submit, Tick
 
 

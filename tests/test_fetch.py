@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from imp.model import fetch
-from imp.model.fetch import FetchError, Packaged, resolve_model
+from imp import fetch
+from imp.fetch import FetchError, Packaged, resolve_model
 
 
 def test_existing_path_returned_as_is(tmp_path):

@@ -11,8 +11,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from imp.kernels import qgemv
-from imp.model.quants import dequantize
-from imp.model.synth_raw import random_blocks
+from imp.formats.quants import dequantize
+from tests.fixtures.synth_raw import random_blocks
 
 FMT_T = {"Q4_0": T.Q4_0, "Q4_1": T.Q4_1, "Q8_0": T.Q8_0, "Q4_K": T.Q4_K, "Q6_K": T.Q6_K, "BF16": T.BF16}
 
@@ -103,7 +103,7 @@ def test_add_rmsnorm(N, d, with_delta):
 def test_rope(N, H, D):
     _skip_without_gpu()
     from imp.kernels import rope
-    from imp.model.gguf_loader import ModelConfig
+    from imp.formats.gguf_loader import ModelConfig
     from imp.model.llama import rope_tables
 
     cfg = ModelConfig("llama", 1, H * D, H, H, D, 4, 10, 4096, 10000.0, 1e-5, True, {})
@@ -288,7 +288,7 @@ def test_gemv_bf16x_gated(variant, kind, F, cols, B):
 def test_gemv_bf16x_qkv_rope_kv(variant, dtype, B, H, Hkv, D, cols):
     _skip_without_gpu()
     from imp.kernels import kv_write, rope
-    from imp.model.gguf_loader import ModelConfig
+    from imp.formats.gguf_loader import ModelConfig
     from imp.model.llama import rope_tables
 
     cfg = ModelConfig("llama", 1, H * D, H, Hkv, D, 4, 10, 4096, 10000.0, 1e-5, True, {})

@@ -32,11 +32,11 @@ def _model(tmp_path_factory, qtype: T) -> str:
     path = d / f"synth_{qtype.name}.gguf"
     shape = dict(n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, d_ff=512, vocab=512)
     if qtype in (T.Q4_K, T.Q6_K):
-        from imp.model.synth_raw import write_raw_gguf
+        from tests.fixtures.synth_raw import write_raw_gguf
 
         return write_raw_gguf(path, qtype=qtype, embed_qtype=T.Q8_0, head_qtype=T.Q6_K, tied=False,
                               overrides={"attn_v.weight": T.Q6_K} if qtype == T.Q4_K else None, **shape)
-    from imp.model.synth import write_synthetic_gguf
+    from tests.fixtures.synth import write_synthetic_gguf
 
     # untied head: a tied random model just repeats its input token (too easy a test)
     return write_synthetic_gguf(path, qtype=qtype, embed_qtype=T.Q8_0 if qtype != T.BF16 else T.BF16,
@@ -68,7 +68,7 @@ PROMPTS = [[5, 9, 200, 3, 17], list(range(40, 77)), [300], list(range(100, 120))
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.BF16])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_greedy_matches_cpu(tmp_path_factory, qtype, graphs):
-    from imp.model.gpu_runner import GpuModelRunner
+    from imp.gpu.runner import GpuModelRunner
     from imp.model.runner import ModelRunner
 
     path = _model(tmp_path_factory, qtype)
@@ -76,7 +76,7 @@ def test_greedy_matches_cpu(tmp_path_factory, qtype, graphs):
     gpu = GpuModelRunner.load(path, num_blocks=64, block_size=BS, kv_dtype=torch.float32, dense=False,
                               graphs=graphs, max_graph_batch=8)
     assert not gpu.notes, gpu.notes  # numba KV write compiled, graphs captured with it
-    assert gpu.kv_impl == "numba"
+    assert gpu.fwd.kv_impl == "numba"
     if graphs:
         assert gpu.graph_buckets() == (1, 2, 4, 8)
     want = greedy_run(cpu, PROMPTS, 12)
@@ -86,7 +86,7 @@ def test_greedy_matches_cpu(tmp_path_factory, qtype, graphs):
 
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K])
 def test_logits_close_and_dense_path(tmp_path_factory, qtype):
-    from imp.model.gpu_runner import GpuModelRunner
+    from imp.gpu.runner import GpuModelRunner
     from imp.model.runner import ModelRunner
 
     path = _model(tmp_path_factory, qtype)
@@ -103,7 +103,7 @@ def test_logits_close_and_dense_path(tmp_path_factory, qtype):
 
 
 def test_sampled_and_logprob_steps_run(tmp_path_factory):
-    from imp.model.gpu_runner import GpuModelRunner
+    from imp.gpu.runner import GpuModelRunner
 
     path = _model(tmp_path_factory, T.Q8_0)
     gpu = GpuModelRunner.load(path, num_blocks=64, block_size=BS, max_graph_batch=4)
@@ -126,7 +126,7 @@ def test_sampled_and_logprob_steps_run(tmp_path_factory):
 
 
 def test_smollm2_greedy_matches_cpu(smollm2_path):
-    from imp.model.gpu_runner import GpuModelRunner
+    from imp.gpu.runner import GpuModelRunner
     from imp.model.runner import ModelRunner
 
     cpu = ModelRunner.load(str(smollm2_path), num_blocks=64, block_size=BS, weights="f32")
@@ -142,15 +142,15 @@ def test_bf16_fused_gemv_path(tmp_path_factory, monkeypatch, variant, kv_dtype):
     """BF16 weights through qgemv.gemv_bf16x with the fused QKV+RoPE+KV-write and gate/up+SiLU epilogues
     (forced: no tuning): greedy tokens equal to the CPU runner's with an fp32 cache (prefill through the
     unfused dense path, decode fused, eager and graphed), and graph-replayed logits equal to eager ones."""
-    from imp.model import gpu_runner
-    from imp.model.gpu_runner import GpuModelRunner
+    from imp.gpu import linear as gpu_linear
+    from imp.gpu.runner import GpuModelRunner
     from imp.model.runner import ModelRunner
 
-    monkeypatch.setattr(gpu_runner, "X_DEFAULT", variant)
+    monkeypatch.setattr(gpu_linear, "X_DEFAULT", variant)
     path = _model(tmp_path_factory, T.BF16)
     gpu = GpuModelRunner.load(path, num_blocks=64, block_size=BS, kv_dtype=kv_dtype, tune=False, max_graph_batch=8)
     assert not gpu.notes, gpu.notes
-    assert gpu.fuse and gpu.layers[0].wqkv.mode(1) == variant and gpu.layers[0].w13.mode(8) == variant
+    assert gpu.fwd.fuse and gpu.w.layers[0].wqkv.mode(1) == variant and gpu.w.layers[0].w13.mode(8) == variant
     if kv_dtype == torch.float32:
         cpu = ModelRunner.load(path, num_blocks=64, block_size=BS, weights="f32")
         assert greedy_run(gpu, PROMPTS, 12) == greedy_run(cpu, PROMPTS, 12)
@@ -160,7 +160,7 @@ def test_bf16_fused_gemv_path(tmp_path_factory, monkeypatch, variant, kv_dtype):
                    params=GREEDY) for i, p in enumerate(PROMPTS[:3])]
     gpu.step(pre)
     with torch.inference_mode():
-        g = gpu._replay(works).double().cpu()
+        g = gpu.graphs.replay(works).double().cpu()
         e = gpu.forward(works).double().cpu()
     assert float((g - e).norm() / e.norm()) < 1e-5
 
@@ -210,7 +210,7 @@ def pipelined_run(runner, prompts: list[list[int]], steps: int, params=GREEDY) -
 
 @pytest.mark.parametrize("graphs", [True, False])
 def test_pipelined_launches_match_step_by_step(tmp_path_factory, graphs):
-    from imp.model.gpu_runner import GpuModelRunner
+    from imp.gpu.runner import GpuModelRunner
 
     path = _model(tmp_path_factory, T.Q8_0)
     gpu = GpuModelRunner.load(path, num_blocks=64, block_size=BS, kv_dtype=torch.float32, dense=False,

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from imp.model.hf_tokenizer import HFTokenizer
+from imp.text.hf_tokenizer import HFTokenizer
 from imp.model.runner import ModelRunner
-from imp.model.tokenizer import IncrementalDetokenizer
+from imp.text.tokenizer import IncrementalDetokenizer
 from tests.test_model_archs import check, hf_steps, run_steps
 
 CORPUS = [

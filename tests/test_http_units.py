@@ -13,7 +13,7 @@ from imp.http.fim import FimTokens, build_infill, fim_tokens
 from imp.http.params import ModelDefaults, sampling
 from imp.http.reasoning import ThinkSplitter, prompt_opens_think
 from imp.messages import SamplingParams, SeqWork
-from imp.model.runner import prompt_logprobs as score_prompt
+from imp.model.rows import prompt_logprobs as score_prompt
 
 
 def split(pieces, thinking=False):

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from imp.actors.core import CoreError
-from imp.actors.kv_core import KvConfig, KvCore
+from imp.core.core import CoreError
+from imp.core.kv import KvConfig, KvCore
 from imp.messages import KvOp, KvRequest
 
 BS = 4

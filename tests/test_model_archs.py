@@ -1,6 +1,6 @@
 """qwen2, qwen3, gemma3 (and llama) forwards vs HF transformers on the same GGUF.
 
-Fast: small random-weight GGUFs written by `imp.model.synth` for each arch,
+Fast: small random-weight GGUFs written by `tests.fixtures.synth` for each arch,
 loaded by HF with `gguf_file=` (its own GGUF reader and dequantizer) and by
 our runner. Slow: the real Gemma 3 270M (Q4_K_M) file.
 
@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as T
 
 from imp.messages import SamplingParams, SeqWork
 from imp.model.runner import ModelRunner
-from imp.model.synth import write_synthetic_gguf
+from tests.fixtures.synth import write_synthetic_gguf
 
 P = SamplingParams(max_tokens=8)
 BS = 4  # small blocks: every check crosses block boundaries
@@ -124,7 +124,7 @@ def gemma3_path() -> Path:
     env = os.environ.get("IMP_TEST_GEMMA")
     if env and Path(env).is_file():
         return Path(env)
-    from imp.model.fetch import FetchError, resolve_model
+    from imp.fetch import FetchError, resolve_model
 
     try:
         return resolve_model("gemma-3-270m", progress=False)
@@ -151,7 +151,7 @@ GEMMA_TIE = {"f32": 0.0, "int8": 1.0}  # below this HF top-2 margin a flip to HF
 def test_gemma3_270m_matches_hf(gemma3_path):
     from transformers import AutoModelForCausalLM
 
-    from imp.model.tokenizer import Tokenizer
+    from imp.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(gemma3_path)
     hf = AutoModelForCausalLM.from_pretrained(str(gemma3_path.parent), gguf_file=gemma3_path.name,

@@ -3,7 +3,7 @@ and agreement with HF transformers on the real SmolLM2 GGUF (slow)."""
 
 from imp.messages import SamplingParams, SeqWork
 from imp.model.runner import ModelRunner
-from imp.model.synth import write_synthetic_gguf
+from tests.fixtures.synth import write_synthetic_gguf
 
 import pytest
 import torch

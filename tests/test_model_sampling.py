@@ -2,7 +2,7 @@
 
 import math
 from imp.messages import SamplingParams, SeqWork
-from imp.model import sampling as S
+from imp.sampling import cpu as S
 
 import torch
 

@@ -1,6 +1,6 @@
 """Our numpy dequantizers against gguf's reference ones, on random blocks."""
 
-from imp.model.quants import DEQUANT, UnsupportedQuantError, dequantize
+from imp.formats.quants import DEQUANT, UnsupportedQuantError, dequantize
 
 import numpy as np
 import pytest

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import msgspec
 
-from imp.actors.eventlog import Envelope, EventLog, read_log
+from imp.log.eventlog import Envelope, EventLog, read_log
 from imp.messages import StepPlan
-from imp.replay import main as replay_main
+from imp.core.replay import main as replay_main
 
 ROOT = Path(__file__).resolve().parent.parent
 CAPTURED = ROOT / "replay" / "concurrent-8.log"
@@ -59,9 +59,9 @@ def test_tampered_log_reports_first_divergence(tmp_path, capsys):
 
 def test_a_router_run_dumps_to_a_replayable_log(tmp_path, capsys):
     """What a failing hypothesis case saves replays identical (and steps)."""
-    from imp.actors.wiring import Router, dump
+    from imp.core.router import Router, dump
     from imp.config import ServerConfig
-    from imp.engine import build_cores
+    from imp.engine.engine import build_cores
     from imp.messages import SamplingParams, SampledToken, StepResult, Submit
 
     cores = build_cores(ServerConfig(max_batch_size=4, max_step_tokens=32), 16, 256, "fp")

@@ -10,17 +10,17 @@ import hashlib
 import msgspec
 import pytest
 
-from imp.actors.admission_core import AdmissionConfig, AdmissionCore
-from imp.actors.eventlog import Envelope, LogHeader
-from imp.actors.replicas import Routed, pick, split_name
-from imp.actors.wiring import Router
+from imp.core.admission import AdmissionConfig, AdmissionCore
+from imp.log.eventlog import Envelope, LogHeader
+from imp.core.replicas import Routed, pick, split_name
+from imp.core.router import Router
 from imp.config import ServerConfig, replica_devices
-from imp.engine import build_cores
+from imp.engine.engine import build_cores
 from imp.messages import (
     PENDING_TOKEN, Cancel, EndThinking, Enqueue, Finished, FinishReason, SampledToken, SamplingParams, SessionClose,
     StepPlan, StepResult, Submit, TokenBatch,
 )
-from imp.replay import replay
+from imp.core.replay import replay
 
 
 def _submit(rid, n_prompt=8, session="", max_tokens=8):

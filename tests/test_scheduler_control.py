@@ -8,10 +8,10 @@ their position, so what reaches detok can be checked exactly.
 
 from __future__ import annotations
 
-from imp.actors.admission_core import AdmissionConfig, AdmissionCore
-from imp.actors.kv_core import KvConfig, KvCore
-from imp.actors.scheduler_core import SchedulerConfig, SchedulerCore
-from imp.actors.wiring import Router
+from imp.core.admission import AdmissionConfig, AdmissionCore
+from imp.core.kv import KvConfig, KvCore
+from imp.core.scheduler import SchedulerConfig, SchedulerCore
+from imp.core.router import Router
 import collections
 
 from imp.messages import (

@@ -25,11 +25,12 @@ import pytest
 from hypothesis import event, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from imp.actors.admission_core import AdmissionConfig, AdmissionCore
+from imp.core.admission import AdmissionConfig, AdmissionCore
 from imp.actors.executor import attach_params
-from imp.actors.kv_core import KvConfig, KvCore
-from imp.actors.scheduler_core import SchedulerConfig, SchedulerCore
-from imp.actors.wiring import Router, route
+from imp.sampling.pending import fill
+from imp.core.kv import KvConfig, KvCore
+from imp.core.scheduler import SchedulerConfig, SchedulerCore
+from imp.core.router import Router, route
 from imp.messages import (
     PENDING_TOKEN, Cancel, Enqueue, Figures, Finished, FinishReason, KvReply, KvRequest, Reject, SampledToken,
     SamplingParams, SessionClose, StepFailed, StepPlan, StepResult, Submit, Tick, TokenBatch, TokenOut,
@@ -194,9 +195,7 @@ class Sim:
                 if w.seq_id not in prev:  # the step that sampled it failed: the sequence has ended
                     assert (req, int(index)) in self.finish, f"{w.seq_id}: nothing to resolve its token from"
                     continue
-                penalty = w.params.repetition_penalty != 1.0  # the only penalty the machine sets
-                w = msgspec.structs.replace(w, token_ids=[prev[w.seq_id]],
-                                            history=w.history + [prev[w.seq_id]] if penalty else [])
+                w = fill(w, prev[w.seq_id])  # as the executor does
 
             def expect(p, m=m, w=w):
                 if p < len(m.prompt):
@@ -508,7 +507,7 @@ def _save_failure(sim) -> None:
     import os
     import time as _time
 
-    from imp.actors.wiring import dump
+    from imp.core.router import dump
 
     d = Path(os.environ.get("IMP_REPLAY_FAILURES", Path(__file__).resolve().parent.parent / "replay" / "failures"))
     d.mkdir(parents=True, exist_ok=True)

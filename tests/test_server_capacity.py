@@ -124,7 +124,7 @@ def test_snapshot_nulls_a_failed_section_and_prometheus_parses():
 
 def test_ingress_live_rows():
     from imp.actors.base import Bus
-    from imp.actors.eventlog import EventLog
+    from imp.log.eventlog import EventLog
     from imp.actors.ingress import IngressActor
 
     async def go():

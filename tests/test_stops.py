@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from imp.actors.stops import StopMatcher
+from imp.text.stops import StopMatcher
 
 
 def run(chunks, stops):

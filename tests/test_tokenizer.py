@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from imp.model.chat_template import CHATML, ChatTemplate, TemplateError
-from imp.model.tokenizer import IncrementalDetokenizer, Tokenizer, gguf_metadata
+from imp.text.chat_template import CHATML, ChatTemplate, TemplateError
+from imp.text.tokenizer import IncrementalDetokenizer, Tokenizer, gguf_metadata
 
 CORPUS = [
     "Hello world",
@@ -283,7 +283,7 @@ def test_transforming_template_falls_back(tok):
 
 
 def _gemma_path():
-    from imp.model.fetch import PACKAGED, cache_dir
+    from imp.fetch import PACKAGED, cache_dir
 
     env = os.environ.get("IMP_TEST_GEMMA")
     p = Path(env) if env else cache_dir() / PACKAGED["gemma-3-270m"].filename

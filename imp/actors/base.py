@@ -17,8 +17,8 @@ import logging
 import time
 import traceback
 
-from imp.actors.core import Core
-from imp.actors.eventlog import Envelope, EventLog
+from imp.core.core import Core
+from imp.log.eventlog import Envelope, EventLog
 from imp.messages import Fault, Msg, StepPlan
 
 log = logging.getLogger("imp.actors")

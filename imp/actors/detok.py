@@ -9,7 +9,7 @@ string, that choice is cancelled upstream so it frees its KV at once.
 from __future__ import annotations
 
 from imp.actors.base import Actor, Bus
-from imp.actors.stops import StopMatcher
+from imp.text.stops import StopMatcher
 from imp.messages import (
     Cancel,
     Delta,
@@ -43,7 +43,7 @@ class DetokActor(Actor):
         self.opens: dict[str, DetokOpen] = {}
 
     def _choice(self, req_id: str, index: int) -> _Choice:
-        from imp.model.tokenizer import IncrementalDetokenizer
+        from imp.text.tokenizer import IncrementalDetokenizer
 
         choices = self.reqs.setdefault(req_id, {})
         ch = choices.get(index)

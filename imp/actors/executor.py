@@ -9,7 +9,7 @@ Two ways to run a step:
   sync (CPU ModelRunner): `runner.step(seqs)` on one thread. With a
       pipelining scheduler a plan can feed PENDING_TOKEN; by the time it runs
       here the previous step has finished, so the token is filled in on the
-      host from that step's samples (`resolve_pending`).
+      host from that step's samples (`imp.sampling.pending`).
   launch/collect (GpuModelRunner): `runner.launch(seqs)` enqueues the step on
       the device and returns at once; a second thread waits for it with
       `runner.collect(handle)` and sends the StepResult. So step N+1 is
@@ -31,14 +31,8 @@ import time
 import msgspec
 
 from imp.actors.base import Actor, Bus
-from imp.messages import (
-    PENDING_TOKEN, Msg, SampledToken, SamplingParams, SeqWork, StepFailed, StepPlan, StepResult,
-)
-
-
-def _penalized(w: SeqWork) -> bool:
-    p = w.params
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+from imp.messages import Msg, SampledToken, SamplingParams, SeqWork, StepFailed, StepPlan, StepResult
+from imp.sampling.pending import resolve_pending
 
 
 def attach_params(plan: StepPlan, kept: dict[str, SamplingParams]) -> list[SeqWork]:
@@ -54,24 +48,6 @@ def attach_params(plan: StepPlan, kept: dict[str, SamplingParams]) -> list[SeqWo
         else:
             kept[w.seq_id] = w.params
         out.append(w)
-    return out
-
-
-def resolve_pending(seqs: list[SeqWork], last: dict[str, int]) -> list[SeqWork]:
-    """Fill in PENDING_TOKEN (and the history it completes) from `last`, the
-    tokens the previous step sampled. A share whose token is unknown (that
-    step failed, so the scheduler has ended the sequence) is left out."""
-    out = []
-    for w in seqs:
-        if not w.pending:
-            out.append(w)
-            continue
-        t = last.get(w.seq_id)
-        if t is None:
-            continue
-        toks = [t if x == PENDING_TOKEN else x for x in w.token_ids]
-        out.append(msgspec.structs.replace(w, token_ids=toks, pending=0,
-                                           history=w.history + [t] if _penalized(w) else w.history))
     return out
 
 

@@ -102,7 +102,7 @@ def prepare_prompt(engine, messages: list[dict], body: dict) -> tuple[list[int],
     prompt, cut right after that text (the HF rule, trailing whitespace
     dropped).
     """
-    from imp.model.chat_template import TemplateError
+    from imp.text.chat_template import TemplateError
 
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):

@@ -23,7 +23,7 @@ x; arithmetic is negligible, so time >= bytes / copy-rate.
 
 `reference()` dequantizes a repacked weight with torch ops (any device) and
 is what the tests compare against; `repack()` is checked against
-`imp.model.quants.dequantize` on the CPU.
+`imp.formats.quants.dequantize` on the CPU.
 """
 
 from __future__ import annotations

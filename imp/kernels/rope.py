@@ -54,10 +54,12 @@ def rope(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
 
 
 def reference(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rotated copy of the first n_heads heads, [N, n_heads, D], float64."""
-    from imp.model.llama import apply_rope
-
+    """Rotated copy of the first n_heads heads, [N, n_heads, D], float64: pairs
+    (x[2i], x[2i+1]) rotate together by the angle of position p (as the CPU model)."""
     D = 2 * cos.shape[1]
     x = qk[:, : n_heads * D].double().view(-1, n_heads, D)
     p = positions.long()
-    return apply_rope(x, cos.double()[p].unsqueeze(1), sin.double()[p].unsqueeze(1))
+    c, s = cos.double()[p].unsqueeze(1), sin.double()[p].unsqueeze(1)  # [N, 1, D/2]
+    xp = x.unflatten(-1, (-1, 2))  # [N, heads, D/2, 2]
+    x0, x1 = xp[..., 0], xp[..., 1]
+    return torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).flatten(-2)

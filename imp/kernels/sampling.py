@@ -1,27 +1,18 @@
-"""Sampling on the device: logit bias + penalties (Numba), temperature, top-k,
-top-p, min-p (torch, batched), a counter-based Gumbel draw (CuPy), logprobs.
+"""Sampling kernels: logit bias and penalties scattered into logits rows (Numba,
+with a torch fallback), temperature / top-k / top-p / min-p filtering (torch,
+batched) and a counter-based Gumbel draw (CuPy).
 
-Semantics follow `imp.model.sampling` (the CPU reference): bias -> penalties
--> (greedy: argmax) -> /temperature -> top_k -> top_p -> min_p -> draw.
-The draw is Gumbel-max with noise hashed from (seed, gen_index, token id),
-so it depends only on the sequence (not the batch it ran in), like the CPU
-runner's; the CPU and GPU runners draw *different* tokens from the same
-distribution (only greedy tokens are comparable across them).
-typical_p < 1 is not done here: `GpuModelRunner` sends such rows to the CPU
-sampler.
+The Gumbel noise is hashed from (seed, gen_index, token id), so a row's draw
+depends only on its sequence, not on the batch it ran in. The sampler that
+drives these over a step's sequences is `imp.sampling.gpu`.
 """
 
 from __future__ import annotations
 
 import functools
-from collections import Counter
-
-import numpy as np
 import torch
 
 from imp.kernels import _cuda as cu
-from imp.messages import SampledToken, SeqWork
-from imp.model.sampling import LOGPROB_FLOOR
 
 cuda = None  # numba.cuda, bound on first use
 THREADS = 128
@@ -84,52 +75,41 @@ def gumbel_noise(seeds: torch.Tensor, gen_index: torch.Tensor, vocab: int) -> to
     return out
 
 
-def bias_and_penalties(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = True) -> torch.Tensor:
-    """In place on logits [R, V] fp32 (contiguous): logit_bias, then repetition/presence/frequency."""
-    V = logits.shape[1]
-    b_rows, b_ids, b_vals = [], [], []
-    p_rows, p_ids, p_cnt = [], [], []
-    params = np.zeros((len(works), 3), np.float32)
-    for r, w in enumerate(works):
-        p = w.params
-        agg: dict[int, float] = {}
-        for t, val in p.logit_bias:
-            if 0 <= t < V:
-                agg[t] = agg.get(t, 0.0) + float(val)
-        b_rows += [r] * len(agg)
-        b_ids += list(agg)
-        b_vals += list(agg.values())
-        params[r] = (p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
-        if w.history and (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
-            c = Counter(t for t in w.history if 0 <= t < V)
-            p_rows += [r] * len(c)
-            p_ids += list(c)
-            p_cnt += list(c.values())
-    dev = logits.device
-    if b_ids:
-        rows = torch.tensor(b_rows, dtype=torch.int32, device=dev)
-        ids = torch.tensor(b_ids, dtype=torch.int32, device=dev)
-        vals = torch.tensor(b_vals, dtype=torch.float32, device=dev)
-        if use_numba:
-            add_bias, _ = _nb_kernels()
-            cu.nb_launch(add_bias, (len(b_ids) + THREADS - 1) // THREADS, THREADS, logits, rows, ids, vals)
-        else:
-            logits.index_put_((rows.long(), ids.long()), vals, accumulate=True)
-    if p_ids:
-        rows = torch.tensor(p_rows, dtype=torch.int32, device=dev)
-        ids = torch.tensor(p_ids, dtype=torch.int32, device=dev)
-        cnt = torch.tensor(p_cnt, dtype=torch.float32, device=dev)
-        prm = torch.from_numpy(params).to(dev)
-        if use_numba:
-            _, penalize = _nb_kernels()
-            cu.nb_launch(penalize, (len(p_ids) + THREADS - 1) // THREADS, THREADS, logits, rows, ids, cnt, prm)
-        else:
-            r_, i_ = rows.long(), ids.long()
-            x = logits[r_, i_]
-            rep = prm[r_, 0]
-            x = torch.where(rep != 1.0, torch.where(x > 0, x / rep, x * rep), x)
-            logits[r_, i_] = x - prm[r_, 1] - prm[r_, 2] * cnt
-    return logits
+def add_bias(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor,
+             use_numba: bool = True) -> None:
+    """logits[rows[e], ids[e]] += vals[e], in place; logits [R, V] fp32 contiguous, the rest [E]."""
+    cu.check(logits, "logits", torch.float32, 2)
+    cu.check(rows, "rows", torch.int32, 1)
+    cu.check(ids, "ids", torch.int32, 1)
+    cu.check(vals, "vals", torch.float32, 1)
+    if not ids.shape[0]:
+        return
+    if use_numba:
+        kernel, _ = _nb_kernels()
+        cu.nb_launch(kernel, (ids.shape[0] + THREADS - 1) // THREADS, THREADS, logits, rows, ids, vals)
+    else:
+        logits.index_put_((rows.long(), ids.long()), vals, accumulate=True)
+
+
+def penalize(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
+             params: torch.Tensor, use_numba: bool = True) -> None:
+    """In place, per seen (row, token) pair e with counts[e] occurrences: repetition
+    (params[row, 0]: divide a positive logit, multiply a negative one), then minus
+    presence (params[row, 1]) and frequency * count (params[row, 2])."""
+    cu.check(logits, "logits", torch.float32, 2)
+    cu.check(params, "params", torch.float32, 2)
+    cu.check(counts, "counts", torch.float32, 1)
+    if not ids.shape[0]:
+        return
+    if use_numba:
+        _, kernel = _nb_kernels()
+        cu.nb_launch(kernel, (ids.shape[0] + THREADS - 1) // THREADS, THREADS, logits, rows, ids, counts, params)
+    else:
+        r_, i_ = rows.long(), ids.long()
+        x = logits[r_, i_]
+        rep = params[r_, 0]
+        x = torch.where(rep != 1.0, torch.where(x > 0, x / rep, x * rep), x)
+        logits[r_, i_] = x - params[r_, 1] - params[r_, 2] * counts
 
 
 def filter_logits(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -149,64 +129,3 @@ def filter_logits(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_
     probs = torch.softmax(x, -1)
     x = x.masked_fill((probs < min_p[:, None] * probs.amax(-1, keepdim=True)) & (min_p[:, None] > 0), ninf)
     return x
-
-
-def sample(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = True) -> list[SampledToken]:
-    """logits [R, V] fp32 on the device -> one SampledToken per work (typical_p ignored: see module doc)."""
-    tokens, processed = sample_ids(logits, works, use_numba)
-    return _to_sampled(tokens, processed, works)
-
-
-def sample_ids(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = True
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drawn ids [R] int64 and the processed logits, left on the device (no host sync)."""
-    R, V = logits.shape
-    dev = logits.device
-    x = logits.float().contiguous().clone()
-    bias_and_penalties(x, works, use_numba)
-    ps = [w.params for w in works]
-    greedy = [p.temperature <= 0.0 for p in ps]
-    tokens = torch.argmax(x, dim=-1)
-    processed = x
-    if not all(greedy):
-        f = lambda vals, dt: torch.tensor(vals, dtype=dt, device=dev)  # noqa: E731
-        temp = f([p.temperature if p.temperature > 0 else 1.0 for p in ps], torch.float32)
-        filt = filter_logits(x, temp, f([p.top_k for p in ps], torch.int64), f([p.top_p for p in ps], torch.float32),
-                             f([p.min_p for p in ps], torch.float32))
-        g = gumbel_noise(f([p.seed for p in ps], torch.int64), f([w.gen_index for w in works], torch.int64), V)
-        drawn = torch.argmax(filt + g, dim=-1)
-        is_greedy = f(greedy, torch.bool)
-        tokens = torch.where(is_greedy, tokens, drawn)
-        processed = torch.where(is_greedy[:, None], x, filt)
-    return tokens, processed
-
-
-def _to_sampled(tokens: torch.Tensor, processed: torch.Tensor, works: list[SeqWork]) -> list[SampledToken]:
-    V = processed.shape[1]
-    ps = [w.params for w in works]
-    want = [p.logprobs >= 0 for p in ps]
-    ids = tokens.tolist()
-    if not any(want):
-        return [SampledToken(seq_id=w.seq_id, token_id=t) for w, t in zip(works, ids)]
-    logp = torch.log_softmax(processed, -1).nan_to_num(nan=LOGPROB_FLOOR).clamp(min=LOGPROB_FLOOR)
-    kmax = max(p.logprobs for p in ps)
-    chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
-    top_v, top_i = (torch.topk(logp, min(kmax, V), dim=-1) if kmax > 0 else (None, None))
-    top_v = top_v.tolist() if top_v is not None else None
-    top_i = top_i.tolist() if top_i is not None else None
-    out = []
-    for r, (w, t) in enumerate(zip(works, ids)):
-        k = ps[r].logprobs
-        if k < 0:
-            out.append(SampledToken(seq_id=w.seq_id, token_id=t))
-            continue
-        top = tuple(zip(top_i[r][:k], top_v[r][:k])) if k > 0 else ()
-        out.append(SampledToken(seq_id=w.seq_id, token_id=t, logprob=float(chosen[r]), top=top))
-    return out
-
-
-def reference_processed(logits: torch.Tensor, works: list[SeqWork]) -> torch.Tensor:
-    """CPU reference: imp.model.sampling.process row by row (float32)."""
-    from imp.model.sampling import process
-
-    return torch.stack([process(logits[r].cpu(), w) for r, w in enumerate(works)])

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from imp.model.llama import Linear
-from imp.model.quants import dequantize
+from imp.formats.quants import dequantize
 
 
 def rope_table(theta: float, dim: int, max_pos: int, linear_factor: float = 1.0):

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from imp.model.attention import paged_attention, window_plan
 from imp.model.blocks import Embedding, apply_rope_neox, head_linear, rms_norm, rope_table, split_heads, write_kv
-from imp.model.gguf_loader import ModelConfig
+from imp.formats.gguf_loader import ModelConfig
 from imp.model.llama import AttnPlan, KVCache, Linear
 
 SWA_PERIOD = 6  # llama.cpp: hparams.set_swa_pattern(6) for LLM_ARCH_GEMMA3

@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from imp.model.attention import paged_attention
-from imp.model.gguf_loader import ModelConfig
+from imp.formats.gguf_loader import ModelConfig
 
 import torch
 import torch.nn.functional as F

@@ -17,7 +17,7 @@ import torch
 
 from imp.model.attention import paged_attention
 from imp.model.blocks import Embedding, apply_rope_neox, head_linear, rms_norm, rope_table, split_heads, write_kv
-from imp.model.gguf_loader import ModelConfig
+from imp.formats.gguf_loader import ModelConfig
 from imp.model.llama import AttnPlan, KVCache, Linear, attn_out_mlp
 
 

@@ -12,20 +12,19 @@ import threading
 from pathlib import Path
 from imp.messages import PromptLogprob, SampledToken, SeqWork
 from imp.model.gemma3 import Gemma3
-from imp.model.gguf_loader import ModelConfig, open_gguf
+from imp.formats.gguf_loader import ModelConfig, open_gguf
 from imp.model.llama import KVCache, Llama, default_num_blocks, make_plan
 from imp.model.qwen2 import Qwen2
 from imp.model.qwen3 import Qwen3
-from imp.model.sampling import LOGPROB_FLOOR, sample
+from imp.model.rows import head_rows, with_prompt_logprobs
+from imp.sampling.cpu import sample
 
-import msgspec
 import torch
 
 DEFAULT_KV_TOKENS = 16384
 # `general.architecture` (or config.json's model_type, see hf_dir.py) -> forward.
 # Each has Llama's interface: (cfg, tensors, weights, compile), .cfg, .forward(tokens, plan, cache).
 ARCHS = {"llama": Llama, "qwen2": Qwen2, "qwen3": Qwen3, "gemma3": Gemma3}
-SUPPORTED_ARCHS = ("llama",)  # what gpu_runner.py implements (it imports this name); the CPU runs ARCHS
 
 
 class ModelRunner:
@@ -62,7 +61,7 @@ class ModelRunner:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         if Path(path).is_dir():  # HF layout: config.json + *.safetensors, same tensor names as a GGUF
-            from imp.model.hf_dir import open_hf_dir
+            from imp.formats.hf_dir import open_hf_dir
 
             g = open_hf_dir(path)
         else:
@@ -113,66 +112,3 @@ class ModelRunner:
         order = sorted(sample_at)
         drawn = dict(zip(order, sample(logits[[sample_at[i] for i in order]], [seqs[i] for i in order]))) if order else {}
         return with_prompt_logprobs(seqs, drawn, plp_at, logits)
-
-
-def head_rows(seqs: list[SeqWork]) -> tuple[list[int], dict[int, int], dict[int, tuple[int, int]]]:
-    """Which of a step's new-token rows the head runs on (both runners).
-
-    Returns rows (indices into the step's N new tokens), sample_at (seq index ->
-    index in rows of its last token, for seqs that sample) and plp_at (seq index ->
-    (first index in rows, count) for seqs scoring prompt tokens: row j scores the
-    token at position start+j+1, the last one prompt_next when given).
-    """
-    rows: list[int] = []
-    sample_at: dict[int, int] = {}
-    plp_at: dict[int, tuple[int, int]] = {}
-    base = 0
-    for i, s in enumerate(seqs):
-        n = len(s.token_ids)
-        if s.prompt_logprobs >= 0:
-            count = n if s.prompt_next >= 0 else n - 1
-            plp_at[i] = (len(rows), count)
-            rows.extend(range(base, base + count))
-        if s.sample:
-            sample_at[i] = len(rows)
-            rows.append(base + n - 1)
-        base += n
-    return rows, sample_at, plp_at
-
-
-def with_prompt_logprobs(seqs: list[SeqWork], drawn: dict[int, SampledToken], plp_at: dict[int, tuple[int, int]],
-                         logits: torch.Tensor) -> list[SampledToken]:
-    """One SampledToken per seq that sampled or scored prompt tokens, in seq order;
-    prompt rows scored from logits (any device) by `prompt_logprobs`. A seq that
-    only scored gets token_id -1."""
-    out = []
-    for i, s in enumerate(seqs):
-        t = drawn.get(i)
-        if i in plp_at:
-            first, count = plp_at[i]
-            scored = prompt_logprobs(logits[first:first + count].float().cpu(), s)
-            t = msgspec.structs.replace(t or SampledToken(seq_id=s.seq_id, token_id=-1), prompt=scored)
-        if t is not None:
-            out.append(t)
-    return out
-
-
-def prompt_logprobs(logits: torch.Tensor, s: SeqWork) -> tuple[PromptLogprob, ...]:
-    """Raw log-softmax scores of the prompt tokens after each row of the chunk."""
-    if logits.shape[0] == 0:
-        return ()
-    targets = (list(s.token_ids[1:]) + ([s.prompt_next] if s.prompt_next >= 0 else []))[: logits.shape[0]]
-    logp = torch.log_softmax(logits.float(), -1).clamp(min=LOGPROB_FLOOR)  # [T, vocab]
-    tgt = torch.tensor(targets, dtype=torch.int64)
-    chosen = logp.gather(1, tgt[:, None])[:, 0]  # [T]
-    ranks = (logp > chosen[:, None]).sum(-1) + 1
-    k = s.prompt_logprobs
-    if k > 0:
-        top_v, top_i = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
-        tops = [tuple(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
-    else:
-        tops = [()] * len(targets)
-    return tuple(
-        PromptLogprob(position=s.start_pos + j + 1, token_id=t, logprob=lp, rank=r, top=tops[j])
-        for j, (t, lp, r) in enumerate(zip(targets, chosen.tolist(), ranks.tolist()))
-    )

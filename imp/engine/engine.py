@@ -3,7 +3,7 @@
 Boot-time facts (pool size, model fingerprint, context length) go into each
 core's frozen config, and the configs into the event-log header, so a replay
 rebuilds exactly the cores that ran. With --data-parallel N there are N
-scheduler/kv/executor triples (`imp.actors.replicas`), one per runner.
+scheduler/kv/executor triples (`imp.core.replicas`), one per runner.
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ import time
 
 import msgspec
 
-from imp.actors.admission_core import AdmissionConfig, AdmissionCore
+from imp.core.admission import AdmissionConfig, AdmissionCore
 from imp.actors.base import Bus, CoreActor
 from imp.actors.clock import ClockActor
 from imp.actors.detok import DetokActor
-from imp.actors.eventlog import EventLog, LogHeader
+from imp.log.eventlog import EventLog, LogHeader
 from imp.actors.executor import ExecutorActor
 from imp.actors.ingress import IngressActor
-from imp.actors.kv_core import KvConfig, KvCore
+from imp.core.kv import KvConfig, KvCore
 from imp.actors.metrics import MetricsActor
-from imp.actors.replicas import Routed, replica_name
-from imp.actors.scheduler_core import SchedulerConfig, SchedulerCore
+from imp.core.replicas import Routed, replica_name
+from imp.core.scheduler import SchedulerConfig, SchedulerCore
 from imp.config import ServerConfig, pipeline_depth
 from imp.messages import SCHEMA_VERSION, KvFigures
 

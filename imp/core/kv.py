@@ -36,7 +36,7 @@ import struct
 
 import msgspec
 
-from imp.actors.core import CoreError, Out
+from imp.core.core import CoreError, Out
 from imp.messages import KvFigures, KvOp, KvReply, KvRequest, KvResult, Msg
 
 

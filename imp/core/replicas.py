@@ -15,7 +15,7 @@ from the name recorded in the log header (`core_for`).
 
 from __future__ import annotations
 
-from imp.actors.core import Out
+from imp.core.core import Out
 from imp.messages import Msg
 
 PEERS = ("scheduler", "kv", "executor")

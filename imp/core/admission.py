@@ -15,7 +15,7 @@ Every request passes here on its way to the scheduler, and so do cancels
          reservations of the running ones fit the pool)
 
 With several replicas (data parallel: one scheduler and KV pool per device,
-`imp.actors.replicas`) each request goes to the replica with the fewest
+`imp.core.replicas`) each request goes to the replica with the fewest
 reserved blocks, or to the one that holds its session's pinned prompt; its
 cancels and end_thinking follow it there. num_blocks is one replica's pool.
 """
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import msgspec
 
-from imp.actors.core import CoreError, Out
-from imp.actors.replicas import pick, replica_name
+from imp.core.core import CoreError, Out
+from imp.core.replicas import pick, replica_name
 from imp.messages import Cancel, EndThinking, Enqueue, Finished, Msg, Reject, Resume, SessionClose, Submit, Suspend
 
 

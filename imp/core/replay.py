@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from imp.actors.eventlog import LogHeader, read_log
+from imp.log.eventlog import LogHeader, read_log
 from imp.messages import Fault
 
 
 def core_types():
-    from imp.actors.admission_core import AdmissionConfig, AdmissionCore
-    from imp.actors.kv_core import KvConfig, KvCore
-    from imp.actors.scheduler_core import SchedulerConfig, SchedulerCore
+    from imp.core.admission import AdmissionConfig, AdmissionCore
+    from imp.core.kv import KvConfig, KvCore
+    from imp.core.scheduler import SchedulerConfig, SchedulerCore
 
     return {
         "admission": (AdmissionCore, AdmissionConfig),
@@ -55,7 +55,7 @@ def _show(receiver: str, msg) -> str:
 
 
 def replay(header: LogHeader, envelopes, *, step_print=None) -> ReplayResult:
-    from imp.actors.replicas import Routed, split_name
+    from imp.core.replicas import Routed, split_name
 
     types = core_types()
     cores = {}

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from imp.model.gguf_loader import LoadedGGUF, ModelConfig
+from imp.formats.gguf_loader import LoadedGGUF, ModelConfig
 
 HF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 

@@ -13,7 +13,7 @@ import collections
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from imp.actors.core import Core
+from imp.core.core import Core
 from imp.messages import Msg
 
 
@@ -65,7 +65,7 @@ def dump(router: Router, path, note: str = "") -> None:
     """
     import msgspec
 
-    from imp.actors.eventlog import Envelope, EventLog, LogHeader
+    from imp.log.eventlog import Envelope, EventLog, LogHeader
     from imp.messages import SCHEMA_VERSION
 
     kv = router.cores.get("kv")

@@ -113,7 +113,7 @@ def gguf_metadata(path) -> dict:
     view per array element, which takes 4 s for SmolLM2's vocabulary and
     20+ s for Gemma's; this takes well under a second.
     """
-    from imp.model.gguf_file import read_header
+    from imp.formats.gguf_file import read_header
 
     return read_header(path).metadata
 

@@ -13,8 +13,8 @@ import dataclasses
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from imp.model.gguf_file import GGUFHeader, TensorInfo, read_header, tensor_bytes
-from imp.model.quants import dequantize
+from imp.formats.gguf_file import GGUFHeader, TensorInfo, read_header, tensor_bytes
+from imp.formats.quants import dequantize
 from typing import Any
 
 import numpy as np

@@ -42,9 +42,7 @@ def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) 
 
 def apply_penalties(logits: torch.Tensor, history: list[int], p: SamplingParams) -> torch.Tensor:
     """Repetition (HF: divide positive logits, multiply negative ones), presence, frequency."""
-    if not history or (
-        p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-    ):
+    if not history or not p.penalized:
         return logits
     ids = torch.tensor(history, dtype=torch.int64)
     counts = torch.bincount(ids, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
@@ -107,7 +105,7 @@ def process(logits: torch.Tensor, work: SeqWork) -> torch.Tensor:
     x = logits.float()
     x = apply_logit_bias(x, p.logit_bias)
     x = apply_penalties(x, work.history, p)
-    if p.temperature <= 0.0:
+    if p.greedy:
         return x
     x = x / p.temperature
     x = top_k_filter(x, p.top_k)
@@ -121,7 +119,7 @@ def sample_one(logits: torch.Tensor, work: SeqWork) -> SampledToken:
     """logits [vocab] fp32 -> the sequence's next token (and logprobs if asked)."""
     p = work.params
     x = process(logits, work)
-    if p.temperature <= 0.0:
+    if p.greedy:
         token = int(torch.argmax(x).item())
     else:
         probs = torch.softmax(x, -1)
@@ -136,17 +134,10 @@ def sample_one(logits: torch.Tensor, work: SeqWork) -> SampledToken:
     return SampledToken(seq_id=work.seq_id, token_id=token, logprob=float(logp[token]), top=top)
 
 
-def _plain_greedy(p: SamplingParams) -> bool:
-    return (
-        p.temperature <= 0.0 and p.logprobs < 0 and not p.logit_bias
-        and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-    )
-
-
 def sample(logits: torch.Tensor, works: list[SeqWork]) -> list[SampledToken]:
     """logits [B, vocab] for `works` (same order) -> one token per sequence."""
     assert logits.shape[0] == len(works)
-    if all(_plain_greedy(w.params) for w in works):
+    if all(w.params.plain_greedy for w in works):
         ids = torch.argmax(logits, dim=-1).tolist()  # all-greedy fast path, one op
         return [SampledToken(seq_id=w.seq_id, token_id=t) for w, t in zip(works, ids)]
     return [sample_one(logits[i], w) for i, w in enumerate(works)]

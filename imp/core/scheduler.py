@@ -49,7 +49,7 @@ import enum
 
 import msgspec
 
-from imp.actors.core import CoreError, Out
+from imp.core.core import CoreError, Out
 from imp.messages import (
     Cancel, EndThinking, Enqueue, Figures, Finished, FinishReason, KvFigures, KvOp, KvReply, KvRequest, Msg,
     PENDING_TOKEN, QueueFigures, Reject, SessionClose, SampledToken, SeqWork, StepFailed, StepPlan, StepResult, StepStats, Tick,
@@ -348,7 +348,6 @@ class SchedulerCore:
         start, end, sample = w.start, w.start + w.n, w.sample
         n_prompt, known = len(s.req.prompt), len(s.tokens)
         n_gen = max(known, end) - n_prompt
-        penalty = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
         sent = p if w.new else None  # the executor keeps them from the first share of an admission
         if p.prompt_logprobs >= 0 and s.index == 0 and not s.plp_sent and end <= n_prompt:
             nxt = s.tokens[end] if end < n_prompt else -1
@@ -361,7 +360,7 @@ class SchedulerCore:
             toks = [PENDING_TOKEN]
         # s.table is never mutated in place (always replaced by a KvReply's list): share it
         return SeqWork(s.id, toks, start, s.table, sample, sent, gen_index=n_gen,
-                       history=s.tokens[n_prompt:end] if sample and penalty else [], pending=pending)
+                       history=s.tokens[n_prompt:end] if sample and p.penalized else [], pending=pending)
 
     # ------------------------------------------------------------------ requests
 

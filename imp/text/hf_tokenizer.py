@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from imp.model.tokenizer import CONTROL, EOG_TEXTS, NORMAL, USER_DEFINED, Tokenizer, bytes_to_unicode
+from imp.text.tokenizer import CONTROL, EOG_TEXTS, NORMAL, USER_DEFINED, Tokenizer, bytes_to_unicode
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 

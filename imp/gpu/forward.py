@@ -1,0 +1,94 @@
+"""The llama forward on the device, over one step's rows (`imp.gpu.inputs.Meta`).
+
+Per layer: add+RMSNorm -> QKV GEMV -> RoPE -> KV write -> paged attention ->
+O GEMV -> add+RMSNorm -> gate/up GEMV -> SiLU*up -> down GEMV; where the
+tuner picks a `gemv_bf16x` variant the QKV GEMV also applies RoPE and writes
+k/v into the cache, and the gate/up GEMV writes SiLU(gate)*up (7 kernels a
+layer instead of 10). The residual add is fused into the next RMSNorm
+(`delta` carries the pending add). Shapes: N rows (new tokens), d model
+width, H query heads, Hkv KV heads, D head dim, V vocabulary, R head rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from imp.formats.gguf_loader import ModelConfig
+from imp.gpu.inputs import Meta
+from imp.gpu.weights import Weights
+from imp.kernels import act as k_act
+from imp.kernels import kv_write as k_kv
+from imp.kernels import paged_attention as k_attn
+from imp.kernels import pending as k_pending
+from imp.kernels import prefill_attention as k_prefill
+from imp.kernels import qgemv
+from imp.kernels import rmsnorm as k_norm
+from imp.kernels import rope as k_rope
+
+
+class Forward:
+    def __init__(self, cfg: ModelConfig, w: Weights, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, sampled: torch.Tensor, fuse: bool, kv_impl: str):
+        self.cfg, self.w = cfg, w
+        self.k_cache, self.v_cache = k_cache, v_cache  # [n_layers, num_blocks, block_size, Hkv, D]
+        self.cos, self.sin = cos, sin  # [context, D/2] fp32
+        self.sampled = sampled  # [MAX_SAMPLED] int32: the previous step's ids, for PENDING_TOKEN rows
+        self.fuse = fuse  # fused QKV(+RoPE+KV write) and gate/up(+SiLU*up) where gemv_bf16x is chosen
+        self.kv_impl = kv_impl  # "numba" | "cupy": the KV write captured into graphs
+        self.eager_kv_impl = "cupy"  # outside graphs: a CuPy launch costs far less host time than Numba's
+
+    def __call__(self, m: Meta) -> torch.Tensor:
+        """logits [R, V] fp32 for m.out_rows (every row when None)."""
+        cfg, w = self.cfg, self.w
+        H, Hkv, D, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps
+        N = m.tokens.shape[0]
+        if m.pending is not None:  # the previous step's samples, where this one feeds PENDING_TOKEN
+            k_pending.fill_pending(m.tokens, m.pending[0], m.pending[1], self.sampled, m.pending[2])
+        x = w.tok_embd.index_select(0, m.tokens)  # [N, d] residual stream
+        delta = None  # [N, d] the residual add still pending (fused into the next norm)
+        h = torch.empty_like(x)  # [N, d] normed input of the next matmul
+        capturing = torch.cuda.is_current_stream_capturing()
+        for i, L in enumerate(w.layers):
+            k_norm.add_rmsnorm(x, delta, L.attn_norm, eps, out=h)
+            kc, vc = self.k_cache[i], self.v_cache[i]  # [num_blocks, bs, Hkv, D]
+            kf, vf = kc.view(-1, Hkv * D), vc.view(-1, Hkv * D)  # [slots, Hkv D]
+            qm = L.wqkv.mode(N)
+            fused = self.fuse and qm in qgemv.XVARIANTS
+            if fused:  # one kernel: QKV GEMV, RoPE on q/k, k/v into the cache
+                qkv = qgemv.gemv_bf16x(L.wqkv.xw, h, variant=qm, mode="qkv",
+                                       rope=(m.positions, self.cos, self.sin, (H + Hkv) * D), kv=(kf, vf, m.slots, H * D))
+            else:
+                qkv = L.wqkv.run(qm, h)  # [N, (H + 2 Hkv) D]
+                k_rope.rope(qkv, m.positions, self.cos, self.sin, H + Hkv)
+            kn, vn = qkv[:, H * D:(H + Hkv) * D], qkv[:, (H + Hkv) * D:]  # [N, Hkv D] each
+            if not fused:
+                if self.kv_impl == "numba" and (capturing or self.eager_kv_impl == "numba"):
+                    k_kv.kv_write(kn, vn, kf, vf, m.slots)
+                else:
+                    k_kv.kv_write_cupy(kn, vn, kf, vf, m.slots)
+            a = self.attention(qkv, kn, vn, kc, vc, m, N)  # [N, H D]
+            delta = L.wo(a)  # [N, d]
+            k_norm.add_rmsnorm(x, delta, L.ffn_norm, eps, out=h)
+            gm = L.w13.mode(N)
+            if self.fuse and gm in qgemv.XVARIANTS:  # one kernel: gate/up GEMV and SiLU(gate) * up
+                act = qgemv.gemv_bf16x(L.w13.xw, h, variant=gm, mode="gated", act="silu")
+            else:
+                act = k_act.gated_act(L.w13.run(gm, h), "silu")  # [N, d_ff]
+            delta = L.w2(act)  # [N, d]
+        if m.out_rows is not None:
+            x, delta = x.index_select(0, m.out_rows), delta.index_select(0, m.out_rows)  # [R, d]
+        hf = k_norm.add_rmsnorm(x, delta, w.out_norm, eps)
+        return w.head(hf)  # [R, V] fp32
+
+    def attention(self, qkv, kn, vn, kc, vc, m: Meta, N: int) -> torch.Tensor:
+        """[N, H D] fp32: paged decode for one-token rows, prefill attention per chunk."""
+        H, D = self.cfg.n_heads, self.cfg.head_dim
+        if m.all_decode:
+            return k_attn.paged_decode(qkv, kc, vc, m.dec_bt, m.dec_lens, H)
+        out = torch.empty(N, H * D, dtype=torch.float32, device=qkv.device)
+        if m.dec_bt is not None:
+            qd = qkv.index_select(0, m.dec_rows)
+            out.index_copy_(0, m.dec_rows, k_attn.paged_decode(qd, kc, vc, m.dec_bt, m.dec_lens, H))
+        for r0, r1, ctx, start in m.prefill:
+            k_prefill.prefill_attention(qkv[r0:r1, :H * D], kn[r0:r1], vn[r0:r1], kc, vc, ctx, start, H, out[r0:r1])
+        return out

@@ -1,0 +1,179 @@
+"""One step's device-side inputs: checks, the eager layout, the graphs' static buffers.
+
+A step is a list of `SeqWork` shares; the forward sees them as N new-token
+rows (`Meta`): token ids, positions, KV slots (block * block_size + offset,
+-1 = no write), the decode rows' block tables and lengths, the prefill
+chunks, and which rows get the head. PENDING_TOKEN rows carry a (row, slot)
+pair: the token is read on the device from the previous step's samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from imp.messages import SampledToken, SeqWork
+
+
+@dataclass
+class Meta:
+    """One forward's device-side inputs (see `imp.gpu.forward`)."""
+
+    tokens: torch.Tensor  # [N] int32
+    positions: torch.Tensor  # [N] int32
+    slots: torch.Tensor  # [N] int32, -1 = skip
+    dec_rows: torch.Tensor | None  # [Bd] int64 rows of decode queries; None = rows 0..Bd-1
+    dec_bt: torch.Tensor | None  # [Bd, max_blocks] int32
+    dec_lens: torch.Tensor | None  # [Bd] int32
+    prefill: list  # (row0, row1, ctx_blocks int64 | None, start)
+    out_rows: torch.Tensor | None  # [R] int64 rows to compute logits for; None = all rows
+    all_decode: bool = False
+    pending: tuple | None = None  # (rows [k] int32, src [k] int32, k): tokens[rows] = previous step's sampled[src]
+
+
+class Landing:
+    """A launched step: its sampled ids land in a pinned buffer when `event` completes."""
+
+    def __init__(self, seq_ids: list[str], ring: torch.Tensor | None, event, tokens: list[SampledToken] | None):
+        self.seq_ids, self.ring, self.event, self.tokens = seq_ids, ring, event, tokens
+        self._ids: list[int] | None = None
+
+    def ids(self) -> list[int]:
+        """The sampled ids (waits for the step); safe from any thread, idempotent."""
+        if self._ids is None:
+            if self.tokens is not None:
+                self._ids = [t.token_id for t in self.tokens]
+            else:
+                self.event.synchronize()
+                self._ids = self.ring[:len(self.seq_ids)].tolist()
+        return self._ids
+
+
+def check(seqs: list[SeqWork], context_length: int, block_size: int, num_blocks: int) -> None:
+    """Every share must fit the context and its block table the pool: a bad plan is a
+    ValueError (the step fails and its requests end), never a device fault."""
+    assert seqs, "empty step"
+    for s in seqs:
+        end = s.start_pos + len(s.token_ids)
+        if not s.token_ids:
+            raise ValueError(f"{s.seq_id}: no tokens")
+        if end > context_length:
+            raise ValueError(f"{s.seq_id}: position {end - 1} beyond context length {context_length}")
+        nb = (end - 1) // block_size + 1
+        if len(s.block_table) < nb:
+            raise ValueError(f"{s.seq_id}: block table too short for position {end - 1}")
+        tbl = s.block_table[:nb]
+        if max(tbl) >= num_blocks or min(tbl) < 0:
+            raise ValueError(f"{s.seq_id}: block id out of range (num_blocks={num_blocks})")
+
+
+def eager_meta(seqs: list[SeqWork], rows: list[int], block_size: int, device: torch.device,
+               src: dict[int, int] | None = None) -> Meta:
+    """The eager layout: any mix of prefill chunks and decodes; `rows` get the head;
+    src: share index -> previous-step slot for PENDING_TOKEN shares."""
+    bs = block_size
+    toks, pos, slots = [], [], []
+    dec, pre = [], []
+    ph_rows, ph_src = [], []
+    r = 0
+    for i, s in enumerate(seqs):
+        n = len(s.token_ids)
+        table = np.asarray(s.block_table, dtype=np.int64)
+        p = np.arange(s.start_pos, s.start_pos + n, dtype=np.int64)
+        if src and i in src:  # PENDING_TOKEN: filled in on the device (a one-token share)
+            ph_rows.append(r)
+            ph_src.append(src[i])
+            toks.append(np.zeros(n, dtype=np.int64))
+        else:
+            toks.append(np.asarray(s.token_ids, dtype=np.int64))
+        pos.append(p)
+        slots.append(table[p // bs] * bs + p % bs)
+        (dec if n == 1 else pre).append((r, s, n, table))
+        r += n
+    i32 = lambda a: torch.from_numpy(np.concatenate(a).astype(np.int32)).to(device)  # noqa: E731
+    m = Meta(tokens=i32(toks), positions=i32(pos), slots=i32(slots), dec_rows=None, dec_bt=None,
+             dec_lens=None, prefill=[], out_rows=torch.tensor(rows, dtype=torch.int64, device=device))
+    if ph_rows:
+        m.pending = (i32([np.asarray(ph_rows)]), i32([np.asarray(ph_src)]), len(ph_rows))
+    if dec:
+        nbmax = max((s.start_pos // bs) + 1 for _, s, _, _ in dec)
+        bt = np.zeros((len(dec), nbmax), np.int32)
+        lens = np.zeros(len(dec), np.int32)
+        for j, (_, s, _, table) in enumerate(dec):
+            nb = s.start_pos // bs + 1
+            bt[j, :nb] = table[:nb]
+            lens[j] = s.start_pos + 1
+        m.dec_bt = torch.from_numpy(bt).to(device)
+        m.dec_lens = torch.from_numpy(lens).to(device)
+        m.dec_rows = torch.tensor([rr for rr, _, _, _ in dec], dtype=torch.int64, device=device)
+    for rr, s, n, table in pre:
+        ctx = None
+        if s.start_pos > 0:
+            nb = (s.start_pos + n - 1) // bs + 1
+            ctx = torch.from_numpy(np.ascontiguousarray(table[:nb])).to(device)
+        m.prefill.append((rr, rr + n, ctx, s.start_pos))
+    return m
+
+
+class StaticInputs:
+    """The decode graphs' input buffers: one device buffer laid out as
+    [tokens | positions | slots | lens | pending rows | pending src | block tables]
+    for the largest bucket M, and two pinned host copies used in turn, so that
+    writing step N+1's inputs never races step N's copy still queued on the stream."""
+
+    def __init__(self, max_batch: int, max_blocks: int, block_size: int, device: torch.device):
+        M, MB = self.M, self.MB = max_batch, max_blocks
+        self.block_size = block_size
+        self.dev = torch.zeros(6 * M + M * MB, dtype=torch.int32, device=device)
+        self.hosts = [torch.zeros_like(self.dev, device="cpu").pin_memory() for _ in range(2)]
+        self.events = [None, None]
+        self.turn = 0
+        for h in self.hosts:
+            h.numpy()[2 * M:3 * M] = -1  # no KV writes from padding rows
+            h.numpy()[4 * M:5 * M] = -1  # no pending tokens
+        self.dev.copy_(self.hosts[0])
+        gi = self.dev
+        self.views = dict(tokens=gi[0:M], positions=gi[M:2 * M], slots=gi[2 * M:3 * M], lens=gi[3 * M:4 * M],
+                          ph_rows=gi[4 * M:5 * M], ph_src=gi[5 * M:6 * M], bt=gi[6 * M:].view(M, MB))
+
+    def meta(self, b: int) -> Meta:
+        """The bucket-b view the graph of b captures (and replays)."""
+        st = self.views
+        return Meta(tokens=st["tokens"][:b], positions=st["positions"][:b], slots=st["slots"][:b], dec_rows=None,
+                    dec_bt=st["bt"][:b], dec_lens=st["lens"][:b], prefill=[], out_rows=None, all_decode=True,
+                    pending=(st["ph_rows"][:b], st["ph_src"][:b], b))
+
+    def write(self, seqs: list[SeqWork], b: int, src: dict[int, int] | None = None) -> None:
+        """Decode shares (one token each) into bucket b's inputs, padding rows inert;
+        one non-blocking host->device copy on the current stream."""
+        B, M, MB, bs = len(seqs), self.M, self.MB, self.block_size
+        i_host = self.turn
+        self.turn ^= 1
+        if self.events[i_host] is not None:
+            self.events[i_host].synchronize()  # its last copy has left (long ago: two steps back)
+        host = self.hosts[i_host]
+        h = host.numpy()
+        bt = h[6 * M:6 * M + b * MB].reshape(b, MB)
+        src = src or {}
+        for i, s in enumerate(seqs):
+            p = s.start_pos
+            nb = p // bs + 1
+            bt[i, :nb] = s.block_table[:nb]
+            j = src.get(i, -1)
+            h[i] = 0 if j >= 0 else s.token_ids[0]
+            h[M + i] = p
+            h[2 * M + i] = s.block_table[p // bs] * bs + p % bs
+            h[3 * M + i] = p + 1
+            h[4 * M + i] = i if j >= 0 else -1
+            h[5 * M + i] = max(j, 0)
+        h[B:b] = 0
+        h[M + B:M + b] = 0
+        h[2 * M + B:2 * M + b] = -1
+        h[3 * M + B:3 * M + b] = 0
+        h[4 * M + B:4 * M + b] = -1
+        self.dev[: 6 * M + b * MB].copy_(host[: 6 * M + b * MB], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self.events[i_host] = ev

@@ -1,0 +1,166 @@
+"""y = x @ W.T on the device, and the per-shape tuner that picks how.
+
+A `Linear` holds one logical weight (a row-concatenation of GGUF tensors:
+fused QKV, gate+up) in its quantized form (`imp.kernels.qgemv.QWeight`
+parts), plus optionally a dense fp16 copy (BF16 weights: the weight itself).
+Each call picks, per batch size, the quantized GEMV, a `gemv_bf16x` variant
+(BF16, two rows a warp) or a dense cuBLAS GEMM: whichever `choose` timed
+fastest at load, replayed in a CUDA graph over every layer's copy of the
+matrix so that none is timed from L2.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from imp.kernels import qgemv
+
+log = logging.getLogger("imp.gpu")
+
+GEMV_MAX_ROWS = 8  # without timing: GEMV up to this many rows, dense GEMM above
+X_DEFAULT = "x4"  # untimed choice for BF16 weights at <= GEMV_MAX_ROWS rows (qgemv.gemv_bf16x variant)
+FUSED_CREDIT_US = 2.0  # tuner: graph cost of one small kernel that a fused gemv_bf16x epilogue saves
+
+
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """A side stream for graph capture on `device`. torch.cuda.graph's default one is
+    created once, on whichever device captured first: a second device must bring its own."""
+    idx = device.index or 0
+    if idx not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[idx] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[idx]
+
+
+def _mm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [N, K] (w's dtype) @ w.T -> fp32, accumulating and writing in fp32 when torch can."""
+    if _MM_OUT_DTYPE[0]:
+        try:
+            return torch.mm(x, w.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError):
+            _MM_OUT_DTYPE[0] = False
+    return torch.mm(x, w.t()).float()
+
+
+_MM_OUT_DTYPE = [True]
+
+
+class Linear:
+    """y = x @ W.T for W the row-concatenation of `parts` (fused QKV, gate+up)."""
+
+    def __init__(self, parts: list[qgemv.QWeight], dense: torch.Tensor | None, tuner: dict, stats: dict | None = None):
+        self.parts = parts
+        self.rows = sum(p.rows for p in parts)
+        self.cols = parts[0].cols
+        self.offsets = list(np.cumsum([0] + [p.rows for p in parts])[:-1])
+        self.dense = dense
+        self.key = (tuple((p.fmt, p.rows) for p in parts), self.cols)
+        self.tuner = tuner  # shared by all layers: (key, N) -> "gemv" | "dense" | a qgemv.XVARIANTS name
+        # shared too: "times" (key, N) -> {candidate: µs}, "failed": candidates that raised
+        self.stats = stats if stats is not None else {"times": {}, "failed": []}
+        # BF16 weight in one piece: the two-rows-a-warp GEMV (with fused epilogues for QKV and gate/up)
+        self.xw = parts[0] if len(parts) == 1 and qgemv.x_ok(parts[0]) else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def candidates(self, n: int) -> list[str]:
+        c = ["gemv"]
+        if self.xw is not None and n <= GEMV_MAX_ROWS:
+            c += list(qgemv.XVARIANTS)
+        if self.dense is not None:
+            c.append("dense")
+        return c
+
+    def mode(self, n: int) -> str:
+        m = self.tuner.get((self.key, n))
+        if m is not None:
+            return m
+        if n <= GEMV_MAX_ROWS:
+            return X_DEFAULT if self.xw is not None else "gemv"
+        return "gemv" if self.dense is None else "dense"
+
+    def gemv(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.rows, dtype=torch.float32, device=x.device)
+        for p, r0 in zip(self.parts, self.offsets):
+            qgemv.gemv(p, x, out[:, r0:r0 + p.rows])
+        return out
+
+    def dense_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return _mm_f32(x.to(self.dense.dtype), self.dense)
+
+    def run(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if name == "dense":
+            return self.dense_mm(x)
+        if name == "gemv":
+            return self.gemv(x)
+        return qgemv.gemv_bf16x(self.xw, x, variant=name)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(self.mode(x.shape[0]), x)
+
+    def time_us(self, name: str, x: torch.Tensor, peers: list[Linear], reps: int = 12) -> float:
+        """Device µs of one call, replayed in a CUDA graph (as decode runs: Python launch cost must not
+        decide) over `peers` in turn (the same matrix of other layers), so that a matrix smaller than
+        L2 (the 8B O projection, 34 MB) is not timed from L2."""
+        peers = peers or [self]
+        for i in range(3):
+            peers[i % len(peers)].run(name, x)
+        torch.cuda.synchronize()
+        g = None
+        try:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=capture_stream(x.device), capture_error_mode="thread_local"):
+                for i in range(reps):
+                    peers[i % len(peers)].run(name, x)
+            g.replay()
+        except Exception:  # noqa: BLE001 - eager timing then
+            g = None
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        if g is not None:
+            g.replay()
+        else:
+            for i in range(reps):
+                peers[i % len(peers)].run(name, x)
+        e.record()
+        e.synchronize()
+        del g
+        return s.elapsed_time(e) / reps * 1e3
+
+    def choose(self, n: int, reps: int = 12, peers: list[Linear] | None = None, credit_us: float = 0.0) -> str:
+        """Time every candidate for n rows once per shape; remember the fastest. `credit_us` is taken off
+        the qgemv.gemv_bf16x variants' times where the forward fuses a small kernel into them (RoPE +
+        KV write after QKV, SiLU*up after gate/up), which this plain timing does not see."""
+        if (self.key, n) in self.tuner:
+            return self.tuner[(self.key, n)]
+        cands = self.candidates(n)
+        if n > 64 and "dense" in cands:
+            cands = ["dense"]
+        if len(cands) == 1:
+            self.tuner[(self.key, n)] = cands[0]
+            return cands[0]
+        dev = self.parts[0].parts[next(iter(self.parts[0].parts))].device
+        x = torch.randn(n, self.cols).to(dev)  # CPU RNG: the CUDA one is capture-sensitive
+        times = {}
+        for name in cands:
+            try:
+                t = self.time_us(name, x, peers or [self], reps)
+            except Exception as e:  # noqa: BLE001 - a variant that fails to build or run is not chosen
+                torch.cuda.synchronize()
+                log.warning("linear %s n=%d: %s failed: %s: %s", self.key, n, name, type(e).__name__, str(e)[:200])
+                self.stats["failed"].append(f"{self.key} n={n} {name}: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            times[name] = t - (credit_us if name in qgemv.XVARIANTS else 0.0)
+        best = min(times, key=times.get)
+        self.tuner[(self.key, n)] = best
+        self.stats["times"][(self.key, n)] = times
+        log.info("linear %s n=%d: %s -> %s", self.key, n, {k: round(v, 1) for k, v in times.items()}, best)
+        return best

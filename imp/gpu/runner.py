@@ -1,0 +1,273 @@
+"""GpuModelRunner: the CPU ModelRunner's interface on one CUDA device.
+
+Weights are uploaded once, kept in their GGUF quantization (repacked for
+aligned loads, `imp.kernels.qgemv`); the KV cache is paged in device memory
+([n_layers, num_blocks, block_size, Hkv, D], bf16 by default). The same
+`SeqWork` list goes in, the same `SampledToken` list comes out.
+
+A step takes one of two paths:
+  decode graph: every sequence feeds one token and samples it, and the batch
+      fits a captured bucket (1, 2, 4, ... max_graph_batch). Inputs go into
+      static device buffers in ONE host->device copy; the whole forward
+      (embedding, 9 kernels a layer, head) replays as one CUDA graph.
+  eager: anything else (prefill chunks, mixed steps, prompt logprobs): the
+      same kernels launched one by one; prefill attention through torch SDPA.
+
+Per layer (decode): add+RMSNorm -> QKV GEMV -> RoPE -> KV write (Numba) ->
+paged attention -> O GEMV -> add+RMSNorm -> gate/up GEMV -> SiLU*up -> down
+GEMV. Each matmul picks, per batch size, the quantized GEMV or a dense
+cuBLAS GEMM over a dequantized fp16 copy (bf16 weights: the weights
+themselves), whichever times faster at load (`Linear.choose`, graph-replayed
+over the layers' copies of the matrix so that none is timed from L2). BF16
+weights also have `qgemv.gemv_bf16x` (two rows a warp, variants x4/x8/a4/k4);
+where it wins, the QKV GEMV also applies RoPE and writes k/v into the cache,
+and the gate/up GEMV writes SiLU(gate)*up: 7 kernels a layer instead of 10.
+Outside graphs the KV write is the CuPy kernel (a Numba launch costs ~0.45 ms
+of host time: 14 ms of a 512-token 8B prefill).
+
+Pipelining: `launch(seqs)` enqueues a whole step (inputs, forward, sampling,
+the sampled ids' copy to pinned host memory) and returns a handle without
+waiting; `collect(handle)` waits for that step and returns its tokens
+(`step` = both). The sampled ids also stay in a device buffer, so the next
+step, launched before this one finishes, feeds them where its SeqWork says
+PENDING_TOKEN (`imp.kernels.pending`, inside the decode graph). Host input
+buffers alternate so that writing step N+1's inputs never races step N's
+copy still queued on the stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import torch
+
+from imp.formats.gguf_loader import ModelConfig
+from imp.gpu.forward import Forward
+from imp.gpu.graphs import DecodeGraphs
+from imp.gpu.inputs import Landing, check, eager_meta
+from imp.gpu.linear import FUSED_CREDIT_US
+from imp.gpu.weights import GGUFSource, Weights, load_weights
+from imp.kernels import _cuda
+from imp.kernels import kv_write as k_kv
+from imp.messages import SampledToken, SeqWork
+from imp.model.llama import default_num_blocks, rope_tables
+from imp.model.rows import head_rows, with_prompt_logprobs
+from imp.model.runner import DEFAULT_KV_TOKENS
+from imp.sampling import gpu as sampler
+from imp.sampling import pending
+
+log = logging.getLogger("imp.gpu")
+
+SUPPORTED_ARCHS = ("llama",)  # the forward of imp.gpu.forward; the CPU runner runs more (imp.model.runner.ARCHS)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_SAMPLED = 4096  # sequences sampled in one step (the device buffer of sampled ids)
+RING = 4  # pinned buffers for sampled ids: a step's slot is reused 4 launches later (<= 2 are in flight)
+
+
+class GpuModelRunner:
+    def __init__(self, src: GGUFSource, num_blocks: int, block_size: int, device: str = "cuda:0",
+                 kv_dtype=torch.bfloat16, dense: bool | None = None, graphs: bool = True, max_graph_batch: int = 64,
+                 tune: bool = True):
+        cfg: ModelConfig = src.config
+        self.config = cfg
+        self.metadata = src.metadata
+        self.fingerprint = src.fingerprint
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.kv_dtype = kv_dtype
+        self.notes: list[str] = []  # what fell back, for the bench/logs
+        self._lock = threading.Lock()
+        if cfg.arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"architecture {cfg.arch!r} not supported (have {SUPPORTED_ARCHS})")
+        if cfg.extras.get("rope.scaling.type", "none") not in ("none", None):
+            raise NotImplementedError("rope scaling not supported yet")
+        _cuda.use_device(self.device.index or 0)
+        self._sampled = torch.zeros(MAX_SAMPLED, dtype=torch.int32, device=self.device)  # last step's ids
+        self._prev_rows: dict[str, int] = {}  # seq id -> index in _sampled, for the next step's PENDING_TOKEN
+        self._prev: Landing | None = None
+        self._ring = [torch.zeros(MAX_SAMPLED, dtype=torch.int32).pin_memory() for _ in range(RING)]
+        self._ring_i = 0
+        self.w: Weights = load_weights(src, self.device, dense)
+        Hkv, D = cfg.n_kv_heads, cfg.head_dim
+        shape = (cfg.n_layers, num_blocks, block_size, Hkv, D)
+        self.k_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        cos, sin = rope_tables(cfg, cfg.context_length)
+        kv_impl = "numba" if self._self_check_numba() else "cupy"
+        self.use_numba_sampling = kv_impl == "numba"
+        self.fwd = Forward(cfg, self.w, self.k_cache, self.v_cache, cos.to(self.device), sin.to(self.device),
+                           self._sampled, fuse=kv_dtype in (torch.float32, torch.bfloat16), kv_impl=kv_impl)
+        buckets = tuple(b for i, b in enumerate(BUCKETS) if i == 0 or BUCKETS[i - 1] < max_graph_batch)
+        self.graphs = DecodeGraphs(buckets, (cfg.context_length + block_size - 1) // block_size, block_size,
+                                   self.device)
+        if tune:
+            credit = {"wqkv": FUSED_CREDIT_US * 2, "w13": FUSED_CREDIT_US} if self.fwd.fuse else {}
+            for n in buckets:
+                for attr in ("wqkv", "wo", "w13", "w2"):
+                    getattr(self.w.layers[0], attr).choose(n, peers=[getattr(L, attr) for L in self.w.layers],
+                                                           credit_us=credit.get(attr, 0.0))
+                self.w.head.choose(n)
+        if graphs and buckets:
+            self._capture_or_fall_back()
+
+    # ------------------------------------------------------------------ load
+
+    @classmethod
+    def load(cls, path: str, num_blocks: int | None = None, block_size: int = 16, kv_tokens: int | None = None,
+             device: str = "cuda:0", **kw) -> "GpuModelRunner":
+        src = GGUFSource(path)
+        if src.config.arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"{path}: architecture {src.config.arch!r} not supported (have {SUPPORTED_ARCHS})")
+        if num_blocks is None:
+            num_blocks = default_num_blocks(kv_tokens or DEFAULT_KV_TOKENS, block_size)
+        return cls(src, num_blocks, block_size, device, **kw)
+
+    def _self_check_numba(self) -> bool:
+        """Numba KV write on a tiny case; CuPy KV write / torch penalties (noted) if Numba CUDA is unusable."""
+        try:
+            W = 8
+            k = torch.randn(3, W, device=self.device)
+            v = torch.randn(3, W, device=self.device)
+            kc = torch.zeros(4, W, dtype=self.kv_dtype, device=self.device)
+            vc = torch.zeros_like(kc)
+            slots = torch.tensor([2, -1, 0], dtype=torch.int32, device=self.device)
+            k_kv.kv_write(k, v, kc, vc, slots)
+            rk, rv = k_kv.reference(k, v, torch.zeros_like(kc), torch.zeros_like(vc), slots)
+            torch.cuda.synchronize(self.device)
+            if not (torch.equal(kc, rk) and torch.equal(vc, rv)):
+                raise RuntimeError("numba kv_write mismatch")
+            return True
+        except Exception as e:  # noqa: BLE001
+            self.notes.append(f"numba unavailable, CuPy KV write / torch penalties: {type(e).__name__}: {str(e)[:200]}")
+            log.warning(self.notes[-1])
+            return False
+
+    def _capture_or_fall_back(self) -> None:
+        """Capture the decode graphs; on failure retry with the CuPy KV write, then decode eagerly."""
+        try:
+            self.graphs.capture(self.fwd)
+            return
+        except Exception as e:  # noqa: BLE001
+            self.graphs.graphs.clear()
+            self.notes.append(f"graph capture failed with {self.fwd.kv_impl} KV write: {type(e).__name__}: {str(e)[:200]}")
+            log.warning(self.notes[-1])
+            torch.cuda.synchronize(self.device)
+        if self.fwd.kv_impl == "numba":
+            self.fwd.kv_impl = "cupy"
+            try:
+                self.graphs.capture(self.fwd)
+            except Exception as e2:  # noqa: BLE001
+                self.graphs.graphs.clear()
+                self.notes.append(f"graph capture failed, eager decode: {type(e2).__name__}: {str(e2)[:200]}")
+                log.warning(self.notes[-1])
+
+    # ------------------------------------------------------------------ interface
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SeqWork]) -> torch.Tensor:
+        """fp32 logits [B, vocab] (on the device) at each sequence's last new token."""
+        self._check(seqs)
+        rows, base = [], 0
+        for s in seqs:
+            base += len(s.token_ids)
+            rows.append(base - 1)
+        with self._lock:
+            _cuda.use_device(self.device.index or 0)
+            return self.fwd(eager_meta(seqs, rows, self.block_size, self.device)).clone()
+
+    def step(self, seqs: list[SeqWork]) -> list[SampledToken]:
+        return self.collect(self.launch(seqs))
+
+    def collect(self, h: Landing) -> list[SampledToken]:
+        """Wait for a launched step; its tokens, in the order of its sampled shares."""
+        if h.tokens is not None:
+            return h.tokens
+        return [SampledToken(seq_id=sid, token_id=t) for sid, t in zip(h.seq_ids, h.ids())]
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[SeqWork]) -> Landing:
+        """Enqueue one step on the device and return without waiting for it.
+
+        A share feeding PENDING_TOKEN whose sequence the previous step did not
+        sample (that step failed: the scheduler has ended it) is left out.
+        """
+        self._check(seqs)
+        with self._lock:
+            _cuda.use_device(self.device.index or 0)  # per thread: the executor's thread starts on device 0
+            try:
+                return self._launch(seqs)
+            except BaseException:
+                self._prev_rows, self._prev = {}, None  # nothing to feed the next step from
+                raise
+
+    def graph_buckets(self) -> tuple[int, ...]:
+        return tuple(sorted(self.graphs.graphs))
+
+    def timing_probe(self, seqs: list[SeqWork], reps: int = 20) -> float:
+        """Median device time (ms) of a graph replay for these decode seqs (no sampling)."""
+        self.graphs.replay(seqs)
+        torch.cuda.synchronize(self.device)
+        ts = []
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            self.graphs.replay(seqs)
+            e.record()
+            e.synchronize()
+            ts.append(s.elapsed_time(e))
+        return float(np.median(ts))
+
+    # ------------------------------------------------------------------ one step
+
+    def _check(self, seqs: list[SeqWork]) -> None:
+        check(seqs, self.config.context_length, self.block_size, self.num_blocks)
+
+    def _launch(self, seqs: list[SeqWork]) -> Landing:
+        seqs = pending.known(seqs, self._prev_rows)
+        src = pending.pending_rows(seqs, self._prev_rows)
+        if not seqs:
+            return self._landed([], None, [])
+        if self.graphs.fits(seqs):
+            return self._sample_and_land(self.graphs.replay(seqs, src), seqs)
+        rows, sample_at, plp_at = head_rows(seqs)
+        logits = self.fwd(eager_meta(seqs, rows, self.block_size, self.device, src))  # rows == []: KV writes only
+        order = sorted(sample_at)
+        if not plp_at:
+            if not order:
+                return self._landed([], None, [])
+            sel = logits.index_select(0, torch.tensor([sample_at[i] for i in order], device=self.device))
+            return self._sample_and_land(sel, [seqs[i] for i in order])
+        # prompt logprobs: scored on the host now (not pipelined; such steps are prefill chunks)
+        drawn: dict[int, SampledToken] = {}
+        if order:
+            sel = logits.index_select(0, torch.tensor([sample_at[i] for i in order], device=self.device))
+            drawn = dict(zip(order, self.collect(self._sample_and_land(sel, [seqs[i] for i in order]))))
+        out = with_prompt_logprobs(seqs, drawn, plp_at, logits)
+        return Landing([t.seq_id for t in out], None, None, out)
+
+    def _sample_and_land(self, logits: torch.Tensor, seqs: list[SeqWork]) -> Landing:
+        """Sample rows of logits for seqs; keep the ids on the device for the next
+        step's PENDING_TOKEN and start their copy to the host."""
+        if len(seqs) > MAX_SAMPLED:
+            raise ValueError(f"{len(seqs)} sequences sampled in one step (at most {MAX_SAMPLED})")
+        if any(s.pending and s.params.penalized for s in seqs):  # penalties count the token in flight: need it here
+            prev = dict(zip(self._prev.seq_ids, self._prev.ids()))
+            seqs = [pending.fill(s, prev[s.seq_id]) if s.pending and s.params.penalized else s for s in seqs]
+        ids, tokens = sampler.draw_ids(logits, seqs, self.use_numba_sampling)
+        B = len(seqs)
+        self._sampled[:B].copy_(ids)
+        ring = self._ring[self._ring_i]
+        self._ring_i = (self._ring_i + 1) % RING
+        ring[:B].copy_(self._sampled[:B], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return self._landed([s.seq_id for s in seqs], ring, tokens, ev)
+
+    def _landed(self, seq_ids: list[str], ring, tokens, event=None) -> Landing:
+        h = Landing(seq_ids, ring, event, tokens)
+        self._prev_rows = {sid: j for j, sid in enumerate(seq_ids)} if ring is not None else {}
+        self._prev = h
+        return h

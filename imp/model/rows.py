@@ -1,0 +1,77 @@
+"""A step's head rows and prompt scoring, shared by the CPU and GPU runners.
+
+The head (final norm + vocabulary projection) runs only on the rows a step
+needs: each sampling sequence's last new token, and every row of a chunk
+whose prompt tokens are scored (vLLM prompt_logprobs).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from imp.messages import PromptLogprob, SampledToken, SeqWork
+from imp.sampling.cpu import LOGPROB_FLOOR
+
+
+def head_rows(seqs: list[SeqWork]) -> tuple[list[int], dict[int, int], dict[int, tuple[int, int]]]:
+    """Which of a step's new-token rows the head runs on (both runners).
+
+    Returns rows (indices into the step's N new tokens), sample_at (seq index ->
+    index in rows of its last token, for seqs that sample) and plp_at (seq index ->
+    (first index in rows, count) for seqs scoring prompt tokens: row j scores the
+    token at position start+j+1, the last one prompt_next when given).
+    """
+    rows: list[int] = []
+    sample_at: dict[int, int] = {}
+    plp_at: dict[int, tuple[int, int]] = {}
+    base = 0
+    for i, s in enumerate(seqs):
+        n = len(s.token_ids)
+        if s.prompt_logprobs >= 0:
+            count = n if s.prompt_next >= 0 else n - 1
+            plp_at[i] = (len(rows), count)
+            rows.extend(range(base, base + count))
+        if s.sample:
+            sample_at[i] = len(rows)
+            rows.append(base + n - 1)
+        base += n
+    return rows, sample_at, plp_at
+
+
+def with_prompt_logprobs(seqs: list[SeqWork], drawn: dict[int, SampledToken], plp_at: dict[int, tuple[int, int]],
+                         logits: torch.Tensor) -> list[SampledToken]:
+    """One SampledToken per seq that sampled or scored prompt tokens, in seq order;
+    prompt rows scored from logits (any device) by `prompt_logprobs`. A seq that
+    only scored gets token_id -1."""
+    out = []
+    for i, s in enumerate(seqs):
+        t = drawn.get(i)
+        if i in plp_at:
+            first, count = plp_at[i]
+            scored = prompt_logprobs(logits[first:first + count].float().cpu(), s)
+            t = msgspec.structs.replace(t or SampledToken(seq_id=s.seq_id, token_id=-1), prompt=scored)
+        if t is not None:
+            out.append(t)
+    return out
+
+
+def prompt_logprobs(logits: torch.Tensor, s: SeqWork) -> tuple[PromptLogprob, ...]:
+    """Raw log-softmax scores of the prompt tokens after each row of the chunk."""
+    if logits.shape[0] == 0:
+        return ()
+    targets = (list(s.token_ids[1:]) + ([s.prompt_next] if s.prompt_next >= 0 else []))[: logits.shape[0]]
+    logp = torch.log_softmax(logits.float(), -1).clamp(min=LOGPROB_FLOOR)  # [T, vocab]
+    tgt = torch.tensor(targets, dtype=torch.int64)
+    chosen = logp.gather(1, tgt[:, None])[:, 0]  # [T]
+    ranks = (logp > chosen[:, None]).sum(-1) + 1
+    k = s.prompt_logprobs
+    if k > 0:
+        top_v, top_i = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
+    else:
+        tops = [()] * len(targets)
+    return tuple(
+        PromptLogprob(position=s.start_pos + j + 1, token_id=t, logprob=lp, rank=r, top=tops[j])
+        for j, (t, lp, r) in enumerate(zip(targets, chosen.tolist(), ranks.tolist()))
+    )

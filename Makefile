@@ -9,7 +9,7 @@ PORT    ?= 8080
 MODEL   ?= smollm2-135m
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-fast install install-test bench clean
+.PHONY: serve test test-fast test-ui install install-test bench clean
 
 $(VENV)/.stamp-base: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -35,6 +35,13 @@ test: install-test
 
 test-fast: install-test
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# Browser tests: Debian's Chromium driven by Playwright (never its own browser
+# download); installed here when missing and we are root, else the tests skip.
+test-ui: install-test
+	@if [ ! -x /usr/bin/chromium ] && [ "$$(id -u)" = 0 ]; then \
+		apt-get install -y chromium || { apt-get update && apt-get install -y chromium; }; fi
+	$(PY) -m pytest -q -m ui tests/test_ui.py $(PYTEST_ARGS)
 
 bench: install-test
 	$(PY) bench/cpu_serving.py

@@ -1,0 +1,16 @@
+"""The Responses store's messages: defined in the catalogue (`imp.messages`), re-exported
+here for the store and its client, with the groupings they use."""
+
+from __future__ import annotations
+
+from imp.messages import (  # noqa: F401 - re-exported
+    ChainLink, StoreDelete, StoreGet, StoreGetChain, StoreItem, StoreListInputItems, StorePut, StoreReply,
+    StoreStatus, StoreSweep,
+)
+
+StoreRequest = StorePut | StoreGet | StoreGetChain | StoreDelete | StoreListInputItems | StoreSweep
+STORE_MESSAGES = (StorePut, StoreGet, StoreGetChain, StoreDelete, StoreListInputItems, StoreSweep, StoreReply)
+WRITES = (StorePut, StoreDelete, StoreSweep)  # run inside the writer's transaction
+
+
+from imp.actors.store_client import failed  # noqa: E402,F401 - one definition, shared with the client

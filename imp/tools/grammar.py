@@ -1,0 +1,151 @@
+"""Grammars that force (or, in "auto", shape) tool calls, as llguidance Lark text.
+
+`call_grammar(tools, choice, shape)` returns the grammar text for `llguidance.grammar_from(
+"lark", text)` / `LLMatcher` (None for choice "none": the caller hides the tools or simply does
+not parse calls). Every call's arguments are an embedded `%json {...}` of that tool's
+parameter schema, so a call made under the grammar always parses with `parse(..., shape)` and
+its arguments validate against the schema.
+
+| mode | hermes | json | generic |
+|---|---|---|---|
+| required | `<tool_call>\\n{call}\\n</tool_call>`, more separated by `\\n` when parallel | `{call}`, more separated by `; ` | `{"tool_call": {call}}`, or `{"tool_calls": [{call}, ...]}` when parallel |
+| named | the same with that tool only | same | same |
+| auto | any text without `<tool_call>`; the tag, when written, starts a forced call | text not starting with `{` / `[`, or the required form | the required form or `{"response": "text"}` |
+
+where `{call}` is `{"name": "<tool>", "arguments": <args>}` ("json": `"parameters"`, Llama 3's
+word). Framing is fixed, compact and in the spacing models are trained on (`": "`, `", "`,
+no newlines inside the JSON): a small model cannot ramble in whitespace.
+
+Schema handling, per tool (`arguments_schema`):
+- objects that list `properties` but say nothing of extra ones are closed
+  (`additionalProperties: false`) where that cannot reject a valid instance (no combinators
+  or `$ref` beside it, every required name listed): extra keys never help a call, and an open
+  object lets a weak model invent keys forever. Anything closed still validates against the
+  original schema.
+- forced calls compile strictly: a keyword llguidance does not implement is a compile error
+  (the caller's 400 `tool_choice_unenforceable`). In "auto" a non-`strict` tool compiles
+  leniently (unknown keywords ignored, warnings only): the call is best effort there, and one
+  odd schema among 24 tools (Claude Code) must not refuse the whole request.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Literal, Sequence
+
+from imp.tools.spec import Tool, ToolChoice
+
+Shape = Literal["hermes", "json", "generic"]
+SHAPES: tuple[str, ...] = ("hermes", "json", "generic")
+
+# the JSON compiler's spacing: exactly ", " and ": ", no other whitespace
+_COMPACT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+# keywords beside `properties` under which closing the object could reject valid instances
+_OPEN_BESIDE = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf",
+                "oneOf", "$ref", "$dynamicRef", "if", "not", "dependentSchemas", "dependencies")
+
+# anything but the Hermes open tag (llguidance's & and ~ on terminals)
+_FREE_TEXT = r"/(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/"
+# text that a bare-JSON parser cannot mistake for a call: not starting with { or [
+_PLAIN_TEXT = r"/[ \t\r\n]*([^ \t\r\n{\[](?s:.*))?/"
+
+
+def close_objects(schema: Any) -> Any:
+    """A copy of schema with objects closed where that is safe (see the module doc)."""
+    if not isinstance(schema, dict):
+        return schema
+    s = dict(schema)
+    props = s.get("properties")
+    if isinstance(props, dict):
+        s["properties"] = {k: close_objects(v) for k, v in props.items()}
+    for k in ("items", "additionalItems", "contains"):
+        if isinstance(s.get(k), dict):
+            s[k] = close_objects(s[k])
+        elif isinstance(s.get(k), list):
+            s[k] = [close_objects(v) for v in s[k]]
+    if isinstance(s.get("prefixItems"), list):
+        s["prefixItems"] = [close_objects(v) for v in s["prefixItems"]]
+    if isinstance(s.get("additionalProperties"), dict):
+        s["additionalProperties"] = close_objects(s["additionalProperties"])
+    if "properties" not in s and "required" not in s:
+        # alternatives of a schema that adds no object keywords of its own stand alone
+        for k in ("anyOf", "oneOf"):
+            if isinstance(s.get(k), list):
+                s[k] = [close_objects(v) for v in s[k]]
+    required = s.get("required", [])
+    if (isinstance(props, dict) and not any(k in s for k in _OPEN_BESIDE)
+            and isinstance(required, list) and all(r in props for r in required)):
+        s["additionalProperties"] = False
+    return s
+
+
+def arguments_schema(tool: Tool, lenient: bool = False) -> dict[str, Any]:
+    """The schema a forced call's arguments are generated under (closed, compact spacing)."""
+    s = close_objects(copy.deepcopy(tool.parameters))
+    s["x-guidance"] = {**_COMPACT, "lenient": True} if lenient else dict(_COMPACT)
+    return s
+
+
+# Parallel calls in one turn are capped: a small model asked for "one or more" calls tends to
+# repeat the same call until max_tokens cuts it, and a cut envelope holds no call at all.
+MAX_PARALLEL = 4
+
+
+def _lit(s: str) -> str:
+    """A Lark string literal for s."""
+    return json.dumps(s, ensure_ascii=False)
+
+
+def call_grammar(tools: Sequence[Tool], choice: ToolChoice, shape: Shape,
+                 lenient: bool | None = None) -> str | None:
+    """The Lark grammar for `choice` over `tools` in `shape`, or None for mode "none".
+    `lenient`: compile unknown schema keywords as warnings; default: only in "auto", for
+    tools not marked strict."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown tool-call shape {shape!r}; known: {SHAPES}")
+    if choice.mode == "none":
+        return None
+    chosen = list(tools)
+    if choice.mode == "named":
+        chosen = [t for t in tools if t.name == choice.name]
+        if not chosen:
+            raise ValueError(f"tool choice names '{choice.name}', which is not among the tools")
+    if not chosen:
+        raise ValueError(f"tool choice '{choice.mode}' needs at least one tool")
+    key = "parameters" if shape == "json" else "arguments"
+    lines = ["%llguidance {}"]
+    lines += _body(shape, choice)
+    lines.append("call: " + " | ".join(f"c{i}" for i in range(len(chosen))))
+    for i, t in enumerate(chosen):
+        soft = (choice.mode == "auto" and not t.strict) if lenient is None else lenient
+        head = "{" + f'"name": {json.dumps(t.name, ensure_ascii=False)}, "{key}": '
+        lines.append(f'c{i}: {_lit(head)} a{i} "}}"')
+        lines.append(f"a{i}: %json {json.dumps(arguments_schema(t, soft), ensure_ascii=False)}")
+    return "\n".join(lines) + "\n"
+
+
+def _body(shape: Shape, choice: ToolChoice) -> list[str]:
+    """The start rule (and helpers) of a shape; `call` is one call object."""
+    many = choice.parallel
+    if shape == "hermes":
+        if choice.mode == "auto":
+            # lazy: the free text ends at the first open tag, which must start a real call
+            return [f"start: seg{'*' if many else '?'} TEXT",
+                    'seg: head "\\n" call "\\n</tool_call>"',
+                    'head[lazy]: TEXT "<tool_call>"',
+                    f"TEXT: {_FREE_TEXT}"]
+        return [f'start: tagged ("\\n" tagged){{0,{MAX_PARALLEL - 1}}}' if many else "start: tagged",
+                'tagged: "<tool_call>\\n" call "\\n</tool_call>"']
+    if shape == "json":
+        calls = f'call ("; " call){{0,{MAX_PARALLEL - 1}}}' if many else "call"
+        if choice.mode == "auto":
+            return [f"start: TEXT | {calls}", f"TEXT: {_PLAIN_TEXT}"]
+        return [f"start: {calls}"]
+    envelope = (f'"{{\\"tool_calls\\": [" call (", " call){{0,{MAX_PARALLEL - 1}}} "]}}"' if many
+                else '"{\\"tool_call\\": " call "}"')
+    if choice.mode == "auto":
+        return [f"start: {envelope} | " + '"{\\"response\\": " reply "}"',
+                'reply: %json {"type": "string"}']
+    return [f"start: {envelope}"]

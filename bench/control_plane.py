@@ -29,7 +29,7 @@ import msgspec  # noqa: E402
 from imp.actors.base import Actor, Bus, CoreActor  # noqa: E402
 from imp.log.eventlog import EventLog, LogHeader  # noqa: E402
 from imp.config import ServerConfig  # noqa: E402
-from imp.engine.engine import build_cores  # noqa: E402
+from imp.engine.cores import build_cores  # noqa: E402
 from imp.messages import (  # noqa: E402
     SCHEMA_VERSION, FinishReason, SampledToken, SamplingParams, StepPlan, StepResult, Submit, TokenBatch, TokenOut,
 )

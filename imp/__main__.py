@@ -12,8 +12,22 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "replay":
         from imp.core.replay import main as replay_main
+        from imp.core.replay import parser as replay_parser
 
-        return replay_main(argv[1:])
+        model = replay_parser().parse_args(argv[1:]).model
+        fp = None
+        if model is not None:  # the model's fingerprint: what its KV allocator would be built with
+            from imp.fetch import FetchError, resolve_model
+            from imp.formats.gguf_loader import open_gguf
+            from imp.formats.hf_dir import open_hf_dir
+
+            try:
+                path = resolve_model(model)
+                fp = (open_hf_dir(path) if path.is_dir() else open_gguf(path)).fingerprint
+            except (FetchError, OSError, ValueError) as exc:
+                print(f"replay: cannot read the model {model}: {exc}", file=sys.stderr)
+                return 2
+        return replay_main(argv[1:], expect_fingerprint=fp)
     if argv and argv[0] == "pull":
         p = argparse.ArgumentParser(prog="python -m imp pull")
         p.add_argument("name")

@@ -17,6 +17,7 @@ class ServerConfig:
     max_batch_size: int = 64
     max_step_tokens: int = 512
     max_tokens: int | None = None  # fixed default for max_tokens; None = rest of context
+    max_output_tokens: int | None = None  # server-wide cap on every request's output (llama-server's -n)
     max_queued_tokens: int = 0
     request_timeout_s: float = 0.0
     chat_template: str | None = None
@@ -27,6 +28,11 @@ class ServerConfig:
     pipeline_depth: int = 0  # steps in flight: 2 plans step N+1 while N runs; 0 = auto (2 on a GPU, 1 on CPU)
     data_parallel: int = 1  # model replicas, one executor each (cuda:K, cuda:K+1, ... from --device)
     log_level: str = "info"
+    # the Responses store (SQLite): None = under the cache dir; "off" = no store (store: true is a 400)
+    responses_store: str | None = None
+    responses_store_max_responses: int = 10_000
+    responses_store_max_bytes: int = 1 << 30
+    responses_store_max_age_s: float = 30 * 86400.0
 
     def __post_init__(self):
         checks = [
@@ -36,11 +42,15 @@ class ServerConfig:
             (self.max_step_tokens >= 16, "--max-step-tokens must be >= 16"),
             (self.kv_cache_tokens is None or self.kv_cache_tokens >= self.block_size, "--kv-cache-tokens too small"),
             (self.max_tokens is None or self.max_tokens >= 1, "--max-tokens must be >= 1"),
+            (self.max_output_tokens is None or self.max_output_tokens >= 1, "--max-output-tokens must be >= 1"),
             (self.max_queued_tokens >= 0, "--max-queued-tokens must be >= 0"),
             (self.request_timeout_s >= 0, "--request-timeout must be >= 0"),
             (self.device == "cpu" or self.device.startswith("cuda"), "--device must be cpu or cuda[:N]"),
             (self.pipeline_depth in (0, 1, 2), "--pipeline-depth must be 1 or 2 (0 = auto)"),
             (1 <= self.data_parallel <= 64, "--data-parallel must be 1..64"),
+            (self.responses_store_max_responses >= 0, "--responses-store-max-responses must be >= 0"),
+            (self.responses_store_max_bytes >= 0, "--responses-store-max-bytes must be >= 0"),
+            (self.responses_store_max_age_s >= 0, "--responses-store-max-age must be >= 0"),
         ]
         for ok, why in checks:
             if not ok:
@@ -58,6 +68,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
     p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens)
     p.add_argument("--max-tokens", type=int, default=None, help="default max_tokens (else rest of context)")
+    p.add_argument("--max-output-tokens", type=int, default=None,
+                   help="cap every request's output at N tokens (a normal max_tokens / length stop)")
     p.add_argument("--max-queued-tokens", type=int, default=0, help="429 beyond this many queued prompt tokens")
     p.add_argument("--request-timeout", dest="request_timeout_s", type=float, default=0.0)
     p.add_argument("--chat-template", default=None, help="jinja file overriding the model's template")
@@ -71,6 +83,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="model replicas, one scheduler + KV pool + executor each; with --device cuda:K they take "
                         "cuda:K .. cuda:K+N-1 (on CPU they share the cores)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--responses-store", default=None,
+                   help="SQLite file of stored responses (default: responses.sqlite3 in the cache dir; off = none)")
+    p.add_argument("--responses-store-max-responses", type=int, default=d.responses_store_max_responses,
+                   help="evict the oldest stored responses past this many (0 = no limit)")
+    p.add_argument("--responses-store-max-bytes", type=int, default=d.responses_store_max_bytes,
+                   help="evict the oldest past this many bytes of stored JSON (0 = no limit)")
+    p.add_argument("--responses-store-max-age", dest="responses_store_max_age_s", type=float,
+                   default=d.responses_store_max_age_s, help="evict stored responses older than this (seconds)")
 
 
 def replica_devices(cfg: ServerConfig) -> list[str]:

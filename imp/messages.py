@@ -32,7 +32,9 @@ from typing import Union
 
 import msgspec
 
-SCHEMA_VERSION = 2  # 2: SeqWork.pending, params sent once per admission, replica names
+# 2: SeqWork.pending, params sent once per admission, replica names
+# 3: tuples for every sequence, Enqueue wraps its Submit, Delta wraps its TokenOut
+SCHEMA_VERSION = 3
 
 
 class FinishReason(enum.IntEnum):
@@ -45,13 +47,6 @@ class FinishReason(enum.IntEnum):
     TIMEOUT = 4  # --request-timeout; reported to the client as "length"
     ERROR = 5  # executor fault
     REJECTED = 6  # refused after enqueue (cannot ever fit)
-
-    def openai(self) -> str:
-        return {
-            FinishReason.STOP: "stop",
-            FinishReason.LENGTH: "length",
-            FinishReason.TIMEOUT: "length",
-        }.get(self, "stop" if self is FinishReason.NONE else self.name.lower())
 
 
 class Struct(
@@ -75,6 +70,18 @@ class Msg(
 # values
 
 
+class Constraint(Struct):
+    """What a sequence's output must match (compiled by `imp.constrain`; plain data here, so
+    it rides in the log and replay rebuilds the same grammar). kind: json_schema (source =
+    the schema as JSON text), json_object, regex (whole output), lark (llguidance's Lark,
+    also the forced tool-call grammars), gbnf (llama.cpp's). strict: OpenAI's strict
+    json_schema semantics."""
+
+    kind: str
+    source: str = ""
+    strict: bool = False
+
+
 class SamplingParams(Struct):
     """Resolved sampling settings (defaults already applied by ingress)."""
 
@@ -95,6 +102,9 @@ class SamplingParams(Struct):
     # -1 = none; k >= 0 = each prompt token's raw logprob + top k (vLLM prompt_logprobs).
     # Such a request never reuses cached prefix blocks: every prompt row is forwarded.
     prompt_logprobs: int = -1
+    # the output's grammar (structured output, a forced tool call); its mask is applied to the
+    # logits before anything else, so logprobs read a masked token as probability 0
+    constraint: Constraint | None = None
 
     # The sampling policy, decided here once: every runner, sampler and the
     # scheduler ask these instead of re-testing the fields.
@@ -109,9 +119,21 @@ class SamplingParams(Struct):
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def constrained(self) -> bool:
+        """A grammar masks the logits before sampling."""
+        return self.constraint is not None
+
+    @property
+    def needs_history(self) -> bool:
+        """The sampler needs the generated tokens (penalties count them; a grammar's state
+        is a function of them): the scheduler sends them with every share that samples."""
+        return self.penalized or self.constraint is not None
+
+    @property
     def plain_greedy(self) -> bool:
         """Argmax of the raw logits, nothing else asked: a batch of these is one argmax."""
-        return self.greedy and self.logprobs < 0 and not self.logit_bias and not self.penalized
+        return (self.greedy and self.logprobs < 0 and not self.logit_bias and not self.penalized
+                and self.constraint is None)
 
     @property
     def host_sampled(self) -> bool:
@@ -153,16 +175,16 @@ class SeqWork(Struct):
     """
 
     seq_id: str
-    token_ids: list[int]
+    token_ids: tuple[int, ...]
     start_pos: int
-    block_table: list[int]
+    block_table: tuple[int, ...]
     sample: bool
     # sent with a sequence's first share after each (re)admission (alloc or fork), None
     # after that: the executor keeps them until the sequence is freed (half of a
     # batch-256 plan's bytes were repeated SamplingParams)
     params: SamplingParams | None
     gen_index: int = 0
-    history: list[int] = []  # generated tokens so far, for penalties (only if a penalty is set)
+    history: tuple[int, ...] = ()  # generated tokens so far (params.needs_history: penalties, a grammar)
     # >= 0: score the prompt tokens at start_pos+1 .. (top k each), i.e. return
     # the raw logprob rows of this chunk's positions; prompt_next is the prompt
     # token after the chunk (-1 when the chunk ends the prompt)
@@ -206,7 +228,7 @@ class KvOp(Struct):
     kind: str
     seq_id: str
     num_tokens: int = 0
-    token_ids: list[int] = []
+    token_ids: tuple[int, ...] = ()
     parent: str = ""
     salt: str = ""  # LoRA adapter name (prefix cache key)
 
@@ -214,7 +236,7 @@ class KvOp(Struct):
 class KvResult(Struct):
     seq_id: str
     ok: bool
-    block_table: list[int] = []
+    block_table: tuple[int, ...] = ()
     cached_tokens: int = 0  # alloc: prompt tokens found in the prefix cache
 
 
@@ -247,7 +269,7 @@ class Submit(Msg):
     """ingress -> admission: a new request, already tokenized."""
 
     req_id: str
-    prompt: list[int]
+    prompt: tuple[int, ...]
     params: SamplingParams
     arrival_ns: int
     n: int = 1
@@ -268,18 +290,10 @@ class Reject(Msg):
 
 
 class Enqueue(Msg):
-    """admission -> scheduler: an admitted request."""
+    """admission -> scheduler: an admitted request: its Submit, and the blocks reserved for it."""
 
-    req_id: str
-    prompt: list[int]
-    params: SamplingParams
-    arrival_ns: int
-    n: int = 1
-    priority: int = 0
-    salt: str = ""
+    submit: Submit
     reserved_blocks: int = 0
-    cache_prompt: bool = False
-    session_id: str = ""
 
 
 class Cancel(Msg):
@@ -302,7 +316,7 @@ class EndThinking(Msg):
     output tokens, so the model continues with the answer on the same KV."""
 
     req_id: str
-    token_ids: list[int]
+    token_ids: tuple[int, ...]
 
 
 class Suspend(Msg):
@@ -333,14 +347,14 @@ class KvRequest(Msg):
     """scheduler -> kv: the allocator operations for one step, in order."""
 
     step: int
-    ops: list[KvOp]
+    ops: tuple[KvOp, ...]
 
 
 class KvReply(Msg):
     """kv -> scheduler: one result per alloc/grow/fork op, in order."""
 
     step: int
-    results: list[KvResult]
+    results: tuple[KvResult, ...]
     figures: KvFigures
 
 
@@ -348,15 +362,15 @@ class StepPlan(Msg):
     """scheduler -> executor: run these sequences for one step."""
 
     step: int
-    seqs: list[SeqWork]
-    freed: list[str] = []  # sequences the executor can forget
+    seqs: tuple[SeqWork, ...]
+    freed: tuple[str, ...] = ()  # sequences the executor can forget
 
 
 class StepResult(Msg):
     """executor -> scheduler: what the step produced."""
 
     step: int
-    tokens: list[SampledToken]
+    tokens: tuple[SampledToken, ...]
     now_ns: int
     elapsed_ns: int = 0
 
@@ -374,26 +388,26 @@ class TokenOut(Msg):
 
     req_id: str
     index: int
-    token_ids: list[int]
+    token_ids: tuple[int, ...]
     finish: FinishReason = FinishReason.NONE
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
-    logprobs: list[SampledToken] = []
+    logprobs: tuple[SampledToken, ...] = ()
     error: str = ""
-    prompt_logprobs: list[PromptLogprob] = []  # with the first token of choice 0
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()  # with the first token of choice 0
 
 
 class TokenBatch(Msg):
     """scheduler -> detok: every TokenOut of one scheduler decision, in order."""
 
-    outs: list[TokenOut]
+    outs: tuple[TokenOut, ...]
 
 
 class DeltaBatch(Msg):
     """detok -> ingress: the Deltas of one TokenBatch, in order."""
 
-    deltas: list["Delta"]
+    deltas: tuple["Delta", ...]
 
 
 class DetokOpen(Msg):
@@ -401,9 +415,9 @@ class DetokOpen(Msg):
 
     req_id: str
     n: int = 1
-    stop: list[str] = []
+    stop: tuple[str, ...] = ()
     skip_special: bool = True
-    prompt_tail: list[int] = []  # last prompt tokens, for correct leading spaces
+    prompt_tail: tuple[int, ...] = ()  # last prompt tokens, for correct leading spaces
 
 
 class DetokClose(Msg):
@@ -413,20 +427,50 @@ class DetokClose(Msg):
 
 
 class Delta(Msg):
-    """detok -> ingress: new text of one choice."""
+    """detok -> ingress: one TokenOut rendered as text. `finish` is the TokenOut's, or
+    STOP when a stop string ended the choice (`stop_str`, Anthropic's stop_sequence)."""
 
-    req_id: str
-    index: int
+    out: TokenOut
     text: str
-    token_ids: list[int]
     finish: FinishReason = FinishReason.NONE
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    logprobs: list[SampledToken] = []
-    error: str = ""
-    prompt_logprobs: list[PromptLogprob] = []
-    stop_str: str = ""  # the stop string that ended this choice (Anthropic stop_sequence)
+    stop_str: str = ""
+
+    # the TokenOut's fields, read through (dialects read a Delta like the TokenOut it renders)
+    @property
+    def req_id(self) -> str:
+        return self.out.req_id
+
+    @property
+    def index(self) -> int:
+        return self.out.index
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.out.token_ids
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.out.prompt_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.out.cached_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.out.completion_tokens
+
+    @property
+    def logprobs(self) -> tuple[SampledToken, ...]:
+        return self.out.logprobs
+
+    @property
+    def error(self) -> str:
+        return self.out.error
+
+    @property
+    def prompt_logprobs(self) -> tuple[PromptLogprob, ...]:
+        return self.out.prompt_logprobs
 
 
 class Figures(Msg):
@@ -458,7 +502,21 @@ class RequestStats(Msg):
     ttft_s: float = 0.0
     duration_s: float = 0.0
     finish: str = ""
-    itl_s: list[float] = []  # inter-token gaps, for the histogram
+    itl_s: tuple[float, ...] = ()  # inter-token gaps, for the histogram
+    # Tracing and the request log (imp/actors/otlp.py). Trailing with defaults, so an older
+    # RequestStats still decodes; "" / 0 / () = not known. Times are the wall clock (Unix ns)
+    # read by the driver as they happened: the exporter never reads the clock at export time.
+    request_id: str = ""  # the server's id for the request (its completion / message id)
+    client_request_id: str = ""  # the caller's X-Request-Id, sanitized ("" = none sent)
+    model: str = ""  # the model name the request was served by
+    stream: bool = False  # the response was streamed (SSE)
+    traceparent: str = ""  # the W3C traceparent request header, verbatim ("" = none)
+    arrival_unix_ns: int = 0  # the driver submitted it
+    queue_end_unix_ns: int = 0  # the scheduler put it into its first batch (0 = unknown)
+    first_token_unix_ns: int = 0  # the driver saw its first generated token (0 = none)
+    end_unix_ns: int = 0  # the driver was done with it (last token / refusal / cancel)
+    finish_reasons: tuple[str, ...] = ()  # one per choice, OpenAI spelling ("stop", "length", ...)
+    reject_code: str = ""  # the Reject's code when refused ("context_length_exceeded", ...)
 
 
 class Fault(Msg):
@@ -466,6 +524,142 @@ class Fault(Msg):
 
     actor: str
     error: str
+
+
+# --------------------------------------------------------------------------
+# the Responses store (imp/store): ingress asks, the store actor answers. Every request
+# names `reply_to` and a `req_id` the requester picked; the store answers exactly one
+# StoreReply with that req_id (reply_to "" = no reply). Time arrives as now_s (the
+# requester's wall clock); JSON travels as bytes the HTTP side encoded (the store never
+# parses it).
+
+
+class StoreStatus(enum.IntEnum):
+    """The outcome of a store request. Values are the HTTP status the API maps
+    them to, so the HTTP side needs no table (it still picks its own envelope)."""
+
+    OK = 200
+    INVALID = 400  # bad paging arguments, empty or duplicate ids in a put
+    NOT_FOUND = 404  # never stored, deleted, evicted, or older than max_age_s
+    CONFLICT = 409  # a put for a response id that is already stored
+    TOO_LARGE = 413  # one response (with its input items) exceeds max_bytes
+    FAILED = 500  # SQLite refused the write/read (disk full, I/O error, ...); counted
+    UNAVAILABLE = 503  # the store did not answer in time, or its actor died
+
+
+# --------------------------------------------------------------------------
+# values
+
+
+class StoreItem(Struct):
+    """One input item: its id (client's or one ingress assigned) and its JSON."""
+
+    id: str
+    json: bytes
+
+
+class ChainLink(Struct):
+    """One response of a `previous_response_id` chain: what it was given and
+    what it answered (the `output` inside response_json)."""
+
+    response_id: str
+    previous_response_id: str
+    response_json: bytes
+    input_items: tuple[StoreItem, ...] = ()
+
+
+# --------------------------------------------------------------------------
+# requests (ingress -> store)
+
+
+class StorePut(Msg):
+    """Persist one produced response with its input items (`store: true`).
+
+    `input_items` are the items of this request only (with a previous_response_id
+    the earlier turns are already stored under their own responses)."""
+
+    req_id: str
+    reply_to: str
+    response_id: str
+    created_at: float  # the response's created_at (seconds); the age limit counts from it
+    response_json: bytes
+    input_items: tuple[StoreItem, ...] = ()
+    previous_response_id: str = ""
+    model: str = ""
+    now_s: float = 0.0  # wall clock of the write, for evicting by age; 0 = created_at
+
+
+class StoreGet(Msg):
+    """The stored response object (`GET /v1/responses/{id}`)."""
+
+    req_id: str
+    reply_to: str
+    response_id: str
+    now_s: float = 0.0
+
+
+class StoreGetChain(Msg):
+    """The conversation behind `previous_response_id`: the chain ending at
+    response_id, oldest first. NOT_FOUND when response_id itself is not stored;
+    an ancestor that is gone ends the chain early and is named in `missing`."""
+
+    req_id: str
+    reply_to: str
+    response_id: str
+    now_s: float = 0.0
+
+
+class StoreDelete(Msg):
+    """Forget a response and its input items (`DELETE /v1/responses/{id}`).
+    Responses continuing from it keep their own rows; their chains then report
+    this id as `missing`."""
+
+    req_id: str
+    reply_to: str
+    response_id: str
+
+
+class StoreListInputItems(Msg):
+    """A page of a response's input items (`GET /v1/responses/{id}/input_items`),
+    OpenAI's cursor paging: after an item id, 1..100 items, "asc" or "desc"."""
+
+    req_id: str
+    reply_to: str
+    response_id: str
+    after: str = ""
+    limit: int = 20
+    order: str = "desc"
+    now_s: float = 0.0
+
+
+class StoreSweep(Msg):
+    """Evict what is older than max_age_s at now_s (a timer may send it; puts
+    sweep on their own). Replies only when reply_to is set."""
+
+    now_s: float
+    req_id: str = ""
+    reply_to: str = ""
+
+
+# --------------------------------------------------------------------------
+# the reply (store -> reply_to)
+
+
+class StoreReply(Msg):
+    """The answer to one request. `ok` is status == OK; on failure `error` says
+    why in words fit for a log line or an API error message. The payload fields
+    used depend on the request: Get -> response_json; GetChain -> chain (+ missing);
+    ListInputItems -> items + has_more; Put/Delete/Sweep -> none."""
+
+    req_id: str
+    ok: bool
+    status: StoreStatus = StoreStatus.OK
+    error: str = ""
+    response_json: bytes = b""
+    chain: tuple[ChainLink, ...] = ()
+    missing: str = ""  # GetChain: the first ancestor id no longer stored ("" = complete)
+    items: tuple[StoreItem, ...] = ()
+    has_more: bool = False
 
 
 Message = Union[
@@ -494,4 +688,11 @@ Message = Union[
     RequestStats,
     StepStats,
     Fault,
+    StorePut,
+    StoreGet,
+    StoreGetChain,
+    StoreDelete,
+    StoreListInputItems,
+    StoreSweep,
+    StoreReply,
 ]

@@ -13,9 +13,11 @@ from pathlib import Path
 from aiohttp import web
 
 from imp.config import ServerConfig, replica_devices
-from imp.engine.engine import Engine
+from imp.constrain.compile import GrammarCache
+from imp.constrain.vocab import from_tokenizer
+from imp.engine.local import LocalEngine
 from imp.http.app import create_app
-from imp.http.params import ModelDefaults
+from imp.text.model import TextModel
 
 log = logging.getLogger("imp")
 
@@ -24,12 +26,26 @@ def _progress(msg: str) -> None:
     print(f"imp: {msg}", file=sys.stderr, flush=True)
 
 
-def load_engine(cfg: ServerConfig) -> Engine:
+def open_responses_store(cfg: ServerConfig):
+    """The Responses store, opened (and checked) before the model loads: a corrupt, locked or
+    read-only file is a start-up error naming it, never a 500 per request."""
+    from imp.fetch import cache_dir
+    from imp.store.config import DEFAULT_FILENAME, StoreConfig
+    from imp.store.sqlite import open_store
+
+    if cfg.responses_store == "off":
+        return None
+    path = cfg.responses_store or str(cache_dir() / DEFAULT_FILENAME)
+    return open_store(StoreConfig(path, cfg.responses_store_max_responses, cfg.responses_store_max_bytes,
+                                  cfg.responses_store_max_age_s), now_s=time.time())
+
+
+def load_engine(cfg: ServerConfig, store=None) -> tuple[LocalEngine, TextModel]:
     """Everything that reads the disk or the environment happens here, once."""
     import torch
 
-    from imp.text.chat_template import ChatTemplate
     from imp.fetch import resolve_model
+    from imp.text.chat_template import ChatTemplate
     from imp.model.runner import ModelRunner
     from imp.text.tokenizer import Tokenizer
 
@@ -64,14 +80,15 @@ def load_engine(cfg: ServerConfig) -> Engine:
         f"ctx {runner.config.context_length}, KV pool {runner.num_blocks} x {runner.block_size} tokens"
         + (f" on each of {len(runners)} replicas ({', '.join(replica_devices(cfg))})" if len(runners) > 1 else "")
     )
-    engine = Engine(cfg, runners, tokenizer, template, name)
-    engine.defaults = ModelDefaults.from_metadata(runner.metadata)
-    engine.model_path = path
-    return engine
+    text = TextModel.build(tokenizer, template, runner.metadata)
+    t1 = time.monotonic()
+    grammars = GrammarCache(from_tokenizer(tokenizer, int(runner.config.vocab_size)))
+    _progress(f"grammar engine ready for {tokenizer.vocab_size} tokens in {time.monotonic() - t1:.1f}s")
+    return LocalEngine(cfg, runners, tokenizer, name, str(path), grammars=grammars, store=store), text
 
 
-async def _serve(cfg: ServerConfig, engine: Engine) -> None:
-    app = create_app(engine, api_key=cfg.api_key)
+async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel) -> None:
+    app = create_app(engine, text, cfg, grammars=engine.grammars)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
@@ -85,7 +102,7 @@ async def _serve(cfg: ServerConfig, engine: Engine) -> None:
         except NotImplementedError:  # pragma: no cover - non-unix
             pass
     await stop.wait()
-    engine.draining = True
+    engine.drain()
     _progress("shutting down")
     await runner.cleanup()
 
@@ -96,10 +113,17 @@ def serve(cfg: ServerConfig) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    engine = load_engine(cfg)
+    from imp.store.sqlite import StoreOpenError
+
+    try:
+        store = open_responses_store(cfg)
+    except StoreOpenError as exc:
+        _progress(f"cannot start: {exc}")
+        sys.exit(2)
+    engine, text = load_engine(cfg, store)
     try:
         import uvloop
 
-        uvloop.run(_serve(cfg, engine))
+        uvloop.run(_serve(cfg, engine, text))
     except ImportError:  # pragma: no cover
-        asyncio.run(_serve(cfg, engine))
+        asyncio.run(_serve(cfg, engine, text))

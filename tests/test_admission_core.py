@@ -12,7 +12,7 @@ P = SamplingParams(max_tokens=8)
 
 
 def submit(core, req_id, n_prompt, params=P, n=1):
-    (receiver, msg), = core.handle("ingress", Submit(req_id, list(range(n_prompt)), params, 0, n=n))
+    (receiver, msg), = core.handle("ingress", Submit(req_id, tuple(range(n_prompt)), params, 0, n=n))
     return receiver, msg
 
 

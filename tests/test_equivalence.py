@@ -18,7 +18,7 @@ from imp.actors.executor import attach_params
 from imp.sampling.pending import resolve_pending
 from imp.core.router import Router
 from imp.config import ServerConfig
-from imp.engine.engine import build_cores
+from imp.engine.cores import build_cores
 from imp.messages import FinishReason, SamplingParams, StepPlan, StepResult, Submit, TokenBatch, TokenOut
 
 pytestmark = pytest.mark.slow
@@ -75,7 +75,7 @@ class Harness:
     def submit(self, req_id: str, prompt: list[int]) -> None:
         p = SamplingParams(max_tokens=GEN, temperature=0.0, stop_token_ids=(), seed=1)
         self.now += 1
-        self._drain(self.router.send([("ingress", "admission", Submit(req_id, prompt, p, self.now))]))
+        self._drain(self.router.send([("ingress", "admission", Submit(req_id, tuple(prompt), p, self.now))]))
 
     def run(self) -> None:
         while self.inflight:
@@ -85,7 +85,7 @@ class Harness:
             toks = self.runner.step(seqs) if seqs else []
             self.last = {t.seq_id: t.token_id for t in toks}
             self.now += 1
-            self._drain(self.router.send([("executor", "scheduler", StepResult(plan.step, toks, self.now))]))
+            self._drain(self.router.send([("executor", "scheduler", StepResult(plan.step, tuple(toks), self.now))]))
 
     def _drain(self, deliveries) -> None:
         for d in deliveries:

@@ -11,9 +11,9 @@ def _header():
 def _envs():
     p = SamplingParams(max_tokens=8, temperature=0.5, seed=7)
     msgs = [
-        Submit("r1", [1, 2, 3], p, 100),
+        Submit("r1", (1, 2, 3), p, 100),
         Tick(200),
-        StepPlan(1, [SeqWork("r1#0", [1, 2, 3], 0, [0], True, p)]),
+        StepPlan(1, (SeqWork("r1#0", (1, 2, 3), 0, (0,), True, p),)),
         Cancel("r1"),
     ]
     return [Envelope(i + 1, "a", "b", 0, 0, m) for i, m in enumerate(msgs)]

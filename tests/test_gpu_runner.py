@@ -136,6 +136,31 @@ def test_smollm2_greedy_matches_cpu(smollm2_path):
     assert greedy_run(gpu, prompts, 8) == greedy_run(cpu, prompts, 8)
 
 
+def test_135m_shape_q4_1_greedy_and_logits_match_cpu(tmp_path_factory):
+    """SmolLM2's shape (30 layers, d 576, GQA 9/3, vocab 49152) with random Q4_1 blocks and a
+    Q8_0 tied embedding (what bench/gpu.py times): greedy tokens equal the CPU runner's (fp32
+    weights), logits within 1e-3 relative."""
+    from gguf import GGMLQuantizationType as T
+
+    from imp.gpu.runner import GpuModelRunner
+    from imp.model.runner import ModelRunner
+    from tests.fixtures.synth_raw import write_raw_gguf
+
+    path = str(tmp_path_factory.mktemp("m135") / "135m-q4_1.gguf")
+    write_raw_gguf(path, n_layers=30, d_model=576, n_heads=9, n_kv_heads=3, d_ff=1536, vocab=49152, qtype=T.Q4_1,
+                   embed_qtype=T.Q8_0, tied=True, context_length=8192, rope_theta=100000.0, seed=0)
+    cpu = ModelRunner.load(path, num_blocks=64, block_size=BS, weights="f32")
+    gpu = GpuModelRunner.load(path, num_blocks=64, block_size=BS, kv_dtype=torch.float32, dense=False,
+                              max_graph_batch=4)
+    prompts = [list(range(400, 407)), list(range(400, 460)), [400]]
+    assert greedy_run(gpu, prompts, 8) == greedy_run(cpu, prompts, 8)
+    seqs = [SeqWork(seq_id="a", token_ids=list(range(500, 540)), start_pos=0, block_table=[60, 61, 62], sample=True,
+                    params=GREEDY)]
+    ref = cpu.forward(seqs).double()
+    got = gpu.forward(seqs).double().cpu()
+    assert float((got - ref).norm() / ref.norm()) < 1e-3
+
+
 @pytest.mark.parametrize("variant", ["x4", "x8", "a4", "k4"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_bf16_fused_gemv_path(tmp_path_factory, monkeypatch, variant, kv_dtype):

@@ -117,8 +117,8 @@ def test_load_engine_picks_hf_tokenizer_for_dir(tok_dir, tmp_path):
     LlamaForCausalLM(model_cfg).save_pretrained(tmp_path)
     fast.save_pretrained(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
-    eng = load_engine(ServerConfig(model=str(tmp_path), kv_cache_tokens=256))
-    assert isinstance(eng.tokenizer, HFTokenizer)
-    assert eng.tokenizer.eos_ids == {0, 2}
-    text = eng.template.render([{"role": "user", "content": "hi"}])
+    _, tm = load_engine(ServerConfig(model=str(tmp_path), kv_cache_tokens=256))
+    assert isinstance(tm.tokenizer, HFTokenizer)
+    assert tm.tokenizer.eos_ids == {0, 2}
+    text = tm.template.render([{"role": "user", "content": "hi"}])
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"

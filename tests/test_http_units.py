@@ -9,8 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from imp.http.errors import ApiError
-from imp.http.fim import FimTokens, build_infill, fim_tokens
-from imp.http.params import ModelDefaults, sampling
+from imp.text.fim import FimTokens, build_infill, fim_tokens
 from imp.http.reasoning import ThinkSplitter, prompt_opens_think
 from imp.messages import SamplingParams, SeqWork
 from imp.model.rows import prompt_logprobs as score_prompt
@@ -107,23 +106,3 @@ def test_score_prompt_is_the_raw_log_softmax_with_ranks():
     assert out[1].logprob == -9999.0
     last = SeqWork("s", [1, 2], 0, [0], True, SamplingParams(max_tokens=1), prompt_logprobs=0)
     assert [e.position for e in score_prompt(rows[:1], last)] == [1]  # the last row samples
-
-
-# --------------------------------------------------------------------------- fields
-
-KW = dict(defaults=ModelDefaults(), vocab_size=1000, prompt_len=10, max_context=100,
-          fixed_max_tokens=None, eos_ids=(2,))
-
-
-def test_new_fields_pass_through_and_are_checked():
-    g = sampling({"cache_prompt": True, "session_id": "s-1", "priority": -3, "ignore_eos": True}, **KW)
-    assert (g.cache_prompt, g.session_id, g.priority, g.params.ignore_eos) == (True, "s-1", -3, True)
-    g = sampling({"prompt_logprobs": 5}, chat=False, **KW)
-    assert g.prompt_logprobs == 5 and g.params.prompt_logprobs == 5
-    for body, chat in [({"prompt_logprobs": 21}, False), ({"prompt_logprobs": 2}, True),
-                       ({"prompt_logprobs": 1, "stream": True}, False), ({"cache_prompt": 1}, False),
-                       ({"session_id": 5}, False), ({"session_id": "x" * 300}, False),
-                       ({"priority": "high"}, False), ({"logprobs": 21}, False), ({"logprobs": True}, False)]:
-        with pytest.raises(ApiError) as e:
-            sampling(body, chat=chat, **KW)
-        assert e.value.status == 400 and e.value.param

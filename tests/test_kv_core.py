@@ -14,18 +14,18 @@ BS = 4
 
 
 def run(kv: KvCore, *ops: KvOp):
-    (receiver, reply), = kv.handle("scheduler", KvRequest(1, list(ops)))
+    (receiver, reply), = kv.handle("scheduler", KvRequest(1, tuple(ops)))
     assert receiver == "scheduler"
     kv.audit()
     return reply
 
 
 def alloc(seq, tokens, num=None, salt=""):
-    return KvOp("alloc", seq, len(tokens) if num is None else num, list(tokens), salt=salt)
+    return KvOp("alloc", seq, len(tokens) if num is None else num, tuple(tokens), salt=salt)
 
 
 def free(seq, written=()):
-    return KvOp("free", seq, token_ids=list(written))
+    return KvOp("free", seq, token_ids=tuple(written))
 
 
 def test_alloc_grow_free_figures():
@@ -33,10 +33,10 @@ def test_alloc_grow_free_figures():
     r = run(kv, alloc("a", range(6)))
     assert r.results[0].ok and len(r.results[0].block_table) == 2 and r.results[0].cached_tokens == 0
     assert (r.figures.used, r.figures.free) == (2, 6)
-    r = run(kv, KvOp("grow", "a", 9, list(range(6))))
+    r = run(kv, KvOp("grow", "a", 9, tuple(range(6))))
     assert len(r.results[0].block_table) == 3
     r = run(kv, free("a"))
-    assert r.results == [] and r.figures.free == 8 and r.figures.cached == 1  # the one full written block
+    assert r.results == () and r.figures.free == 8 and r.figures.cached == 1  # the one full written block
 
 
 def test_prefix_hit_needs_written_tokens_and_keeps_last_token():
@@ -192,7 +192,7 @@ TestKvMachine.settings = settings(max_examples=150, stateful_step_count=40, dead
 
 
 def pin(key, tokens, salt=""):
-    return KvOp("pin", key, token_ids=list(tokens), salt=salt)
+    return KvOp("pin", key, token_ids=tuple(tokens), salt=salt)
 
 
 def test_pins_survive_lru_pressure_and_yield_to_real_demand():

@@ -1,45 +1,68 @@
-"""Sampling fields: defaults from the reference, ranges exact, bad values a 400 naming the field."""
+"""Sampling fields: defaults from the reference, ranges exact, bad values a 400 naming the field.
+
+The chat dialect parses the body (its ranges), `resolve.sampling_params`
+fills in the model's defaults and the context limits — one place each.
+"""
+
+import types
 
 import pytest
 
+from imp.engine.port import ModelCard
+from imp.http import chat_request, openai_completions, resolve
 from imp.http.errors import ApiError
-from imp.http.params import ModelDefaults, sampling
+from imp.text.model import SamplingDefaults
 
-KW = dict(defaults=ModelDefaults(), vocab_size=1000, prompt_len=10, max_context=100,
-          fixed_max_tokens=None, eos_ids=(2,))
+CARD = ModelCard(name="m", path="", fingerprint="f" * 64, context_length=100, vocab_size=1000, block_size=16,
+                 kv_blocks=64, kv_bytes_per_token=None, replicas=1, max_batch_size=8, max_queued_tokens=0,
+                 retry_after_s=1.0, device="cpu", created=0)
+TEXT = types.SimpleNamespace(defaults=SamplingDefaults(), eos_ids=(2,))
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def params(body, prompt_len=10, fixed=None, chat=True):
+    full = {"model": "m", **({"messages": MSG} if chat else {"prompt": "hi"}), **body}
+    req = (chat_request if chat else openai_completions).parse(full, CARD.vocab_size)
+    return req, resolve.sampling_params(req, prompt_len, CARD, TEXT, fixed)
 
 
 def test_defaults_are_imps_not_openais():
-    g = sampling({}, **KW)
-    p = g.params
+    req, p = params({})
     assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.6, 0.95, 50, 1.05)
     assert p.max_tokens == 90  # the rest of the context
-    assert p.stop_token_ids == (2,) and g.n == 1 and not g.stream
+    assert p.stop_token_ids == (2,) and req.n == 1 and not req.stream
     assert 0 <= p.seed < 2**63
 
 
 def test_top_k_rules():
-    assert sampling({"top_k": 0}, **KW).params.top_k == 50
-    assert sampling({"top_k": 5}, **KW).params.top_k == 5
-    assert sampling({"top_k": 5000}, **KW).params.top_k == 0  # >= vocab: off
-    assert sampling({"top_k": -1}, **KW).params.top_k == 0
+    assert params({"top_k": 0})[1].top_k == 50
+    assert params({"top_k": 5})[1].top_k == 5
+    assert params({"top_k": 5000})[1].top_k == 0  # >= vocab: off
+    assert params({"top_k": -1})[1].top_k == 0
 
 
 def test_max_tokens_alias_and_context_clamp():
-    assert sampling({"max_completion_tokens": 7}, **KW).params.max_tokens == 7
-    assert sampling({"max_tokens": 500}, **KW).params.max_tokens == 90
-    assert sampling({}, **dict(KW, fixed_max_tokens=16)).params.max_tokens == 16
+    assert params({"max_completion_tokens": 7})[1].max_tokens == 7
+    assert params({"max_tokens": 500})[1].max_tokens == 90
+    assert params({}, fixed=16)[1].max_tokens == 16
 
 
 def test_seed_is_reproducible_and_logit_bias_parsed():
-    p = sampling({"seed": 42, "logit_bias": {"5": -100, "7": 2.5}}, **KW).params
+    p = params({"seed": 42, "logit_bias": {"5": -100, "7": 2.5}})[1]
     assert p.seed == 42 and p.logit_bias == ((5, -100.0), (7, 2.5))
 
 
 def test_logprobs_fields():
-    assert sampling({"logprobs": True, "top_logprobs": 3}, **KW).params.logprobs == 3
-    assert sampling({"logprobs": True}, **KW).params.logprobs == 0
-    assert sampling({}, **KW).params.logprobs == -1
+    assert params({"logprobs": True, "top_logprobs": 3})[1].logprobs == 3
+    assert params({"logprobs": True})[1].logprobs == 0
+    assert params({})[1].logprobs == -1
+
+
+def test_model_is_required():
+    for body in ({"messages": MSG}, {"model": "", "messages": MSG}, {"model": 3, "messages": MSG}):
+        with pytest.raises(ApiError) as e:
+            chat_request.parse(body, 1000)
+        assert e.value.status == 400 and e.value.param == "model"
 
 
 @pytest.mark.parametrize(
@@ -80,11 +103,25 @@ def test_logprobs_fields():
 )
 def test_bad_values_are_400_naming_the_field(body, param):
     with pytest.raises(ApiError) as e:
-        sampling(body, **KW)
+        params(body)
     assert e.value.status == 400 and e.value.param == param
 
 
 def test_prompt_filling_the_context_is_a_400():
     with pytest.raises(ApiError) as e:
-        sampling({}, **dict(KW, prompt_len=100))
+        params({}, prompt_len=100)
     assert e.value.status == 400 and e.value.code == "context_length_exceeded"
+
+
+def test_new_fields_pass_through_and_are_checked():
+    req, p = params({"cache_prompt": True, "session_id": "s-1", "priority": -3, "ignore_eos": True})
+    assert (req.cache_prompt, req.session_id, req.priority, p.ignore_eos) == (True, "s-1", -3, True)
+    req, p = params({"prompt_logprobs": 5}, chat=False)
+    assert req.prompt_logprobs == 5 and p.prompt_logprobs == 5
+    for body, chat in [({"prompt_logprobs": 21}, False), ({"prompt_logprobs": 2}, True),
+                       ({"prompt_logprobs": 1, "stream": True}, False), ({"cache_prompt": 1}, False),
+                       ({"session_id": 5}, False), ({"session_id": "x" * 300}, False),
+                       ({"priority": "high"}, False), ({"logprobs": 21}, False), ({"logprobs": True}, False)]:
+        with pytest.raises(ApiError) as e:
+            params(body, chat=chat)
+        assert e.value.status == 400 and e.value.param

@@ -15,7 +15,7 @@ from imp.log.eventlog import Envelope, LogHeader
 from imp.core.replicas import Routed, pick, split_name
 from imp.core.router import Router
 from imp.config import ServerConfig, replica_devices
-from imp.engine.engine import build_cores
+from imp.engine.cores import build_cores
 from imp.messages import (
     PENDING_TOKEN, Cancel, EndThinking, Enqueue, Finished, FinishReason, SampledToken, SamplingParams, SessionClose,
     StepPlan, StepResult, Submit, TokenBatch,
@@ -24,7 +24,7 @@ from imp.core.replay import replay
 
 
 def _submit(rid, n_prompt=8, session="", max_tokens=8):
-    return Submit(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens), 0, session_id=session)
+    return Submit(rid, tuple(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens), 0, session_id=session)
 
 
 def test_admission_picks_the_least_loaded_replica_and_follows_it():
@@ -36,7 +36,7 @@ def test_admission_picks_the_least_loaded_replica_and_follows_it():
         to[rid] = recv
     assert to == {"a": "scheduler.0", "b": "scheduler.1", "c": "scheduler.2", "d": "scheduler.1"}
     assert adm.handle("ingress", Cancel("c")) == [("scheduler.2", Cancel("c"))]
-    assert adm.handle("ingress", EndThinking("a", [1])) == [("scheduler.0", EndThinking("a", [1]))]
+    assert adm.handle("ingress", EndThinking("a", (1,))) == [("scheduler.0", EndThinking("a", (1,)))]
     for rid in ("b", "d"):
         adm.handle("scheduler.1", Finished(rid, FinishReason.STOP))
     assert adm.loads[1] == 0 and adm.handle("ingress", Cancel("b")) == []
@@ -96,7 +96,7 @@ def test_replicated_cores_finish_everything_and_replay(depth):
                 if w.sample:
                     out.append(SampledToken(w.seq_id, _fake_token(w.seq_id, w.gen_index)))
             last[ex] = {t.seq_id: t.token_id for t in out}
-            collect(router.send([(ex, f"scheduler.{split_name(ex)[1]}", StepResult(plan.step, out, 1))]))
+            collect(router.send([(ex, f"scheduler.{split_name(ex)[1]}", StepResult(plan.step, tuple(out), 1))]))
     assert used == {"executor.0": True, "executor.1": True}  # both replicas got work
     assert tokens == {f"r{i}": [_fake_token(f"r{i}#0", g) for g in range(6)] for i in range(10)}
     for k in kvs:
@@ -129,7 +129,7 @@ def test_server_data_parallel_2_on_cpu(smollm2_path, tmp_path):
         prompts = [f"Write a sentence about the number {i}." for i in range(6)]
 
         def complete(p):
-            body = dict(prompt=p, max_tokens=12, temperature=0)
+            body = dict(model="smollm2", prompt=p, max_tokens=12, temperature=0)
             return post(srv.url + "/v1/completions", body)["choices"][0]["text"]
 
         alone = [complete(p) for p in prompts]

@@ -19,7 +19,7 @@ from imp.messages import (
     StepResult, Submit, TokenBatch, TokenOut,
 )
 
-SAMPLED, THINK_END = 5, [8, 9]
+SAMPLED, THINK_END = 5, (8, 9)
 
 
 class Drive:
@@ -53,7 +53,7 @@ class Drive:
 
     def submit(self, rid, prompt, **kw):
         self.now += 1
-        self.send("ingress", "admission", Submit(rid, prompt, SamplingParams(**kw), self.now))
+        self.send("ingress", "admission", Submit(rid, tuple(prompt), SamplingParams(**kw), self.now))
 
     @property
     def plan(self) -> StepPlan | None:
@@ -75,7 +75,7 @@ class Drive:
             elif entries:
                 toks.append(SampledToken(w.seq_id, -1, prompt=entries))
         self.now += 1
-        self.send("executor", "scheduler", StepResult(plan.step, toks, self.now))
+        self.send("executor", "scheduler", StepResult(plan.step, tuple(toks), self.now))
         return True
 
     def run(self, limit=500):
@@ -97,7 +97,7 @@ def test_end_thinking_forces_the_tokens_and_the_answer_continues():
     d.run()
     out = d.tokens("r")
     assert out[:2] == [SAMPLED, SAMPLED]
-    assert out[2:4] == THINK_END  # forced, in order, then the model goes on
+    assert tuple(out[2:4]) == THINK_END  # forced, in order, then the model goes on
     assert all(t == SAMPLED for t in out[4:]) and len(out) >= 8
     fin = [o for o in d.outs if o.req_id == "r" and o.finish]
     assert len(fin) == 1 and fin[0].finish == FinishReason.LENGTH
@@ -125,13 +125,13 @@ def test_end_thinking_with_two_steps_in_flight():
     d = Drive(depth=2)
     d.submit("r", list(range(10, 20)), max_tokens=6, ignore_eos=True)
     d.step()  # prefill + first token; two decodes are now in flight
-    assert len(d.inflight) == 2 and d.inflight[-1].seqs[0].token_ids == [PENDING_TOKEN]
+    assert len(d.inflight) == 2 and d.inflight[-1].seqs[0].token_ids == (PENDING_TOKEN,)
     d.send("ingress", "admission", EndThinking("r", THINK_END))
     d.run()
     out = d.tokens("r")
     assert out[:3] == [SAMPLED, *THINK_END] and out[3:] == [SAMPLED] * (len(out) - 3) and len(out) >= 6
     after = [(w.start_pos, w.token_ids) for p in d.plans[3:] for w in p.seqs]
-    assert after[0] == (10, [SAMPLED, *THINK_END])  # position 10 = the first generated token
+    assert after[0] == (10, (SAMPLED, *THINK_END))  # position 10 = the first generated token
 
 
 def test_end_thinking_for_a_finished_request_is_ignored():

@@ -115,7 +115,7 @@ class Sim:
     # ------------------------------------------------------------- driving
 
     def submit(self, req_id, prompt, params, n=1, priority=0, salt="", cache_prompt=False, session_id=""):
-        m = Submit(req_id, list(prompt), params, self.now, n, priority, salt,
+        m = Submit(req_id, tuple(prompt), params, self.now, n, priority, salt,
                    cache_prompt=cache_prompt, session_id=session_id)
         self.submits[req_id] = m
         self._collect(self.router.send([("ingress", "admission", m)]))
@@ -153,7 +153,7 @@ class Sim:
             self.prev_sampled = {}
             attach_params(plan, self.kept_params)  # the executor saw the plan before it failed
         else:
-            msg = StepResult(plan.step, self._execute(plan), self.now, MS)
+            msg = StepResult(plan.step, tuple(self._execute(plan)), self.now, MS)
         self._collect(self.router.send([("executor", "scheduler", msg)]))
         return True
 
@@ -191,7 +191,7 @@ class Sim:
             assert w.params.seed == m.params.seed + int(index)
             assert w.pending <= 1 and (PENDING_TOKEN in w.token_ids) == (w.pending == 1), w
             if w.pending:
-                assert w.token_ids == [PENDING_TOKEN] and w.sample, w
+                assert w.token_ids == (PENDING_TOKEN,) and w.sample, w
                 if w.seq_id not in prev:  # the step that sampled it failed: the sequence has ended
                     assert (req, int(index)) in self.finish, f"{w.seq_id}: nothing to resolve its token from"
                     continue
@@ -223,7 +223,7 @@ class Sim:
                 assert end == len(m.prompt) + w.gen_index
                 penalty = m.params.repetition_penalty != 1.0
                 gen = [expect(len(m.prompt) + g)[1] for g in range(w.gen_index)]
-                assert w.history == (gen if penalty else []), (w.history, gen)
+                assert w.history == (tuple(gen) if penalty else ()), (w.history, gen)
                 out.append(SampledToken(w.seq_id, fake_token(w.params.seed, w.gen_index, w.seq_id)))
                 self.prev_sampled[w.seq_id] = out[-1].token_id
         return out
@@ -255,10 +255,11 @@ class Sim:
         waiting ones that never ran may rank before them."""
         cfg = self.sched.config
         if isinstance(msg, Enqueue):
-            self.enqueued[msg.req_id] = msg
-            self.fresh[msg.req_id] = (msg.priority, len(msg.prompt), msg.arrival_ns, len(self.enqueued))
-        for t in ("arrival_ns", "now_ns"):
-            self.sched_now = max(self.sched_now, getattr(msg, t, 0))
+            sub = msg.submit
+            self.enqueued[sub.req_id] = sub
+            self.fresh[sub.req_id] = (sub.priority, len(sub.prompt), sub.arrival_ns, len(self.enqueued))
+            self.sched_now = max(self.sched_now, sub.arrival_ns)
+        self.sched_now = max(self.sched_now, getattr(msg, "now_ns", 0))
         if isinstance(msg, KvReply):
             with_result = [op for op in self.last_ops if op.kind not in ("free", "pin", "unpin")]
             for op, res in zip(with_result, msg.results, strict=True):
@@ -447,9 +448,9 @@ def test_pipelined_steps_feed_the_pending_token(hold):
     assert sim.output("a") == sim.expected("a", 0) and len(sim.output("a")) == 5
     fed = [w.token_ids for p in sim.plans for w in p.seqs]
     if hold:  # a result landed before the KvReply: the token is known (drain stops holding)
-        assert PENDING_TOKEN not in sum(fed[:3], []) and len(fed[1]) == 1
+        assert PENDING_TOKEN not in sum(fed[:3], ()) and len(fed[1]) == 1
     else:  # planned while the previous step ran: decodes feed the token in flight
-        assert fed[1:] == [[PENDING_TOKEN]] * 4 and [w.pending for w in sim.plans[1].seqs] == [1]
+        assert fed[1:] == [(PENDING_TOKEN,)] * 4 and [w.pending for w in sim.plans[1].seqs] == [1]
     assert len(sim.plans) == 5  # max_tokens is known: no step past the last token
     assert sim.figures.kv.used == 0
 

@@ -297,7 +297,7 @@ def test_bad_values_are_400_envelopes(imp_server, path, body, needle):
 
 
 def test_ids_on_every_response(imp_server):
-    status, headers, _ = raw(imp_server, "POST", C, {"prompt": "a", "max_tokens": 1})
+    status, headers, _ = raw(imp_server, "POST", C, {"model": "x", "prompt": "a", "max_tokens": 1})
     assert status == 200 and headers["X-Request-Id"].startswith("cmpl-")
     long = "x" * 300
     status, headers, _ = raw(imp_server, "GET", "/nope", headers={"X-Request-Id": long})

@@ -21,6 +21,7 @@ from imp.messages import (
     QueueFigures,
     SamplingParams,
     StepStats,
+    TokenOut,
 )
 
 import pytest
@@ -92,21 +93,24 @@ def test_rates_from_step_stats():
     assert r.prefill_tokens == 100
 
 
-def _fake_engine(runner=None):
-    m = types.SimpleNamespace(kv=kv(512, used=10), queue=QueueFigures(1, 2, 40), rates=Rates())
-    ing = types.SimpleNamespace(suspended=False, rejections=3, last_reject_reason="suspended",
-                                live_rows=lambda now, waiting: [{"id": "a", "state": "queued"}])
-    cfg = types.SimpleNamespace(max_batch_size=8, max_queued_tokens=0)
-    adm = types.SimpleNamespace(config=types.SimpleNamespace(retry_after_s=1.0))
-    return types.SimpleNamespace(cfg=cfg, metrics=m, ingress=ing, model_name="m", max_context=2048,
-                                 draining=False, fault=None, started_at=time.time(), runner=runner,
-                                 runners=[runner], cores={"admission": adm})
+def _card_and_snapshot(kv_bytes_per_token=None):
+    from imp.engine import port
+
+    card = port.ModelCard(name="m", path="", fingerprint="f" * 64, context_length=2048, vocab_size=1000,
+                          block_size=16, kv_blocks=512, kv_bytes_per_token=kv_bytes_per_token, replicas=1,
+                          max_batch_size=8, max_queued_tokens=0, retry_after_s=1.0, device="cpu", created=0)
+    snap = port.Snapshot(kv=kv(512, used=10), replica_kv=(kv(512, used=10),), queue=QueueFigures(1, 2, 40),
+                         rates=port.Rates(), suspended=False, draining=False, fault=None, rejections=3,
+                         last_reject_reason="suspended", in_flight=3, uptime_s=1.0,
+                         live=(port.LiveRow(id="a", state="queued", prompt_tokens=3, generated=0, max_tokens=9,
+                                            n=1, elapsed_s=0.5),))
+    return card, snap
 
 
 def test_snapshot_nulls_a_failed_section_and_prometheus_parses():
     from prometheus_client.parser import text_string_to_metric_families
 
-    s = snapshot(_fake_engine(runner=None))["server"]  # no runner: the memory probe fails
+    s = snapshot(*_card_and_snapshot(kv_bytes_per_token=None))["server"]  # no KV size: the memory probe fails
     assert set(s["memory"]) >= {"rss_bytes", "kv_pool_bytes"} and set(s["memory"].values()) == {None}
     assert s["concurrency"] == {"decode_batch": 8, "queue_cap": None, "queued_tokens_cap": None,
                                 "in_flight": 2, "waiting": 1}
@@ -131,7 +135,7 @@ def test_ingress_live_rows():
         ing = IngressActor(Bus(EventLog(None)))
         for rid in ("a", "b", "c"):
             ing.submit(rid, [1, 2, 3], SamplingParams(max_tokens=9))
-        await ing.on_message("detok", Delta("a", 0, "x", [5, 6]))
+        await ing.on_message("detok", Delta(TokenOut("a", 0, (5, 6)), "x"))
         ing.suspend()
         assert ing.suspended
         rows = ing.live_rows(ing.handles["a"].arrival + 1.0, waiting=1)
@@ -139,7 +143,7 @@ def test_ingress_live_rows():
         a = rows[-1]
         assert (a["prompt_tokens"], a["generated"], a["max_tokens"]) == (3, 2, 9)
         assert a["ttft_s"] is not None and a["elapsed_s"] == 1.0
-        await ing.on_message("detok", Delta("a", 0, "", [], FinishReason.STOP))
+        await ing.on_message("detok", Delta(TokenOut("a", 0, (), FinishReason.STOP), "", FinishReason.STOP))
         ing.release("a")
         assert [r["id"] for r in ing.live_rows(0.0, 0)] == ["b", "c"]
 

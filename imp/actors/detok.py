@@ -66,7 +66,7 @@ class DetokActor(Actor):
             for t in msg.outs:
                 self._on_tokens(t, deltas)
             if deltas:
-                self.send("ingress", DeltaBatch(deltas))
+                self.send("ingress", DeltaBatch(tuple(deltas)))
         elif isinstance(msg, TokenOut):
             deltas = []
             self._on_tokens(msg, deltas)
@@ -90,13 +90,7 @@ class DetokActor(Actor):
             finish = FinishReason.STOP
         elif final:
             out += ch.stops.flush()
-        deltas.append(
-            Delta(
-                m.req_id, m.index, out, list(m.token_ids), finish,
-                m.prompt_tokens, m.cached_tokens, m.completion_tokens,
-                list(m.logprobs), m.error, list(m.prompt_logprobs), ch.stops.hit if stopped else "",
-            )
-        )
+        deltas.append(Delta(m, out, finish, ch.stops.hit if stopped else ""))
         if final:
             self._forget(m.req_id, m.index)
         elif stopped:

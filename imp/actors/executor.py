@@ -54,11 +54,15 @@ def attach_params(plan: StepPlan, kept: dict[str, SamplingParams]) -> list[SeqWo
 class ExecutorActor(Actor):
     name = "executor"
 
-    def __init__(self, bus: Bus, runner, name: str = "executor", scheduler: str = "scheduler"):
+    def __init__(self, bus: Bus, runner, name: str = "executor", scheduler: str = "scheduler",
+                 constraints=None):
+        """constraints: an imp.constrain.book.ConstraintBook (grammar masks for constrained
+        sequences), handed to the runner with every step; None = no grammar engine."""
         self.name = name
         super().__init__(bus)
         self.scheduler = scheduler  # its replica's scheduler (data parallel: "scheduler.i")
         self.runner = runner
+        self.book = constraints
         self.pipelined = hasattr(runner, "launch") and hasattr(runner, "collect")
         # one launch thread: torch's per-thread state (threads, grad mode, device) stays put
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
@@ -74,7 +78,7 @@ class ExecutorActor(Actor):
 
         seqs = resolve_pending(seqs, self._last) if any(w.pending for w in seqs) else seqs
         with torch.inference_mode():
-            tokens = self.runner.step(seqs) if seqs else []
+            tokens = self.runner.step(seqs, constraints=self.book) if seqs else []
         self._last = {t.seq_id: t.token_id for t in tokens}
         return tokens
 
@@ -82,13 +86,15 @@ class ExecutorActor(Actor):
         import torch
 
         with torch.inference_mode():
-            return self.runner.launch(seqs)
+            return self.runner.launch(seqs, constraints=self.book)
 
     async def on_message(self, sender: str, msg: Msg) -> None:
         if not isinstance(msg, StepPlan):
             return
         if msg.freed and hasattr(self.runner, "forget"):
             self.runner.forget(msg.freed)
+        if msg.freed and self.book is not None:
+            self.book.forget(msg.freed)
         t0 = time.monotonic_ns()
         loop = asyncio.get_running_loop()
         try:
@@ -117,7 +123,7 @@ class ExecutorActor(Actor):
             return
         now = time.monotonic_ns()
         self.steps += 1
-        self.send(self.scheduler, StepResult(msg.step, tokens, now, now - t0))
+        self.send(self.scheduler, StepResult(msg.step, tuple(tokens), now, now - t0))
 
     async def _collect_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -134,7 +140,7 @@ class ExecutorActor(Actor):
                 self.send(self.scheduler, StepFailed(step, f"{type(exc).__name__}: {exc}", now))
                 continue
             self.steps += 1
-            self.send(self.scheduler, StepResult(step, tokens, now, now - t0))
+            self.send(self.scheduler, StepResult(step, tuple(tokens), now, now - t0))
 
     async def on_stop(self) -> None:
         if self._collector is not None:

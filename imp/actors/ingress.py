@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from imp.actors.base import Actor, Bus
+from imp.actors.store_client import StoreClient
 from imp.messages import (
     Cancel,
     Delta,
@@ -27,6 +28,7 @@ from imp.messages import (
     Resume,
     SamplingParams,
     SessionClose,
+    StoreReply,
     Submit,
     Suspend,
 )
@@ -54,8 +56,10 @@ class RequestHandle:
 class IngressActor(Actor):
     name = "ingress"
 
-    def __init__(self, bus: Bus):
+    def __init__(self, bus: Bus, store: bool = False):
+        """store: a store actor runs; ingress holds its client and routes its replies to it."""
         super().__init__(bus)
+        self.store = StoreClient(self.send, reply_to=self.name) if store else None
         self.handles: dict[str, RequestHandle] = {}
         self.fault: str | None = None
         self.suspended = False  # POST /admin/suspend; admission refuses while set
@@ -80,10 +84,10 @@ class IngressActor(Actor):
             raise ValueError(f"duplicate request id {req_id}")
         h = self.handles[req_id] = RequestHandle(req_id, n, prompt_tokens=len(prompt),
                                                  max_tokens=params.max_tokens)
-        self.send("detok", DetokOpen(req_id, n, list(stop or []), True, list(prompt_tail or [])))
+        self.send("detok", DetokOpen(req_id, n, tuple(stop or ()), True, tuple(prompt_tail or ())))
         self.send(
             "admission",
-            Submit(req_id, list(prompt), params, time.monotonic_ns(), n, priority, salt,
+            Submit(req_id, tuple(prompt), params, time.monotonic_ns(), n, priority, salt,
                    cache_prompt, session_id),
         )
         return h
@@ -99,7 +103,7 @@ class IngressActor(Actor):
         h = self.handles.get(req_id)
         if h is None or h.done:
             return False
-        self.send("admission", EndThinking(req_id, list(token_ids)))  # after its Submit: FIFO
+        self.send("admission", EndThinking(req_id, tuple(token_ids)))  # after its Submit: FIFO
         return True
 
     def close_session(self, session_id: str) -> None:
@@ -165,7 +169,14 @@ class IngressActor(Actor):
             if h is not None:
                 h.finished.update(range(h.n))
                 h.queue.put_nowait(msg)
+        elif isinstance(msg, StoreReply):
+            if self.store is not None:
+                self.store.deliver(msg)
         elif isinstance(msg, Fault):
+            if msg.actor == "store":  # the store's calls fail; generation goes on
+                if self.store is not None:
+                    self.store.fail_all(msg.error)
+                return
             self.fault = msg.error
             for h in list(self.handles.values()):
                 h.queue.put_nowait(msg)

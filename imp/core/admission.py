@@ -123,10 +123,7 @@ class AdmissionCore:
                 del self.sessions[next(iter(self.sessions))]
         self.owner[m.req_id] = (r, reserved)
         self.loads[r] += reserved
-        return (self._sched(r), Enqueue(
-            m.req_id, m.prompt, m.params, m.arrival_ns, m.n, m.priority, m.salt,
-            reserved_blocks=reserved, cache_prompt=m.cache_prompt, session_id=m.session_id,
-        ))
+        return (self._sched(r), Enqueue(m, reserved_blocks=reserved))
 
     def reserve(self, n_prompt: int, max_tokens: int, n: int) -> int:
         """Blocks for the prompt and the expected generation of n siblings.

@@ -94,7 +94,7 @@ class KvCore:
             r = fn(op)
             if r is not None:
                 results.append(r)
-        return [("scheduler", KvReply(msg.step, results, self.figures()))]
+        return [("scheduler", KvReply(msg.step, tuple(results), self.figures()))]
 
     def figures(self) -> KvFigures:
         free = len(self.clean) + len(self.lru)
@@ -150,7 +150,7 @@ class KvCore:
             self._hold(b)
         table = hits + [self._take() for _ in range(need)]
         self.seqs[op.seq_id] = _Seq(table, op.salt, len(hits), last)
-        return KvResult(op.seq_id, True, list(table), cached_tokens=len(hits) * bs)
+        return KvResult(op.seq_id, True, tuple(table), cached_tokens=len(hits) * bs)
 
     def _fork(self, op: KvOp) -> KvResult:
         """Share the parent's full blocks of the first num_tokens positions
@@ -171,7 +171,7 @@ class KvCore:
             self._hold(b)
         table = parent.table[:k] + [self._take() for _ in range(need)]
         self.seqs[op.seq_id] = _Seq(table, op.salt, k, h)
-        return KvResult(op.seq_id, True, list(table), cached_tokens=k * bs)
+        return KvResult(op.seq_id, True, tuple(table), cached_tokens=k * bs)
 
     def _grow(self, op: KvOp) -> KvResult:
         s = self._seq(op)
@@ -181,7 +181,7 @@ class KvCore:
             if not self._can_take(need):
                 return KvResult(op.seq_id, False)
             s.table.extend(self._take() for _ in range(need))
-        return KvResult(op.seq_id, True, list(s.table))
+        return KvResult(op.seq_id, True, tuple(s.table))
 
     def _free(self, op: KvOp) -> None:
         s = self._seq(op)

@@ -6,6 +6,13 @@ configs in the log header, feeds it the messages the log says it received,
 and compares each message it emits with the one the log recorded, in order.
 No model is loaded. The first divergence is printed with the sequence number
 of the recorded message and the run exits 1.
+
+Before comparing anything it checks that the log is whole and is the model's
+it claims: sequence numbers run without a gap (a lost record would make a
+core diverge for no fault of its own), the header's model fingerprint is the
+one every KV allocator was built with, and, when the caller names the model
+(`python -m imp replay LOG --model PATH`), that it is that model's. Logs of
+an older schema are upcast on read (`imp.log.upcast`).
 """
 
 from __future__ import annotations
@@ -31,6 +38,21 @@ def core_types():
         "scheduler": (SchedulerCore, SchedulerConfig),
         "kv": (KvCore, KvConfig),
     }
+
+
+class LogRefused(ValueError):
+    """The log cannot be replayed as it is: say why, compare nothing."""
+
+
+def check_header(header: LogHeader, expect_fingerprint: str | None = None) -> None:
+    kv_fps = {name: cfg.get("fingerprint") for name, cfg in header.configs.items() if name.split(".")[0] == "kv"}
+    for name, fp in kv_fps.items():
+        if fp is not None and fp != header.fingerprint:
+            raise LogRefused(f"the header's model fingerprint {header.fingerprint[:16]} is not the one {name} was "
+                             f"built with ({str(fp)[:16]}): the log is inconsistent")
+    if expect_fingerprint is not None and expect_fingerprint != header.fingerprint:
+        raise LogRefused(f"the log was written with model {header.fingerprint[:16]}..., not this model "
+                         f"({expect_fingerprint[:16]}...): refusing to replay it against another model")
 
 
 @dataclass
@@ -68,7 +90,12 @@ def replay(header: LogHeader, envelopes, *, step_print=None) -> ReplayResult:
     pending: dict[str, list] = {name: [] for name in cores}  # emitted, not yet matched
     res = ReplayResult(inputs={n: 0 for n in cores}, decisions={n: 0 for n in cores})
     t0 = time.perf_counter()
+    last_seq = None
     for env in envelopes:
+        if last_seq is not None and env.seq != last_seq + 1:
+            raise LogRefused(f"sequence gap: seq {env.seq} follows seq {last_seq} "
+                             f"({env.seq - last_seq - 1} record(s) missing)")
+        last_seq = env.seq
         res.events += 1
         # a recorded output of a core: the replayed core must have emitted the same
         if env.sender in cores and not isinstance(env.payload, Fault):
@@ -93,18 +120,30 @@ def replay(header: LogHeader, envelopes, *, step_print=None) -> ReplayResult:
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m imp replay", description=__doc__.splitlines()[0])
     p.add_argument("log", help="event log written with --event-log (or a ring dump)")
     p.add_argument("--step", action="store_true", help="print every decision as it is checked")
-    ns = p.parse_args(argv)
+    p.add_argument("--model", default=None, help="refuse the log unless it was written with this model")
+    return p
+
+
+def main(argv: list[str] | None = None, expect_fingerprint: str | None = None) -> int:
+    """expect_fingerprint: the --model's fingerprint, computed by the caller (python -m imp
+    replay), which can read model files; this module reads only logs."""
+    ns = parser().parse_args(argv)
     try:
         header, envs = read_log(ns.log)
     except (OSError, ValueError, msgspec.DecodeError) as exc:
         print(f"replay: cannot read {ns.log}: {exc}", file=sys.stderr)
         return 2
     print(f"log: {ns.log}  schema v{header.schema_version}  model fingerprint {header.fingerprint[:16]}  {header.note}")
-    res = replay(header, envs, step_print=print if ns.step else None)
+    try:
+        check_header(header, expect_fingerprint)
+        res = replay(header, envs, step_print=print if ns.step else None)
+    except LogRefused as exc:
+        print(f"replay: refused: {exc}", file=sys.stderr)
+        return 2
     for name in res.inputs:
         print(f"  {name:<10} {res.inputs[name]:>8} inputs  {res.decisions[name]:>8} decisions checked")
     rate = res.events / res.seconds if res.seconds else float("inf")

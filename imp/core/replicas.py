@@ -10,7 +10,7 @@ the clock are shared.
 The scheduler and KV cores are written for the plain names; `Routed` wraps a
 core so its messages for "kv" / "executor" / "scheduler" go to its own
 replica's actors. It is pure like the core it wraps, so replay rebuilds it
-from the name recorded in the log header (`core_for`).
+from the name recorded in the log header (`imp.core.replay`).
 """
 
 from __future__ import annotations

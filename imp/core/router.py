@@ -24,6 +24,20 @@ class Delivery(NamedTuple):
     msg: Msg
 
 
+def check_frozen(msg, where: str = "") -> None:
+    """Raise if a message holds a list anywhere: messages are deep-frozen (tuples), so the
+    log records exactly what the receiver saw. The router checks every delivery, which is
+    how the state machines and replay hold every core to it."""
+    if isinstance(msg, list):
+        raise TypeError(f"{where or type(msg).__name__}: a list inside a message (use a tuple)")
+    if isinstance(msg, tuple):
+        for i, x in enumerate(msg):
+            check_frozen(x, f"{where}[{i}]")
+    elif hasattr(msg, "__struct_fields__"):
+        for f in msg.__struct_fields__:
+            check_frozen(getattr(msg, f), f"{where or type(msg).__name__}.{f}")
+
+
 class Router:
     def __init__(self, cores: dict[str, Core]):
         self.cores = cores
@@ -45,6 +59,7 @@ class Router:
         return [d for d in self.log[start:] if d.receiver not in self.cores]
 
     def _record(self, sender: str, receiver: str, msg: Msg) -> Delivery:
+        check_frozen(msg)
         d = Delivery(len(self.log) + 1, sender, receiver, msg)
         self.log.append(d)
         return d

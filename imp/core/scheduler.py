@@ -52,7 +52,7 @@ import msgspec
 from imp.core.core import CoreError, Out
 from imp.messages import (
     Cancel, EndThinking, Enqueue, Figures, Finished, FinishReason, KvFigures, KvOp, KvReply, KvRequest, Msg,
-    PENDING_TOKEN, QueueFigures, Reject, SessionClose, SampledToken, SeqWork, StepFailed, StepPlan, StepResult, StepStats, Tick,
+    PENDING_TOKEN, QueueFigures, Reject, SessionClose, SampledToken, SeqWork, StepFailed, StepPlan, StepResult, StepStats, Submit, Tick,
     TokenBatch, TokenOut,
 )
 
@@ -91,7 +91,7 @@ class Req:
     __slots__ = ("id", "prompt", "priority", "salt", "arrival_ns", "order", "reserved", "cached_tokens", "n_running",
                  "n_live", "seqs", "pin_key", "session_id")
 
-    def __init__(self, m: Enqueue, order: int, reserved: int):
+    def __init__(self, m: Submit, order: int, reserved: int):
         self.id, self.prompt, self.priority, self.salt = m.req_id, m.prompt, m.priority, m.salt
         self.arrival_ns, self.order, self.reserved = m.arrival_ns, order, reserved
         self.cached_tokens = -1  # prompt tokens found in the prefix cache, at first alloc
@@ -114,7 +114,7 @@ class Seq:
         self.status = Status.HELD
         self.num_computed = 0  # positions whose KV is written
         self.num_reported = 0  # of those, reported to kv (for prefix hashing)
-        self.table: list[int] = []
+        self.table: tuple[int, ...] = ()  # always a KvReply's tuple: shared with SeqWork, never copied
         self.in_kv = False  # kv holds a table for it
         self.admit_no = 0  # when it last started running (preemption picks the newest)
         self.plp: list = []  # prompt logprobs gathered during prefill (choice 0 only)
@@ -162,7 +162,7 @@ class SchedulerCore:
         out: Out = []
         self.stalled = self.stalled and isinstance(msg, KvReply)
         if isinstance(msg, Enqueue):
-            self._advance(msg.arrival_ns, out)
+            self._advance(msg.submit.arrival_ns, out)
             self._enqueue(msg, out)
         elif isinstance(msg, Cancel):
             r = self.requests.get(msg.req_id)  # unknown: it finished already
@@ -224,12 +224,12 @@ class SchedulerCore:
             lead = r.seqs[0]
             if (s.index > 0 and len(s.tokens) == len(r.prompt) and lead.status is Status.RUNNING
                     and lead.num_computed >= (len(r.prompt) - 1) // c.block_size * c.block_size):
-                ops.append(KvOp("fork", s.id, len(s.tokens), list(s.tokens), parent=lead.id, salt=r.salt))
+                ops.append(KvOp("fork", s.id, len(s.tokens), tuple(s.tokens), parent=lead.id, salt=r.salt))
             else:
                 # prompt logprobs need every prompt row forwarded: a salt of its own
                 # makes the prefix cache miss (its own recompute may still hit)
                 salt = r.salt if s.params.prompt_logprobs < 0 else f"{r.salt}\0plp\0{r.id}"
-                ops.append(KvOp("alloc", s.id, len(s.tokens), list(s.tokens), salt=salt))
+                ops.append(KvOp("alloc", s.id, len(s.tokens), tuple(s.tokens), salt=salt))
             n = min(len(s.tokens), budget)
             self.batch.append(Work(s, n, True, new=True))
             budget -= n
@@ -238,7 +238,7 @@ class SchedulerCore:
             self.step += 1
             self.freed += [op.seq_id for op in ops if op.kind == "free"]
             self.phase = Phase.KV
-            out.append(("kv", KvRequest(self.step, ops)))
+            out.append(("kv", KvRequest(self.step, tuple(ops))))
 
     def _on_kv(self, msg: KvReply, out: Out) -> None:
         self._check(Phase.KV, msg.step)
@@ -289,7 +289,7 @@ class SchedulerCore:
             out.append(("metrics", self._figures()))
             return
         self.inflight.append((self.step, keep))
-        out.append(("executor", StepPlan(self.step, [self._work(w) for w in keep], self.freed)))
+        out.append(("executor", StepPlan(self.step, tuple(self._work(w) for w in keep), tuple(self.freed))))
         self.freed = []
 
     def _on_result(self, msg: StepResult, out: Out) -> None:
@@ -327,7 +327,7 @@ class SchedulerCore:
     def _sampled(self, s: Seq, t: SampledToken, out: Out) -> None:
         s.tokens.append(t.token_id)
         p, r = s.params, s.req
-        if t.token_id in p.stop_token_ids and not p.ignore_eos:
+        if t.token_id in p.stop_token_ids and (not p.ignore_eos or p.constrained):  # a grammar ends at EOS
             reason = FinishReason.STOP
         elif len(s.tokens) - len(r.prompt) >= p.max_tokens or len(s.tokens) >= self.max_len:
             reason = FinishReason.LENGTH
@@ -335,7 +335,7 @@ class SchedulerCore:
             reason = FinishReason.NONE
         tout = self._token_out(s, [t.token_id], reason, [t] if p.logprobs >= 0 else [])
         if p.prompt_logprobs >= 0 and s.index == 0 and not s.plp_sent:
-            tout = msgspec.structs.replace(tout, prompt_logprobs=s.plp)
+            tout = msgspec.structs.replace(tout, prompt_logprobs=tuple(s.plp))
             s.plp, s.plp_sent = [], True
         out.append(("detok", tout))
         if s.index == 0 and len(r.seqs) > 1:  # the prompt is computed: the siblings may fork it
@@ -351,20 +351,21 @@ class SchedulerCore:
         sent = p if w.new else None  # the executor keeps them from the first share of an admission
         if p.prompt_logprobs >= 0 and s.index == 0 and not s.plp_sent and end <= n_prompt:
             nxt = s.tokens[end] if end < n_prompt else -1
-            return SeqWork(s.id, s.tokens[start:end], start, s.table, sample, sent, gen_index=n_gen,
+            return SeqWork(s.id, tuple(s.tokens[start:end]), start, s.table, sample, sent, gen_index=n_gen,
                            prompt_logprobs=p.prompt_logprobs, prompt_next=nxt)
-        toks, pending = s.tokens[start:end], max(0, end - known)  # a result may have landed since planning
+        toks, pending = tuple(s.tokens[start:end]), max(0, end - known)  # a result may have landed since planning
         if pending:  # depth 2: only the token the step in flight samples is unknown
             if pending > 1 or w.n != 1:
                 raise CoreError(f"{s.id}: {pending} unknown tokens in a {w.n}-token share")
-            toks = [PENDING_TOKEN]
-        # s.table is never mutated in place (always replaced by a KvReply's list): share it
+            toks = (PENDING_TOKEN,)
+        # s.table is a KvReply's tuple: shared, not copied
         return SeqWork(s.id, toks, start, s.table, sample, sent, gen_index=n_gen,
-                       history=s.tokens[n_prompt:end] if sample and p.penalized else [], pending=pending)
+                       history=tuple(s.tokens[n_prompt:end]) if sample and p.needs_history else (), pending=pending)
 
     # ------------------------------------------------------------------ requests
 
-    def _enqueue(self, m: Enqueue, out: Out) -> None:
+    def _enqueue(self, e: Enqueue, out: Out) -> None:
+        m = e.submit
         if m.req_id in self.requests:
             raise CoreError(f"duplicate request {m.req_id}")
         if not 0 < len(m.prompt) < self.max_len:  # admission checks this; never trust a neighbour
@@ -373,7 +374,7 @@ class SchedulerCore:
             out.append(("admission", Finished(m.req_id, FinishReason.REJECTED)))
             return
         self._orders += 1
-        r = self.requests[m.req_id] = Req(m, self._orders, min(m.reserved_blocks, self.config.num_blocks))
+        r = self.requests[m.req_id] = Req(m, self._orders, min(e.reserved_blocks, self.config.num_blocks))
         for i in range(m.n):
             p = m.params if i == 0 else msgspec.structs.replace(m.params, seed=(m.params.seed + i) % (1 << 63))
             r.seqs.append(Seq(r, i, p))
@@ -399,7 +400,7 @@ class SchedulerCore:
                 continue
             s.epoch, s.ahead, s.pending = s.epoch + 1, 0, 0  # work in flight fed the old context
             s.tokens.extend(ids)
-            out.append(("detok", self._token_out(s, list(ids), FinishReason.NONE, [])))
+            out.append(("detok", self._token_out(s, tuple(ids), FinishReason.NONE, ())))
 
     def _finish(self, s: Seq, reason: FinishReason, out: Out) -> None:
         if s.in_kv:
@@ -411,7 +412,7 @@ class SchedulerCore:
             r = s.req
             del self.requests[r.id]
             if r.pin_key and reason is not FinishReason.ERROR:  # after the frees: blocks are hashed
-                self.frees.append(KvOp("pin", r.pin_key, token_ids=list(r.prompt), salt=r.salt))
+                self.frees.append(KvOp("pin", r.pin_key, token_ids=tuple(r.prompt), salt=r.salt))
                 if r.session_id:
                     self.sessions.pop(r.session_id, None)
                     self.sessions[r.session_id] = self.now
@@ -471,13 +472,13 @@ class SchedulerCore:
         bs = self.config.block_size
         if positions <= len(s.table) * bs and s.num_computed // bs == s.num_reported // bs:
             return None
-        op = KvOp("grow", s.id, positions, s.tokens[s.num_reported:s.num_computed])
+        op = KvOp("grow", s.id, positions, tuple(s.tokens[s.num_reported:s.num_computed]))
         s.num_reported = s.num_computed
         return op
 
     def _free(self, s: Seq) -> None:
-        self.frees.append(KvOp("free", s.id, token_ids=s.tokens[s.num_reported:s.num_computed]))
-        s.in_kv, s.table = False, []
+        self.frees.append(KvOp("free", s.id, token_ids=tuple(s.tokens[s.num_reported:s.num_computed])))
+        s.in_kv, s.table = False, ()
 
     def _key(self, s: Seq) -> tuple[int, int, int, int]:
         r = s.req
@@ -488,7 +489,8 @@ class SchedulerCore:
         # kept incrementally: summing over every request was a tenth of a step at batch 256
         return self._reserved_running
 
-    def _token_out(self, s: Seq, ids: list[int], reason: FinishReason, lp: list, error: str = "") -> TokenOut:
+    def _token_out(self, s: Seq, ids, reason: FinishReason, lp, error: str = "") -> TokenOut:
+        ids, lp = tuple(ids), tuple(lp)
         if not reason:
             return TokenOut(s.req.id, s.index, ids, logprobs=lp)
         return TokenOut(s.req.id, s.index, ids, reason, len(s.req.prompt), max(0, s.req.cached_tokens),
@@ -522,5 +524,5 @@ def _batch_tokens(out: Out) -> Out:
         return out
     first = next(i for i, (r, m) in enumerate(out) if r == "detok" and type(m) is TokenOut)
     rest = [(r, m) for r, m in out if not (r == "detok" and type(m) is TokenOut)]
-    rest.insert(first, ("detok", TokenBatch(touts)))
+    rest.insert(first, ("detok", TokenBatch(tuple(touts))))
     return rest

@@ -178,8 +178,8 @@ class GpuModelRunner:
             _cuda.use_device(self.device.index or 0)
             return self.fwd(eager_meta(seqs, rows, self.block_size, self.device)).clone()
 
-    def step(self, seqs: list[SeqWork]) -> list[SampledToken]:
-        return self.collect(self.launch(seqs))
+    def step(self, seqs: list[SeqWork], constraints=None) -> list[SampledToken]:
+        return self.collect(self.launch(seqs, constraints))
 
     def collect(self, h: Landing) -> list[SampledToken]:
         """Wait for a launched step; its tokens, in the order of its sampled shares."""
@@ -188,17 +188,21 @@ class GpuModelRunner:
         return [SampledToken(seq_id=sid, token_id=t) for sid, t in zip(h.seq_ids, h.ids())]
 
     @torch.inference_mode()
-    def launch(self, seqs: list[SeqWork]) -> Landing:
+    def launch(self, seqs: list[SeqWork], constraints=None) -> Landing:
         """Enqueue one step on the device and return without waiting for it.
 
         A share feeding PENDING_TOKEN whose sequence the previous step did not
         sample (that step failed: the scheduler has ended it) is left out.
+        constraints (imp.constrain.book.ConstraintBook): masks the constrained
+        rows' logits before sampling; such a row's history must be complete, so
+        a constrained share feeding PENDING_TOKEN waits for the previous step's
+        ids on the host (as a penalized one does) while this step's forward runs.
         """
         self._check(seqs)
         with self._lock:
             _cuda.use_device(self.device.index or 0)  # per thread: the executor's thread starts on device 0
             try:
-                return self._launch(seqs)
+                return self._launch(seqs, constraints)
             except BaseException:
                 self._prev_rows, self._prev = {}, None  # nothing to feed the next step from
                 raise
@@ -225,13 +229,13 @@ class GpuModelRunner:
     def _check(self, seqs: list[SeqWork]) -> None:
         check(seqs, self.config.context_length, self.block_size, self.num_blocks)
 
-    def _launch(self, seqs: list[SeqWork]) -> Landing:
+    def _launch(self, seqs: list[SeqWork], constraints=None) -> Landing:
         seqs = pending.known(seqs, self._prev_rows)
         src = pending.pending_rows(seqs, self._prev_rows)
         if not seqs:
             return self._landed([], None, [])
         if self.graphs.fits(seqs):
-            return self._sample_and_land(self.graphs.replay(seqs, src), seqs)
+            return self._sample_and_land(self.graphs.replay(seqs, src), seqs, constraints)
         rows, sample_at, plp_at = head_rows(seqs)
         logits = self.fwd(eager_meta(seqs, rows, self.block_size, self.device, src))  # rows == []: KV writes only
         order = sorted(sample_at)
@@ -239,23 +243,26 @@ class GpuModelRunner:
             if not order:
                 return self._landed([], None, [])
             sel = logits.index_select(0, torch.tensor([sample_at[i] for i in order], device=self.device))
-            return self._sample_and_land(sel, [seqs[i] for i in order])
+            return self._sample_and_land(sel, [seqs[i] for i in order], constraints)
         # prompt logprobs: scored on the host now (not pipelined; such steps are prefill chunks)
         drawn: dict[int, SampledToken] = {}
         if order:
             sel = logits.index_select(0, torch.tensor([sample_at[i] for i in order], device=self.device))
-            drawn = dict(zip(order, self.collect(self._sample_and_land(sel, [seqs[i] for i in order]))))
+            drawn = dict(zip(order, self.collect(self._sample_and_land(sel, [seqs[i] for i in order], constraints))))
         out = with_prompt_logprobs(seqs, drawn, plp_at, logits)
         return Landing([t.seq_id for t in out], None, None, out)
 
-    def _sample_and_land(self, logits: torch.Tensor, seqs: list[SeqWork]) -> Landing:
+    def _sample_and_land(self, logits: torch.Tensor, seqs: list[SeqWork], constraints=None) -> Landing:
         """Sample rows of logits for seqs; keep the ids on the device for the next
         step's PENDING_TOKEN and start their copy to the host."""
         if len(seqs) > MAX_SAMPLED:
             raise ValueError(f"{len(seqs)} sequences sampled in one step (at most {MAX_SAMPLED})")
-        if any(s.pending and s.params.penalized for s in seqs):  # penalties count the token in flight: need it here
+        if any(s.pending and s.params.needs_history for s in seqs):
+            # penalties count the token in flight and a grammar's state follows it: need it on the host
             prev = dict(zip(self._prev.seq_ids, self._prev.ids()))
-            seqs = [pending.fill(s, prev[s.seq_id]) if s.pending and s.params.penalized else s for s in seqs]
+            seqs = [pending.fill(s, prev[s.seq_id]) if s.pending and s.params.needs_history else s for s in seqs]
+        if constraints is not None:
+            constraints.apply(logits, seqs)  # in place: masked tokens -inf, before bias and the rest
         ids, tokens = sampler.draw_ids(logits, seqs, self.use_numba_sampling)
         B = len(seqs)
         self._sampled[:B].copy_(ids)

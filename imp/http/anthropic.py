@@ -19,22 +19,22 @@ import uuid
 
 from aiohttp import web
 
-from imp.http.app import ENGINE
+import msgspec
+
+from imp.http import body as B
+from imp.http import keys, resolve, structured, tool_use
 from imp.http.control import live_requests
-from imp.http.driver import StreamFault, generate, stream_failed
+from imp.http.driver import StreamFault, generate, sse_start, stream_failed
 from imp.http.errors import ApiError, bad, error_body, error_response
-from imp.http.openai_chat import prepare_prompt, read_json
-from imp.http.params import boolean, num, sampling
 from imp.http.reasoning import ThinkSplitter, split_delta
+from imp.http.request import GenerateRequest, Message, Sampling
 from imp.messages import FinishReason
+from imp.tools import ArgsDelta, CallStart, Text, ToolSpecError, from_anthropic, reprefix
 
 log = logging.getLogger("imp.http")
 
 _MEDIA = {"image", "document"}
-_TOOL_CHOICES = {"auto", "any", "tool", "none"}
 _THINKING = {"enabled", "disabled", "adaptive"}
-# imp's own fields, accepted here as on the other dialects
-_IMP_FIELDS = ("seed", "priority", "cache_prompt", "session_id", "min_p", "repetition_penalty", "ignore_eos")
 _betas_seen: set[str] = set()
 
 
@@ -73,7 +73,7 @@ def _route(fn):
 
 
 def _event(name: str, data: dict) -> bytes:
-    return f"event: {name}\ndata: ".encode() + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+    return f"event: {name}\ndata: ".encode() + msgspec.json.encode(data) + b"\n\n"
 
 
 # --------------------------------------------------------------------------- request -> template
@@ -101,13 +101,17 @@ def _text(v, where: str) -> str:
 
 
 def _blocks(m: dict, where: str, names: dict[str, str]) -> list[dict]:
-    """One Anthropic message -> template messages (a user turn may carry tool results)."""
+    """One Anthropic message -> template messages (a user turn may carry tool results).
+    A `system` message inside `messages` (Claude Code's mid-conversation system beta) is a
+    system turn at that point of the conversation."""
     role = m.get("role")
-    if role not in ("user", "assistant"):
-        raise bad(f"'{where}.role' must be 'user' or 'assistant'", f"{where}.role")
+    if role not in ("user", "assistant", "system"):
+        raise bad(f"'{where}.role' must be 'user', 'assistant' or 'system'", f"{where}.role")
     content = m.get("content")
     if content is None:
         raise bad(f"'{where}.content' is required", f"{where}.content")
+    if role == "system":
+        return [{"role": "system", "content": _text(content, f"{where}.content")}]
     if isinstance(content, str):
         content = [{"type": "text", "text": content}]
     if not isinstance(content, list):
@@ -167,54 +171,47 @@ def _blocks(m: dict, where: str, names: dict[str, str]) -> list[dict]:
     return out
 
 
-def _tools(body: dict) -> list[dict] | None:
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise bad("'tools' must be an array", "tools")
-    out = []
-    for i, t in enumerate(tools or []):
-        w = f"tools[{i}]"
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
-            raise bad(f"'{w}' must be an object with a non-empty string 'name'", w)
-        schema = t.get("input_schema")
-        if schema is None:
-            if t.get("type") in (None, "custom"):
-                raise bad(f"'{w}.input_schema' is required", f"{w}.input_schema")
-            continue  # a server tool (web_search, bash_...): nothing for the template to show
-        if not isinstance(schema, dict):
-            raise bad(f"'{w}.input_schema' must be an object", f"{w}.input_schema")
-        desc = t.get("description")
-        if desc is not None and not isinstance(desc, str):
-            raise bad(f"'{w}.description' must be a string", f"{w}.description")
-        out.append({"type": "function", "function": {"name": t["name"], "description": desc or "", "parameters": schema}})
-    choice = body.get("tool_choice")
-    if choice is not None:
-        if not isinstance(choice, dict) or choice.get("type") not in _TOOL_CHOICES:
-            raise bad(f"'tool_choice' must be an object with 'type' one of {sorted(_TOOL_CHOICES)}", "tool_choice")
-        if choice["type"] == "tool" and not isinstance(choice.get("name"), str):
-            raise bad("'tool_choice.name' must be a string when 'type' is 'tool'", "tool_choice.name")
-        if choice["type"] == "none":
-            return None  # accepted, not enforced; "none" keeps the tools out of the prompt
-    return out or None
+def _tool_plan(body: dict, template_source: str):
+    """tools / tool_choice -> the request's ToolPlan (None without tools). Server tools
+    (web_search, bash, ...: a `type` other than custom) run on Anthropic's side and are left
+    out; cache_control on a tool is accepted (prefix caching is automatic here)."""
+    try:
+        specs, choice = from_anthropic(body.get("tools"), body.get("tool_choice"))
+    except ToolSpecError as exc:
+        raise bad(exc.message, exc.param) from None
+    return tool_use.plan(specs, choice, template_source)
 
 
 def _template_kwargs(body: dict) -> dict:
+    """thinking (enabled / adaptive / disabled, budget_tokens) and output_config.effort:
+    templates that think (Qwen3 ...) follow enable_thinking; a model that does not think
+    simply does not open a think block."""
+    kw = {}
     th = body.get("thinking")
-    if th is None:
-        return {}
-    if not isinstance(th, dict) or th.get("type") not in _THINKING:
-        raise bad(f"'thinking' must be an object with 'type' one of {sorted(_THINKING)}", "thinking")
-    if th.get("budget_tokens") is not None:
-        num(th, "budget_tokens", 1, integer=True)
-    # accepted; templates that know enable_thinking (Qwen3 ...) follow it
-    return {"enable_thinking": th["type"] != "disabled"}
+    if th is not None:
+        if not isinstance(th, dict) or th.get("type") not in _THINKING:
+            raise bad(f"'thinking' must be an object with 'type' one of {sorted(_THINKING)}", "thinking")
+        if th.get("budget_tokens") is not None:
+            B.num(th, "budget_tokens", 1, integer=True, where="thinking.budget_tokens")
+        kw["enable_thinking"] = th["type"] != "disabled"
+    oc = body.get("output_config")
+    if oc is not None:
+        if not isinstance(oc, dict):
+            raise bad("'output_config' must be an object", "output_config")
+        effort = oc.get("effort")
+        if effort is not None and effort not in ("low", "medium", "high", "max"):
+            raise bad("'output_config.effort' must be low, medium, high or max", "output_config.effort")
+    cm = body.get("context_management")
+    if cm is not None and not isinstance(cm, dict):
+        raise bad("'context_management' must be an object", "context_management")
+    # context_management edits (clear_thinking, clear_tool_uses) shrink a long conversation on
+    # Anthropic's side; here earlier thinking is never shown again anyway and the prompt is
+    # the client's to size: accepted, with no edit applied (documented in FEATURES.md)
+    return kw
 
 
-def _prompt(engine, body: dict) -> tuple[list[int], bool]:
-    """Validate the prompt fields, render, tokenize; also say whether a think block is open."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("'model' is required and must be a string", "model")
+def _messages(body: dict) -> list[dict]:
+    """system + messages -> template message dicts (consecutive same-role turns joined)."""
     msgs: list[dict] = []
     if body.get("system") is not None:
         system = _text(body["system"], "system")
@@ -240,6 +237,27 @@ def _prompt(engine, body: dict) -> tuple[list[int], bool]:
                     prev["tool_calls"] = prev.get("tool_calls", []) + msg["tool_calls"]
             else:
                 msgs.append(msg)
+    return msgs
+
+
+def _sampling(body: dict) -> Sampling:
+    """Anthropic's ranges (temperature 0..1, top_k >= 0) and imp's own fields."""
+    return Sampling(
+        temperature=B.num(body, "temperature", 0, 1),
+        top_p=B.num(body, "top_p", 0, 1, lo_open=True),
+        top_k=B.num(body, "top_k", 0, integer=True),
+        min_p=B.num(body, "min_p", 0, 1),
+        repetition_penalty=B.num(body, "repetition_penalty", 0, lo_open=True),
+        seed=B.num(body, "seed", integer=True),
+        ignore_eos=B.boolean(body, "ignore_eos"),
+    )
+
+
+def parse(body: dict, template_source: str = "", *, count_only: bool = False) -> GenerateRequest:
+    """A Messages body -> the typed request. A trailing assistant turn with text is a prefill.
+    count_only: /v1/messages/count_tokens, whose body has no max_tokens."""
+    model = B.model_name(body)
+    msgs = _messages(body)
     metadata = body.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict):
@@ -248,16 +266,50 @@ def _prompt(engine, body: dict) -> tuple[list[int], bool]:
             raise bad("'metadata.user_id' must be a string", "metadata.user_id")
     last = msgs[-1]
     prefill = last["role"] == "assistant" and not last.get("tool_calls") and bool(last["content"].strip())
-    opts = {"tools": _tools(body), "continue_final_message": prefill, "chat_template_kwargs": _template_kwargs(body)}
-    if "tool_calls" not in engine.template.source:
+    plan = _tool_plan(body, template_source)
+    kw = _template_kwargs(body)
+    constraint, field = structured.parse(body, dialect="anthropic")
+    tool_use.check_compatible(plan, constraint, field)
+    if plan is None and "tool_calls" not in template_source:
         msgs = [_calls_as_text(m) for m in msgs]  # the template would drop them silently
+    if body.get("max_tokens") is None and not count_only:
+        raise bad("'max_tokens' is required", "max_tokens")
+    max_tokens = B.num(body, "max_tokens", 1, integer=True)
+    stops = body.get("stop_sequences")
+    if stops is not None:
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise bad("'stop_sequences' must be an array of strings", "stop_sequences")
+        if len(stops) > 16:
+            raise bad("'stop_sequences' takes at most 16 strings", "stop_sequences")
+    messages = tuple(_msg(m) for m in msgs)
+    if plan is not None:
+        messages = tool_use.apply_to_messages(plan, messages)
+    return GenerateRequest(
+        endpoint="messages", model=model, messages=messages, tools=plan.template_tools() if plan else (),
+        continue_final_message=prefill, add_generation_prompt=not prefill, template_kwargs=kw,
+        constraint=constraint, constraint_field=field, tool_plan=plan,
+        sampling=_sampling(body), max_tokens=max_tokens, stop=tuple(s for s in stops or () if s),
+        stream=B.boolean(body, "stream"),
+        priority=B.num(body, "priority", -(2**31), 2**31 - 1, integer=True, default=0),
+        cache_prompt=B.boolean(body, "cache_prompt"), session_id=B.session_id(body),
+    )
+
+
+def _msg(m: dict) -> Message:
+    return Message(role=m["role"], content=m["content"], name=m.get("name"),
+                   tool_calls=tuple(m["tool_calls"]) if m.get("tool_calls") else None,
+                   tool_call_id=m.get("tool_call_id"))
+
+
+def _render(req: GenerateRequest, tm) -> resolve.Prompt:
     try:
-        return prepare_prompt(engine, msgs, opts)
+        return resolve.render(req, tm)
     except ApiError as err:
-        if err.code != "template_error" or not any(m["role"] == "tool" or m.get("tool_calls") for m in msgs):
+        if err.code != "template_error" or not any(m.role == "tool" or m.tool_calls for m in req.messages):
             raise
     # best effort: a template that refuses tool turns gets them as plain text
-    return prepare_prompt(engine, _tools_as_text(msgs), opts)
+    text_msgs = _tools_as_text([m.template_dict() for m in req.messages])
+    return resolve.render(msgspec.structs.replace(req, messages=tuple(_msg(m) for m in text_msgs)), tm)
 
 
 def _calls_as_text(m: dict) -> dict:
@@ -284,69 +336,46 @@ def _tools_as_text(msgs: list[dict]) -> list[dict]:
     return out
 
 
-def _gen(engine, body: dict, prompt_len: int):
-    if body.get("max_tokens") is None:
-        raise bad("'max_tokens' is required", "max_tokens")
-    num(body, "max_tokens", 1, integer=True)
-    num(body, "temperature", 0, 1)
-    num(body, "top_k", 0, integer=True)
-    stops = body.get("stop_sequences")
-    if stops is not None:
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise bad("'stop_sequences' must be an array of strings", "stop_sequences")
-        if len(stops) > 16:
-            raise bad("'stop_sequences' takes at most 16 strings", "stop_sequences")
-    boolean(body, "stream")
-    sub = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "stream", *_IMP_FIELDS) if k in body}
-    sub["stop"] = stops or None
-    return sampling(
-        sub,
-        defaults=engine.defaults,
-        vocab_size=engine.tokenizer.vocab_size,
-        prompt_len=prompt_len,
-        max_context=engine.max_context,
-        fixed_max_tokens=engine.cfg.max_tokens,
-        eos_ids=tuple(sorted(engine.tokenizer.eos_ids)),
-    )
-
-
 # --------------------------------------------------------------------------- handlers
-
-
-async def _read(request: web.Request) -> dict:
-    return await read_json(request)  # surrogates and deep nesting are 400s there
 
 
 @_route
 async def count_tokens(request: web.Request, echo: dict) -> web.Response:
-    engine = request.app[ENGINE]
-    body = await _read(request)
-    prompt, _ = _prompt(engine, body)
-    return web.json_response({"input_tokens": len(prompt)})
+    tm = request.app[keys.TEXT]
+    req = parse(await B.read_json(request), tm.template.source, count_only=True)
+    return web.json_response({"input_tokens": len(_render(req, tm).ids)})
 
 
 @_route
 async def messages(request: web.Request, echo: dict) -> web.StreamResponse:
-    engine = request.app[ENGINE]
-    body = await _read(request)
-    prompt, thinking = _prompt(engine, body)
-    gen = _gen(engine, body, len(prompt))
+    port, tm, cfg = request.app[keys.PORT], request.app[keys.TEXT], request.app[keys.CONFIG]
+    req = parse(await B.read_json(request), tm.template.source)
+    await resolve.compile_constraint(req, request.app[keys.GRAMMARS])
+    prompt = _render(req, tm)
+    params = resolve.sampling_params(req, len(prompt.ids), port.card, tm, cfg.max_tokens, cfg.max_output_tokens)
     mid = f"msg_{uuid.uuid4().hex[:24]}"
     request["response_id"] = request.get("client_request_id") or mid
-    splitter = ThinkSplitter(thinking)
+    splitter = ThinkSplitter(prompt.opens_think)
+    plan = req.tool_plan if req.tool_plan is not None and req.tool_plan.active else None
+    ctx = _Ctx(port.card.name, mid, len(prompt.ids), splitter, plan)
     with live_requests(request).track(mid, request.get("client_request_id"), lambda: splitter.thinking):
-        async with contextlib.aclosing(generate(engine, mid, prompt, gen, endpoint="messages")) as deltas:
-            if gen.stream:
-                return await _stream(request, engine, deltas, mid, len(prompt), splitter, echo)
-            return await _complete(request, engine, deltas, mid, len(prompt), splitter)
+        async with contextlib.aclosing(generate(port, mid, prompt.ids, params, req)) as deltas:
+            if req.stream:
+                return await _stream(request, ctx, deltas, echo)
+            return await _complete(request, ctx, deltas)
 
 
-def _stop(d) -> tuple[str, str | None]:
+class _Ctx:
+    def __init__(self, model: str, mid: str, prompt_len: int, splitter: ThinkSplitter, plan):
+        self.model, self.mid, self.prompt_len, self.splitter, self.plan = model, mid, prompt_len, splitter, plan
+
+
+def _stop(d, called: bool = False) -> tuple[str, str | None]:
     if d.finish == FinishReason.STOP and d.stop_str:
         return "stop_sequence", d.stop_str
     if d.finish in (FinishReason.LENGTH, FinishReason.TIMEOUT):
         return "max_tokens", None
-    return "end_turn", None
+    return ("tool_use" if called else "end_turn"), None
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict:
@@ -355,88 +384,131 @@ def _usage(prompt: int, completion: int, cached: int) -> dict:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
-def _message(engine, mid: str, content: list, stop: tuple[str | None, str | None], usage: dict) -> dict:
-    return {"id": mid, "type": "message", "role": "assistant", "model": engine.model_name, "content": content,
+def _message(model: str, mid: str, content: list, stop: tuple[str | None, str | None], usage: dict) -> dict:
+    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
 
 
-async def _complete(request, engine, deltas, mid, prompt_len, splitter) -> web.Response:
+def _tool_use_block(call) -> dict:
+    return {"type": "tool_use", "id": reprefix(call.id, "toolu_"), "name": call.name,
+            "input": json.loads(call.arguments or "{}")}
+
+
+async def _complete(request, ctx: _Ctx, deltas) -> web.Response:
     text = thought = ""
-    stop: tuple[str | None, str | None] = ("end_turn", None)
+    last = None
     completion = cached = 0
+    prompt_len, splitter = ctx.prompt_len, ctx.splitter
     try:
         async for d in deltas:
             r, c = split_delta(splitter, d)
             thought, text = thought + r, text + c
             prompt_len, cached, completion = d.prompt_tokens or prompt_len, d.cached_tokens, d.completion_tokens
             if d.finish != FinishReason.NONE:
-                stop = _stop(d)
+                last = d
     except StreamFault as exc:  # nothing was sent yet: a plain 500
         raise ApiError(500, f"engine step failed: {exc}", code="engine_step_failed") from None
     content = []
     if splitter.saw_think:
         content.append({"type": "thinking", "thinking": thought, "signature": ""})
-    if text or not content:
+    calls = ()
+    if ctx.plan is not None:
+        parsed = ctx.plan.parse(text, cut=last is not None and last.finish in (FinishReason.LENGTH,
+                                                                               FinishReason.TIMEOUT))
+        text, calls = parsed.content, parsed.calls
+    if text or not (content or calls):
         content.append({"type": "text", "text": text})
+    content += [_tool_use_block(c) for c in calls]
+    stop = _stop(last, bool(calls)) if last is not None else ("end_turn", None)
     return web.json_response(
-        _message(engine, mid, content, stop, _usage(prompt_len, completion, cached)),
+        _message(ctx.model, ctx.mid, content, stop, _usage(prompt_len, completion, cached)),
         headers={"X-Request-Id": request["response_id"]},
     )
 
 
-async def _stream(request, engine, deltas, mid, prompt_len, splitter, echo) -> web.StreamResponse:
-    """Anthropic's named events; blocks open as their first text arrives."""
+async def _stream(request, ctx: _Ctx, deltas, echo) -> web.StreamResponse:
+    """Anthropic's named events; blocks open as their first text arrives, one start per
+    block, deltas of the block's own type: thinking_delta, text_delta, and for a tool call
+    content_block_start {tool_use, id, name, input: {}} then input_json_delta.partial_json."""
     resp = None
     index, open_kind = -1, None
-    stop: tuple[str | None, str | None] = ("end_turn", None)
+    last = None
+    called = False
     completion = cached = 0
+    prompt_len, splitter = ctx.prompt_len, ctx.splitter
+    parser = ctx.plan.stream_parser() if ctx.plan is not None else None
+    out: list[bytes] = []
 
-    async def block(kind: str) -> None:
+    def block(kind: str, start: dict | None = None) -> None:
         nonlocal index, open_kind
-        if open_kind == kind:
+        if open_kind == kind and start is None:
             return
         if open_kind is not None:
-            await resp.write(_event("content_block_stop", {"type": "content_block_stop", "index": index}))
+            out.append(_event("content_block_stop", {"type": "content_block_stop", "index": index}))
         index, open_kind = index + 1, kind
-        start = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
-        await resp.write(_event("content_block_start", {"type": "content_block_start", "index": index, "content_block": start}))
+        if start is None:
+            start = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
+        out.append(_event("content_block_start", {"type": "content_block_start", "index": index, "content_block": start}))
+
+    def delta(d: dict) -> None:
+        out.append(_event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": d}))
+
+    def text_out(c: str) -> None:
+        if c:
+            block("text")
+            delta({"type": "text_delta", "text": c})
+
+    def tool_events(events) -> None:
+        nonlocal called
+        for ev in events:
+            if isinstance(ev, Text):
+                text_out(ev.text)
+            elif isinstance(ev, CallStart):
+                called = True
+                block("tool_use", {"type": "tool_use", "id": reprefix(ev.id, "toolu_"), "name": ev.name, "input": {}})
+            elif isinstance(ev, ArgsDelta):
+                delta({"type": "input_json_delta", "partial_json": ev.text})
 
     try:
         async for d in deltas:
             prompt_len, cached, completion = d.prompt_tokens or prompt_len, d.cached_tokens, d.completion_tokens
             if resp is None:
                 resp = await _sse_start(request, echo)
-                msg = _message(engine, mid, [], (None, None), _usage(prompt_len, completion, cached))
-                await resp.write(_event("message_start", {"type": "message_start", "message": msg})
-                                 + _event("ping", {"type": "ping"}))
+                msg = _message(ctx.model, ctx.mid, [], (None, None), _usage(prompt_len, completion, cached))
+                out.append(_event("message_start", {"type": "message_start", "message": msg})
+                           + _event("ping", {"type": "ping"}))
             r, c = split_delta(splitter, d)
+            done = d.finish != FinishReason.NONE
             if r or (splitter.saw_think and open_kind is None and index < 0):
-                await block("thinking")
+                block("thinking")
                 if r:
-                    await resp.write(_event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                                    "delta": {"type": "thinking_delta", "thinking": r}}))
-            if c:
-                await block("text")
-                await resp.write(_event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                                "delta": {"type": "text_delta", "text": c}}))
-            if d.finish != FinishReason.NONE:
-                stop = _stop(d)
+                    delta({"type": "thinking_delta", "thinking": r})
+            if parser is not None:
+                cut = d.finish in (FinishReason.LENGTH, FinishReason.TIMEOUT)
+                tool_events(parser.push(c) + (ctx.plan.finish(parser, cut) if done else []))
+            else:
+                text_out(c)
+            if done:
+                last = d
+            if out:
+                await resp.write(b"".join(out))
+                out.clear()
         if resp is None:  # nothing at all came back (cannot normally happen)
             resp = await _sse_start(request, echo)
-            await resp.write(_event("message_start", {"type": "message_start", "message": _message(
-                engine, mid, [], (None, None), _usage(prompt_len, 0, 0))}))
+            out.append(_event("message_start", {"type": "message_start", "message": _message(
+                ctx.model, ctx.mid, [], (None, None), _usage(prompt_len, 0, 0))}))
         if open_kind is None:
-            await block("text")  # an empty reply is still one (empty) text block, as non-stream
-        await resp.write(
-            _event("content_block_stop", {"type": "content_block_stop", "index": index})
-            + _event("message_delta", {"type": "message_delta",
-                                       "delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
-                                       "usage": _usage(prompt_len, completion, cached)})
-            + _event("message_stop", {"type": "message_stop"})
-        )
+            block("text")  # an empty reply is still one (empty) text block, as non-stream
+        stop = _stop(last, called) if last is not None else ("end_turn", None)
+        out.append(_event("content_block_stop", {"type": "content_block_stop", "index": index})
+                   + _event("message_delta", {"type": "message_delta",
+                                              "delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
+                                              "usage": _usage(prompt_len, completion, cached)})
+                   + _event("message_stop", {"type": "message_stop"}))
+        await resp.write(b"".join(out))
     except Exception as exc:  # noqa: BLE001 - fault, disconnect or our bug: see stream_failed
         await stream_failed(exc, resp, lambda message, _code: _error_event(request, 500, message),
-                            f"messages stream {mid}")
+                            f"messages stream {ctx.mid}")
     return resp
 
 
@@ -445,16 +517,4 @@ def _error_event(request, status: int, message: str) -> bytes:
 
 
 async def _sse_start(request: web.Request, echo: dict) -> web.StreamResponse:
-    # the middleware cannot add headers to a prepared response: set them all here
-    resp = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream; charset=utf-8",
-            "Cache-Control": "no-cache",
-            "X-Request-Id": request["response_id"],
-            "request-id": request["request_id"],
-            "X-Accel-Buffering": "no",
-            **echo,
-        }
-    )
-    await resp.prepare(request)
-    return resp
+    return await sse_start(request, request["response_id"], **{"request-id": request["request_id"]}, **echo)

@@ -1,8 +1,9 @@
-"""The aiohttp application: factory, typed app keys, middlewares.
+"""The aiohttp application: factory, middlewares, the routes table wired in.
 
-Handlers are thin: they parse, call the engine, render. Domain errors arrive
-as ApiError and leave as a JSON envelope in the route's dialect; every
-response echoes X-Request-Id.
+Handlers are thin: they parse, call the engine port, render. Domain errors
+arrive as ApiError and leave as a JSON envelope in the route's dialect;
+every response echoes X-Request-Id. Dependencies are injected here
+(`imp.http.keys`), never imported by the handlers.
 """
 
 from __future__ import annotations
@@ -14,13 +15,22 @@ import uuid
 
 from aiohttp import web
 
+from imp.http import keys
+from imp.http.control import LiveRequests
 from imp.http.errors import ApiError, error_response
+from imp.http.routes import ROUTES
 
 log = logging.getLogger("imp.http")
 
-ENGINE: web.AppKey = web.AppKey("engine", object)
 _SAFE = re.compile(r"[^\x21-\x7e]")
 _OPEN = {"/health", "/ready"}  # probes never need the key
+BODY_LIMIT = 32 * 1024 * 1024
+
+
+def _open_path(request: web.Request) -> bool:
+    """Probes, and the chat UI's static page (it must load to ask for the key)."""
+    p = request.path
+    return p in _OPEN or (request.method in ("GET", "HEAD") and (p == "/" or p.startswith("/ui/")))
 
 
 def client_request_id(request: web.Request) -> str | None:
@@ -62,7 +72,7 @@ async def context_mw(request: web.Request, handler):
 def auth_mw(api_key: str | None):
     @web.middleware
     async def mw(request: web.Request, handler):
-        if api_key and request.path not in _OPEN:
+        if api_key and not _open_path(request):
             got = request.headers.get("x-api-key") or ""
             auth = request.headers.get("Authorization", "")
             if auth.lower().startswith("bearer "):
@@ -74,19 +84,21 @@ def auth_mw(api_key: str | None):
     return mw
 
 
-def create_app(engine, *, api_key: str | None = None) -> web.Application:
-    from imp.http.routes import ROUTES
-
-    app = web.Application(middlewares=[context_mw, auth_mw(api_key)], client_max_size=32 * 1024 * 1024)
-    app[ENGINE] = engine
-    from imp.http.control import LIVE, LiveRequests
-
-    app[LIVE] = LiveRequests()
+def create_app(port, text, config, grammars=None) -> web.Application:
+    """port: an imp.engine.port.EnginePort (started and stopped with the app);
+    text: the imp.text.model.TextModel; config: the frozen imp.config.ServerConfig;
+    grammars: the imp.constrain.compile.GrammarCache (None: constraints are refused)."""
+    app = web.Application(middlewares=[context_mw, auth_mw(config.api_key)], client_max_size=BODY_LIMIT)
+    app[keys.PORT] = port
+    app[keys.TEXT] = text
+    app[keys.CONFIG] = config
+    app[keys.LIVE] = LiveRequests()
+    app[keys.GRAMMARS] = grammars
 
     async def engine_ctx(app: web.Application):
-        await engine.start()
+        await port.start()
         yield
-        await engine.stop()
+        await port.stop()
 
     app.cleanup_ctx.append(engine_ctx)
     for method, path, handler in ROUTES:

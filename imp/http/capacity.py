@@ -1,10 +1,11 @@
 """Capacity and live metrics: GET /v1/capacity/plan, POST /v1/estimate, GET /v1/metrics.
 
 A load balancer (or a harness fanning out subagents) reads these to decide how
-many requests to send and when. Every figure comes from what the actors
-already publish: the scheduler's latest KvFigures/QueueFigures and the step
-rates in the metrics actor, the live request handles in ingress, and the
-model config for KV bytes per token. Nothing here asks a core anything.
+many requests to send and when. Every figure comes from the engine port: the
+`ModelCard` fixed at boot (pool size, KV bytes per token, slots) and a
+`Snapshot` of what the actors publish (the scheduler's KvFigures and
+QueueFigures, the metrics actor's step rates, ingress's live requests).
+Nothing here asks a core anything.
 
 The memory band is KV pressure, `max(used, reserved) / total` blocks: `used`
 are blocks held by live sequences, `reserved` what the running requests were
@@ -16,14 +17,15 @@ from __future__ import annotations
 
 import math
 import os
-import time
-from imp.http.app import ENGINE
-from imp.http.errors import bad
-from imp.http.openai_chat import normalize_messages, prepare_prompt, read_json
-from imp.http.params import boolean, num, sampling
-from imp.messages import KvFigures, QueueFigures
 
+import msgspec
 from aiohttp import web
+
+from imp.engine.port import ModelCard, Snapshot
+from imp.http import body as B
+from imp.http import chat_request, keys, resolve
+from imp.http.errors import bad
+from imp.messages import KvFigures, QueueFigures
 
 BANDS = (("green", 0.70), ("yellow", 0.85), ("orange", 0.95))  # below the bound; else red
 BAND_NAMES = ("green", "yellow", "orange", "red")
@@ -111,16 +113,6 @@ def estimate(prompt_tokens: int, *, max_tokens: int | None, n: int, kv: KvFigure
     }
 
 
-def kv_bytes_per_token(runner) -> int | None:
-    """2 (K and V) * layers * KV heads * head dim * the cache's element size."""
-    cfg = runner.config
-    cache = getattr(runner, "cache", None)
-    t = getattr(cache, "k", None) if cache is not None else getattr(runner, "k_cache", None)
-    if t is None:
-        return None
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * t.element_size()
-
-
 def _int_param(request: web.Request, name: str, hi: int) -> int:
     raw = request.query.get(name)
     if raw is None or raw == "":
@@ -172,28 +164,28 @@ def _widths(decode_batch: int) -> list[int]:
     return out + [decode_batch]
 
 
-def snapshot(engine, now: float | None = None) -> dict:
-    now = time.monotonic() if now is None else now
-    cfg, m, ing = engine.cfg, engine.metrics, engine.ingress
-    kv, q = m.kv, m.queue
-    reps = len(engine.runners)  # data-parallel replicas: a stream lives in one of their pools
-    slots_total = cfg.max_batch_size * reps
+def snapshot(card: ModelCard, snap: Snapshot) -> dict:
+    """GET /v1/metrics' body from the card and one snapshot; a section whose
+    probe fails answers its fields as null, the rest still answers."""
+    kv, q = snap.kv, snap.queue
+    reps = card.replicas  # data-parallel replicas: a stream lives in one of their pools
+    slots_total = card.max_batch_size * reps
 
     def status():
-        return {"model": engine.model_name, "suspended": ing.suspended, "draining": engine.draining,
-                "fault": engine.fault, "uptime_s": round(time.time() - engine.started_at, 1)}
+        return {"model": card.name, "suspended": snap.suspended, "draining": snap.draining,
+                "fault": snap.fault, "uptime_s": round(snap.uptime_s, 1)}
 
     def concurrency():
         return {"decode_batch": slots_total, "queue_cap": None,  # imp caps tokens, not requests
-                "queued_tokens_cap": cfg.max_queued_tokens or None, "in_flight": q.running, "waiting": q.waiting}
+                "queued_tokens_cap": card.max_queued_tokens or None, "in_flight": q.running, "waiting": q.waiting}
 
     def queue():
-        rate = m.rates.prefill_tok_s_recent
+        rate = snap.rates.prefill_tok_s_recent
         eta = 0.0 if not q.waiting else (round(q.queued_prompt_tokens / rate, 3) if rate else None)
         return {"waiting": q.waiting, "cap": None, "queued_prompt_tokens": q.queued_prompt_tokens, "eta_s": eta,
-                "retry_after_s": engine.cores["admission"].config.retry_after_s,
-                "rejections": ing.rejections, "last_reject_reason": ing.last_reject_reason,
-                "preemptions": q.preemptions, "cancellations": q.cancellations, "timeouts": q.timeouts}
+                "retry_after_s": card.retry_after_s, "rejections": snap.rejections,
+                "last_reject_reason": snap.last_reject_reason, "preemptions": q.preemptions,
+                "cancellations": q.cancellations, "timeouts": q.timeouts}
 
     def governor():
         # it reports a band; /health?ready=1 and the plan route act on it, nothing evicts
@@ -201,7 +193,7 @@ def snapshot(engine, now: float | None = None) -> dict:
                 "thresholds": {name: bound for name, bound in BANDS}}
 
     def memory():
-        bpt = kv_bytes_per_token(engine.runner)
+        bpt = card.kv_bytes_per_token
         per_block = kv.block_size * bpt
         return {"rss_bytes": _rss_bytes(), "headroom_bytes": _mem_available(),
                 "kv_pool_bytes": kv.total * per_block, "kv_used_bytes": kv.used * per_block,
@@ -210,25 +202,21 @@ def snapshot(engine, now: float | None = None) -> dict:
 
     def capacity():
         return {"block_size": kv.block_size, "kv_blocks_total": kv.total,
-                "kv_capacity_tokens": kv.total * kv.block_size, "max_context": engine.max_context,
-                "max_ctx_at_width": {str(w): plan(w, 1, kv=kv, queue=q, max_context=engine.max_context,
+                "kv_capacity_tokens": kv.total * kv.block_size, "max_context": card.context_length,
+                "max_ctx_at_width": {str(w): plan(w, 1, kv=kv, queue=q, max_context=card.context_length,
                                                   decode_batch=slots_total, model="", replicas=reps)["max_context_at_width"]
                                      for w in _widths(slots_total)}}
 
     builders = {"status": status, "concurrency": concurrency, "queue": queue, "governor": governor,
-                "memory": memory, "rates": lambda: m.rates.snapshot(now), "capacity": capacity}
+                "memory": memory, "rates": lambda: msgspec.to_builtins(snap.rates), "capacity": capacity}
     out: dict = {}
     for name, build in builders.items():
         try:
             out[name] = build()
         except Exception:  # noqa: BLE001 - a failed probe nulls its section, the rest still answers
             out[name] = dict.fromkeys(SECTIONS[name])
-    try:
-        out["requests"] = ing.live_rows(now, q.waiting)
-    except Exception:  # noqa: BLE001
-        out["requests"] = None
-    out["resident_models"] = [{"model": engine.model_name, "kind": "chat", "in_flight": q.running,
-                               "waiting": q.waiting}]
+    out["requests"] = [msgspec.to_builtins(r) for r in snap.live]
+    out["resident_models"] = [{"model": card.name, "kind": "chat", "in_flight": q.running, "waiting": q.waiting}]
     return {"server": out}
 
 
@@ -275,46 +263,39 @@ def prometheus(snap: dict) -> str:
 
 
 async def capacity_plan(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
+    port = request.app[keys.PORT]
     width = _int_param(request, "width", _MAX_WIDTH)
     depth = _int_param(request, "depth", _MAX_DEPTH)
-    m = engine.metrics
-    n = len(engine.runners)
-    return web.json_response(plan(width, depth, kv=m.kv, queue=m.queue, max_context=engine.max_context,
-                                  decode_batch=engine.cfg.max_batch_size * n, model=engine.model_name, replicas=n))
+    card, snap = port.card, port.snapshot()
+    return web.json_response(plan(width, depth, kv=snap.kv, queue=snap.queue, max_context=card.context_length,
+                                  decode_batch=card.max_batch_size * card.replicas, model=card.name,
+                                  replicas=card.replicas))
 
 
-def estimate_for(engine, body: dict) -> dict:
-    """A chat-completions body -> the estimate (shared with "dry_run": true)."""
-    boolean(body, "dry_run")
-    messages = normalize_messages(body.get("messages"))
-    prompt, _ = prepare_prompt(engine, messages, body)
-    n = num(body, "n", 1, 4, integer=True, default=1)
-    if len(prompt) < engine.max_context:  # every other field as the chat route checks it
-        sampling(body, defaults=engine.defaults, vocab_size=engine.tokenizer.vocab_size, prompt_len=len(prompt),
-                 max_context=engine.max_context, fixed_max_tokens=engine.cfg.max_tokens,
-                 eos_ids=tuple(sorted(engine.tokenizer.eos_ids)))
-    mt = num(body, "max_completion_tokens", 1, integer=True, default=None)
-    if mt is None:
-        mt = num(body, "max_tokens", 1, integer=True, default=None)
-    m = engine.metrics
-    return estimate(len(prompt), max_tokens=mt, n=n, kv=m.kv, bytes_per_token=kv_bytes_per_token(engine.runner),
-                    max_context=engine.max_context, prefill_tok_s=m.rates.prefill_tok_s_recent,
-                    queued_prompt_tokens=m.queue.queued_prompt_tokens, model=engine.model_name,
-                    replica_kv=m.replica_kv())
+def estimate_for(request: web.Request, body: dict) -> dict:
+    """A chat-completions body -> the estimate (shared with "dry_run": true): parsed as the
+    chat route parses it, rendered, never run."""
+    port, tm = request.app[keys.PORT], request.app[keys.TEXT]
+    card = port.card
+    req = chat_request.parse(body, tm.tokenizer.vocab_size)
+    prompt = resolve.render(req, tm)
+    snap = port.snapshot()
+    return estimate(len(prompt.ids), max_tokens=req.max_tokens, n=req.n, kv=snap.kv,
+                    bytes_per_token=card.kv_bytes_per_token, max_context=card.context_length,
+                    prefill_tok_s=snap.rates.prefill_tok_s_recent, queued_prompt_tokens=snap.queue.queued_prompt_tokens,
+                    model=card.name, replica_kv=list(snap.replica_kv) if card.replicas > 1 else None)
 
 
 async def estimate_route(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    return web.json_response(estimate_for(engine, await read_json(request)))
+    return web.json_response(estimate_for(request, await B.read_json(request)))
 
 
 async def metrics_json(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
+    port = request.app[keys.PORT]
     fmt = request.query.get("format", "json")
     if fmt not in ("json", "prometheus"):
         raise bad(f"'format' must be json or prometheus, got {fmt[:32]!r}", "format")
-    snap = snapshot(engine)
+    snap = snapshot(port.card, port.snapshot(with_live=True))
     if fmt == "prometheus":
         return web.Response(text=prometheus(snap), content_type="text/plain", charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})

@@ -15,7 +15,7 @@ from typing import Callable
 
 from aiohttp import web
 
-from imp.http.app import ENGINE
+from imp.http import keys
 from imp.http.errors import ApiError
 
 
@@ -47,28 +47,19 @@ class LiveRequests:
         return self._by_id.get(some_id)
 
 
-LIVE: web.AppKey = web.AppKey("live_requests", LiveRequests)
-
-
 def live_requests(request: web.Request) -> LiveRequests:
-    return request.app[LIVE]
-
-
-def think_end_ids(tok) -> list[int]:
-    # the spelling the model learnt; "\n\n" after it is how chat templates lay out the answer
-    return tok.encode("</think>\n\n", parse_special=True)
+    return request.app[keys.LIVE]
 
 
 async def end_thinking(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
     rid = request.match_info["id"]
-    live = request.app[LIVE].get(rid)
+    live = live_requests(request).get(rid)
     if live is None:
         raise ApiError(404, f"no running request '{rid[:128]}'", param="id", code="request_not_found")
     body = {"id": live.req_id, "object": "request.end_thinking"}
     if live.ended or not live.thinking():
         return web.json_response(dict(body, ended=False, reason="not_thinking"))
-    if not engine.ingress.end_thinking(live.req_id, think_end_ids(engine.tokenizer)):
+    if not request.app[keys.PORT].end_thinking(live.req_id, request.app[keys.TEXT].think_end):
         raise ApiError(404, f"request '{rid[:128]}' has finished", param="id", code="request_not_found")
     live.ended = True
     return web.json_response(dict(body, ended=True))
@@ -79,5 +70,5 @@ async def close_session(request: web.Request) -> web.Response:
     sid = request.match_info["id"]
     if len(sid) > 256 or not sid.isprintable():
         raise ApiError(400, "session id must be at most 256 printable characters", param="id")
-    request.app[ENGINE].ingress.close_session(sid)
+    request.app[keys.PORT].close_session(sid)
     return web.json_response({"id": sid, "object": "session", "closed": True})

@@ -1,11 +1,12 @@
 """The per-token driver every generation dialect shares.
 
-`generate` submits a request and yields its Deltas as they arrive; a refusal
-before the first delta becomes an ApiError (so the handler can still answer
-with a proper status), a fault after it becomes an `error` item the dialect
-renders as its own error event. Leaving the iterator early (client gone,
-handler cancelled) cancels the request upstream, so its KV is freed within a
-step.
+`generate` submits a resolved request through the engine port and yields
+its Deltas as they arrive; a refusal before the first delta becomes an
+ApiError (so the handler can still answer with a proper status), a fault
+after it a `StreamFault` the dialect renders as its own error event. Leaving
+the iterator early (client gone, handler cancelled) cancels the request
+upstream, so its KV is freed within a step. Every request's figures go to
+the metrics actor when it ends, whatever the dialect.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import AsyncIterator, Callable
 
 from aiohttp import web
 
+from imp.engine.port import EnginePort, Submission
 from imp.http.errors import ApiError
-from imp.messages import Delta, Fault, FinishReason, Reject, RequestStats
-
+from imp.http.request import GenerateRequest
+from imp.messages import Delta, Fault, FinishReason, Reject, RequestStats, SamplingParams
 
 log = logging.getLogger("imp.http")
 
@@ -28,21 +30,31 @@ class StreamFault(Exception):
     """The engine failed after the response had started."""
 
 
-async def generate(engine, req_id: str, prompt: list[int], gen, *, endpoint: str,
-                   salt: str = "") -> AsyncIterator[Delta]:
-    if engine.fault:
-        raise ApiError(503, f"engine unavailable: {engine.fault}", code="engine_faulted")
-    ingress = engine.ingress
-    handle = ingress.submit(
-        req_id, prompt, gen.params, n=gen.n, priority=gen.priority, stop=gen.stop, salt=salt,
-        prompt_tail=prompt[-4:], cache_prompt=gen.cache_prompt, session_id=gen.session_id,
-    )
+def finish_label(reason: FinishReason) -> str:
+    """A finish reason as OpenAI spells it (a timeout reads as "length", as the reference says)."""
+    if reason in (FinishReason.LENGTH, FinishReason.TIMEOUT):
+        return "length"
+    if reason in (FinishReason.STOP, FinishReason.NONE):
+        return "stop"
+    return reason.name.lower()
+
+
+async def generate(port: EnginePort, req_id: str, prompt: list[int], params: SamplingParams,
+                   req: GenerateRequest, *, salt: str = "") -> AsyncIterator[Delta]:
+    if port.fault:
+        raise ApiError(503, f"engine unavailable: {port.fault}", code="engine_faulted")
+    stream = port.submit(Submission(
+        req_id=req_id, prompt=tuple(prompt), params=params, n=req.n, priority=req.priority, stop=req.stop,
+        salt=salt, cache_prompt=req.cache_prompt, session_id=req.session_id,
+    ))
+    arrival = time.monotonic()
+    first = last = 0.0
+    itl: list[float] = []
     started = False
-    stats = {"prompt": len(prompt), "completion": [0] * gen.n, "cached": 0, "finish": ""}
-    status = 200
+    completion = [0] * req.n
+    prompt_tokens, cached, finish, status = len(prompt), 0, "", 200
     try:
-        while not (handle.done and handle.queue.empty()):
-            item = await handle.queue.get()
+        async for item in stream:
             if isinstance(item, Reject):
                 status = item.status
                 headers = {"Retry-After": str(max(1, round(item.retry_after_s)))} if item.status == 429 else None
@@ -58,48 +70,40 @@ async def generate(engine, req_id: str, prompt: list[int], gen, *, endpoint: str
                     raise ApiError(500, f"engine step failed: {item.error}", code="engine_step_failed")
                 raise StreamFault(item.error)
             started = True
-            stats["prompt"] = item.prompt_tokens or stats["prompt"]
-            stats["cached"] = item.cached_tokens
-            stats["completion"][item.index] = item.completion_tokens
+            if item.token_ids:
+                now = time.monotonic()
+                if not first:
+                    first = now
+                elif item.index == 0:
+                    itl.append(now - last)
+                if item.index == 0:
+                    last = now
+            prompt_tokens = item.prompt_tokens or prompt_tokens
+            cached = item.cached_tokens
+            completion[item.index] = item.completion_tokens
             if item.finish != FinishReason.NONE:
-                stats["finish"] = item.finish.openai()
+                finish = finish_label(item.finish)
             yield item
     finally:
-        if handle.done:
-            ingress.release(req_id)
-        else:
-            ingress.cancel(req_id)  # client gone or handler failed: free the KV now
+        await stream.aclose()  # before the end: cancels upstream
         now = time.monotonic()
-        ingress.stats(
-            RequestStats(
-                endpoint, status, stats["prompt"], sum(stats["completion"]), stats["cached"], 0.0,
-                (handle.first_token_at - handle.arrival) if handle.first_token_at else 0.0,
-                now - handle.arrival, stats["finish"], handle.itl[-256:],
-            )
-        )
+        port.report(RequestStats(req.endpoint, status, prompt_tokens, sum(completion), cached, 0.0,
+                                 (first - arrival) if first else 0.0, now - arrival, finish, tuple(itl[-256:])))
 
 
-async def sse_end(request: web.Request, resp: web.StreamResponse | None, usage_chunk: bytes | None
-                  ) -> web.StreamResponse:
-    """Close an OpenAI-dialect stream: the usage chunk when asked for, then [DONE]
-    (a stream that got no delta at all is started first)."""
-    if resp is None:
-        resp = await sse_start(request, request["response_id"])
-    if usage_chunk is not None:
-        await resp.write(usage_chunk)
-    await resp.write(b"data: [DONE]\n\n")
-    return resp
+def sse_headers(request: web.Request, response_id: str, **extra: str) -> dict[str, str]:
+    return {
+        "Content-Type": "text/event-stream; charset=utf-8",
+        "Cache-Control": "no-cache",
+        "X-Request-Id": request.get("client_request_id") or response_id,
+        "X-Accel-Buffering": "no",
+        **extra,
+    }
 
 
-async def sse_start(request: web.Request, response_id: str) -> web.StreamResponse:
-    resp = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream; charset=utf-8",
-            "Cache-Control": "no-cache",
-            "X-Request-Id": request.get("client_request_id") or response_id,
-            "X-Accel-Buffering": "no",
-        }
-    )
+async def sse_start(request: web.Request, response_id: str, **extra: str) -> web.StreamResponse:
+    # the middleware cannot add headers to a prepared response: set them all here
+    resp = web.StreamResponse(headers=sse_headers(request, response_id, **extra))
     await resp.prepare(request)
     return resp
 

@@ -8,31 +8,30 @@ spelling (`prompt`, `add_special_tokens`).
 from __future__ import annotations
 
 import contextlib
-import json
 import uuid
 
 from aiohttp import web
 
-from imp.http.app import ENGINE
+from imp.http import body as B
+from imp.http import keys, openai_fields, resolve, structured
 from imp.http.control import live_requests
-from imp.http.driver import StreamFault, generate, sse_start
+from imp.http.driver import StreamFault, finish_label, generate, sse_start
 from imp.http.errors import ApiError, bad
-from imp.http.fim import build_infill, model_fim
-from imp.http.openai_chat import error_event, read_json
-from imp.http.params import boolean, num, sampling, string
+from imp.http.openai_wire import error_event, sse_data
+from imp.http.request import GenerateRequest, Infill
 from imp.messages import FinishReason
 
 _STOP_TYPE = {"stop": "eos", "length": "limit"}
 
 
 def _text_field(body: dict, name: str) -> str:
-    return string(body, name, "") or ""
+    return B.string(body, name, "") or ""
 
 
-def _extra(body: dict) -> list[dict]:
+def _extra(body: dict) -> tuple[tuple[str, str], ...]:
     v = body.get("input_extra")
     if v is None:
-        return []
+        return ()
     if not isinstance(v, list) or len(v) > 64:
         raise bad("'input_extra' must be an array of at most 64 {filename, text} objects", "input_extra")
     out = []
@@ -40,56 +39,67 @@ def _extra(body: dict) -> list[dict]:
         if not isinstance(c, dict) or not isinstance(c.get("text", ""), str) \
                 or not isinstance(c.get("filename", "tmp"), str):
             raise bad(f"'input_extra[{i}]' must be an object with string 'text' and 'filename'", "input_extra")
-        out.append({"filename": c.get("filename", "tmp"), "text": c.get("text", "")})
-    return out
+        out.append((c.get("filename", "tmp"), c.get("text", "")))
+    return tuple(out)
 
 
-def _settings(gen) -> dict:
-    p = gen.params
+def _settings(req: GenerateRequest, p) -> dict:
     return {"n_predict": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
             "min_p": p.min_p, "typical_p": p.typical_p, "repeat_penalty": p.repetition_penalty,
             "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
-            "seed": p.seed, "ignore_eos": p.ignore_eos, "stop": gen.stop}
+            "seed": p.seed, "ignore_eos": p.ignore_eos, "stop": list(req.stop)}
+
+
+def parse_infill(body: dict, vocab_size: int) -> GenerateRequest:
+    """llama.cpp's /infill body (n_predict, input_prefix/suffix/extra) -> the typed request."""
+    infill = Infill(prefix=_text_field(body, "input_prefix"), suffix=_text_field(body, "input_suffix"),
+                    prompt=_text_field(body, "prompt"), extra=_extra(body))
+    n_predict = B.num(body, "n_predict", -1, integer=True)
+    if n_predict == 0:
+        raise bad("'n_predict' must be -1 (no limit) or >= 1", "n_predict")
+    c = openai_fields.common(body)
+    if c.n > 1:
+        raise bad("/infill generates one completion: 'n' must be 1", "n")
+    if B.num(body, "logprobs", 0, 20, integer=True) is not None or body.get("prompt_logprobs") is not None:
+        raise bad("/infill does not return logprobs; use /v1/completions with 'suffix'", "logprobs")
+    mt = c.max_tokens if c.max_tokens is not None else (n_predict if n_predict not in (None, -1) else None)
+    constraint, field = structured.parse(body, dialect="openai")  # llama.cpp's grammar / json_schema
+    return GenerateRequest(endpoint="infill", model=B.string(body, "model"), infill=infill, prompt_param="prompt",
+                           sampling=openai_fields.sampling(body, vocab_size), max_tokens=mt, stop=c.stop,
+                           stream=c.stream, priority=c.priority, cache_prompt=c.cache_prompt,
+                           session_id=c.session_id, constraint=constraint, constraint_field=field)
 
 
 async def infill(request: web.Request) -> web.StreamResponse:
-    engine = request.app[ENGINE]
-    tok = engine.tokenizer
-    body = await read_json(request)
-    fim = model_fim(engine)
-    if fim is None:
+    port, tm, cfg = request.app[keys.PORT], request.app[keys.TEXT], request.app[keys.CONFIG]
+    tok = tm.tokenizer
+    body = await B.read_json(request)
+    if tm.fim is None:  # before anything else: no field can make this model fill in the middle
         raise bad("this model has no fill-in-the-middle tokens (no tokenizer.ggml.fim_pre/suf/mid_token_id, "
                   "no <fim_prefix>-style tokens)", None, "fim_not_supported")
-    prompt = build_infill(tok, fim, _text_field(body, "input_prefix"), _text_field(body, "input_suffix"),
-                          _text_field(body, "prompt"), _extra(body))
-    n_predict = num(body, "n_predict", -1, integer=True, default=None)
-    fields = {k: v for k, v in body.items() if k not in ("n", "prompt", "n_predict")}
-    if n_predict is not None and n_predict != -1 and "max_tokens" not in body:
-        fields["max_tokens"] = n_predict  # 0 is refused there: nothing to generate
-    gen = sampling(fields, defaults=engine.defaults, vocab_size=tok.vocab_size, prompt_len=len(prompt),
-                   max_context=engine.max_context, fixed_max_tokens=engine.cfg.max_tokens,
-                   eos_ids=tuple(sorted(tok.eos_ids)), chat=False)
-    if gen.prompt_logprobs >= 0 or gen.logprobs:
-        raise bad("/infill does not return logprobs; use /v1/completions with 'suffix'", "logprobs")
-    return_tokens = boolean(body, "return_tokens")
+    req = parse_infill(body, tok.vocab_size)
+    await resolve.compile_constraint(req, request.app[keys.GRAMMARS])
+    prompt = resolve.render(req, tm).ids
+    params = resolve.sampling_params(req, len(prompt), port.card, tm, cfg.max_tokens, cfg.max_output_tokens)
+    return_tokens = B.boolean(body, "return_tokens")
     rid = f"infill-{uuid.uuid4().hex[:24]}"
     request["response_id"] = request.get("client_request_id") or rid
-    head = {"index": 0, "id_slot": 0, "model": engine.model_name}
+    head = {"index": 0, "id_slot": 0, "model": port.card.name}
     with live_requests(request).track(rid, request.get("client_request_id"), lambda: False):
-        async with contextlib.aclosing(generate(engine, rid, prompt, gen, endpoint="infill")) as deltas:
+        async with contextlib.aclosing(generate(port, rid, prompt, params, req)) as deltas:
             text, ids, finish, done = "", [], "stop", {}
             resp = None
             try:
                 async for d in deltas:
                     text += d.text
                     ids += d.token_ids
-                    if gen.stream and d.text:
+                    if req.stream and d.text:
                         resp = resp or await sse_start(request, request["response_id"])
                         part = dict(head, content=d.text, tokens=list(d.token_ids) if return_tokens else [],
                                     stop=False)
-                        await resp.write(b"data: " + json.dumps(part, ensure_ascii=False).encode() + b"\n\n")
+                        await resp.write(sse_data(part))
                     if d.finish != FinishReason.NONE:
-                        finish = d.finish.openai()
+                        finish = finish_label(d.finish)
                         done = {"tokens_predicted": d.completion_tokens, "tokens_evaluated": d.prompt_tokens,
                                 "tokens_cached": d.cached_tokens}
             except StreamFault as exc:
@@ -97,27 +107,26 @@ async def infill(request: web.Request) -> web.StreamResponse:
                     raise ApiError(500, f"engine step failed: {exc}", code="engine_step_failed") from None
                 await resp.write(error_event(f"engine fault: {exc}"))
                 return resp
-            final = dict(head, content="" if gen.stream else text, tokens=ids if return_tokens else [],
+            final = dict(head, content="" if req.stream else text, tokens=ids if return_tokens else [],
                          stop=True, stop_type=_STOP_TYPE.get(finish, "eos"), stopping_word="",
-                         truncated=False, generation_settings=_settings(gen),
+                         truncated=False, generation_settings=_settings(req, params),
                          prompt=tok.decode(prompt, skip_special=False), id=rid, **done)
-            if not gen.stream:
+            if not req.stream:
                 return web.json_response(final, headers={"X-Request-Id": request["response_id"]})
             resp = resp or await sse_start(request, request["response_id"])
-            await resp.write(b"data: " + json.dumps(final, ensure_ascii=False).encode() + b"\n\n")
+            await resp.write(sse_data(final))
             return resp
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    tok = engine.tokenizer
-    body = await read_json(request)
+    port, tok = request.app[keys.PORT], request.app[keys.TEXT].tokenizer
+    body = await B.read_json(request)
     text = body.get("content", body.get("prompt"))
     if not isinstance(text, str):
         raise bad("'content' (or 'prompt') must be a string", "content")
-    add_special = boolean(body, "add_special", boolean(body, "add_special_tokens", False))
-    parse_special = boolean(body, "parse_special", True)  # llama.cpp's default: the text is the caller's
-    with_pieces = boolean(body, "with_pieces")
+    add_special = B.boolean(body, "add_special", B.boolean(body, "add_special_tokens", False))
+    parse_special = B.boolean(body, "parse_special", True)  # llama.cpp's default: the text is the caller's
+    with_pieces = B.boolean(body, "with_pieces")
     ids = tok.encode(text, add_special=add_special, parse_special=parse_special)
     if with_pieces:
         tokens = []
@@ -130,13 +139,12 @@ async def tokenize(request: web.Request) -> web.Response:
             tokens.append({"id": i, "piece": piece})
     else:
         tokens = ids
-    return web.json_response({"tokens": tokens, "count": len(ids), "max_model_len": engine.max_context})
+    return web.json_response({"tokens": tokens, "count": len(ids), "max_model_len": port.card.context_length})
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    tok = engine.tokenizer
-    body = await read_json(request)
+    tok = request.app[keys.TEXT].tokenizer
+    body = await B.read_json(request)
     ids = body.get("tokens")
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise bad("'tokens' must be an array of token ids", "tokens")
@@ -148,24 +156,24 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 async def props(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    tok, d = engine.tokenizer, engine.defaults
+    card, tm, cfg = request.app[keys.PORT].card, request.app[keys.TEXT], request.app[keys.CONFIG]
+    tok, d = tm.tokenizer, tm.defaults
     piece = lambda i: tok.id_to_piece(i) if i is not None else ""  # noqa: E731
-    params = {"n_predict": engine.cfg.max_tokens or -1, "temperature": d.temperature, "top_k": d.top_k or 50,
+    params = {"n_predict": cfg.max_tokens or -1, "temperature": d.temperature, "top_k": d.top_k or 50,
               "top_p": d.top_p, "min_p": d.min_p, "typical_p": 1.0, "repeat_penalty": d.repetition_penalty,
               "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": -1, "ignore_eos": False,
               "stop": [], "n_probs": 0, "stream": False}
     return web.json_response({
-        "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": engine.max_context,
+        "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": card.context_length,
                                         "speculative": False, "is_processing": False, "params": params},
-        "total_slots": engine.cfg.max_batch_size,
-        "model_path": str(getattr(engine, "model_path", engine.model_name)),
-        "model_alias": engine.model_name,
-        "chat_template": engine.template.source,
+        "total_slots": card.max_batch_size * card.replicas,
+        "model_path": card.path or card.name,
+        "model_alias": card.name,
+        "chat_template": tm.template.source,
         "bos_token": piece(tok.bos_id),
         "eos_token": piece(tok.eos_id),
-        "n_ctx": engine.max_context,
+        "n_ctx": card.context_length,
         "modalities": {"vision": False, "audio": False},
         "build_info": "imp",
-        "fim": model_fim(engine) is not None,
+        "fim": tm.fim is not None,
     })

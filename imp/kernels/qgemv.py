@@ -58,9 +58,6 @@ class QWeight:
     def nbytes(self) -> int:
         return sum(v.numel() * v.element_size() for v in self.parts.values())
 
-    def slice_rows(self, r0: int, r1: int) -> "QWeight":
-        return QWeight(self.fmt, r1 - r0, self.cols, {k: v[r0:r1] for k, v in self.parts.items()})
-
 
 def cat_rows(ws: list[QWeight]) -> QWeight:
     """Stack weights of one format along rows (fused QKV, gate+up)."""

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import msgspec
 
+from imp.log.upcast import READERS
 from imp.messages import SCHEMA_VERSION, Message
 
 _LEN = struct.Struct("<I")
@@ -148,13 +149,27 @@ def read_log(path: str | Path) -> tuple[LogHeader, Iterator[Envelope]]:
     if first is None:
         raise ValueError(f"{path}: empty or not an imp event log")
     header = _hdr_dec.decode(first)
-    if header.schema_version != SCHEMA_VERSION:
-        raise ValueError(
-            f"{path}: log schema v{header.schema_version}, this imp reads v{SCHEMA_VERSION}"
-        )
+    version = READERS.get(header.schema_version)
+    if version is None:
+        raise ValueError(f"{path}: log schema v{header.schema_version}; this imp reads "
+                         f"{', '.join(f'v{v}' for v in sorted(READERS))}")
+    if header.schema_version == SCHEMA_VERSION:
+        dec, up = _env_dec, None
+    else:  # an old log: decode with that version's shapes, upcast each payload to today's
+        dec = msgspec.msgpack.Decoder(_envelope_type(header.schema_version, version.payload_type))
+        up = version.upcast
 
     def records() -> Iterator[Envelope]:
         while (doc := frame()) is not None:
-            yield _env_dec.decode(doc)
+            env = dec.decode(doc)
+            if up is not None:
+                env = Envelope(env.seq, env.sender, env.receiver, env.step, env.wall_ns, up(env.payload))
+            yield env
 
     return header, records()
+
+
+def _envelope_type(version: int, payload_type) -> type:
+    return msgspec.defstruct(f"EnvelopeV{version}", [("seq", int), ("sender", str), ("receiver", str),
+                                                     ("step", int), ("wall_ns", int), ("payload", payload_type)],
+                             frozen=True, array_like=True, gc=False)

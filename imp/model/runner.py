@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from imp.messages import PromptLogprob, SampledToken, SeqWork
+from imp.messages import SampledToken, SeqWork
 from imp.model.gemma3 import Gemma3
 from imp.formats.gguf_loader import ModelConfig, open_gguf
 from imp.model.llama import KVCache, Llama, default_num_blocks, make_plan
@@ -98,11 +98,13 @@ class ModelRunner:
         with self._lock:
             return self.model.forward(tokens, plan, self.cache)
 
-    def step(self, seqs: list[SeqWork]) -> list[SampledToken]:
+    def step(self, seqs: list[SeqWork], constraints=None) -> list[SampledToken]:
         """forward + sampling, one SampledToken per seq with sample=True or prompt_logprobs >= 0.
 
         A seq with prompt_logprobs >= 0 also gets its chunk's prompt tokens scored
         (SampledToken.prompt); if it samples nothing this step, token_id is -1.
+        constraints (imp.constrain.book.ConstraintBook): masks constrained rows' logits
+        right before sampling.
         """
         tokens, plan = self._prepare(seqs)
         rows, sample_at, plp_at = head_rows(seqs)
@@ -110,5 +112,10 @@ class ModelRunner:
         with self._lock:
             logits = self.model.forward(tokens, plan, self.cache)  # [len(rows), vocab]
         order = sorted(sample_at)
-        drawn = dict(zip(order, sample(logits[[sample_at[i] for i in order]], [seqs[i] for i in order]))) if order else {}
+        drawn = {}
+        if order:
+            sel, works = logits[[sample_at[i] for i in order]], [seqs[i] for i in order]  # sel: a copy
+            if constraints is not None:
+                constraints.apply(sel, works)
+            drawn = dict(zip(order, sample(sel, works)))
         return with_prompt_logprobs(seqs, drawn, plp_at, logits)

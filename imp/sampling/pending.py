@@ -19,15 +19,16 @@ from imp.messages import PENDING_TOKEN, SeqWork
 
 def check(w: SeqWork) -> None:
     """A pending share is one PENDING_TOKEN that samples: anything else is a scheduler bug."""
-    if w.pending != 1 or list(w.token_ids) != [PENDING_TOKEN] or not w.sample:
+    if w.pending != 1 or tuple(w.token_ids) != (PENDING_TOKEN,) or not w.sample:
         raise ValueError(f"{w.seq_id}: pending {w.pending} with tokens {list(w.token_ids)[:4]}")
 
 
 def fill(w: SeqWork, token: int) -> SeqWork:
-    """The share with its pending token known: fed, and in the history when a penalty counts it."""
+    """The share with its pending token known: fed, and in the history when the sampler reads it
+    (a penalty counts it, a grammar's state follows it)."""
     check(w)
-    history = w.history + [token] if w.params is not None and w.params.penalized else w.history
-    return msgspec.structs.replace(w, token_ids=[token], pending=0, history=history)
+    history = (*w.history, token) if w.params is not None and w.params.needs_history else w.history
+    return msgspec.structs.replace(w, token_ids=(token,), pending=0, history=history)
 
 
 def known(seqs: list[SeqWork], sampled: Container[str]) -> list[SeqWork]:

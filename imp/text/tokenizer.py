@@ -275,9 +275,10 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Streams text for ids as they come, never splitting a character.
 
-    `push(ids)` returns the newly complete text; `flush()` the rest (a
-    trailing incomplete character then shows as U+FFFD, exactly as
-    `decode` shows it). "".join of all outputs == tokenizer.decode(ids).
+    `push(ids)` returns the newly complete text; `flush()` ends the stream: a
+    trailing incomplete character (max_tokens or a timeout cut it) is dropped,
+    never sent as U+FFFD. "".join of all outputs == tokenizer.decode(ids) with
+    such a cut-off tail removed.
     `prompt_tail`: the prompt's last few ids. They tell whether the stream
     starts the text (SentencePiece prefix-space rule) and complete a
     character the prompt left half-written; their own text is not emitted.
@@ -298,7 +299,9 @@ class IncrementalDetokenizer:
         return self._dec.decode(b)
 
     def flush(self) -> str:
-        return self._dec.decode(b"", final=True)
+        # the decoder holds back only an incomplete UTF-8 sequence at the end: drop it
+        self._dec.reset()
+        return ""
 
 
 # --------------------------------------------------------------------------

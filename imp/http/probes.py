@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
-import time
 from pathlib import Path
 
 from aiohttp import web
 
-from imp.http.app import ENGINE
+from imp.http import keys
 from imp.http.capacity import band_of
 from imp.http.errors import ApiError, bad
 
 
-def _kv_fields(engine) -> dict:
-    kv = engine.kv
+def _kv_fields(kv) -> dict:
     return {
         "kv_blocks_total": kv.total,
         "kv_blocks_free": kv.free,
@@ -33,13 +30,14 @@ def _kv_fields(engine) -> dict:
 
 
 async def health(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    q = engine.metrics.queue
+    port = request.app[keys.PORT]
+    card, snap = port.card, port.snapshot()
+    q = snap.queue
     body = {
         "status": "ok",
         "pid": os.getpid(),
         "model_loaded": True,
-        "model": engine.model_name,
+        "model": card.name,
         "queue_depth": q.waiting + q.running,
         "queue_waiting": q.waiting,
         "queue_running": q.running,
@@ -48,26 +46,25 @@ async def health(request: web.Request) -> web.Response:
         "timeouts": q.timeouts,
         "swaps": 0,  # a preempted request is recomputed, never swapped to host memory
         "queued_prompt_tokens": q.queued_prompt_tokens,
-        "suspended": engine.ingress.suspended,
-        **_kv_fields(engine),
+        "suspended": snap.suspended,
+        **_kv_fields(snap.kv),
     }
-    fault = engine.fault
-    if fault:
-        body.update(status="unhealthy", code="engine_faulted", error=fault)
+    if snap.fault:
+        body.update(status="unhealthy", code="engine_faulted", error=snap.fault)
         return web.json_response(body, status=503)
     if request.query.get("ready") in ("1", "true"):
         # 503 with a one-word reason while a new request would not start at once
-        band = band_of(engine.kv)
+        band = band_of(snap.kv)
         reason = None
-        if engine.ingress.suspended:
+        if snap.suspended:
             reason = "suspended"
-        elif engine.draining:
+        elif snap.draining:
             reason = "draining"
         elif band in ("orange", "red"):
             reason = "pressure"
         elif q.waiting > 0:
             reason = "queue"
-        elif q.running >= engine.cfg.max_batch_size * len(engine.runners):
+        elif q.running >= card.max_batch_size * card.replicas:
             reason = "busy"
         body["band"] = band
         if reason:
@@ -81,28 +78,24 @@ async def ready(request: web.Request) -> web.Response:
     """200 only when an inference request would be taken now; else 503 with a stable code.
 
     imp loads its model before it listens and never swaps it, so `no_model`
-    answers only for an engine without a runner and `swapping` never does.
+    answers only for an engine port without a card and `swapping` never does.
     """
-    engine = request.app[ENGINE]
+    port = request.app[keys.PORT]
 
     def no(code: str, **extra) -> web.Response:
         return web.json_response({"ready": False, "code": code, **extra}, status=503)
 
-    if getattr(engine, "runner", None) is None:
+    if getattr(port, "card", None) is None:
         return no("no_model")
-    if engine.fault:
-        return no("engine_faulted", error=engine.fault)
-    if engine.ingress.suspended:
+    snap = port.snapshot()
+    if snap.fault:
+        return no("engine_faulted", error=snap.fault)
+    if snap.suspended:
         return no("suspended", hint="POST /admin/resume")
-    if engine.draining:
+    if snap.draining:
         return no("draining")
-    return web.json_response({"ready": True, "model": engine.model_name, "suspended": False,
+    return web.json_response({"ready": True, "model": port.card.name, "suspended": False,
                               "idle_suspended": False})
-
-
-def _in_flight(engine) -> int:
-    q = engine.metrics.queue
-    return max(sum(not h.done for h in engine.ingress.handles.values()), q.waiting + q.running)
 
 
 async def suspend(request: web.Request) -> web.Response:
@@ -110,7 +103,6 @@ async def suspend(request: web.Request) -> web.Response:
     default 30) for the admitted requests to finish; they are never cancelled.
     Sticky until POST /admin/resume. The CPU build keeps its weights and KV pool
     mapped (kv_released: false)."""
-    engine = request.app[ENGINE]
     raw = request.query.get("drain_s", "30")
     try:
         drain_s = float(raw)
@@ -118,46 +110,41 @@ async def suspend(request: web.Request) -> web.Response:
         raise bad(f"'drain_s' must be a number of seconds, got {raw[:32]!r}", "drain_s") from None
     if not 0 <= drain_s <= 600:
         raise bad(f"'drain_s' must be in 0..600, got {drain_s}", "drain_s")
-    engine.ingress.suspend()  # FIFO: every Submit sent after this is refused by admission
-    deadline = time.monotonic() + drain_s
-    while _in_flight(engine) and time.monotonic() < deadline and not engine.fault:
-        await asyncio.sleep(0.05)
-    left = _in_flight(engine)
-    return web.json_response({"suspended": True, "drained": left == 0, "in_flight": left,
-                              "kv_released": False})
+    res = await request.app[keys.PORT].suspend(drain_s)
+    return web.json_response({"suspended": res.suspended, "drained": res.drained, "in_flight": res.in_flight,
+                              "kv_released": res.kv_released})
 
 
 async def resume(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    engine.ingress.resume()
+    request.app[keys.PORT].resume()
     return web.json_response({"suspended": False})
 
 
-def _model_entry(engine) -> dict:
-    kv = engine.kv
+def _model_entry(card) -> dict:
+    # a stream lives in one replica's pool
     return {
-        "id": engine.model_name,
+        "id": card.name,
         "object": "model",
-        "created": int(engine.started_at),
+        "created": card.created,
         "owned_by": "imp",
         "loaded": True,
-        "context_length": engine.max_context,
-        "max_context_at_width_1": min(engine.max_context, kv.total * kv.block_size),
+        "context_length": card.context_length,
+        "max_context_at_width_1": min(card.context_length, card.kv_blocks * card.block_size),
     }
 
 
-def _directory(engine) -> list[dict]:
+def _directory(card, models_dir: str | None) -> list[dict]:
     """The other models of --models-dir, not loaded: GGUF files (one level down too)
     and HF directories (config.json + *.safetensors)."""
-    d = engine.cfg.models_dir
+    d = models_dir
     if not d or not Path(d).is_dir():
         return []
-    loaded = Path(getattr(engine, "model_path", "")).resolve() if getattr(engine, "model_path", None) else None
+    loaded = Path(card.path).resolve() if card.path else None
     out = []
     hf_dirs = [c.parent for c in sorted(Path(d).glob("*/config.json")) if any(c.parent.glob("*.safetensors"))]
     for p in sorted(Path(d).glob("*.gguf")) + sorted(Path(d).glob("*/*.gguf")) + hf_dirs:
         name = p.name if p.is_dir() else p.stem
-        if p.resolve() == loaded or name == engine.model_name:
+        if p.resolve() == loaded or name == card.name:
             continue
         try:
             size = sum(f.stat().st_size for f in p.glob("*.safetensors")) if p.is_dir() else p.stat().st_size
@@ -169,16 +156,17 @@ def _directory(engine) -> list[dict]:
 
 
 async def models(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    return web.json_response({"object": "list", "data": [_model_entry(engine), *_directory(engine)]})
+    card = request.app[keys.PORT].card
+    return web.json_response({"object": "list", "data": [_model_entry(card),
+                                                         *_directory(card, request.app[keys.CONFIG].models_dir)]})
 
 
 async def model(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
+    card = request.app[keys.PORT].card
     name = request.match_info["model"]
-    if name == engine.model_name:
-        return web.json_response(_model_entry(engine))
-    for m in _directory(engine):
+    if name == card.name:
+        return web.json_response(_model_entry(card))
+    for m in _directory(card, request.app[keys.CONFIG].models_dir):
         if m["id"] == name:
             return web.json_response(m)
     raise ApiError(404, f"model '{name[:128]}' not found", code="model_not_found")
@@ -186,25 +174,24 @@ async def model(request: web.Request) -> web.Response:
 
 async def info(request: web.Request) -> web.Response:
     """TGI's /info shape."""
-    engine = request.app[ENGINE]
-    kv = engine.kv
-    cfg = engine.cfg
+    card, cfg = request.app[keys.PORT].card, request.app[keys.CONFIG]
+    slots = card.max_batch_size * card.replicas
     return web.json_response({
-        "model_id": engine.model_name,
-        "model_sha": engine.runner.fingerprint,
+        "model_id": card.name,
+        "model_sha": card.fingerprint,
         "model_dtype": "gguf",
-        "model_device_type": "cpu",
+        "model_device_type": card.device,
         "model_pipeline_tag": "text-generation",
-        "max_concurrent_requests": cfg.max_batch_size,
+        "max_concurrent_requests": slots,
         "max_best_of": 1,
         "max_stop_sequences": 16,
-        "max_input_tokens": engine.max_context - 1,
-        "max_input_length": engine.max_context - 1,
-        "max_total_tokens": engine.max_context,
+        "max_input_tokens": card.context_length - 1,
+        "max_input_length": card.context_length - 1,
+        "max_total_tokens": card.context_length,
         "waiting_served_ratio": 0.0,
-        "max_batch_total_tokens": kv.total * kv.block_size,
+        "max_batch_total_tokens": card.kv_blocks * card.replicas * card.block_size,
         "max_waiting_tokens": cfg.max_queued_tokens,
-        "max_batch_size": cfg.max_batch_size,
+        "max_batch_size": slots,
         "max_client_batch_size": 1,
         "validation_workers": 1,
         "router": "imp",
@@ -215,6 +202,5 @@ async def info(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    return web.Response(body=engine.metrics.exposition(), content_type="text/plain", charset="utf-8",
+    return web.Response(body=request.app[keys.PORT].metrics_text(), content_type="text/plain", charset="utf-8",
                         headers={"X-Prometheus-Format": "0.0.4"})

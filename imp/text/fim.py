@@ -16,7 +16,6 @@ chunks separated by a snippet marker.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 # (pre, suf, mid) spellings, as llama.cpp's vocab loader looks for them
@@ -91,15 +90,3 @@ def build_infill(tok, fim: FimTokens, prefix: str, suffix: str, prompt: str = ""
     if tok.add_bos and tok.bos_id is not None:
         body = [tok.bos_id, *body]
     return head + body
-
-
-_BY_TOKENIZER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def model_fim(engine) -> FimTokens | None:
-    """The loaded model's FIM tokens, looked up once per tokenizer."""
-    tok = engine.tokenizer
-    if tok not in _BY_TOKENIZER:
-        vocab = [tok.id_to_piece(i) for i in range(tok.vocab_size)]
-        _BY_TOKENIZER[tok] = fim_tokens(getattr(engine.runner, "metadata", {}) or {}, vocab)
-    return _BY_TOKENIZER[tok]

@@ -1,0 +1,40 @@
+"""The decision cores, built from boot facts (replay rebuilds them from the log header)."""
+
+from __future__ import annotations
+
+from imp.config import ServerConfig, pipeline_depth
+from imp.core.admission import AdmissionConfig, AdmissionCore
+from imp.core.kv import KvConfig, KvCore
+from imp.core.replicas import Routed
+from imp.core.scheduler import SchedulerConfig, SchedulerCore
+
+
+def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprint: str, replicas: int = 1):
+    """admission, scheduler, kv (lists of `replicas` each when > 1, wrapped to talk to
+    their own replica). Boot facts (pool size, context, fingerprint) go into each
+    core's frozen config, and the configs into the event-log header."""
+    kv = KvCore(KvConfig(num_blocks=num_blocks, block_size=cfg.block_size, fingerprint=fingerprint))
+    adm = AdmissionCore(
+        AdmissionConfig(
+            num_blocks=num_blocks,
+            block_size=cfg.block_size,
+            max_context=max_context,
+            max_queued_tokens=cfg.max_queued_tokens,
+            replicas=replicas,
+        )
+    )
+    if replicas > 1:
+        pairs = [build_cores(cfg, num_blocks, max_context, fingerprint)[1:] for _ in range(replicas)]
+        return adm, [Routed(s, i) for i, (s, _) in enumerate(pairs)], [Routed(k, i) for i, (_, k) in enumerate(pairs)]
+    sch = SchedulerCore(
+        SchedulerConfig(
+            block_size=cfg.block_size,
+            num_blocks=num_blocks,
+            max_batch_size=cfg.max_batch_size,
+            max_step_tokens=cfg.max_step_tokens,
+            request_timeout_ns=int(cfg.request_timeout_s * 1e9),
+            max_context=max_context,
+            pipeline_depth=pipeline_depth(cfg),
+        )
+    )
+    return adm, sch, kv

@@ -1,0 +1,150 @@
+"""The engine port: the one narrow interface HTTP talks to the engine through.
+
+Everything that crosses it is a msgspec Struct (or a message of the
+catalogue), so the same port can be served in-process (`imp.engine.local`)
+or from another process over a longer queue: token ids and typed values go
+in, Deltas come out. HTTP never reaches past it into actors, cores or the
+model; what it needs to know about the model is the `ModelCard` (fixed at
+boot) and a `Snapshot` of the figures the actors publish.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Protocol, Union
+
+import msgspec
+
+from imp.messages import Delta, Fault, KvFigures, QueueFigures, Reject, RequestStats, SamplingParams
+
+
+class _Value(msgspec.Struct, frozen=True, kw_only=True):
+    """A plain value crossing the port (every field encoded: JSON answers read them all)."""
+
+
+class Submission(_Value):
+    """One generation request, tokenized and resolved (text never crosses)."""
+
+    req_id: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    n: int = 1
+    priority: int = 0
+    stop: tuple[str, ...] = ()
+    salt: str = ""  # prefix-cache key of an adapter (LoRA) or a prompt-scoring request
+    cache_prompt: bool = False
+    session_id: str = ""
+
+
+class ModelCard(_Value):
+    """What the engine serves, fixed at boot."""
+
+    name: str
+    path: str  # the model file or directory it was loaded from
+    fingerprint: str
+    context_length: int
+    vocab_size: int
+    block_size: int
+    kv_blocks: int  # per replica
+    kv_bytes_per_token: int | None
+    replicas: int
+    max_batch_size: int  # per replica
+    max_queued_tokens: int
+    retry_after_s: float  # what a 429 tells the client to wait
+    device: str  # "cpu" | "cuda"
+    created: int  # unix seconds the engine came up
+
+
+class Rates(_Value):
+    decode_tok_s: float = 0.0
+    decode_streams: int = 0
+    prefill_tok_s_recent: float | None = None
+    decode_tok_s_recent: float | None = None
+    decode_tok_s_lifetime: float | None = None
+    prefill_tok_s_lifetime: float | None = None
+    decode_tokens_total: int = 0
+    prefill_tokens_total: int = 0
+
+
+class LiveRow(_Value):
+    """One live request as /v1/metrics lists it."""
+
+    id: str
+    state: str  # queued | prefill | decode
+    prompt_tokens: int
+    generated: int
+    max_tokens: int
+    n: int
+    elapsed_s: float
+    ttft_s: float | None = None
+    decode_tok_s: float | None = None
+
+
+class Snapshot(_Value):
+    """The engine's published figures at one moment."""
+
+    kv: KvFigures  # summed over replicas
+    replica_kv: tuple[KvFigures, ...]  # one per replica
+    queue: QueueFigures
+    rates: Rates
+    suspended: bool
+    draining: bool
+    fault: str | None
+    rejections: int
+    last_reject_reason: str | None
+    in_flight: int  # requests admitted and not finished
+    uptime_s: float
+    live: tuple[LiveRow, ...] = ()
+
+
+class SuspendResult(_Value):
+    suspended: bool
+    drained: bool
+    in_flight: int
+    kv_released: bool
+
+
+# what a request's stream yields: its Deltas, or why it stopped early
+StreamItem = Union[Delta, Reject, Fault]
+
+
+class RequestStream(Protocol):
+    """A submitted request's output. Iterate for its items; `aclose()` before the
+    end cancels the request upstream (its KV is freed within a step)."""
+
+    def __aiter__(self) -> AsyncIterator[StreamItem]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class EnginePort(Protocol):
+    card: ModelCard
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    @property
+    def fault(self) -> str | None: ...
+
+    def snapshot(self, with_live: bool = False) -> Snapshot: ...
+
+    def metrics_text(self) -> bytes: ...
+
+    def submit(self, sub: Submission) -> RequestStream: ...
+
+    def end_thinking(self, req_id: str, token_ids: tuple[int, ...]) -> bool: ...
+
+    def close_session(self, session_id: str) -> None: ...
+
+    async def suspend(self, drain_s: float) -> SuspendResult: ...
+
+    def resume(self) -> None: ...
+
+    def drain(self) -> None: ...
+
+    def report(self, stats: RequestStats) -> None: ...
+
+    @property
+    def store(self):
+        """The Responses store's client (async put / get / chain / delete / input_items, each
+        answering a StoreReply), or None when the server runs without a store."""

@@ -1,0 +1,138 @@
+"""A request body and its fields: JSON in, typed values out, or a 400 naming the field.
+
+Every dialect parses its wire body with these (each with its own ranges);
+none of them clamps a value that would silently change the output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from aiohttp import web
+
+from imp.http.errors import bad
+
+_MISSING = object()
+
+
+async def read_json(request: web.Request) -> dict:
+    """The body as a JSON object; every way it can be malformed is a 400."""
+    try:
+        body = await request.json(loads=json.loads)
+        # a lone UTF-16 surrogate ("\ud800") parses but cannot be encoded: find it now,
+        # not as a 500 deep in the tokenizer
+        json.dumps(body, ensure_ascii=False).encode()
+    except RecursionError:
+        raise bad("request body is nested too deeply") from None
+    except UnicodeEncodeError:
+        raise bad("request body holds an unpaired UTF-16 surrogate (\\ud800-\\udfff) in a string") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
+        raise bad(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad("request body must be a JSON object")
+    return body
+
+
+def is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def num(body: dict, name: str, lo=None, hi=None, *, integer=False, default=None,
+        lo_open=False, hi_open=False, where: str | None = None):
+    """A numeric field: None/absent -> default; wrong type or range -> 400."""
+    where = where or name
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if integer:
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise bad(f"'{where}' must be an integer, got {type(v).__name__}", where)
+    elif not is_num(v):
+        raise bad(f"'{where}' must be a number, got {type(v).__name__}", where)
+    if isinstance(v, float) and not math.isfinite(v):
+        raise bad(f"'{where}' must be finite", where)
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        raise bad(f"'{where}' must be {'>' if lo_open else '>='} {lo}, got {v}", where)
+    if hi is not None and (v >= hi if hi_open else v > hi):
+        raise bad(f"'{where}' must be {'<' if hi_open else '<='} {hi}, got {v}", where)
+    return v
+
+
+def boolean(body: dict, name: str, default: bool = False, *, where: str | None = None) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"'{where or name}' must be a boolean", where or name)
+    return v
+
+
+def string(body: dict, name: str, default: str | None = None, *, required=False,
+           where: str | None = None) -> str | None:
+    where = where or name
+    v = body.get(name)
+    if v is None:
+        if required:
+            raise bad(f"'{where}' is required", where)
+        return default
+    if not isinstance(v, str):
+        raise bad(f"'{where}' must be a string", where)
+    return v
+
+
+def obj(body: dict, name: str, *, where: str | None = None) -> dict | None:
+    v = body.get(name)
+    if v is not None and not isinstance(v, dict):
+        raise bad(f"'{where or name}' must be an object", where or name)
+    return v
+
+
+def model_name(body: dict) -> str:
+    """`model` is required on the OpenAI and Anthropic routes (the reference says so)."""
+    v = body.get("model")
+    if not isinstance(v, str) or not v:
+        raise bad("'model' is required and must be a non-empty string", "model")
+    return v
+
+
+def stop_list(body: dict, name: str = "stop") -> tuple[str, ...]:
+    v = body.get(name)
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad(f"'{name}' must be a string or a list of strings", name)
+    if len(v) > 16:
+        raise bad(f"'{name}' takes at most 16 strings", name)
+    return tuple(s for s in v if s)
+
+
+def session_id(body: dict) -> str:
+    sid = string(body, "session_id", "")
+    if len(sid) > 256 or any(not c.isprintable() for c in sid):
+        raise bad("'session_id' must be at most 256 printable characters", "session_id")
+    return sid
+
+
+def logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    raw = body.get("logit_bias")
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise bad("'logit_bias' must be an object of token id -> bias", "logit_bias")
+    out = []
+    for k, v in raw.items():
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            raise bad(f"'logit_bias' key {k!r} is not a token id", "logit_bias") from None
+        if not 0 <= tid < vocab_size:
+            raise bad(f"'logit_bias' token id {tid} is outside the vocabulary (0..{vocab_size - 1})", "logit_bias")
+        if not is_num(v) or not math.isfinite(v) or not -100 <= v <= 100:
+            raise bad(f"'logit_bias' value for {k} must be a number in [-100, 100]", "logit_bias")
+        out.append((tid, float(v)))
+    return tuple(out)

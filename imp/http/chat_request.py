@@ -1,0 +1,167 @@
+"""The OpenAI chat-completions body -> the typed request (every field checked here, once).
+
+Shared by POST /v1/chat/completions and POST /v1/estimate (which parses the
+same body and runs nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from imp.http import body as B
+from imp.http import openai_fields, structured, tool_use
+from imp.http.errors import bad
+from imp.http.request import GenerateRequest, Message
+from imp.tools import ToolSpecError, from_openai
+
+log = logging.getLogger("imp.http")
+
+# OpenAI fields that change the output in ways this server cannot give: a 400 naming them,
+# never a quiet no-op
+_REFUSED = {
+    "audio": "audio output is not supported (text-only models)",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+}
+# accepted and, by their nature, without effect on a local server (identifiers, billing, storage
+# of chat completions for OpenAI's dashboard)
+NO_OPS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_retention")
+
+_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+_MEDIA = {"image_url", "input_image", "image", "input_audio", "audio", "video", "video_url", "file"}
+# template variables a request's chat_template_kwargs may not override
+_RESERVED_KW = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"}
+
+
+def parse_messages(raw) -> tuple[Message, ...]:
+    """Validate OpenAI messages; return template-ready dicts (content as text)."""
+    if raw is None:
+        raise bad("'messages' is required", "messages")
+    if not isinstance(raw, list) or not raw:
+        raise bad("'messages' must be a non-empty array", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{where} must be an object", where)
+        role = m.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise bad(f"{where}.role must be one of {sorted(_ROLES)}", f"{where}.role")
+        content = m.get("content")
+        if content is None:
+            if role not in ("assistant",) or not m.get("tool_calls"):
+                if role != "assistant":
+                    raise bad(f"{where}.content is required", f"{where}.content")
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            parts = []
+            for j, p in enumerate(content):
+                pw = f"{where}.content[{j}]"
+                if not isinstance(p, dict) or not isinstance(p.get("type"), str):
+                    raise bad(f"{pw} must be an object with a 'type'", pw)
+                if p["type"] in ("text", "input_text"):
+                    if not isinstance(p.get("text"), str):
+                        raise bad(f"{pw}.text must be a string", pw)
+                    parts.append(p["text"])
+                elif p["type"] in _MEDIA:
+                    raise bad(f"{pw}: this model is text-only and cannot take '{p['type']}' content", pw,
+                              "unsupported_content_type")
+                else:
+                    raise bad(f"{pw}: unknown content part type '{p['type']}'", pw)
+            text = "".join(parts)
+        else:
+            raise bad(f"{where}.content must be a string or an array of content parts", f"{where}.content")
+        calls = m.get("tool_calls")
+        if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
+            raise bad(f"{where}.tool_calls must be an array of objects", f"{where}.tool_calls")
+        for k in ("name", "tool_call_id"):
+            if m.get(k) is not None and not isinstance(m[k], str):
+                raise bad(f"{where}.{k} must be a string", f"{where}.{k}")
+        out.append(Message(role="system" if role == "developer" else role, content=text, name=m.get("name"),
+                           tool_calls=tuple(calls) if calls else None, tool_call_id=m.get("tool_call_id")))
+    return tuple(out)
+
+
+def template_options(body: dict) -> dict:
+    """tools, chat_template_kwargs, continue_final_message / add_generation_prompt."""
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise bad("'tools' must be an array of objects", "tools")
+    kw = B.obj(body, "chat_template_kwargs")
+    kw = {k: v for k, v in (kw or {}).items() if isinstance(k, str) and k not in _RESERVED_KW}
+    cont = B.boolean(body, "continue_final_message")
+    add_gen = body.get("add_generation_prompt")
+    if add_gen is not None and not isinstance(add_gen, bool):
+        raise bad("'add_generation_prompt' must be a boolean", "add_generation_prompt")
+    if cont and add_gen:
+        raise bad("'continue_final_message' and 'add_generation_prompt': true cannot be combined",
+                  "add_generation_prompt")
+    return {"tools": tuple(tools or ()), "template_kwargs": kw, "continue_final_message": cont,
+            "add_generation_prompt": not cont if add_gen is None else add_gen}
+
+
+def tools_of(body: dict, template_source: str):
+    """OpenAI tools / tool_choice / parallel_tool_calls (and the legacy functions /
+    function_call spelling) -> the request's ToolPlan, or None without tools."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if body.get("functions") is not None:  # the pre-tools API: the same thing, older names
+        if tools is not None:
+            raise bad("'functions' and 'tools' cannot be combined", "functions")
+        fns = body["functions"]
+        if not isinstance(fns, list):
+            raise bad("'functions' must be an array", "functions")
+        tools = [{"type": "function", "function": f} for f in fns]
+        fc = body.get("function_call")
+        choice = {"type": "function", "function": fc} if isinstance(fc, dict) else fc
+    try:
+        specs, ch = from_openai(tools, choice, body.get("parallel_tool_calls"))
+    except ToolSpecError as exc:
+        raise bad(exc.message, exc.param) from None
+    return tool_use.plan(specs, ch, template_source)
+
+
+def parse(body: dict, vocab_size: int, template_source: str = "") -> GenerateRequest:
+    """A chat-completions body -> the typed request (every field checked here, once)."""
+    model = B.model_name(body)
+    for k, why in _REFUSED.items():
+        if body.get(k) is not None:
+            raise bad(f"'{k}': {why}", k, "unsupported_parameter")
+    mods = body.get("modalities")
+    if mods is not None and (not isinstance(mods, list) or any(m != "text" for m in mods)):
+        raise bad("'modalities': only [\"text\"] is supported", "modalities", "unsupported_parameter")
+    messages = parse_messages(body.get("messages"))
+    opts = template_options(body)
+    plan = tools_of(body, template_source)
+    constraint, field = structured.parse(body, dialect="openai")
+    tool_use.check_compatible(plan, constraint, field)
+    if plan is not None:
+        opts["tools"] = plan.template_tools()
+        messages = tool_use.apply_to_messages(plan, messages)
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in ("none", "minimal", "low", "medium", "high"):
+            raise bad("'reasoning_effort' must be none, minimal, low, medium or high", "reasoning_effort")
+        # the templates that think (Qwen3 ...) follow enable_thinking; the effort itself is passed through
+        opts["template_kwargs"] = {"enable_thinking": effort not in ("none", "minimal"),
+                                   "reasoning_effort": effort, **opts["template_kwargs"]}
+    if opts["continue_final_message"]:
+        last = messages[-1]
+        if last.role != "assistant" or last.tool_calls or not last.content.strip():
+            raise bad("'continue_final_message' needs the last message to be an assistant turn with text "
+                      "and no tool_calls", "messages")
+    c = openai_fields.common(body)
+    sampling = openai_fields.sampling(body, vocab_size)
+    plp = openai_fields.prompt_logprobs(body, allowed=False, stream=c.stream)
+    logprobs = B.boolean(body, "logprobs")
+    top = B.num(body, "top_logprobs", 0, 20, integer=True)
+    if top is not None and not logprobs:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return GenerateRequest(
+        endpoint="chat_completions", model=model, messages=messages, **opts, sampling=sampling,
+        max_tokens=c.max_tokens, n=c.n, stop=c.stop, stream=c.stream, include_usage=c.include_usage,
+        logprobs=logprobs, top_logprobs=top or 0, prompt_logprobs=plp, priority=c.priority,
+        cache_prompt=c.cache_prompt, session_id=c.session_id, constraint=constraint, constraint_field=field,
+        tool_plan=plan,
+    )

@@ -1,0 +1,160 @@
+"""A GenerateRequest -> prompt token ids and SamplingParams: defaults and context, decided once.
+
+`render` turns the request's prompt (chat messages through the template,
+raw text, token ids, a FIM layout) into token ids; `sampling_params` fills
+in the model's defaults and the context-derived limits. Ranges were checked
+by the dialect that parsed the body; nothing here re-checks them.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+from imp.engine.port import ModelCard
+from imp.http.errors import bad
+from imp.http.reasoning import prompt_opens_think
+from imp.http.request import GenerateRequest
+from imp.http.structured import compile_checked
+from imp.messages import SamplingParams
+from imp.text.chat_template import TemplateError
+from imp.text.fim import build_infill
+from imp.text.model import TextModel
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    text: str  # the prompt as text (echo; think-block detection)
+    opens_think: bool  # the reply starts inside a think block
+
+
+def render(req: GenerateRequest, tm: TextModel) -> Prompt:
+    if req.infill is not None:
+        return _infill(req, tm)
+    if req.prompt_ids is not None:
+        bad_ids = [t for t in req.prompt_ids if not 0 <= t < tm.tokenizer.vocab_size]
+        if bad_ids:
+            raise bad(f"'{req.prompt_param}' token id {bad_ids[0]} is outside the vocabulary "
+                      f"(0..{tm.tokenizer.vocab_size - 1})", req.prompt_param)
+        ids = list(req.prompt_ids)
+        return _nonempty(req, Prompt(ids, tm.tokenizer.decode(ids, skip_special=False), False))
+    if req.prompt_text is not None:
+        # the whole prompt is the caller's: control-token spellings count (llama.cpp, vLLM)
+        ids = tm.tokenizer.encode(req.prompt_text, add_special=True, parse_special=True)
+        return _nonempty(req, Prompt(ids, req.prompt_text, prompt_opens_think(req.prompt_text[-64:])))
+    return _chat(req, tm)
+
+
+def _nonempty(req: GenerateRequest, p: Prompt) -> Prompt:
+    if not p.ids:
+        raise bad(f"'{req.prompt_param}' is empty", req.prompt_param)
+    return p
+
+
+def _infill(req: GenerateRequest, tm: TextModel) -> Prompt:
+    if tm.fim is None:
+        raise bad("this model has no fill-in-the-middle tokens (no tokenizer.ggml.fim_pre/suf/mid_token_id, "
+                  "no <fim_prefix>-style tokens)", "suffix" if req.endpoint == "completions" else None,
+                  "fim_not_supported")
+    f = req.infill
+    ids = build_infill(tm.tokenizer, tm.fim, f.prefix, f.suffix, f.prompt,
+                       [{"filename": n, "text": t} for n, t in f.extra], prompt_ids=list(f.prompt_ids)
+                       if f.prompt_ids is not None else None)
+    text = f.prefix + (f.prompt if f.prompt_ids is None else tm.tokenizer.decode(list(f.prompt_ids),
+                                                                                 skip_special=False))
+    return Prompt(ids, text, False)
+
+
+def _chat(req: GenerateRequest, tm: TextModel) -> Prompt:
+    """Render and tokenize the messages.
+
+    continue_final_message (vLLM): the reply continues the last message, an
+    assistant turn with text; the prompt is the render without a generation
+    prompt, cut right after that text (the HF rule, trailing whitespace dropped).
+    """
+    messages = [m.template_dict() for m in req.messages]
+    cont = req.continue_final_message
+    try:
+        parts = tm.template.render_parts(messages, add_generation_prompt=req.add_generation_prompt and not cont,
+                                         tools=[dict(t) for t in req.tools] or None, **req.template_kwargs)
+    except TemplateError as exc:
+        raise bad(f"chat template error: {exc}", "messages", "template_error") from None
+    if cont:
+        final = messages[-1]["content"]
+        k = max((i for i, (_, trusted) in enumerate(parts) if not trusted), default=-1)
+        if k < 0 or parts[k][0].strip() != final.strip():
+            raise bad("the chat template does not render the final message's text; cannot continue it",
+                      "messages", "template_error")
+        parts = parts[:k] + [(parts[k][0].rstrip(), False)]
+    # add_special: BOS when the model wants one and the template did not write it
+    ids = tm.tokenizer.encode_chat(parts, add_special=True)
+    # A think block is open when the reply's own start opens one: the assistant
+    # prefix being continued, or the template's text after the last message.
+    k = max((i for i, (_, trusted) in enumerate(parts) if not trusted), default=-1)
+    tail = parts[-1][0] if cont else "".join(t for t, _ in parts[k + 1:])
+    return Prompt(ids, "".join(t for t, _ in parts), prompt_opens_think(tail))
+
+
+def check_context(req: GenerateRequest, prompt_len: int, card: ModelCard) -> int:
+    """Room left for the reply; a prompt that fills the context is a 400."""
+    remaining = card.context_length - prompt_len
+    if remaining <= 0:
+        raise bad(f"the prompt has {prompt_len} tokens, the model's context is {card.context_length} tokens",
+                  req.prompt_param, "context_length_exceeded")
+    return remaining
+
+
+def max_tokens(req: GenerateRequest, prompt_len: int, card: ModelCard, fixed_default: int | None,
+               cap: int | None = None) -> int:
+    """The reply's token budget: the request's, cut at the context end (llama.cpp and vLLM stop
+    there rather than refuse: Claude Code asks for 32k-64k), else --max-tokens, else the rest
+    of the context; never above --max-output-tokens (`cap`), which ends as a normal length stop."""
+    remaining = check_context(req, prompt_len, card)
+    if req.max_tokens is None:
+        mt = min(fixed_default, remaining) if fixed_default else remaining
+    else:
+        mt = min(req.max_tokens, remaining)
+    return min(mt, cap) if cap else mt
+
+
+def sampling_params(req: GenerateRequest, prompt_len: int, card: ModelCard, tm: TextModel,
+                    fixed_max_tokens: int | None = None, cap: int | None = None) -> SamplingParams:
+    s, d = req.sampling, tm.defaults
+    top_k = d.top_k if s.top_k is None else s.top_k
+    # top_k: 0 (or unset) is 50, as the reference says; negative or >= vocabulary is off
+    top_k = 50 if top_k == 0 else (0 if top_k < 0 or top_k >= card.vocab_size else top_k)
+    seed = secrets.randbits(63) if s.seed is None else s.seed & ((1 << 63) - 1)
+    logprobs = req.top_logprobs if req.logprobs else -1
+    return SamplingParams(
+        max_tokens=max_tokens(req, prompt_len, card, fixed_max_tokens, cap),
+        temperature=float(d.temperature if s.temperature is None else s.temperature),
+        top_p=float(d.top_p if s.top_p is None else s.top_p),
+        top_k=int(top_k),
+        min_p=float(d.min_p if s.min_p is None else s.min_p),
+        typical_p=float(1.0 if s.typical_p is None else s.typical_p),
+        repetition_penalty=float(d.repetition_penalty if s.repetition_penalty is None else s.repetition_penalty),
+        presence_penalty=float(s.presence_penalty),
+        frequency_penalty=float(s.frequency_penalty),
+        seed=int(seed),
+        stop_token_ids=tm.eos_ids,
+        ignore_eos=s.ignore_eos,
+        logit_bias=s.logit_bias,
+        logprobs=logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        constraint=req.effective_constraint[0],
+    )
+
+
+async def compile_constraint(req: GenerateRequest, grammars) -> None:
+    """Compile the request's grammar now (off the loop, under the deadline), so a schema or a
+    tool set that cannot be enforced is a 400 before anything runs; the executor then finds it
+    in the shared cache."""
+    c, field = req.effective_constraint
+    if c is None:
+        return
+    if grammars is None:
+        raise bad(f"'{field}' needs the grammar engine, which this server runs without", field,
+                  "constraints_unavailable")
+    code = "tool_choice_unenforceable" if field == "tool_choice" else "invalid_constraint"
+    await compile_checked(grammars, c, field, code=code)

@@ -1,0 +1,180 @@
+"""Tool calling for every dialect: how the model is shown its tools, forced to call, and read back.
+
+A dialect maps its `tools` / `tool_choice` into `imp.tools` values (Tool,
+ToolChoice); `plan` decides, once per request, everything that follows:
+
+- the shape of a call: "hermes" (`<tool_call>{...}</tool_call>`) when the chat
+  template speaks it natively (Qwen, Hermes fine-tunes), else the "generic"
+  JSON envelope of llama.cpp's generic handler (`{"tool_calls": [...]}` /
+  `{"response": "..."}`) for models with no format of their own (SmolLM2,
+  Gemma 3);
+- how the tools reach the prompt: to the template's `tools` when it renders
+  them, else as a system-prompt block (`imp.tools.render`) — and earlier turns'
+  calls and results are rewritten in the same shape, so the model always sees
+  its own format;
+- the grammar (`Constraint`): a forced choice (required / named / Anthropic
+  any / tool) always gets one, built from the tools' parameter schemas, so a
+  forced call parses and its arguments validate; "auto" in the generic shape
+  too (the envelope is the only way that model can call); "none" hides the tools;
+- the parser that turns the model's text back into calls, streamed or not.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from imp.http.errors import ApiError, bad
+from imp.http.request import Message
+from imp.messages import Constraint
+from imp.tools import (
+    ArgsDelta, CallEnd, CallStart, Parsed, Text, Tool, ToolCall, ToolChoice, ToolStreamParser, call_grammar,
+    call_message_text, new_call_id, parse, result_text, tools_system_prompt,
+)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    tools: tuple[Tool, ...]
+    choice: ToolChoice
+    shape: str  # "hermes" | "generic"
+    native: bool  # the chat template renders the tools itself
+    constraint: Constraint | None
+
+    @property
+    def active(self) -> bool:
+        """Calls may come back (and are parsed)."""
+        return self.choice.mode != "none" and bool(self.tools)
+
+    def template_tools(self) -> tuple[dict, ...]:
+        """What the template's `tools` variable gets (OpenAI function shape), if it renders them."""
+        if not (self.native and self.active):
+            return ()
+        return tuple({"type": "function", "function": {"name": t.name, "description": t.description,
+                                                       "parameters": t.parameters}} for t in self.tools)
+
+    def stream_parser(self) -> ToolStreamParser:
+        return ToolStreamParser(self.shape, list(self.tools), new_id=new_call_id)
+
+    def parse(self, text: str, cut: bool = False) -> Parsed:
+        """The calls and text of a whole reply. cut: max_tokens ended it (see `salvage`)."""
+        got = parse(text, self.shape, list(self.tools), new_id=new_call_id)
+        if cut and not got.calls and self.shape == "generic":
+            calls = salvage(text)
+            if calls:
+                return Parsed("", tuple(calls))
+        return got
+
+    def finish(self, parser: ToolStreamParser, cut: bool) -> list:
+        """A stream parser's last events; a reply max_tokens cut inside a generic envelope gives
+        the calls it completed (as `parse(..., cut=True)` does), never the envelope as text."""
+        events = parser.finish()
+        if cut and self.shape == "generic" and not parser_called(parser):
+            held = "".join(ev.text for ev in events if isinstance(ev, Text))
+            calls = salvage(held)
+            if calls:
+                out = []
+                for k, c in enumerate(calls):
+                    out += [CallStart(k, c.id, c.name), ArgsDelta(k, c.arguments), CallEnd(k)]
+                return out
+        return events
+
+
+_ENVELOPE = '{"tool_calls": ['
+
+
+def salvage(text: str) -> list[ToolCall]:
+    """The complete calls of a generic envelope that max_tokens cut: `{"tool_calls": [{...},
+    {...}, {"na` -> the first two. The model asked for them; the cut only lost the rest."""
+    s = text.lstrip()
+    if not s.startswith(_ENVELOPE):
+        return []
+    dec = json.JSONDecoder()
+    i, calls = len(_ENVELOPE), []
+    while i < len(s):
+        try:
+            obj, i = dec.raw_decode(s, i)
+        except ValueError:
+            break
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments"), dict)):
+            break
+        calls.append(ToolCall(new_call_id(), obj["name"], json.dumps(obj["arguments"], ensure_ascii=False,
+                                                                      separators=(",", ":"))))
+        while i < len(s) and s[i] in ", \n":
+            i += 1
+    return calls
+
+
+def parser_called(parser: ToolStreamParser) -> bool:
+    return parser.calls_started > 0
+
+
+def shape_for(template_source: str) -> tuple[str, bool]:
+    """(shape, native): Hermes when the template itself writes `<tool_call>` tags."""
+    if "<tool_call>" in template_source and "tools" in template_source:
+        return "hermes", True
+    return "generic", False
+
+
+def plan(tools: list[Tool], choice: ToolChoice, template_source: str) -> ToolPlan | None:
+    """None when the request has no tools (nothing to show, parse or force)."""
+    if not tools:
+        return None
+    shape, native = shape_for(template_source)
+    constraint = None
+    if choice.mode != "none" and (choice.forces_call or shape == "generic"):
+        try:
+            grammar = call_grammar(tools, choice, shape)
+        except ValueError as exc:
+            raise ApiError(400, f"tool_choice cannot be enforced: {exc}", param="tool_choice",
+                           code="tool_choice_unenforceable") from None
+        constraint = Constraint("lark", grammar) if grammar else None
+    return ToolPlan(tuple(tools), choice, shape, native, constraint)
+
+
+def apply_to_messages(p: ToolPlan | None, messages: tuple[Message, ...]) -> tuple[Message, ...]:
+    """The conversation as the template should see it. A native template gets the messages
+    as they are (it renders tool_calls and tool turns itself); otherwise the tools go into
+    the system prompt and earlier calls / results become text in the plan's shape."""
+    if p is None or p.native:
+        return messages
+    out: list[Message] = []
+    block = tools_system_prompt(list(p.tools), p.choice, p.shape) if p.active else ""
+    names: dict[str, str] = {}
+    for m in messages:
+        if m.role == "assistant" and (m.tool_calls or (p.active and p.shape == "generic")):
+            calls = []
+            for c in m.tool_calls or ():
+                fn = c.get("function") or {}
+                args = fn.get("arguments", "{}")
+                if not isinstance(args, str):
+                    args = json.dumps(args, ensure_ascii=False)
+                cid = c.get("id") or ""
+                names[cid] = fn.get("name", "")
+                calls.append(ToolCall(cid, fn.get("name", ""), args))
+            # a text-only assistant turn in the generic shape is a {"response": ...} envelope
+            out.append(Message(role="assistant", content=call_message_text(calls, p.shape, m.content,
+                                                                           p.choice.parallel)))
+        elif m.role == "tool":
+            name = m.name or names.get(m.tool_call_id or "")
+            is_error = m.content.startswith("Error: ") and False
+            text = result_text(name, m.content, p.shape, m.tool_call_id, is_error)
+            if out and out[-1].role == "user":  # several results of one turn: one user message
+                out[-1] = Message(role="user", content=out[-1].content + "\n" + text)
+            else:
+                out.append(Message(role="user", content=text))
+        else:
+            out.append(m)
+    if block:
+        if out and out[0].role == "system":
+            out[0] = Message(role="system", content=(out[0].content + "\n\n" + block).strip())
+        else:
+            out.insert(0, Message(role="system", content=block))
+    return tuple(out)
+
+
+def check_compatible(p: ToolPlan | None, other: Constraint | None, other_field: str | None) -> None:
+    """A forced call and a response_format both constrain the same output: refuse, naming both."""
+    if p is not None and p.constraint is not None and other is not None:
+        raise bad(f"'tool_choice' and '{other_field}' both constrain the output: send one", "tool_choice",
+                  "tool_choice_unenforceable")

@@ -27,7 +27,7 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
                    "required": ["city"]}}}
 MSGS = [{"role": "user", "content": "Weather in Paris?"}]
-CALL = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}]}'
+CALL = '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}}'
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ async def test_forced_call_runs_under_a_grammar_and_comes_back_as_tool_calls(mak
     assert sub.params.constraint is not None and sub.params.constraint.kind == "lark"
     assert "get_weather" in sub.params.constraint.source
     prompt_text = c.engine.tm.tokenizer.decode(list(sub.prompt), skip_special=False)
-    assert "get_weather" in prompt_text and "tool_calls" in prompt_text  # the tools, in the system prompt
+    assert "get_weather" in prompt_text and '{"tool_call":' in prompt_text  # the tools, in the system prompt
     ch = out["choices"][0]
     assert ch["finish_reason"] == "tool_calls" and ch["message"]["content"] is None
     (call,) = ch["message"]["tool_calls"]
@@ -135,7 +135,7 @@ async def test_tool_loop_history_is_shown_in_the_models_own_shape(make):
     out = await (await c.post("/v1/chat/completions", json={"model": "m", "messages": msgs, "tools": [WEATHER]})).json()
     assert out["choices"][0]["message"]["content"] == "18 C in Paris."
     prompt = c.engine.tm.tokenizer.decode(list(c.engine.submissions[-1].prompt), skip_special=False)
-    assert '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}' in prompt
+    assert '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}' in prompt
     assert '"tool_response"' in prompt and "18 C" in prompt
 
 

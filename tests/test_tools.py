@@ -87,10 +87,10 @@ def test_from_openai_maps_tools_and_choices():
              {"type": "function", "function": {"name": "ping"}}]
     out, choice = from_openai(tools, None)
     assert out == [Tool("get_weather", "d", WEATHER.parameters, True), Tool("ping")]
-    assert choice == ToolChoice("auto", None, True)
-    assert from_openai(tools, "required", False)[1] == ToolChoice("required", None, False)
+    assert choice == ToolChoice("auto", None, False)  # unset: one call per turn (llama.cpp's default)
+    assert from_openai(tools, "required", True)[1] == ToolChoice("required", None, True)
     named = {"type": "function", "function": {"name": "ping"}}
-    assert from_openai(tools, named)[1] == ToolChoice("named", "ping")
+    assert from_openai(tools, named)[1] == ToolChoice("named", "ping", parallel=False)
     assert from_openai(None, None)[1].mode == "none"
     assert from_openai(None, "auto")[1].mode == "none"
 
@@ -137,9 +137,10 @@ def test_from_anthropic_maps_tools_and_choices():
              {"type": "web_search_20250305", "name": "web_search"},  # a server tool: left out
              {"type": "custom", "name": "ping", "input_schema": {"type": "object"}}]
     out, choice = from_anthropic(tools)
-    assert [t.name for t in out] == ["get_weather", "ping"] and choice == ToolChoice("auto")
-    assert from_anthropic(tools, {"type": "any"})[1] == ToolChoice("required")
-    assert from_anthropic(tools, {"type": "none"})[1] == ToolChoice("none")
+    assert [t.name for t in out] == ["get_weather", "ping"] and choice == ToolChoice("auto", parallel=False)
+    assert from_anthropic(tools, {"type": "any"})[1] == ToolChoice("required", parallel=False)
+    assert from_anthropic(tools, {"type": "any", "disable_parallel_tool_use": False})[1] == ToolChoice("required")
+    assert from_anthropic(tools, {"type": "none"})[1] == ToolChoice("none", parallel=False)
     assert from_anthropic(tools, {"type": "tool", "name": "ping", "disable_parallel_tool_use": True})[1] == \
         ToolChoice("named", "ping", False)
 

@@ -359,7 +359,7 @@ async def messages(request: web.Request, echo: dict) -> web.StreamResponse:
     plan = req.tool_plan if req.tool_plan is not None and req.tool_plan.active else None
     ctx = _Ctx(port.card.name, mid, len(prompt.ids), splitter, plan)
     with live_requests(request).track(mid, request.get("client_request_id"), lambda: splitter.thinking):
-        async with contextlib.aclosing(generate(port, mid, prompt.ids, params, req)) as deltas:
+        async with contextlib.aclosing(generate(port, mid, prompt.ids, params, req, request=request)) as deltas:
             if req.stream:
                 return await _stream(request, ctx, deltas, echo)
             return await _complete(request, ctx, deltas)

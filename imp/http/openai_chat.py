@@ -41,7 +41,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     splitters = [ThinkSplitter(prompt.opens_think) for _ in range(req.n)]
     with live_requests(request).track(rid, request.get("client_request_id"),
                                       lambda: any(s.thinking for s in splitters)):
-        async with contextlib.aclosing(generate(port, rid, prompt.ids, params, req)) as deltas:
+        async with contextlib.aclosing(generate(port, rid, prompt.ids, params, req, request=request)) as deltas:
             if not req.stream:
                 return await _complete(request, ctx, deltas, splitters)
             return await _stream(request, ctx, deltas, splitters)

@@ -284,7 +284,8 @@ def parse(body: dict, vocab_size: int, template_source: str = "",
     ex.input_items = items
     tools = _tools(body.get("tools"), ex)
     ex.tools_json = body.get("tools") or []
-    ex.parallel_tool_calls = B.boolean(body, "parallel_tool_calls", True)
+    # unset: one call per turn (llama.cpp's default; see imp.tools.spec._parallel); echoed as sent
+    ex.parallel_tool_calls = B.boolean(body, "parallel_tool_calls", False)
     choice = _choice(body.get("tool_choice"), tools, ex.parallel_tool_calls)
     ex.tool_choice_json = body.get("tool_choice", "auto")
     reasoning = B.obj(body, "reasoning")

@@ -135,8 +135,11 @@ def _unique(tools: list[Tool], params: list[str]) -> None:
 
 
 def _parallel(value: Any, param: str) -> bool:
+    # Unset means one call per turn, as llama.cpp's server defaults it: a small model allowed
+    # "one or more" calls repeats the same call until max_tokens cuts the reply. A client that
+    # wants several sends parallel_tool_calls: true.
     if value is None:
-        return True
+        return False
     if not isinstance(value, bool):
         raise ToolSpecError(f"'{param}' must be a boolean", param)
     return value
@@ -243,7 +246,7 @@ def from_anthropic(tools: Any, tool_choice: Any = None) -> tuple[list[Tool], Too
         params.append(f"{w}.name")
     _unique(out, params)
     if tool_choice is None:
-        return out, _choice("auto", None, out, True, "tool_choice", "tool_choice.name")
+        return out, _choice("auto", None, out, False, "tool_choice", "tool_choice.name")
     if not isinstance(tool_choice, dict) or tool_choice.get("type") not in _ANTHROPIC_CHOICES:
         raise ToolSpecError(f"'tool_choice.type' must be one of {sorted(_ANTHROPIC_CHOICES)}", "tool_choice.type")
     disable = tool_choice.get("disable_parallel_tool_use")
@@ -254,5 +257,6 @@ def from_anthropic(tools: Any, tool_choice: Any = None) -> tuple[list[Tool], Too
     name = tool_choice.get("name")
     if mode == "named" and not isinstance(name, str):
         raise ToolSpecError("'tool_choice.name' must be a string when 'type' is 'tool'", "tool_choice.name")
-    return out, _choice(mode, name if mode == "named" else None, out, not disable,
+    # disable_parallel_tool_use unset: one call per turn (see _parallel); false asks for several
+    return out, _choice(mode, name if mode == "named" else None, out, disable is False,
                         "tool_choice", "tool_choice.name")

@@ -28,6 +28,8 @@ class ServerConfig:
     pipeline_depth: int = 0  # steps in flight: 2 plans step N+1 while N runs; 0 = auto (2 on a GPU, 1 on CPU)
     data_parallel: int = 1  # model replicas, one executor each (cuda:K, cuda:K+1, ... from --device)
     log_level: str = "info"
+    otlp_endpoint: str | None = None  # OTLP/HTTP traces URL (else OTEL_EXPORTER_OTLP_TRACES_ENDPOINT at boot)
+    log_requests: str | None = None  # JSONL file: one line per generation request
     # the Responses store (SQLite): None = under the cache dir; "off" = no store (store: true is a 400)
     responses_store: str | None = None
     responses_store_max_responses: int = 10_000
@@ -83,6 +85,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="model replicas, one scheduler + KV pool + executor each; with --device cuda:K they take "
                         "cuda:K .. cuda:K+N-1 (on CPU they share the cores)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="full OTLP/HTTP traces URL of a collector, e.g. http://127.0.0.1:4318/v1/traces "
+                        "(else $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; $OTEL_SERVICE_NAME names the service)")
+    p.add_argument("--log-requests", default=None, help="append one JSONL line per generation request to this file")
     p.add_argument("--responses-store", default=None,
                    help="SQLite file of stored responses (default: responses.sqlite3 in the cache dir; off = none)")
     p.add_argument("--responses-store-max-responses", type=int, default=d.responses_store_max_responses,

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from imp.config import ServerConfig, replica_devices
 from imp.constrain.compile import GrammarCache
+from imp.actors.otlp import OtlpConfig
 from imp.constrain.vocab import from_tokenizer
 from imp.engine.local import LocalEngine
 from imp.http.app import create_app
@@ -84,7 +85,8 @@ def load_engine(cfg: ServerConfig, store=None) -> tuple[LocalEngine, TextModel]:
     t1 = time.monotonic()
     grammars = GrammarCache(from_tokenizer(tokenizer, int(runner.config.vocab_size)))
     _progress(f"grammar engine ready for {tokenizer.vocab_size} tokens in {time.monotonic() - t1:.1f}s")
-    return LocalEngine(cfg, runners, tokenizer, name, str(path), grammars=grammars, store=store), text
+    otlp = OtlpConfig.resolve(cfg.otlp_endpoint, cfg.log_requests, os.environ)  # the environment, read once
+    return LocalEngine(cfg, runners, tokenizer, name, str(path), grammars=grammars, store=store, otlp=otlp), text
 
 
 async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel) -> None:

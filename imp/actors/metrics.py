@@ -2,22 +2,28 @@
 
 It owns a private CollectorRegistry (one per engine, so tests can run several
 servers in one process) and the latest Figures, which /health reads. Every
-series exists from start, at zero, so dashboards can be built before traffic.
+series the reference names exists from start, at zero, so dashboards can be
+built before traffic; the ones for things imp never does (grow the pool,
+switch on StreamingLLM eviction, swap KV to host) stay at zero and say so.
 """
 
 from __future__ import annotations
 
 import collections
 import time
+from typing import NamedTuple
 
 import msgspec
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from imp.actors.base import Actor, Bus
+from imp.actors.request_log import timeline
 from imp.messages import Fault, Figures, KvFigures, Msg, QueueFigures, RequestStats, StepStats
 
-ENDPOINTS = ("chat_completions", "completions", "messages", "responses", "embeddings", "rerank")
+# the generation routes (a series per route, at zero before traffic); embeddings / rerank
+# join when those routes exist
+ENDPOINTS = ("chat_completions", "completions", "messages", "infill", "responses")
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -28,13 +34,17 @@ class Rates:
     step's decodes make the prefill rate read low, never high); only pure
     decode steps feed the decode rates. `now` is the latest decode step, if
     it ran within `stale_s`; `recent` the last `window` decode steps; lifetime
-    every decode step since start.
+    every decode step since start. `boot_prefill_tok_s`, a warm-up prefill's
+    rate measured at boot, stands in for the recent prefill rate until a real
+    prefill step has run (so /v1/estimate has an est_ttft_s from the start).
     """
 
-    def __init__(self, window: int = 64, prefill_window: int = 16, stale_s: float = 2.0):
+    def __init__(self, window: int = 64, prefill_window: int = 16, stale_s: float = 2.0,
+                 boot_prefill_tok_s: float | None = None):
         self.decode = collections.deque(maxlen=window)  # (tokens, seconds)
         self.prefill = collections.deque(maxlen=prefill_window)
         self.stale_s = stale_s
+        self.boot_prefill_tok_s = boot_prefill_tok_s if boot_prefill_tok_s and boot_prefill_tok_s > 0 else None
         self.decode_tokens = 0
         self.decode_s = 0.0
         self.prefill_tokens = 0
@@ -63,8 +73,10 @@ class Rates:
 
     @property
     def prefill_tok_s_recent(self) -> float | None:
-        """Prefill tokens per second over the recent prefill steps; None before the first."""
-        return self._mean(self.prefill)
+        """Prefill tokens per second over the recent prefill steps; the boot warm-up's rate
+        before the first; None without either."""
+        measured = self._mean(self.prefill)
+        return measured if measured is not None else self.boot_prefill_tok_s
 
     def snapshot(self, now: float) -> dict:
         last = self.last_decode
@@ -93,12 +105,35 @@ def _sum_figures(figs: list[Figures]) -> Figures:
     return Figures(msgspec.structs.replace(kv, block_size=figs[0].kv.block_size), add([f.queue for f in figs]))
 
 
+def refused(m: RequestStats) -> bool:
+    """Refused before generation (4xx, 429, 503): not timed, not traced."""
+    return 400 <= m.status < 500 or m.status == 503
+
+
+def kv_refusal(m: RequestStats, pool_tokens: int) -> bool:
+    """Refused because the prompt cannot get blocks from one KV pool: admission's capacity
+    check comes before its context check, so a context_length_exceeded refusal of a prompt
+    larger than the pool is this one."""
+    return m.reject_code == "context_length_exceeded" and m.prompt_tokens + 1 > pool_tokens
+
+
+class OtlpCounters(NamedTuple):
+    """The OTLP exporter's counters: here so they exist (at zero) without an exporter;
+    the exporter's thread increments them (prometheus-client counters are thread-safe)."""
+
+    spans_exported: Counter
+    export_failures: Counter
+    unsampled: Counter
+
+
 class MetricsActor(Actor):
     name = "metrics"
 
-    def __init__(self, bus: Bus, model_name: str, kv: KvFigures, sources: list[str] | None = None):
+    def __init__(self, bus: Bus, model_name: str, kv: KvFigures, sources: list[str] | None = None, *,
+                 boot_prefill_tok_s: float | None = None):
         """kv: one scheduler's pool at boot; sources: the scheduler replicas
-        (data parallel), whose figures are summed."""
+        (data parallel), whose figures are summed; boot_prefill_tok_s: the boot
+        warm-up's prefill rate (see Rates)."""
         super().__init__(bus)
         self.registry = r = CollectorRegistry()
         self._figs = {name: Figures(kv, QueueFigures(0, 0, 0)) for name in (sources or ["scheduler"])}
@@ -107,42 +142,58 @@ class MetricsActor(Actor):
         self.queue = QueueFigures(0, 0, 0)
         self.faults: list[str] = []
         g = lambda n, d, *l: Gauge(n, d, l, registry=r)  # noqa: E731
-        c = lambda n, d, *l: Counter(n, d, l, registry=r)  # noqa: E731
+        c = lambda n, d, *l: Counter(n, d, l, registry=r)  # noqa: E731 (exposed as n + "_total")
         h = lambda n, d, *l: Histogram(n, d, l, buckets=_LAT, registry=r)  # noqa: E731
         self.g_model = g("imp_model_loaded", "1 while the model is loaded", "model")
         self.g_model.labels(model_name).set(1)
-        self.g_kv = {k: g(f"imp_kv_blocks_{k}", f"KV blocks {k}") for k in ("total", "free", "used", "reserved", "cached", "pinned")}
-        self.g_waiting = g("imp_queue_waiting", "requests waiting for a batch slot")
+        self.g_kv = {k: g(f"imp_kv_blocks_{k}", f"KV blocks {k}") for k in ("total", "free", "used", "cached", "pinned")}
+        self.g_kv["reserved"] = g("imp_kv_blocks_reserved", "KV blocks admission promised to running requests for "
+                                  "their expected generation and not yet written; free minus this is what the "
+                                  "next request is admitted against")
+        self.g_waiting = g("imp_queue_waiting", "requests waiting for their first batch")
         self.g_running = g("imp_queue_running", "requests in the running batch")
         self.g_depth = g("imp_queue_depth", "waiting + running")
-        self.g_qtokens = g("imp_queued_prompt_tokens", "prompt tokens not yet past prefill")
-        self.g_batch_last = g("imp_decode_batch_last_rows", "sequences in the most recent step")
-        self.c_evict = c("imp_prefix_cache_evictions", "cached prefix blocks reclaimed")
-        self.c_preempt = c("imp_preemptions", "running requests preempted for KV")
+        self.g_qtokens = g("imp_queued_prompt_tokens", "prompt tokens not yet past prefill (--max-queued-tokens)")
+        self.g_batch_last = g("imp_decode_batch_last_rows", "sequences in the most recent step; 0 while idle")
+        self.g_max_batch = g("imp_decode_batch_max", "largest step so far (never resets)")
+        self.c_evict = c("imp_prefix_cache_evictions", "cached prefix blocks reclaimed for a new allocation")
+        self.c_preempt = c("imp_preemptions", "running requests preempted for KV (recomputed later)")
         self.c_cancel = c("imp_requests_cancelled", "requests cancelled by client disconnect")
-        self.c_timeout = c("imp_requests_timed_out", "requests ended at --request-timeout")
+        self.c_timeout = c("imp_requests_timed_out", "requests ended at --request-timeout (the client sees "
+                           "finish_reason length)")
+        self.c_kv_reject = c("imp_kv_pressure_rejections", "requests refused because the KV pool cannot give "
+                             "them blocks (admission); mid-decode imp preempts and recomputes instead "
+                             "(imp_preemptions_total), it never cancels")
+        self.c_growths = c("imp_kv_pool_growths", "KV pool growths: always 0, the pool is sized once at boot "
+                           "and does not grow")
+        self.c_streaming = c("imp_streaming_kv_auto_enables", "StreamingLLM eviction switched on: always 0, "
+                             "imp has no StreamingLLM eviction (a full pool preempts)")
+        self.c_swaps = c("imp_kv_swaps", "KV moved to host for want of blocks: always 0, imp recomputes a "
+                         "preempted request, it never swaps")
         self.c_steps = c("imp_decode_batch_steps", "engine steps")
         self.c_rows = c("imp_decode_batch_rows", "sequences summed over steps")
         self.c_gen = c("imp_tokens_generated", "completion tokens")
         self.c_prompt = c("imp_tokens_prompt", "prompt tokens")
         self.c_cached = c("imp_tokens_cached", "prompt tokens served from the prefix cache")
         self.c_faults = c("imp_actor_faults", "actors that failed")
-        self.c_req = c("imp_requests", "generation requests finished")
+        self.c_req = c("imp_requests", "generation requests finished (refusals included)")
         self.c_ep = c("imp_endpoint_requests", "generation requests by endpoint", "endpoint")
-        self.h = {k: h(f"imp_{k}_seconds", f"{k} latency") for k in ("request_duration", "ttft", "queue_time", "inter_token")}
-        self.h_ep = {
-            k: h(f"imp_endpoint_{k}_seconds", f"{k} latency by endpoint", "endpoint")
-            for k in ("request_duration", "ttft", "queue_time", "inter_token")
-        }
+        self.otlp = OtlpCounters(
+            c("imp_otlp_spans_exported", "spans the OTLP collector accepted (SERVER spans and their children)"),
+            c("imp_otlp_export_failures", "OTLP export batches that failed (their spans are dropped)"),
+            c("imp_otlp_unsampled_requests", "requests not exported: their traceparent's sampled flag was clear"),
+        )
+        lat = ("request_duration", "ttft", "queue_time", "inter_token")
+        self.h = {k: h(f"imp_{k}_seconds", f"{k} latency") for k in lat}
+        self.h_ep = {k: h(f"imp_endpoint_{k}_seconds", f"{k} latency by endpoint", "endpoint") for k in lat}
         for ep in ENDPOINTS:
             self.c_ep.labels(ep)
             for hh in self.h_ep.values():
                 hh.labels(ep)
-        self.g_max_batch = g("imp_decode_batch_max", "largest step so far")
         self._max_batch = 0
         self._last: QueueFigures = self.queue
         self._evictions = 0
-        self.rates = Rates()
+        self.rates = Rates(boot_prefill_tok_s=boot_prefill_tok_s)
         self._apply_kv(kv)
 
     def _apply_kv(self, kv: KvFigures) -> None:
@@ -153,49 +204,67 @@ class MetricsActor(Actor):
             self._evictions = kv.evictions
         self.kv = kv
 
+    def _figures(self, sender: str, msg: Figures) -> None:
+        if len(self._figs) > 1:  # data parallel: the sum over replicas
+            self._figs[sender] = msg
+            msg = _sum_figures(list(self._figs.values()))
+        self._apply_kv(msg.kv)
+        q, last = msg.queue, self._last
+        self.g_waiting.set(q.waiting)
+        self.g_running.set(q.running)
+        self.g_depth.set(q.waiting + q.running)
+        self.g_qtokens.set(q.queued_prompt_tokens)
+        if q.running == 0:  # nothing runs: the live batch is empty, whatever the last step was
+            self.g_batch_last.set(0)
+        for ctr, a, b in (
+            (self.c_preempt, q.preemptions, last.preemptions),
+            (self.c_cancel, q.cancellations, last.cancellations),
+            (self.c_timeout, q.timeouts, last.timeouts),
+        ):
+            if a > b:
+                ctr.inc(a - b)
+        self.queue = self._last = q
+
+    def _step(self, msg: StepStats) -> None:
+        self.rates.observe(msg, time.monotonic())
+        self.c_steps.inc()
+        self.c_rows.inc(msg.num_seqs)
+        self.g_batch_last.set(msg.num_seqs)
+        if msg.num_seqs > self._max_batch:
+            self._max_batch = msg.num_seqs
+            self.g_max_batch.set(msg.num_seqs)
+
+    def _request(self, msg: RequestStats) -> None:
+        self.c_req.inc()
+        ep = msg.endpoint if msg.endpoint in ENDPOINTS else None
+        if ep:
+            self.c_ep.labels(ep).inc()
+        self.c_gen.inc(msg.completion_tokens)
+        self.c_prompt.inc(msg.prompt_tokens)
+        self.c_cached.inc(msg.cached_tokens)
+        if refused(msg):  # never reached generation: nothing to time
+            if kv_refusal(msg, min(k.total * k.block_size for k in self.replica_kv())):
+                self.c_kv_reject.inc()
+            return
+        t = timeline(msg)
+        # a request that ended before its first batch (cancelled, timed out) still waited;
+        # one without a first token has no ttft to observe
+        obs = [("request_duration", t.duration_s), ("queue_time", t.queue_s)]
+        if t.ttft_s is not None:
+            obs.append(("ttft", t.ttft_s))
+        obs += [("inter_token", gap) for gap in msg.itl_s]
+        for k, v in obs:
+            self.h[k].observe(v)
+            if ep:
+                self.h_ep[k].labels(ep).observe(v)
+
     async def on_message(self, sender: str, msg: Msg) -> None:
         if isinstance(msg, Figures):
-            if len(self._figs) > 1:  # data parallel: the sum over replicas
-                self._figs[sender] = msg
-                msg = _sum_figures(list(self._figs.values()))
-            self._apply_kv(msg.kv)
-            q, last = msg.queue, self._last
-            self.g_waiting.set(q.waiting)
-            self.g_running.set(q.running)
-            self.g_depth.set(q.waiting + q.running)
-            self.g_qtokens.set(q.queued_prompt_tokens)
-            for ctr, a, b in (
-                (self.c_preempt, q.preemptions, last.preemptions),
-                (self.c_cancel, q.cancellations, last.cancellations),
-                (self.c_timeout, q.timeouts, last.timeouts),
-            ):
-                if a > b:
-                    ctr.inc(a - b)
-            self.queue = self._last = q
+            self._figures(sender, msg)
         elif isinstance(msg, StepStats):
-            self.rates.observe(msg, time.monotonic())
-            self.c_steps.inc()
-            self.c_rows.inc(msg.num_seqs)
-            self.g_batch_last.set(msg.num_seqs)
-            if msg.num_seqs > self._max_batch:
-                self._max_batch = msg.num_seqs
-                self.g_max_batch.set(msg.num_seqs)
+            self._step(msg)
         elif isinstance(msg, RequestStats):
-            self.c_req.inc()
-            ep = msg.endpoint if msg.endpoint in ENDPOINTS else None
-            if ep:
-                self.c_ep.labels(ep).inc()
-            self.c_gen.inc(msg.completion_tokens)
-            self.c_prompt.inc(msg.prompt_tokens)
-            self.c_cached.inc(msg.cached_tokens)
-            for k, v in (("request_duration", msg.duration_s), ("ttft", msg.ttft_s), ("queue_time", msg.queue_s)):
-                self.h[k].observe(v)
-                if ep:
-                    self.h_ep[k].labels(ep).observe(v)
-            for gap in msg.itl_s:
-                self.h["inter_token"].observe(gap)
-                if ep:
-                    self.h_ep["inter_token"].labels(ep).observe(gap)
+            self._request(msg)
         elif isinstance(msg, Fault):
             self.faults.append(msg.error)
             self.c_faults.inc()

@@ -24,6 +24,7 @@ from imp.actors.detok import DetokActor
 from imp.actors.executor import ExecutorActor
 from imp.actors.ingress import IngressActor
 from imp.actors.metrics import MetricsActor
+from imp.actors.otlp import OtlpActor
 from imp.config import ServerConfig
 from imp.constrain.book import ConstraintBook
 from imp.core.replicas import replica_name
@@ -50,12 +51,13 @@ class LocalEngine:
     """EnginePort over actors on this event loop. `runners`: one per replica (same file)."""
 
     def __init__(self, cfg: ServerConfig, runners: list, detok_tokenizer, name: str, path: str = "",
-                 grammars=None, store=None):
+                 grammars=None, store=None, otlp=None):
         """grammars: the imp.constrain GrammarCache shared with HTTP (which compiles a request's
         grammar at admission, under its deadline); each executor keeps its sequences' matchers."""
         self.cfg = cfg
         self.grammars = grammars
         self.store_db = store  # an opened imp.store StoreDB, or None (no Responses store)
+        self.otlp_cfg = otlp  # imp.actors.otlp.OtlpConfig (resolved at boot), or None
         self.runners = list(runners)
         self.tokenizer = detok_tokenizer  # the detok actor renders text with it
         r = self.runners[0]
@@ -103,6 +105,10 @@ class LocalEngine:
             self.metrics,
             ClockActor(bus, to=[c.name for c in self.schs]),
         ]
+        self.otlp = None
+        if self.otlp_cfg is not None and self.otlp_cfg.enabled:
+            self.otlp = OtlpActor(bus, self.otlp_cfg, self.metrics.otlp)
+            self.actors.append(self.otlp)
         for a in self.actors:
             a.start()
         await asyncio.sleep(0)
@@ -165,6 +171,8 @@ class LocalEngine:
 
     def report(self, stats: RequestStats) -> None:
         self.ingress.stats(stats)
+        if self.otlp is not None:  # the gaps are the metrics' only: the log carries them once
+            self.ingress.send("otlp", msgspec.structs.replace(stats, itl_s=()))
 
     @property
     def store(self):

@@ -40,7 +40,10 @@ def finish_label(reason: FinishReason) -> str:
 
 
 async def generate(port: EnginePort, req_id: str, prompt: list[int], params: SamplingParams,
-                   req: GenerateRequest, *, salt: str = "") -> AsyncIterator[Delta]:
+                   req: GenerateRequest, *, salt: str = "", request: web.Request | None = None
+                   ) -> AsyncIterator[Delta]:
+    """request: the HTTP request (its client id and W3C traceparent go into the request's
+    figures, for the trace and the request log)."""
     if port.fault:
         raise ApiError(503, f"engine unavailable: {port.fault}", code="engine_faulted")
     stream = port.submit(Submission(
@@ -48,15 +51,19 @@ async def generate(port: EnginePort, req_id: str, prompt: list[int], params: Sam
         salt=salt, cache_prompt=req.cache_prompt, session_id=req.session_id,
     ))
     arrival = time.monotonic()
+    arrival_ns = time.time_ns()  # wall clock for the trace; the monotonic one for the latencies
+    first_ns = 0
+    reject_code = ""
     first = last = 0.0
     itl: list[float] = []
     started = False
     completion = [0] * req.n
     prompt_tokens, cached, finish, status = len(prompt), 0, "", 200
+    finishes = [""] * req.n
     try:
         async for item in stream:
             if isinstance(item, Reject):
-                status = item.status
+                status, reject_code = item.status, item.code
                 headers = {"Retry-After": str(max(1, round(item.retry_after_s)))} if item.status == 429 else None
                 raise ApiError(item.status, item.message, code=item.code, headers=headers)
             if isinstance(item, Fault):
@@ -73,7 +80,7 @@ async def generate(port: EnginePort, req_id: str, prompt: list[int], params: Sam
             if item.token_ids:
                 now = time.monotonic()
                 if not first:
-                    first = now
+                    first, first_ns = now, time.time_ns()
                 elif item.index == 0:
                     itl.append(now - last)
                 if item.index == 0:
@@ -83,12 +90,20 @@ async def generate(port: EnginePort, req_id: str, prompt: list[int], params: Sam
             completion[item.index] = item.completion_tokens
             if item.finish != FinishReason.NONE:
                 finish = finish_label(item.finish)
+                finishes[item.index] = finish
             yield item
     finally:
         await stream.aclose()  # before the end: cancels upstream
         now = time.monotonic()
-        port.report(RequestStats(req.endpoint, status, prompt_tokens, sum(completion), cached, 0.0,
-                                 (first - arrival) if first else 0.0, now - arrival, finish, tuple(itl[-256:])))
+        hdrs = request.headers if request is not None else {}
+        port.report(RequestStats(
+            req.endpoint, status, prompt_tokens, sum(completion), cached, 0.0,
+            (first - arrival) if first else 0.0, now - arrival, finish, tuple(itl[-256:]),
+            request_id=req_id, client_request_id=(request.get("client_request_id") or "") if request is not None else "",
+            model=port.card.name, stream=req.stream, traceparent=hdrs.get("traceparent", "")[:128],
+            arrival_unix_ns=arrival_ns, first_token_unix_ns=first_ns, end_unix_ns=time.time_ns(),
+            finish_reasons=tuple(f for f in finishes if f), reject_code=reject_code,
+        ))
 
 
 def sse_headers(request: web.Request, response_id: str, **extra: str) -> dict[str, str]:

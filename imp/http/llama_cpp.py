@@ -86,7 +86,7 @@ async def infill(request: web.Request) -> web.StreamResponse:
     request["response_id"] = request.get("client_request_id") or rid
     head = {"index": 0, "id_slot": 0, "model": port.card.name}
     with live_requests(request).track(rid, request.get("client_request_id"), lambda: False):
-        async with contextlib.aclosing(generate(port, rid, prompt, params, req)) as deltas:
+        async with contextlib.aclosing(generate(port, rid, prompt, params, req, request=request)) as deltas:
             text, ids, finish, done = "", [], "stop", {}
             resp = None
             try:

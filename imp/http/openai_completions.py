@@ -95,7 +95,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     # for end_thinking: follow the think state of choice 0's text
     think = ThinkSplitter(prompt_opens_think(prompt.text[-64:]))
     with live_requests(request).track(rid, request.get("client_request_id"), lambda: think.thinking):
-        async with contextlib.aclosing(generate(port, rid, prompt.ids, params, req)) as deltas:
+        async with contextlib.aclosing(generate(port, rid, prompt.ids, params, req, request=request)) as deltas:
             if req.stream:
                 return await _stream(request, ctx, deltas, think)
             return await _complete(request, ctx, deltas, think)

@@ -123,7 +123,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     splitter = ThinkSplitter(prompt.opens_think)
     plan = req.tool_plan if req.tool_plan is not None and (req.tool_plan.active or ex.forced_custom) else None
     with live_requests(request).track(rid, request.get("client_request_id"), lambda: splitter.thinking):
-        async with contextlib.aclosing(generate(port, rid, prompt.ids, params, req)) as deltas:
+        async with contextlib.aclosing(generate(port, rid, prompt.ids, params, req, request=request)) as deltas:
             run = _Run(out, splitter, plan, len(prompt.ids))
             if req.stream:
                 return await _stream(request, run, deltas, store)

@@ -110,3 +110,33 @@ def test_the_log_of_all_of_it_replays_identical(server, clients):
     out = subprocess.run([sys.executable, "-m", "imp", "replay", str(server.event_log)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().splitlines()[-1].endswith("identical"), out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_openai_agents_sdk_runs_a_one_tool_agent(server, api):
+    """The Agents SDK (Responses by default, and its Chat Completions model): tool call, the
+    tool's result back, a final answer within max_turns."""
+    agents = pytest.importorskip("agents")
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    agents.set_tracing_disabled(True)
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Current weather for a city."""
+        calls.append(city)
+        return f"The weather in {city} is 18 C and clear."
+
+    async def go():
+        client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none")
+        model_cls = agents.OpenAIResponsesModel if api == "responses" else agents.OpenAIChatCompletionsModel
+        agent = agents.Agent(name="weather", instructions="Answer weather questions with the get_weather tool.",
+                             tools=[get_weather], model=model_cls(model="smollm2", openai_client=client),
+                             model_settings=agents.ModelSettings(max_tokens=120, temperature=0.2))
+        return await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=6)
+
+    result = asyncio.run(go())
+    assert calls and isinstance(result.final_output, str) and result.final_output

@@ -159,7 +159,7 @@ BAD = [
     ({"model": "x", "max_tokens": "4", "messages": [_MSG]}, "max_tokens"),
     ({"model": "x", "max_tokens": 4}, "messages"),
     ({"model": "x", "max_tokens": 4, "messages": []}, "messages"),
-    ({"model": "x", "max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"model": "x", "max_tokens": 4, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"model": "x", "max_tokens": 4, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"model": "x", "max_tokens": 4, "messages": [{"role": "user"}]}, "messages[0].content"),
     ({"model": "x", "max_tokens": 4, "messages": [{"role": "user", "content": [

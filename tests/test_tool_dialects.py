@@ -289,3 +289,20 @@ async def test_a_call_envelope_cut_by_max_tokens_keeps_its_complete_calls(make, 
         assert names == ["get_weather", "get_weather"]
     finally:
         await c.close()
+
+
+async def test_after_a_tool_round_auto_in_the_generic_shape_must_answer(make):
+    """A model with no tool format of its own, shown its call and the result, would call again
+    forever: after GENERIC_TOOL_ROUNDS rounds since the user spoke, auto is answer-only."""
+    c = await make(chunks_of('{"response": "18 C."}'))
+    msgs = MSGS + [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    await c.post("/v1/chat/completions", json={"model": "m", "messages": msgs, "tools": [WEATHER]})
+    g = c.engine.submissions[-1].params.constraint.source
+    assert '"{\\"response\\": "' in g and "tool_call" not in g
+    await c.post("/v1/chat/completions", json={"model": "m", "messages": MSGS, "tools": [WEATHER]})
+    assert "tool_call" in c.engine.submissions[-1].params.constraint.source  # a fresh user turn may call
+    r = await c.post("/v1/chat/completions", json={"model": "m", "messages": msgs, "tools": [WEATHER],
+                                                   "tool_choice": "required"})
+    assert r.status == 200 and "tool_call" in c.engine.submissions[-1].params.constraint.source

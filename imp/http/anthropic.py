@@ -171,7 +171,7 @@ def _blocks(m: dict, where: str, names: dict[str, str]) -> list[dict]:
     return out
 
 
-def _tool_plan(body: dict, template_source: str):
+def _tool_plan(body: dict, template_source: str, messages=()):
     """tools / tool_choice -> the request's ToolPlan (None without tools). Server tools
     (web_search, bash, ...: a `type` other than custom) run on Anthropic's side and are left
     out; cache_control on a tool is accepted (prefix caching is automatic here)."""
@@ -179,7 +179,7 @@ def _tool_plan(body: dict, template_source: str):
         specs, choice = from_anthropic(body.get("tools"), body.get("tool_choice"))
     except ToolSpecError as exc:
         raise bad(exc.message, exc.param) from None
-    return tool_use.plan(specs, choice, template_source)
+    return tool_use.plan(specs, choice, template_source, messages)
 
 
 def _template_kwargs(body: dict) -> dict:
@@ -266,7 +266,7 @@ def parse(body: dict, template_source: str = "", *, count_only: bool = False) ->
             raise bad("'metadata.user_id' must be a string", "metadata.user_id")
     last = msgs[-1]
     prefill = last["role"] == "assistant" and not last.get("tool_calls") and bool(last["content"].strip())
-    plan = _tool_plan(body, template_source)
+    plan = _tool_plan(body, template_source, [_msg(m) for m in msgs])
     kw = _template_kwargs(body)
     constraint, field = structured.parse(body, dialect="anthropic")
     tool_use.check_compatible(plan, constraint, field)

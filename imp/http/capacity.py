@@ -277,6 +277,7 @@ def estimate_for(request: web.Request, body: dict) -> dict:
     chat route parses it, rendered, never run."""
     port, tm = request.app[keys.PORT], request.app[keys.TEXT]
     card = port.card
+    B.boolean(body, "dry_run")  # the estimate route takes it too: a non-boolean is a 400 there as well
     req = chat_request.parse(body, tm.tokenizer.vocab_size)
     prompt = resolve.render(req, tm)
     snap = port.snapshot()

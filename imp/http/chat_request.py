@@ -102,7 +102,7 @@ def template_options(body: dict) -> dict:
             "add_generation_prompt": not cont if add_gen is None else add_gen}
 
 
-def tools_of(body: dict, template_source: str):
+def tools_of(body: dict, template_source: str, messages=()):
     """OpenAI tools / tool_choice / parallel_tool_calls (and the legacy functions /
     function_call spelling) -> the request's ToolPlan, or None without tools."""
     tools, choice = body.get("tools"), body.get("tool_choice")
@@ -119,7 +119,7 @@ def tools_of(body: dict, template_source: str):
         specs, ch = from_openai(tools, choice, body.get("parallel_tool_calls"))
     except ToolSpecError as exc:
         raise bad(exc.message, exc.param) from None
-    return tool_use.plan(specs, ch, template_source)
+    return tool_use.plan(specs, ch, template_source, messages)
 
 
 def parse(body: dict, vocab_size: int, template_source: str = "") -> GenerateRequest:
@@ -133,7 +133,7 @@ def parse(body: dict, vocab_size: int, template_source: str = "") -> GenerateReq
         raise bad("'modalities': only [\"text\"] is supported", "modalities", "unsupported_parameter")
     messages = parse_messages(body.get("messages"))
     opts = template_options(body)
-    plan = tools_of(body, template_source)
+    plan = tools_of(body, template_source, messages)
     constraint, field = structured.parse(body, dialect="openai")
     tool_use.check_compatible(plan, constraint, field)
     if plan is not None:

@@ -321,7 +321,7 @@ def parse(body: dict, vocab_size: int, template_source: str = "",
         g = ex.custom[choice.name].grammar
         plan = tool_use.ToolPlan(tuple(tools), choice, "generic", False, g)
     else:
-        plan = tool_use.plan(tools, choice, template_source)
+        plan = tool_use.plan(tools, choice, template_source, messages)
         if plan is not None:
             messages = tool_use.apply_to_messages(plan, messages)
     tool_use.check_compatible(plan, constraint, cfield)

@@ -116,13 +116,36 @@ def shape_for(template_source: str) -> tuple[str, bool]:
     return "generic", False
 
 
-def plan(tools: list[Tool], choice: ToolChoice, template_source: str) -> ToolPlan | None:
-    """None when the request has no tools (nothing to show, parse or force)."""
+# In the generic shape (models with no tool format of their own: SmolLM2, Gemma 3), after this
+# many tool rounds since the user last spoke, "auto" must answer: such a model, shown its call
+# and the result, calls the same tool again and again (an agent loop that never ends). A
+# model that speaks a native format (hermes) is never held to it. Forced choices are unchanged.
+GENERIC_TOOL_ROUNDS = 1
+_ANSWER_ONLY = '%llguidance {}\nstart: "{\\"response\\": " reply "}"\nreply: %json {"type": "string"}\n'
+
+
+def tool_rounds(messages) -> int:
+    """Assistant turns that called tools since the last user message (tool results are `tool`
+    turns, whatever the dialect's spelling)."""
+    n = 0
+    for m in reversed(messages):
+        if m.role == "user":
+            break
+        if m.role == "assistant" and m.tool_calls:
+            n += 1
+    return n
+
+
+def plan(tools: list[Tool], choice: ToolChoice, template_source: str, messages=()) -> ToolPlan | None:
+    """None when the request has no tools (nothing to show, parse or force). messages: the
+    conversation so far (for GENERIC_TOOL_ROUNDS)."""
     if not tools:
         return None
     shape, native = shape_for(template_source)
     constraint = None
     if choice.mode != "none" and (choice.forces_call or shape == "generic"):
+        if choice.mode == "auto" and shape == "generic" and tool_rounds(messages) >= GENERIC_TOOL_ROUNDS:
+            return ToolPlan(tuple(tools), choice, shape, native, Constraint("lark", _ANSWER_ONLY))
         try:
             grammar = call_grammar(tools, choice, shape)
         except ValueError as exc:

@@ -195,8 +195,9 @@ def test_prefill_attention_fp32(T_, H, Hkv, D):
 @pytest.mark.gpu
 def test_sampling_filters_and_penalties_match_cpu():
     _skip_without_gpu()
-    from imp.kernels import sampling
+    from imp.kernels import sampling as kernels
     from imp.messages import SamplingParams, SeqWork
+    from imp.sampling import gpu as sampling
 
     V = 1000
     logits = torch.randn(4, V, device=DEV) * 3
@@ -217,7 +218,7 @@ def test_sampling_filters_and_penalties_match_cpu():
     ref = sampling.reference_processed(logits, works)  # CPU reference, rows processed fully
     for r in (0, 1, 3):
         p = ps[r]
-        f = sampling.filter_logits(x[r:r + 1], torch.tensor([p.temperature], device=DEV),
+        f = kernels.filter_logits(x[r:r + 1], torch.tensor([p.temperature], device=DEV),
                                    torch.tensor([p.top_k], device=DEV), torch.tensor([p.top_p], device=DEV),
                                    torch.tensor([p.min_p], device=DEV))[0].cpu()
         assert torch.equal(torch.isinf(f), torch.isinf(ref[r])), r

@@ -50,7 +50,7 @@ def gpu_server(tmp_path_factory, smollm2_path):
 
 
 def _complete(url: str, prompt: list[int], **kw) -> list[int]:
-    body = dict(prompt=prompt, max_tokens=24, temperature=0, ignore_eos=True, logprobs=None, **kw)
+    body = dict(model="smollm2", prompt=prompt, max_tokens=24, temperature=0, ignore_eos=True, logprobs=None, **kw)
     r = _post(url + "/v1/completions", body)
     return [r["choices"][0]["text"], r["usage"]["completion_tokens"]]
 
@@ -64,6 +64,44 @@ def test_concurrent_equals_alone_pipelined(gpu_server, penalty):
         together = list(ex.map(lambda p: _complete(url, p, repetition_penalty=penalty), prompts))
     assert together == alone
     assert all(n == 24 for _, n in alone)
+    h = _get(url + "/health")
+    assert (h["kv_blocks_used"], h["kv_blocks_reserved"]) == (0, 0)
+
+
+def test_constrained_and_forced_tool_calls_on_the_gpu_pipelined(gpu_server):
+    """Depth 2 on the GPU: a constrained row's pending token is waited for on the host before
+    its mask is computed (its forward still overlaps); 8 concurrent json_schema outputs and
+    forced calls all validate, beside unconstrained neighbours."""
+    import jsonschema
+
+    url = gpu_server.url
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"],
+              "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"]}}}
+
+    def one(i: int):
+        msgs = [{"role": "user", "content": f"Person number {i} as JSON, or the weather in city {i}."}]
+        if i % 3 == 0:
+            r = _post(url + "/v1/chat/completions", {"model": "smollm2", "messages": msgs, "max_tokens": 200,
+                                                     "temperature": 0.7, "seed": i, "response_format": {
+                                                         "type": "json_schema", "json_schema": {"name": "p", "schema": schema}}})
+            ch = r["choices"][0]
+            assert ch["finish_reason"] == "stop", ch  # the grammar ended it, not max_tokens
+            jsonschema.validate(json.loads(ch["message"]["content"]), schema)
+        elif i % 3 == 1:
+            r = _post(url + "/v1/chat/completions", {"model": "smollm2", "messages": msgs, "max_tokens": 60,
+                                                     "tools": [tool], "tool_choice": "required", "seed": i})
+            (call,) = r["choices"][0]["message"]["tool_calls"]
+            jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])
+        else:
+            _complete(url, [5 + i, 9, 200 + i])
+        return True
+
+    with concurrent.futures.ThreadPoolExecutor(9) as ex:
+        assert all(ex.map(one, range(9)))
     h = _get(url + "/health")
     assert (h["kv_blocks_used"], h["kv_blocks_reserved"]) == (0, 0)
 

@@ -79,7 +79,7 @@ def main() -> int:
     specs = {"json_object": Constraint("json_object"), "json_schema": Constraint("json_schema", json.dumps(SCHEMA))}
     for c in specs.values():
         book.cache.compile_sync(c, 10.0)
-    print(f"| device | batch | unconstrained tok/s | grammar | constrained tok/s | ratio |")
+    print("| device | batch | unconstrained tok/s | grammar | constrained tok/s | ratio |")
     print("|---|---|---|---|---|---|")
     with torch.inference_mode():
         for B in (int(x) for x in a.batches.split(",")):

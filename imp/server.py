@@ -65,7 +65,8 @@ def load_engine(cfg: ServerConfig, store=None) -> tuple[LocalEngine, TextModel]:
                 max_graph_batch=cfg.max_batch_size,
             ))
         else:
-            runners.append(ModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens))
+            runners.append(ModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens,
+                                            num_threads=cfg.threads))
     runner = runners[0]
     template = ChatTemplate.from_metadata(runner.metadata, override_path=cfg.chat_template)
     if path.is_dir():  # HF directory: tokenizer.json; BOS/EOS texts for the template from it

@@ -8,7 +8,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from imp.http.errors import ApiError
 from imp.text.fim import FimTokens, build_infill, fim_tokens
 from imp.http.reasoning import ThinkSplitter, prompt_opens_think
 from imp.messages import SamplingParams, SeqWork

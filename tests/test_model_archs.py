@@ -37,7 +37,8 @@ ARCHS = {
 }
 # Measured (this box, seed 3): f32 < 2e-5 for every arch; int8 0.19 .. 0.31 on
 # logits of magnitude 3 .. 50 (per-row int8 weights, bf16 GEMV activations).
-BOUNDS = {"f32": 1e-3, "int8": 1.0}
+# gguf (fused kernels, int8 activations per 32, fp16 KV): see the test's printout.
+BOUNDS = {"f32": 1e-3, "int8": 1.0, "gguf": 1.0}
 
 
 def hf_steps(hf, prompt: list[int], n: int = 4) -> list[tuple[list[int], torch.Tensor]]:
@@ -88,8 +89,9 @@ def test_synthetic_arch_matches_hf(arch, tmp_path):
     steps = hf_steps(hf, prompt)
     for weights, bound in BOUNDS.items():
         r = ModelRunner.load(path, num_blocks=32, block_size=BS, weights=weights)
-        assert type(r.model).__name__.lower() == arch
-        check(steps, run_steps(r, steps, list(range(3, 13))), bound, label=(arch, weights))
+        assert (type(r.model).__name__.lower() == arch) or weights == "gguf"
+        worst = check(steps, run_steps(r, steps, list(range(3, 13))), bound, label=(arch, weights))
+        print(f"{arch} {weights}: max |ours - HF| {worst:.4g}")
 
 
 def test_gemma3_window_masks_old_positions(tmp_path):
@@ -143,8 +145,8 @@ GEMMA_PROMPTS = [
 #   int8: 0.74 .. 1.43 (per-row int8 weights incl. the 262144-row tied head, its Q8_0
 #         blocks re-quantized per row, and bf16 GEMV activations); argmax always equal.
 # The HF load of this file (GGUFReader + gguf-py dequant) is ~60 s of the test's ~115 s.
-GEMMA_BOUNDS = {"f32": 1e-2, "int8": 3.0}
-GEMMA_TIE = {"f32": 0.0, "int8": 1.0}  # below this HF top-2 margin a flip to HF's #2 is allowed
+GEMMA_BOUNDS = {"f32": 1e-2, "int8": 3.0, "gguf": 3.0}
+GEMMA_TIE = {"f32": 0.0, "int8": 1.0, "gguf": 1.0}  # below this HF top-2 margin a flip to HF's #2 is allowed
 
 
 @pytest.mark.slow
@@ -161,5 +163,6 @@ def test_gemma3_270m_matches_hf(gemma3_path):
     for weights, bound in GEMMA_BOUNDS.items():
         r = ModelRunner.load(str(gemma3_path), kv_tokens=1024, weights=weights)
         for j, steps in enumerate(refs):
-            check(steps, run_steps(r, steps, list(range(j * 16, (j + 1) * 16))), bound, GEMMA_TIE[weights],
-                  label=(weights, j))
+            worst = check(steps, run_steps(r, steps, list(range(j * 16, (j + 1) * 16))), bound, GEMMA_TIE[weights],
+                          label=(weights, j))
+            print(f"gemma3 270M {weights} prompt {j}: max |ours - HF| {worst:.4g}")

@@ -19,7 +19,6 @@ import os
 import hashlib
 from pathlib import Path
 
-import msgspec
 
 import pytest
 from hypothesis import event, given, settings, strategies as st

@@ -17,29 +17,26 @@ RoPE layout: llama.cpp's converter permutes HF's Q/K rows so that GGUF rotates
 as gpt-fast and Meta's reference). HF's GGUF loader undoes that permutation
 and uses rotate_half; both give the same logits (tests/test_model_logits.py).
 
-Weight formats (`weights=`). Measured on the 2-core dev box, SmolLM2-135M,
-torch 2.13, 2 threads, one step's wall time (min of 15, the box was shared
-with other jobs so medians ran 10-30 % higher; context 200 tokens):
+Weight formats of this torch forward (`weights=`; the runner's default is
+"gguf", which is not this class but fused.FusedModel: Numba kernels on the
+file's own blocks, batch-invariant, ~10 ms a SmolLM2 decode step on 2 cores).
+Measured on the 2-core dev box, SmolLM2-135M, torch 2.13, 2 threads, one
+step's wall time (min of 15; context 200 tokens):
                 decode b1   decode b8   prefill 234 tok
     "f32"       51.7 ms     106 ms      586 ms
     "bf16"      28.0 ms     142 ms      3329 ms
-    "int8"      26.9 ms     64.5 ms     1048 ms  (default)
+    "int8"      26.9 ms     64.5 ms     1048 ms
     "hybrid"    26.8 ms     62.0 ms     795 ms
-    "f32"    dense fp32 everywhere: same logits as HF (< 1e-4), slowest decode
-             (the 49152x576 head alone moves 113 MB per step)
+    "f32"    dense fp32 everywhere: same logits as HF (< 1e-4): the reference the
+             tests hold the fused path to
     "int8"   weight-only int8 per output row (`_weight_int8pack_mm`, bf16
-             activations into the GEMV): fast for a few rows, but its GEMM is
-             ~2-3x slower than fp32 MKL for a prefill
-    "hybrid" int8 when a matmul has <= INT8_MAX_ROWS rows, dense fp32 above:
-             fast decode and fast prefill, at the price of both copies in
-             memory (fine for small models on CPU). Logits differ from HF by up
-             to ~1.5 (int8 rows + bf16 activations); argmax agrees.
-Why "int8" is the default: `_weight_int8pack_mm` is batch-invariant (a row's
-result is bit-identical whatever else is in the matmul), dense fp32 MKL GEMM
-is not (row 0 alone vs in a batch differs by ~3e-5), and "hybrid" switches
-arithmetic with the step's row count. A greedy request must give the same
-tokens alone, batched, after a preemption (recompute) and on a prefix-cache
-hit, so the arithmetic may not depend on what else is in the step.
+             activations into the GEMV), re-quantized at load (~60 % of an 8 s
+             load); the fallback for files the fused kernels cannot read
+    "hybrid" int8 when a matmul has <= INT8_MAX_ROWS rows, dense fp32 above.
+`_weight_int8pack_mm` is batch-invariant (a row's result is bit-identical
+whatever else is in the matmul), dense fp32 MKL GEMM is not (row 0 alone vs
+in a batch differs by ~3e-5), and "hybrid" switches arithmetic with the
+step's row count.
 torch.compile of the glue (compile=True) did not speed decode up here: the
 int8 GEMVs and attention dominate, not Python dispatch.
 """
@@ -51,6 +48,7 @@ from dataclasses import dataclass
 from imp.model.attention import paged_attention
 from imp.formats.gguf_loader import ModelConfig
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -88,11 +86,21 @@ def lazy_zeros(shape, dtype) -> torch.Tensor:
     maps untouched pages to the shared zero page. Zeros, not torch.empty:
     unwritten slots are gathered (then masked), and 0 * NaN garbage would
     still poison the attention output.
+
+    An anonymous mmap rather than np.zeros: numpy madvises its large arrays
+    for transparent huge pages, so the first write into a layer's slice
+    committed a whole 2 MB page (SmolLM2: 236 MB of RSS for 11 MB of K/V used);
+    here pages are 4 KB and MADV_NOHUGEPAGE keeps it so where THP is "always".
     """
+    import mmap
+
     import numpy as np
 
-    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(n, dtype=np.uint8)).view(dtype).view(shape)
+    n = max(1, math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+    mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        mm.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class Linear:
@@ -194,6 +202,8 @@ class AttnPlan:
     dec_mask: torch.Tensor | None = None
     num_decode: int = 0
     prefill: list = None
+    tables: "np.ndarray | None" = None  # int64 [*] every sequence's block table, concatenated
+    row_tab: "np.ndarray | None" = None  # int64 [N] where row i's table starts in `tables`
 
 
 def rope_tables(cfg: ModelConfig, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,11 +315,15 @@ def make_plan(
     B = len(starts)
     slots, positions, last_rows = [], [], []
     dec, pre = [], []
-    row = 0
+    tabs, row_tab = [], []
+    row = toff = 0
     for s, n, bt in zip(starts, lens, block_tables):
         assert n >= 1, "a sequence in a step needs at least one new token"
         assert (s + n - 1) // bs < len(bt), f"block table too short for position {s + n - 1}"
         table = np.asarray(bt, dtype=np.int64)
+        tabs.append(table)
+        row_tab.append(np.full(n, toff, dtype=np.int64))
+        toff += len(table)
         pos = np.arange(s, s + n, dtype=np.int64)
         slots.append(table[pos // bs] * bs + pos % bs)
         positions.append(pos)
@@ -321,6 +335,8 @@ def make_plan(
         positions=torch.from_numpy(np.concatenate(positions)),
         last_rows=torch.tensor(last_rows, dtype=torch.int64),
         prefill=[],
+        tables=np.concatenate(tabs),
+        row_tab=np.concatenate(row_tab),
     )
     if dec:
         nb = max(s // bs + 1 for _, s, _, _ in dec)  # blocks covering the longest context

@@ -2,8 +2,18 @@
 
 The executor calls `step()` from a worker thread (`asyncio.to_thread`); a
 lock makes concurrent calls queue rather than interleave (the cache is
-shared state). Torch releases the GIL inside its kernels, so the event loop
-keeps running while a step computes.
+shared state). Torch and the Numba kernels (nogil) release the GIL while they
+compute, so the event loop keeps running during a step.
+
+Weights: `"gguf"` (the default for a GGUF file) runs `fused.FusedModel`, the
+Numba kernels over the file's own blocks with an fp16 KV cache; a file with a
+matrix type those kernels lack, and an HF directory, fall back to the torch
+forward with `"int8"` weights. `"f32"` / `"bf16"` / `"int8"` / `"hybrid"` pick
+the torch forward explicitly (llama.py explains them; "f32" is the reference).
+
+Threads: `num_threads` (default: torch's count, which `--threads` sets at
+boot) for torch and for Numba. Numba's count is per calling thread, so it is
+set again on the thread that runs each step.
 """
 
 from __future__ import annotations
@@ -11,6 +21,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 from imp.messages import SampledToken, SeqWork
+from imp.model.fused import FusedModel, Unsupported
 from imp.model.gemma3 import Gemma3
 from imp.formats.gguf_loader import ModelConfig, open_gguf
 from imp.model.llama import KVCache, Llama, default_num_blocks, make_plan
@@ -19,6 +30,7 @@ from imp.model.qwen3 import Qwen3
 from imp.model.rows import head_rows, with_prompt_logprobs
 from imp.sampling.cpu import sample
 
+import numba
 import torch
 
 DEFAULT_KV_TOKENS = 16384
@@ -36,6 +48,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         kv_dtype: torch.dtype = torch.float32,
+        num_threads: int | None = None,
     ):
         self.model = model
         self.config: ModelConfig = model.cfg
@@ -45,6 +58,11 @@ class ModelRunner:
         self.block_size = block_size
         self.cache = KVCache.allocate(self.config, num_blocks, block_size, kv_dtype)
         self._lock = threading.Lock()
+        self.num_threads = min(num_threads or torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+
+    def _threads(self) -> None:
+        if numba.get_num_threads() != self.num_threads:
+            numba.set_num_threads(self.num_threads)
 
     @classmethod
     def load(
@@ -53,8 +71,8 @@ class ModelRunner:
         num_blocks: int | None = None,
         block_size: int = 16,
         kv_tokens: int | None = None,
-        weights: str = "int8",
-        kv_dtype: torch.dtype = torch.float32,
+        weights: str = "gguf",
+        kv_dtype: torch.dtype | None = None,
         num_threads: int | None = None,
         compile: bool = False,
     ) -> ModelRunner:
@@ -70,9 +88,18 @@ class ModelRunner:
             raise ValueError(f"{path}: architecture {g.arch!r} not supported (have {tuple(ARCHS)})")
         if num_blocks is None:
             num_blocks = default_num_blocks(kv_tokens or DEFAULT_KV_TOKENS, block_size)
-        model = ARCHS[g.arch](g.config, g.tensors, weights=weights, compile=compile)
-        del g.tensors  # the model holds its own (fused, re-quantized) copies
-        return cls(model, g.metadata, g.fingerprint, num_blocks, block_size, kv_dtype)
+        model = None
+        if weights == "gguf":
+            try:
+                model = FusedModel(g.config, g.tensors)
+            except Unsupported:
+                weights = "int8"
+        if model is None:
+            model = ARCHS[g.arch](g.config, g.tensors, weights=weights, compile=compile)
+        if kv_dtype is None:
+            kv_dtype = torch.float16 if isinstance(model, FusedModel) else torch.float32
+        del g.tensors  # the torch models hold their own copies; the fused one its own view of the map
+        return cls(model, g.metadata, g.fingerprint, num_blocks, block_size, kv_dtype, num_threads)
 
     def _prepare(self, seqs: list[SeqWork]):
         assert seqs, "empty step"
@@ -96,6 +123,7 @@ class ModelRunner:
         """All new tokens of all seqs in one forward -> fp32 logits [B, vocab] at each last position."""
         tokens, plan = self._prepare(seqs)
         with self._lock:
+            self._threads()
             return self.model.forward(tokens, plan, self.cache)
 
     def step(self, seqs: list[SeqWork], constraints=None) -> list[SampledToken]:
@@ -110,6 +138,7 @@ class ModelRunner:
         rows, sample_at, plp_at = head_rows(seqs)
         plan.last_rows = torch.tensor(rows, dtype=torch.int64)
         with self._lock:
+            self._threads()
             logits = self.model.forward(tokens, plan, self.cache)  # [len(rows), vocab]
         order = sorted(sample_at)
         drawn = {}

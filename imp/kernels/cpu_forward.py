@@ -1,0 +1,237 @@
+"""Every decoder layer of one step in one Numba call, over the GGUF blocks and a paged fp16 KV cache.
+
+Why one call: at batch 1 a SmolLM2 step is ~200 matrix-vector products of
+20-200 µs each; dispatching them one by one from Python (torch or Numba, ~5-10 µs
+a call with its argument checks) would cost as much as the math. Here Python
+calls once per step; inside, each layer is
+
+    h = rms_norm(x) ; qkv = h Wqkv (+ b) ; q, k = qk_norm(q, k) ; rope(q, k)
+    write k, v at the rows' cache slots (fp16)
+    a = softmax(q K^T * scale) V      over each row's own context (its block table)
+    x += post_norm(a Wo) ; h = rms_norm(x) ; x += post_norm(W2 (act(h Wg) * h Wu))
+
+with the llama / qwen2 / qwen3 / gemma3 differences as flags and absent vectors
+(`fo[l, i] < 0`). The matrix products are cpu_qdot's per-row dots (prange over
+output rows); attention is a prange over (row, head) pairs.
+
+Batch invariance: a row's numbers never depend on the other rows of the step.
+Each GEMV output is one fixed chain (cpu_qdot.py); norms, RoPE and the
+activation are per row; attention for a row at position p reads keys 0..p (or
+its window) from the cache in position order, after every row of the step has
+written its own k/v — a prefill chunk, a decode and a recompute after
+preemption run exactly the same code on the same inputs.
+
+Layouts (N rows in the step, L layers):
+    blob   uint8 [file bytes]          the memory-mapped GGUF
+    mats   int64 [L, 7, 4]             (byte offset, rows, bytes per row, GGML type) of
+                                       attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down
+    fv     float32 [*], fo int64 [L, 7] float vectors and their offsets (-1: absent) for
+                                       attn_norm, q_norm, k_norm, post_attn_norm, ffn_norm,
+                                       post_ffn_norm, qkv bias
+    x      float32 [N, d]              the residual stream, updated in place
+    kc, vc uint16 [L * blocks * block_size * Hkv * D]   fp16 bits (or float32: same code)
+    tables int64 [*], row_tab int64 [N] each row's block table (offset into tables)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from imp.kernels.cpu_qdot import quantize_rows, row_dots
+from imp.kernels.cpu_simd import faxpy, fdot, store16
+
+NORM, QNORM, KNORM, POST_ATTN, FFN_NORM, POST_FFN, BIAS = range(7)
+SILU, GELU_TANH = 0, 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _sumsq(x, off, n):
+    return fdot(x, off, x, off, n)
+
+
+@njit(cache=True, nogil=True)
+def _rms_norm_rows(x, w, wo, eps, out):
+    """out[n] = x[n] / rms(x[n]) * w[wo : wo + d] (out may be x)."""
+    N, d = x.shape
+    xf, of = x.reshape(-1), out.reshape(-1)
+    for n in range(N):
+        r = np.float32(1.0) / np.float32(math.sqrt(_sumsq(xf, n * d, d) / np.float32(d) + eps))
+        for i in range(d):
+            of[n * d + i] = x[n, i] * r * w[wo + i]
+
+
+@njit(cache=True, nogil=True)
+def _head_norm(v, off, D, w, wo, eps):
+    """In place: one head of D values at v[off] (flat), RMS-normed, times w[wo : wo + D]."""
+    r = np.float32(1.0) / np.float32(math.sqrt(_sumsq(v, off, D) / np.float32(D) + eps))
+    for i in range(D):
+        v[off + i] = v[off + i] * r * w[wo + i]
+
+
+@njit(cache=True, nogil=True)
+def _rope(v, off, D, c, s, p, neox):
+    """Rotate one head at v[off] (flat) by the cos/sin row p: adjacent pairs (llama) or halves (NEOX)."""
+    half = D // 2
+    for i in range(half):
+        cs, sn = c[p, i], s[p, i]
+        a = off + (i if neox else 2 * i)
+        b = a + (half if neox else 1)
+        x0, x1 = v[a], v[b]
+        v[a] = x0 * cs - x1 * sn
+        v[b] = x1 * cs + x0 * sn
+
+
+@njit(cache=True, nogil=True)
+def _locate(mats, l, m0, c):
+    """Output column c of the concatenated matrices m0.. -> (matrix, its row)."""
+    m, r = m0, c
+    while r >= mats[l, m, 1]:
+        r -= mats[l, m, 1]
+        m += 1
+    return m, r
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _gemm_multi(blob, mats, l, m0, m1, xq, xd, xs, out):
+    """out[n, :] = concatenation over matrices m0..m1-1 of layer l of W_m x[n] (one prange)."""
+    N, K = xq.shape
+    nb = K // 32
+    total = 0
+    for m in range(m0, m1):
+        total += mats[l, m, 1]
+    xqf, xdf, xsf = xq.reshape(-1), xd.reshape(-1), xs.reshape(-1)
+    for c in prange(total):
+        m, r = _locate(mats, l, m0, np.int64(c))
+        row_dots(blob, mats[l, m, 3], mats[l, m, 0] + r * mats[l, m, 2], nb, N, xqf, xdf, xsf, out, np.int64(c))
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _attention(qkv, H, Hkv, D, l, kc, vc, nblocks, bs, pos, tables, row_tab, window, scale, out):
+    """out[n, h*D : (h+1)*D] = softmax over keys j of row n's context of (q . k_j) * scale, times v_j."""
+    N = qkv.shape[0]
+    W = qkv.shape[1]
+    qf, of = qkv.reshape(-1), out.reshape(-1)
+    grp = H // Hkv
+    layer0 = l * nblocks * bs
+    maxl = 1
+    for n in range(N):
+        maxl = max(maxl, pos[n] + 1)
+    scores = np.empty((N * H, maxl), np.float32)  # one allocation per call, not per (row, head)
+    for i in prange(N * H):
+        n, h = i // H, i % H
+        g = h // grp
+        p = pos[n]
+        lo = max(0, p - window + 1) if window > 0 else 0
+        sc = scores[i]
+        qo = n * W + h * D
+        tab = row_tab[n]
+        m = np.float32(-np.inf)
+        # keys lo..p in position order, walked block by block (no division per key)
+        j = 0
+        for blk in range(lo // bs, p // bs + 1):
+            first = max(lo, blk * bs)
+            last = min(p, blk * bs + bs - 1)
+            base = ((layer0 + tables[tab + blk] * bs - blk * bs) * Hkv + g) * D  # + t * Hkv * D for key t
+            for t in range(first, last + 1):
+                s = fdot(qf, qo, kc, base + t * Hkv * D, D) * scale
+                sc[j] = s
+                m = max(m, s)
+                j += 1
+        oo = n * H * D + h * D
+        for e in range(D):
+            of[oo + e] = np.float32(0.0)
+        tot = np.float32(0.0)
+        j = 0
+        for blk in range(lo // bs, p // bs + 1):
+            first = max(lo, blk * bs)
+            last = min(p, blk * bs + bs - 1)
+            base = ((layer0 + tables[tab + blk] * bs - blk * bs) * Hkv + g) * D
+            for t in range(first, last + 1):
+                pj = np.float32(math.exp(sc[j] - m))
+                tot += pj
+                faxpy(of, oo, pj, vc, base + t * Hkv * D, D)
+                j += 1
+        inv = np.float32(1.0) / tot
+        for e in range(D):
+            of[oo + e] = of[oo + e] * inv
+
+
+@njit(cache=True, nogil=True)
+def _quantize(h):
+    N, K = h.shape
+    xq = np.empty((N, K), np.int8)
+    xd = np.empty((N, K // 32), np.float32)
+    xs = np.empty((N, K // 32), np.float32)
+    quantize_rows(h, xq, xd, xs)
+    return xq, xd, xs
+
+
+@njit(cache=True, nogil=True)
+def _post_norm_add(x, y, fv, fo, l, which, eps):
+    """x += rms_norm(y) * w (gemma3's post norms) or x += y when the layer has none."""
+    if fo[l, which] >= 0:
+        _rms_norm_rows(y, fv, fo[l, which], eps, y)
+    N, d = x.shape
+    for n in range(N):
+        for i in range(d):
+            x[n, i] += y[n, i]
+
+
+@njit(cache=True, nogil=True)
+def forward_layers(blob, mats, fv, fo, sliding, x, pos, slots, tables, row_tab,
+                   cos_g, sin_g, cos_l, sin_l, kc, vc, nblocks, bs,
+                   H, Hkv, D, window, neox, act, eps, scale):
+    """Run every layer over the step's rows (see the module docstring); x [N, d] in place."""
+    N, d = x.shape
+    L = mats.shape[0]
+    h = np.empty((N, d), np.float32)
+    Wq = (H + 2 * Hkv) * D
+    qkv = np.empty((N, Wq), np.float32)
+    attn = np.empty((N, H * D), np.float32)
+    y = np.empty((N, d), np.float32)
+    dff = mats[0, 4, 1]
+    gu = np.empty((N, 2 * dff), np.float32)
+    a = np.empty((N, dff), np.float32)
+    qf = qkv.reshape(-1)
+    for l in range(L):
+        _rms_norm_rows(x, fv, fo[l, NORM], eps, h)
+        xq, xd, xs = _quantize(h)
+        _gemm_multi(blob, mats, l, 0, 3, xq, xd, xs, qkv)
+        c, s = (cos_l, sin_l) if sliding[l] else (cos_g, sin_g)
+        for n in range(N):
+            if fo[l, BIAS] >= 0:
+                for i in range(Wq):
+                    qkv[n, i] += fv[fo[l, BIAS] + i]
+            for hh in range(H + Hkv):  # q heads then k heads: norm (qwen3, gemma3), rope
+                off = n * Wq + hh * D
+                nw = fo[l, QNORM] if hh < H else fo[l, KNORM]
+                if nw >= 0:
+                    _head_norm(qf, off, D, fv, nw, eps)
+                _rope(qf, off, D, c, s, pos[n], neox)
+            base = (l * nblocks * bs + slots[n]) * Hkv * D
+            for g in range(Hkv):
+                for cc in range(D // 16):
+                    store16(kc, base + g * D + 16 * cc, qf, n * Wq + (H + g) * D + 16 * cc)
+                    store16(vc, base + g * D + 16 * cc, qf, n * Wq + (H + Hkv + g) * D + 16 * cc)
+        _attention(qkv, H, Hkv, D, l, kc, vc, nblocks, bs, pos, tables, row_tab,
+                   window if sliding[l] else 0, scale, attn)
+        xq, xd, xs = _quantize(attn)
+        _gemm_multi(blob, mats, l, 3, 4, xq, xd, xs, y)
+        _post_norm_add(x, y, fv, fo, l, POST_ATTN, eps)
+        _rms_norm_rows(x, fv, fo[l, FFN_NORM], eps, h)
+        xq, xd, xs = _quantize(h)
+        _gemm_multi(blob, mats, l, 4, 6, xq, xd, xs, gu)
+        for n in range(N):
+            for i in range(dff):
+                gv, uv = gu[n, i], gu[n, dff + i]
+                if act == SILU:
+                    a[n, i] = gv / (np.float32(1.0) + np.float32(math.exp(-gv))) * uv
+                else:  # gelu, tanh approximation (gemma3)
+                    t = np.float32(math.tanh(np.float32(0.7978845608028654) * (gv + np.float32(0.044715) * gv * gv * gv)))
+                    a[n, i] = np.float32(0.5) * gv * (np.float32(1.0) + t) * uv
+        xq, xd, xs = _quantize(a)
+        _gemm_multi(blob, mats, l, 6, 7, xq, xd, xs, y)
+        _post_norm_add(x, y, fv, fo, l, POST_FFN, eps)

@@ -1,0 +1,190 @@
+"""Quantized GEMV / small GEMM on the CPU over GGUF blocks as they lie in the file.
+
+    y[n, r] = sum_k W[r, k] * x[n, k]      W: [R, K] GGUF blocks, x: [N, K] fp32
+
+The activations are quantized first, per block of 32, as llama.cpp's Q8_1
+(`quantize_row_q8_1`): xq = round(x / xd) int8, xd = max|x| / 127, and
+xs = xd * sum(xq) for the types whose blocks carry a min (Q4_1, Q5_1, Q4_K, Q5_K).
+Then each block of a row contributes (Q4_1, as `ggml_vec_dot_q4_1_q8_1`)
+
+    d_w * xd * isum + m_w * xs,      isum = sum_j q_j * xq_j   (exact int32)
+
+K-quants use the same per-32 activations (llama.cpp uses one scale per 256
+for them, Q8_K: ours is finer, never coarser). The row loops are LLVM IR
+(cpu_rowdot.py): per token, 16 float lanes accumulate the blocks in order
+0, 1, 2, ... and nothing else touches them, so y[n, r] is bit-identical
+whatever N is and whichever rows sit beside it: batch invariance (a prefill
+chunk, a batch of decodes and a recompute after preemption all give the same
+numbers). No fast-math: LLVM may not reorder that float chain.
+
+Threads: `prange` over output rows (Numba's thread pool, `numba.set_num_threads`).
+`nogil=True`: the event loop keeps running while a step computes.
+
+Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32), Q4_K, Q5_K, Q6_K (256).
+`reference_gemm` is the float64 reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from imp.kernels.cpu_rowdot import rowdot
+
+QK = 32  # activation block
+# GGML type ids (gguf.GGMLQuantizationType values; kernels import nothing from the formats layer)
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+BLOCKS = {  # type -> (elements per block, bytes per block)
+    Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
+    Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+}
+SUPPORTED = frozenset(BLOCKS)
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    n, size = BLOCKS[qtype]
+    assert k % n == 0, (qtype, k)
+    return k // n * size
+
+
+# ---------------------------------------------------------------- activations
+
+
+@njit(cache=True, nogil=True)
+def quantize_rows(x, xq, xd, xs):
+    """x [N, K] fp32 -> xq [N, K] int8, xd [N, K/32] scale, xs [N, K/32] = xd * sum(xq)."""
+    N, K = x.shape
+    for n in range(N):
+        for b in range(K // QK):
+            o = b * QK
+            amax = np.float32(0.0)
+            for j in range(QK):
+                amax = max(amax, abs(x[n, o + j]))
+            d = amax / np.float32(127.0)
+            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+            s = 0
+            for j in range(QK):
+                v = x[n, o + j] * inv
+                q = int(v + np.float32(0.5)) if v >= 0 else -int(np.float32(0.5) - v)  # roundf: half away from 0
+                xq[n, o + j] = q
+                s += q
+            xd[n, b] = d
+            xs[n, b] = d * np.float32(s)
+
+
+# ---------------------------------------------------------------- one row . T tokens, per type
+# The loops themselves are LLVM IR (cpu_rowdot.py): 16 float lanes per token, the
+# block decoded once for T tokens. One intrinsic per (type, T); T = 4 and T = 1 give
+# identical bits per token, so how a batch is split into groups of 4 changes nothing.
+
+TILE = 4  # tokens per weight decode
+_RD = {(qt, t): rowdot(qt, t) for qt in BLOCKS for t in (1, TILE)}
+_q4_0_1, _q4_0_4 = _RD[Q4_0, 1], _RD[Q4_0, TILE]
+_q4_1_1, _q4_1_4 = _RD[Q4_1, 1], _RD[Q4_1, TILE]
+_q5_0_1, _q5_0_4 = _RD[Q5_0, 1], _RD[Q5_0, TILE]
+_q5_1_1, _q5_1_4 = _RD[Q5_1, 1], _RD[Q5_1, TILE]
+_q8_0_1, _q8_0_4 = _RD[Q8_0, 1], _RD[Q8_0, TILE]
+_q4_k_1, _q4_k_4 = _RD[Q4_K, 1], _RD[Q4_K, TILE]
+_q5_k_1, _q5_k_4 = _RD[Q5_K, 1], _RD[Q5_K, TILE]
+_q6_k_1, _q6_k_4 = _RD[Q6_K, 1], _RD[Q6_K, TILE]
+
+
+@njit(cache=True, nogil=True)
+def row_dot4(w, qtype, base, nb, xq, xo, xstride, xd, xs, xb, xbstride):
+    """Row . 4 tokens (token t at xo + t*xstride); nb = 32-blocks per row."""
+    if qtype == 3:
+        return _q4_1_4(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 8:
+        return _q8_0_4(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 12:
+        return _q4_k_4(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 14:
+        return _q6_k_4(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 6:
+        return _q5_0_4(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 2:
+        return _q4_0_4(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 7:
+        return _q5_1_4(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
+    return _q5_k_4(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
+
+
+@njit(cache=True, nogil=True)
+def row_dot(w, qtype, base, nb, xq, xo, xd, xs, xb):
+    """Row . one token: the same per-token arithmetic as row_dot4."""
+    if qtype == 3:
+        return _q4_1_1(w, base, nb, xq, xo, 0, xd, xs, xb, 0)[0]
+    if qtype == 8:
+        return _q8_0_1(w, base, nb, xq, xo, 0, xd, xs, xb, 0)[0]
+    if qtype == 12:
+        return _q4_k_1(w, base, nb // 8, xq, xo, 0, xd, xs, xb, 0)[0]
+    if qtype == 14:
+        return _q6_k_1(w, base, nb // 8, xq, xo, 0, xd, xs, xb, 0)[0]
+    if qtype == 6:
+        return _q5_0_1(w, base, nb, xq, xo, 0, xd, xs, xb, 0)[0]
+    if qtype == 2:
+        return _q4_0_1(w, base, nb, xq, xo, 0, xd, xs, xb, 0)[0]
+    if qtype == 7:
+        return _q5_1_1(w, base, nb, xq, xo, 0, xd, xs, xb, 0)[0]
+    return _q5_k_1(w, base, nb // 8, xq, xo, 0, xd, xs, xb, 0)[0]
+
+
+@njit(cache=True, nogil=True)
+def row_dots(w, qtype, base, nb, N, xq, xd, xs, out, r):
+    """out[n, r] = row . token n for the N tokens (xq/xd/xs flat): groups of 4, then one by one."""
+    K = nb * QK
+    n = 0
+    while n + TILE <= N:
+        y = row_dot4(w, qtype, base, nb, xq, n * K, K, xd, xs, n * nb, nb)
+        out[n, r], out[n + 1, r], out[n + 2, r], out[n + 3, r] = y[0], y[1], y[2], y[3]
+        n += TILE
+    while n < N:
+        out[n, r] = row_dot(w, qtype, base, nb, xq, n * K, xd, xs, n * nb)
+        n += 1
+
+
+# ---------------------------------------------------------------- GEMM
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def gemm_into(w, woff, qtype, rbytes, R, K, xq, xd, xs, out, ocol):
+    """out[n, ocol + r] = W[r] . x[n] for r < R; W's rows start at byte woff of w (flat uint8).
+
+    One weight row is decoded once per token, from L1 (a row is <= a few KB);
+    the activations of all N tokens stay in L2."""
+    nb = K // QK
+    N = xq.shape[0]
+    xqf, xdf, xsf = xq.reshape(-1), xd.reshape(-1), xs.reshape(-1)
+    for r in prange(R):
+        row_dots(w, qtype, woff + np.int64(r) * rbytes, nb, N, xqf, xdf, xsf, out, ocol + np.int64(r))
+
+
+def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [N, K] fp32 (K % 32 == 0) -> (xq, xd, xs), see `quantize_rows`."""
+    assert x.dtype == np.float32 and x.ndim == 2 and x.shape[1] % QK == 0, (x.dtype, x.shape)
+    N, K = x.shape
+    xq = np.empty((N, K), np.int8)
+    xd = np.empty((N, K // QK), np.float32)
+    xs = np.empty((N, K // QK), np.float32)
+    quantize_rows(np.ascontiguousarray(x), xq, xd, xs)
+    return xq, xd, xs
+
+
+def gemm(w: np.ndarray, qtype: int, x: np.ndarray) -> np.ndarray:
+    """y [N, R] = W x^T for W the [R, row_bytes] uint8 blocks of a GGUF matrix, x [N, K] fp32."""
+    assert qtype in SUPPORTED, qtype
+    assert w.dtype == np.uint8 and w.ndim == 2 and w.flags.c_contiguous, (w.dtype, w.shape)
+    R, K = w.shape[0], x.shape[1]
+    assert w.shape[1] == row_bytes(qtype, K), (w.shape, qtype, K)
+    xq, xd, xs = quantize(x)
+    out = np.empty((x.shape[0], R), np.float32)
+    gemm_into(w.reshape(-1), 0, qtype, w.shape[1], R, K, xq, xd, xs, out, 0)
+    return out
+
+
+def reference_gemm(w_deq: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """float64 reference: the dequantized weights [R, K] times the *quantized* activations
+    (xq * xd), so only the kernel's arithmetic is under test, not the activation rounding."""
+    xq, xd, _ = quantize(x)
+    xh = xq.astype(np.float64) * np.repeat(xd.astype(np.float64), QK, axis=1)  # [N, K]
+    return xh @ w_deq.astype(np.float64).T  # [N, R]

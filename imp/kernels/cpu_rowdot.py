@@ -1,0 +1,407 @@
+"""One weight row of GGUF blocks dotted with T int8-quantized tokens, as one LLVM loop.
+
+Why a hand-built loop: written in Numba, each 32-block would end in a horizontal
+reduction of its products (8 shuffles + adds) before its scale is applied, and
+Numba types scalar integer math as int64 (a plain block loop measured 1.6-3.7
+GB/s of weights on 2 threads). Here the loop keeps 16 float32 lanes per token:
+a block's products land in int32 lanes — where the CPU has VNNI, two
+consecutive blocks share one zmm vpdpbusd (lanes 0..7 one block, 8..15 the
+next, 4 products a lane; unsigned quants x signed activations, and a type
+with signed weights stores q + offset and subtracts offset * sum(x), exactly);
+elsewhere 16 lanes of pairs per block (vpmovsxbw + vpmaddwd; the same generic
+IR lowers to NEON) — are converted, scaled by the block's d_w * xd and added
+lane-wise (one fma); the lanes are reduced once, at the end of the row. The
+weight block is decoded once for all T tokens. Measured on this box (1 thread,
+SmolLM2 ffn_gate 1536 x 576 Q4_1, T = 1): plain Numba block loop 0.63 ms, one
+intrinsic per block with its own reduction 0.21 ms, this loop with vpmaddwd
+0.10 ms, with vpdpbusd 0.085-0.089 ms; T = 4 costs 1.9-2.1x T = 1 for 4 tokens.
+
+    acc_t[lane] = fma(float(lanesum_t[lane]), d_w * xd_t[b], acc_t[lane])   per 32-block b
+    mac_t       += m_w * xs_t[b]                                    (types with a min)
+    y_t          = tree_sum(acc_t) + mac_t
+
+Every token's arithmetic is the same sequence of IEEE operations whatever T is
+(no fast-math flag but `reassoc` on the final 16-lane tree, which is a fixed
+shuffle tree), so the T = 4 and T = 1 variants give identical bits: what makes
+the GEMM batch invariant (tests/test_cpu_kernels.py checks it).
+
+`rowdot(qtype, T)` returns a Numba intrinsic (a row of any length: an odd
+last 32-block runs after the paired loop)
+    (w, base, units, xq, xo, xstride, xd, xs, xb, xbstride) -> UniTuple(float32, T)
+w: flat uint8 blocks, row at byte `base`, `units` blocks (32-types) or
+super-blocks (K-types); token t's int8 values at xq[xo + t * xstride], its
+per-32 scales at xd/xs[xb + t * xbstride].
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from imp.kernels import cpu_simd  # noqa: F401 - sets the kernels' Numba cache directory first
+
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+F32, HALF = ir.FloatType(), ir.HalfType()
+V16F, V16I, V32B, V32I = ir.VectorType(F32, 16), ir.VectorType(I32, 16), ir.VectorType(I8, 32), ir.VectorType(I32, 32)
+V8I = ir.VectorType(I32, 8)
+
+
+def _has_vnni() -> bool:
+    """AVX-512 VNNI (+VL) or AVX-VNNI on the CPU Numba compiles for (the host unless
+    NUMBA_CPU_NAME says otherwise): one vpdpbusd per block instead of two sign
+    extensions and a vpmaddwd (measured below)."""
+    import llvmlite.binding as ll
+    import numba
+
+    if numba.config.CPU_NAME not in (None, "host"):
+        return False
+    f = ll.get_host_cpu_features()
+    return bool(f.get("avxvnni") or (f.get("avx512vnni") and f.get("avx512vl")))
+
+
+VNNI = _has_vnni()
+PREFETCH = 1024  # bytes
+
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+UNIT_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q5_K: 176, Q6_K: 210}
+SUBS = {Q4_K: 8, Q5_K: 8, Q6_K: 8}  # 32-blocks per unit (1 for the others)
+
+
+class _Emit:
+    """IR helpers bound to one builder: loads at byte offsets, splats, constants."""
+
+    def __init__(self, builder, wptr):
+        self.b, self.w = builder, wptr  # w: i8* to the row's first byte
+
+    def at(self, off, ty):
+        p = self.b.bitcast(self.b.gep(self.w, [off]), ir.PointerType(ty))
+        v = self.b.load(p)
+        v.align = 1
+        return v
+
+    def f16(self, off):
+        return self.b.fpext(self.at(off, HALF), F32)
+
+    def byte(self, off):
+        return self.at(off, I8)
+
+    def c(self, n, v, ty=I8):
+        return ir.Constant(ir.VectorType(ty, n), [v] * n)
+
+    def splat(self, val, n):
+        vt = ir.VectorType(val.type, n)
+        v = self.b.insert_element(ir.Constant(vt, ir.Undefined), val, ir.Constant(I32, 0))
+        return self.b.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(I32, n), [0] * n))
+
+    def nibbles16(self, off):
+        """16 bytes -> <32 x i8>: low nibbles are elements 0..15, high 16..31."""
+        q = self.at(off, ir.VectorType(I8, 16))
+        lo, hi = self.b.and_(q, self.c(16, 15)), self.b.lshr(q, self.c(16, 4))
+        return self.b.shuffle_vector(lo, hi, ir.Constant(V32I, list(range(32))))
+
+    def bits32(self, off, shift: int, mask: int):
+        """(32 bytes at off >> shift) & mask."""
+        v = self.at(off, V32B)
+        if shift:
+            v = self.b.lshr(v, self.c(32, shift))
+        return self.b.and_(v, self.c(32, mask))
+
+    def fifth_bits(self, off):
+        """u32 at off -> <32 x i8>, lane j = bit j << 4 (Q5_0 / Q5_1): byte j//8 of the u32
+        in lane j (one byte shuffle), tested against 1 << (j % 8) (vptestmb + masked move),
+        not 32 variable shifts of i32 lanes (which cost Q5_0 three times Q4_1's time)."""
+        b = self.b
+        q4 = self.at(off, ir.VectorType(I8, 4))
+        spread = b.shuffle_vector(q4, ir.Constant(ir.VectorType(I8, 4), ir.Undefined),
+                                  ir.Constant(V32I, [j // 8 for j in range(32)]))
+        bit = b.and_(spread, ir.Constant(V32B, [1 << (j % 8) for j in range(32)]))
+        on = b.icmp_unsigned("!=", bit, self.c(32, 0))
+        return b.select(on, self.c(32, 16), self.c(32, 0))
+
+
+def _scale_min_k4(e: _Emit, o, j: int):
+    """Q4_K / Q5_K 6-bit scale and min of sub-block j (ggml's get_scale_min_k4), as float."""
+    b = e.b
+
+    def q(i):
+        return b.zext(e.byte(b.add(o, ir.Constant(I64, 4 + i))), I32)
+
+    if j < 4:
+        sc, mn = b.and_(q(j), ir.Constant(I32, 63)), b.and_(q(j + 4), ir.Constant(I32, 63))
+    else:
+        hi6 = ir.Constant(I32, 6)
+        sc = b.or_(b.and_(q(j + 4), ir.Constant(I32, 15)), b.shl(b.lshr(q(j - 4), hi6), ir.Constant(I32, 4)))
+        mn = b.or_(b.lshr(q(j + 4), ir.Constant(I32, 4)), b.shl(b.lshr(q(j), hi6), ir.Constant(I32, 4)))
+    return b.uitofp(sc, F32), b.uitofp(mn, F32)
+
+
+def _groups(e: _Emit, qtype: int, o):
+    """The unit at byte o -> [(quants <32 x i8> as unsigned 0..2^bits-1, offset, float scale,
+    float min or None, int lane scales or None)]; the signed weight is quants - offset."""
+    b = e.b
+
+    def off(k):
+        return b.add(o, ir.Constant(I64, k))
+
+    if qtype == Q8_0:  # int8 -> unsigned by flipping the sign bit: q + 128
+        return [(b.xor(e.at(off(2), V32B), e.c(32, 0x80)), 128, e.f16(o), None, None)]
+    if qtype in (Q4_0, Q4_1):
+        q = e.nibbles16(off(2 if qtype == Q4_0 else 4))
+        if qtype == Q4_0:
+            return [(q, 8, e.f16(o), None, None)]
+        return [(q, 0, e.f16(o), e.f16(off(2)), None)]
+    if qtype in (Q5_0, Q5_1):
+        qh, qs = (2, 6) if qtype == Q5_0 else (4, 8)
+        q = b.or_(e.nibbles16(off(qs)), e.fifth_bits(off(qh)))
+        if qtype == Q5_0:
+            return [(q, 16, e.f16(o), None, None)]
+        return [(q, 0, e.f16(o), e.f16(off(2)), None)]
+    if qtype in (Q4_K, Q5_K):
+        d, dmin = e.f16(o), e.f16(off(2))
+        out = []
+        for j in range(8):
+            sc, mn = _scale_min_k4(e, o, j)
+            if qtype == Q4_K:
+                q = e.bits32(off(16 + 32 * (j // 2)), 4 * (j % 2), 15)
+            else:
+                q = e.bits32(off(48 + 32 * (j // 2)), 4 * (j % 2), 15)
+                q = b.or_(q, b.shl(e.bits32(off(16), j, 1), e.c(32, 4)))
+            out.append((q, 0, b.fmul(d, sc), b.fneg(b.fmul(dmin, mn)), None))
+        return out
+    if qtype == Q6_K:
+        d = e.f16(off(208))
+        out = []
+        for g in range(8):
+            h, qi = g // 4, g % 4
+            ql = e.bits32(off(64 * h + 32 * (qi & 1)), 4 * (qi >> 1), 15)
+            qh = e.bits32(off(128 + 32 * h), 2 * qi, 3)
+            q = b.or_(ql, b.shl(qh, e.c(32, 4)))
+            sa, sb = (b.sext(e.byte(off(192 + 2 * g + k)), I32) for k in (0, 1))
+            out.append((q, 32, d, None, (sa, sb)))  # elements 0..15 scale sa, 16..31 sb
+        return out
+    raise NotImplementedError(qtype)
+
+
+def _pairsum(b, wv, xv):
+    """<32 x i8> . <32 x i8> (both signed) -> <16 x i32>, lane k = w[2k] x[2k] + w[2k+1] x[2k+1]
+    (vpmovsxbw + vpmaddwd)."""
+    p = b.mul(b.sext(wv, V32I), b.sext(xv, V32I))
+    ev = b.shuffle_vector(p, ir.Constant(V32I, ir.Undefined), ir.Constant(V16I, list(range(0, 32, 2))))
+    od = b.shuffle_vector(p, ir.Constant(V32I, ir.Undefined), ir.Constant(V16I, list(range(1, 32, 2))))
+    return b.add(ev, od)
+
+
+def _dpbusd(b, uv, xv):
+    """unsigned <32 x i8> . signed <32 x i8> -> <8 x i32>, lane k = sum of 4 products (one vpdpbusd)."""
+    fn = b.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.256", fnty=ir.FunctionType(V8I, [V8I] * 3))
+    return b.call(fn, [ir.Constant(V8I, [0] * 8), b.bitcast(uv, V8I), b.bitcast(xv, V8I)])
+
+
+def _products(b, e, uv, offset: int, lanes, xv):
+    """The int32 lane sums of one group for one token: exact, in either instruction set."""
+    if VNNI:
+        p = _dpbusd(b, uv, xv)
+        if offset:  # signed weight = quants - offset: subtract offset * (sum of the lane's 4 x)
+            p = b.sub(p, _dpbusd(b, e.c(32, offset), xv))
+        if lanes is not None:  # lanes 0..3 hold elements 0..15, 4..7 the rest
+            p = b.mul(p, b.shuffle_vector(e.splat(lanes[0], 4), e.splat(lanes[1], 4), ir.Constant(V8I, list(range(8)))))
+        return p
+    wv = b.sub(uv, e.c(32, offset)) if offset else uv
+    p = _pairsum(b, wv, xv)
+    if lanes is not None:  # pair-lanes 0..7 hold elements 0..15, 8..15 the rest
+        p = b.mul(p, b.shuffle_vector(e.splat(lanes[0], 8), e.splat(lanes[1], 8), ir.Constant(V16I, list(range(16)))))
+    return p
+
+
+def _prefetch(b, e, o):
+    """Software prefetch PREFETCH bytes ahead in the weight stream (the hardware prefetcher
+    alone left a cold 96 MB step ~15 % slower, measured A/B on SmolLM2)."""
+    pf = b.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [ir.PointerType(I8), I32, I32, I32]))
+    b.call(pf, [b.gep(e.w, [b.add(o, ir.Constant(I64, PREFETCH))]), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+
+def _dpbusd512(b, uv, xv):
+    """unsigned <64 x i8> . signed <64 x i8> -> <16 x i32> (one zmm vpdpbusd)."""
+    fn = b.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", fnty=ir.FunctionType(V16I, [V16I] * 3))
+    return b.call(fn, [ir.Constant(V16I, [0] * 16), b.bitcast(uv, V16I), b.bitcast(xv, V16I)])
+
+
+class _Tok:
+    """Per-token addressing inside the loop: token t's x block and scale pointers."""
+
+    def __init__(self, b, qdata, ddata, sdata, xo, xstride, xb, xbstride, t):
+        self.b, self.qdata, self.ddata, self.sdata = b, qdata, ddata, sdata
+        self.tq = b.add(xo, b.mul(ir.Constant(I64, t), xstride))
+        self.tb = b.add(xb, b.mul(ir.Constant(I64, t), xbstride))
+
+    def x(self, blk, n: int):
+        b = self.b
+        p = b.bitcast(b.gep(self.qdata, [b.add(self.tq, b.mul(blk, ir.Constant(I64, 32)))]),
+                      ir.PointerType(ir.VectorType(I8, n)))
+        v = b.load(p)
+        v.align = 1
+        return v
+
+    def xd(self, blk):
+        return self.b.load(self.b.gep(self.ddata, [self.b.add(self.tb, blk)]))
+
+    def xs(self, blk):
+        return self.b.load(self.b.gep(self.sdata, [self.b.add(self.tb, blk)]))
+
+
+def _pair_step(b, e, tok: _Tok, ga, gb, blk, acc, mac, fma):
+    """Two consecutive 32-blocks (blk, blk + 1) for one token in one zmm vpdpbusd; lanes 0..7
+    are block blk, 8..15 block blk + 1. Returns the new (acc, mac)."""
+    (ua, off, sa, ma, la), (ub, _, sb, mb, lb) = ga, gb
+    one = ir.Constant(I64, 1)
+    xv = tok.x(blk, 64)
+    uv = b.shuffle_vector(ua, ub, ir.Constant(ir.VectorType(I32, 64), list(range(64))))
+    p = _dpbusd512(b, uv, xv)
+    if off:
+        p = b.sub(p, _dpbusd512(b, e.c(64, off), xv))
+    if la is not None:  # Q6_K: 16-element scales, 4 lanes each
+        parts = [e.splat(v, 4) for v in (la[0], la[1], lb[0], lb[1])]
+        lo = b.shuffle_vector(parts[0], parts[1], ir.Constant(V8I, list(range(8))))
+        hi = b.shuffle_vector(parts[2], parts[3], ir.Constant(V8I, list(range(8))))
+        p = b.mul(p, b.shuffle_vector(lo, hi, ir.Constant(V16I, list(range(16)))))
+    blk1 = b.add(blk, one)
+    s8a, s8b = e.splat(b.fmul(sa, tok.xd(blk)), 8), e.splat(b.fmul(sb, tok.xd(blk1)), 8)
+    sv = b.shuffle_vector(s8a, s8b, ir.Constant(V16I, list(range(16))))
+    acc = b.call(fma, [b.sitofp(p, V16F), sv, acc])
+    if ma is not None:
+        mac = b.fadd(mac, b.fmul(ma, tok.xs(blk)))
+        mac = b.fadd(mac, b.fmul(mb, tok.xs(blk1)))
+    return acc, mac
+
+
+def _single_step(b, e, tok: _Tok, g, blk, acc, mac, fma):
+    """One 32-block for one token, into 16 float lanes (vpmaddwd; or vpdpbusd into lanes 0..7)."""
+    uv, off, sc, mn, lanes = g
+    xv = tok.x(blk, 32)
+    if VNNI:
+        p8 = _products(b, e, uv, off, lanes, xv)  # <8 x i32>
+        p = b.shuffle_vector(p8, ir.Constant(V8I, [0] * 8), ir.Constant(V16I, list(range(16))))
+        s8 = e.splat(b.fmul(sc, tok.xd(blk)), 8)
+        sv = b.shuffle_vector(s8, ir.Constant(ir.VectorType(F32, 8), [0.0] * 8), ir.Constant(V16I, list(range(16))))
+    else:
+        p = _products(b, e, uv, off, lanes, xv)  # <16 x i32>
+        sv = e.splat(b.fmul(sc, tok.xd(blk)), 16)
+    acc = b.call(fma, [b.sitofp(p, V16F), sv, acc])
+    if mn is not None:
+        mac = b.fadd(mac, b.fmul(mn, tok.xs(blk)))
+    return acc, mac
+
+
+def _codegen(qtype: int, T: int):
+    subs = SUBS.get(qtype, 1)
+    ubytes = UNIT_BYTES[qtype]
+    # With VNNI two consecutive blocks share one zmm vpdpbusd: a loop step covers a pair of
+    # 32-type blocks (an odd last block runs after the loop) or a whole K-type super-block.
+    pair32 = VNNI and subs == 1
+
+    def codegen(context, builder, sig, args):
+        w, base, units, xq, xo, xstride, xd, xs, xb, xbstride = args
+        aty = sig.args
+        wdata = context.make_array(aty[0])(context, builder, w).data
+        qdata = context.make_array(aty[3])(context, builder, xq).data
+        ddata = context.make_array(aty[6])(context, builder, xd).data
+        sdata = context.make_array(aty[7])(context, builder, xs).data
+        b = builder
+        e = _Emit(b, b.gep(wdata, [base]))
+        # an explicit fused multiply-add: one rounding, the same on every call (not a fast-math contraction)
+        fma = b.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(V16F, [V16F] * 3))
+        toks = [_Tok(b, qdata, ddata, sdata, xo, xstride, xb, xbstride, t) for t in range(T)]
+        steps = b.ashr(units, ir.Constant(I64, 1)) if pair32 else units
+        zero_v, zero = ir.Constant(V16F, [0.0] * 16), ir.Constant(F32, 0.0)
+        entry = b.block
+        loop = b.append_basic_block("rowdot_loop")
+        after = b.append_basic_block("rowdot_after")
+        b.cbranch(b.icmp_signed(">", steps, ir.Constant(I64, 0)), loop, after)
+        b.position_at_end(loop)
+        u = b.phi(I64)
+        accs = [b.phi(V16F) for _ in range(T)]
+        macs = [b.phi(F32) for _ in range(T)]
+        acc_v, mac_v = list(accs), list(macs)
+        if pair32:
+            o = b.mul(u, ir.Constant(I64, 2 * ubytes))
+            groups = _groups(e, qtype, o) + _groups(e, qtype, b.add(o, ir.Constant(I64, ubytes)))
+            first = b.mul(u, ir.Constant(I64, 2))
+        else:
+            o = b.mul(u, ir.Constant(I64, ubytes))
+            groups = _groups(e, qtype, o)
+            first = b.mul(u, ir.Constant(I64, subs))
+        _prefetch(b, e, o)
+        if VNNI:
+            for j in range(0, len(groups), 2):
+                blk = b.add(first, ir.Constant(I64, j))
+                for t in range(T):
+                    acc_v[t], mac_v[t] = _pair_step(b, e, toks[t], groups[j], groups[j + 1], blk, acc_v[t], mac_v[t], fma)
+        else:
+            for j, g in enumerate(groups):
+                blk = b.add(first, ir.Constant(I64, j))
+                for t in range(T):
+                    acc_v[t], mac_v[t] = _single_step(b, e, toks[t], g, blk, acc_v[t], mac_v[t], fma)
+        u1 = b.add(u, ir.Constant(I64, 1))
+        u.add_incoming(ir.Constant(I64, 0), entry)
+        u.add_incoming(u1, loop)
+        for t in range(T):
+            accs[t].add_incoming(zero_v, entry)
+            accs[t].add_incoming(acc_v[t], loop)
+            macs[t].add_incoming(zero, entry)
+            macs[t].add_incoming(mac_v[t], loop)
+        b.cbranch(b.icmp_signed("<", u1, steps), loop, after)
+        b.position_at_end(after)
+        acc_p = [b.phi(V16F) for _ in range(T)]
+        mac_p = [b.phi(F32) for _ in range(T)]
+        for t in range(T):
+            acc_p[t].add_incoming(zero_v, entry)
+            acc_p[t].add_incoming(acc_v[t], loop)
+            mac_p[t].add_incoming(zero, entry)
+            mac_p[t].add_incoming(mac_v[t], loop)
+        acc_f, mac_f = list(acc_p), list(mac_p)
+        if pair32:  # the odd last block of a 32-type row
+            tail = b.append_basic_block("rowdot_tail")
+            done = b.append_basic_block("rowdot_done")
+            before = b.block
+            b.cbranch(b.icmp_signed("!=", b.and_(units, ir.Constant(I64, 1)), ir.Constant(I64, 0)), tail, done)
+            b.position_at_end(tail)
+            last = b.sub(units, ir.Constant(I64, 1))
+            (g,) = _groups(e, qtype, b.mul(last, ir.Constant(I64, ubytes)))
+            tacc, tmac = list(acc_p), list(mac_p)
+            for t in range(T):
+                tacc[t], tmac[t] = _single_step(b, e, toks[t], g, last, tacc[t], tmac[t], fma)
+            tail_end = b.block
+            b.branch(done)
+            b.position_at_end(done)
+            for t in range(T):
+                a_, m_ = b.phi(V16F), b.phi(F32)
+                a_.add_incoming(acc_p[t], before)
+                a_.add_incoming(tacc[t], tail_end)
+                m_.add_incoming(mac_p[t], before)
+                m_.add_incoming(tmac[t], tail_end)
+                acc_f[t], mac_f[t] = a_, m_
+        red = b.module.declare_intrinsic("llvm.vector.reduce.fadd.v16f32", fnty=ir.FunctionType(F32, [F32, V16F]))
+        outs = [b.fadd(b.call(red, [ir.Constant(F32, -0.0), acc_f[t]], fastmath=("reassoc",)), mac_f[t])
+                for t in range(T)]
+        return context.make_tuple(b, sig.return_type, outs)
+
+    return codegen
+
+
+_CACHE: dict = {}
+
+
+def rowdot(qtype: int, T: int):
+    """The intrinsic for (GGML type, tokens per weight decode); units must be >= 1."""
+    key = (qtype, T)
+    if key not in _CACHE:
+        gen = _codegen(qtype, T)
+
+        def typer(typingctx, w, base, units, xq, xo, xstride, xd, xs, xb, xbstride):
+            ip = types.intp
+            return types.UniTuple(types.float32, T)(w, ip, ip, xq, ip, ip, xd, xs, ip, ip), gen
+
+        typer.__name__ = f"rowdot_q{qtype}_t{T}"
+        _CACHE[key] = intrinsic(typer)
+    return _CACHE[key]

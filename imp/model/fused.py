@@ -1,0 +1,153 @@
+"""The default CPU model: every layer of a step in one Numba call over the GGUF's own blocks.
+
+Weights are never converted: each matrix is a (byte offset, rows, bytes per
+row, GGML type) entry into the memory-mapped file, read by the kernels in
+imp/kernels/cpu_qdot.py (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
+Loading is the header parse plus the small fp32 vectors (norms, biases) and
+the RoPE tables; resident memory grows only with the pages the steps touch
+(all of them after the first step: RSS ~ file size + KV used + ~100 MB).
+
+The architectures differ only in flags and optional vectors (see
+imp/kernels/cpu_forward.py): llama (adjacent-pair RoPE), qwen2 (q/k/v biases,
+NEOX RoPE), qwen3 (per-head q/k norms), gemma3 (q/k norms, post norms, GELU,
+sliding-window layers with their own RoPE base, scaled embedding, tied head,
+query scale). The torch classes in llama.py / qwen2.py / gemma3.py remain the
+readable reference (`weights="f32"`), which the tests hold this one against.
+
+KV cache: fp16 by default (half the bytes of fp32; what it costs in accuracy is
+measured in tests/test_model_logits.py against an fp32 cache, which this path
+also runs: `ModelRunner.load(..., kv_dtype=torch.float32)`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from imp.formats.gguf_loader import ModelConfig
+from imp.kernels import cpu_forward as cf
+from imp.kernels import cpu_qdot as qd
+from imp.model.blocks import Embedding, rope_table
+from imp.model.gemma3 import LOCAL_THETA, sliding_layers
+from imp.model.llama import AttnPlan, KVCache
+
+MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+VECS = ("attn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")
+
+
+class Unsupported(NotImplementedError):
+    """The file has a matrix type the kernels do not read (the runner falls back to torch)."""
+
+
+def _mat(tensors, name: str) -> list[int]:
+    info = tensors.info(name)
+    if int(info.qtype) not in qd.SUPPORTED:
+        raise Unsupported(f"{name}: {info.qtype.name} has no CPU kernel")
+    rows, cols = info.shape
+    return [info.offset, rows, qd.row_bytes(int(info.qtype), cols), int(info.qtype)]
+
+
+class FusedModel:
+    def __init__(self, cfg: ModelConfig, tensors):
+        if not hasattr(tensors, "raw"):
+            raise Unsupported("fused CPU path needs a memory-mapped GGUF")
+        arch = cfg.arch
+        if arch not in ("llama", "qwen2", "qwen3", "gemma3"):
+            raise Unsupported(arch)
+        ex = cfg.extras
+        if ex.get("rope.scaling.type", "none") not in ("none", None) and arch != "gemma3":
+            raise Unsupported(f"rope scaling {ex.get('rope.scaling.type')!r}")
+        if ex.get("attn_logit_softcapping"):
+            raise Unsupported("attention logit softcapping")
+        self.cfg = cfg
+        self.weights = "gguf"
+        t = tensors
+        self.blob = np.asarray(t._mm)  # the whole file, read-only map: rows are read in place
+        L, D = cfg.n_layers, cfg.head_dim
+        self.mats = np.array([[_mat(t, f"blk.{i}.{m}.weight") for m in MATS] for i in range(L)], dtype=np.int64)
+        if len({int(r) for r in self.mats[:, 4, 1]}) != 1:
+            raise Unsupported("per-layer d_ff")
+        vecs, fo, n = [], np.full((L, 7), -1, dtype=np.int64), 0
+        for i in range(L):
+            names = [f"blk.{i}.{v}.weight" for v in VECS] + [None]
+            bias = [f"blk.{i}.attn_{x}.bias" for x in "qkv"]
+            for j, name in enumerate(names):
+                if name is None:
+                    v = np.concatenate([t[b].float().numpy() for b in bias]) if bias[0] in t else None
+                else:
+                    v = t[name].float().numpy().reshape(-1) if name in t else None
+                if v is not None:
+                    fo[i, j] = n
+                    vecs.append(v.astype(np.float32))
+                    n += v.size
+        self.fv = np.concatenate(vecs).astype(np.float32)
+        self.fo = fo
+        self.tok_embd = Embedding.from_tensors(t, "token_embd.weight")
+        self.out_norm = t["output_norm.weight"].float().numpy()
+        head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+        info = t.info(head)
+        if int(info.qtype) not in qd.SUPPORTED:
+            raise Unsupported(f"{head}: {info.qtype.name}")
+        self.head = (t.raw(head), int(info.qtype))  # [vocab, row_bytes] view of the map
+        P = cfg.context_length
+        self.embed_scale = 1.0
+        self.final_softcap = 0.0
+        self.window = 0
+        self.scale = D ** -0.5
+        self.neox = arch != "llama"  # llama.cpp permutes llama's q/k rows only
+        self.act = cf.SILU
+        if arch == "gemma3":
+            self.act = cf.GELU_TANH
+            self.embed_scale = math.sqrt(cfg.d_model)
+            self.final_softcap = float(ex.get("final_logit_softcapping") or 0.0)
+            self.window = int(ex.get("attention.sliding_window", 0))
+            self.scale = float(ex.get("attention.query_pre_attn_scalar", D)) ** -0.5
+            scaling = ex.get("rope.scaling.type", "none")
+            factor = float(ex.get("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+            glob = rope_table(cfg.rope_theta, D, P, factor)
+            local = rope_table(float(ex.get("rope.freq_base_swa", LOCAL_THETA)), D, P)
+            flags = sliding_layers(cfg) if self.window else [False] * L
+        else:
+            glob = local = rope_table(cfg.rope_theta, D, P)
+            flags = [False] * L
+        self.sliding = np.array(flags, dtype=np.int64)
+        self.cos_g, self.sin_g = (a.numpy() for a in glob)
+        self.cos_l, self.sin_l = (a.numpy() for a in local)
+        self._kv = None  # (cache id, k bits, v bits)
+
+    def _cache_bits(self, cache: KVCache):
+        if self._kv is None or self._kv[0] is not cache:
+            assert cache.k.dtype in (torch.float16, torch.float32), cache.k.dtype
+            if cache.k.dtype == torch.float16:  # Numba has no fp16 arrays: the bits, as uint16
+                bits = [c.view(torch.int16).numpy().view(np.uint16).reshape(-1) for c in (cache.k, cache.v)]
+            else:
+                bits = [c.numpy().reshape(-1) for c in (cache.k, cache.v)]
+            self._kv = (cache, *bits)
+        return self._kv[1], self._kv[2]
+
+    def forward(self, tokens: torch.Tensor, plan: AttnPlan, cache: KVCache) -> torch.Tensor:
+        """tokens [N] -> logits [B, vocab] fp32 at plan.last_rows."""
+        cfg = self.cfg
+        x = self.tok_embd(tokens).numpy()  # [N, d] fp32, a fresh array
+        if self.embed_scale != 1.0:
+            x *= np.float32(self.embed_scale)
+        kc, vc = self._cache_bits(cache)
+        cf.forward_layers(
+            self.blob, self.mats, self.fv, self.fo, self.sliding, x,
+            plan.positions.numpy(), plan.slots.numpy(), plan.tables, plan.row_tab,
+            self.cos_g, self.sin_g, self.cos_l, self.sin_l, kc, vc, cache.num_blocks, cache.block_size,
+            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.window, self.neox, self.act,
+            np.float32(cfg.rms_eps), np.float32(self.scale),
+        )
+        rows = plan.last_rows.numpy()
+        if rows.size == 0:
+            return torch.empty(0, cfg.vocab_size)
+        h = np.empty((rows.size, cfg.d_model), np.float32)
+        cf._rms_norm_rows(np.ascontiguousarray(x[rows]), self.out_norm, 0, np.float32(cfg.rms_eps), h)
+        w, qt = self.head
+        logits = torch.from_numpy(qd.gemm(w, qt, h))  # [B, vocab]
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits

@@ -272,14 +272,14 @@ async def capacity_plan(request: web.Request) -> web.Response:
                                   replicas=card.replicas))
 
 
-def estimate_for(request: web.Request, body: dict) -> dict:
+async def estimate_for(request: web.Request, body: dict) -> dict:
     """A chat-completions body -> the estimate (shared with "dry_run": true): parsed as the
     chat route parses it, rendered, never run."""
     port, tm = request.app[keys.PORT], request.app[keys.TEXT]
     card = port.card
     B.boolean(body, "dry_run")  # the estimate route takes it too: a non-boolean is a 400 there as well
     req = chat_request.parse(body, tm.tokenizer.vocab_size)
-    prompt = resolve.render(req, tm)
+    prompt = await resolve.render_off_loop(req, tm, card)
     snap = port.snapshot()
     return estimate(len(prompt.ids), max_tokens=req.max_tokens, n=req.n, kv=snap.kv,
                     bytes_per_token=card.kv_bytes_per_token, max_context=card.context_length,
@@ -288,7 +288,7 @@ def estimate_for(request: web.Request, body: dict) -> dict:
 
 
 async def estimate_route(request: web.Request) -> web.Response:
-    return web.json_response(estimate_for(request, await B.read_json(request)))
+    return web.json_response(await estimate_for(request, await B.read_json(request)))
 
 
 async def metrics_json(request: web.Request) -> web.Response:

@@ -7,8 +7,11 @@ spelling (`prompt`, `add_special_tokens`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
+
+import msgspec
 
 from aiohttp import web
 
@@ -20,6 +23,8 @@ from imp.http.errors import ApiError, bad
 from imp.http.openai_wire import error_event, sse_data
 from imp.http.request import GenerateRequest, Infill
 from imp.messages import FinishReason
+
+TOKENIZE_MAX_CHARS = 4 << 20
 
 _STOP_TYPE = {"stop": "eos", "length": "limit"}
 
@@ -79,7 +84,7 @@ async def infill(request: web.Request) -> web.StreamResponse:
                   "no <fim_prefix>-style tokens)", None, "fim_not_supported")
     req = parse_infill(body, tok.vocab_size)
     await resolve.compile_constraint(req, request.app[keys.GRAMMARS])
-    prompt = resolve.render(req, tm).ids
+    prompt = (await resolve.render_off_loop(req, tm, port.card)).ids
     params = resolve.sampling_params(req, len(prompt), port.card, tm, cfg.max_tokens, cfg.max_output_tokens)
     return_tokens = B.boolean(body, "return_tokens")
     rid = f"infill-{uuid.uuid4().hex[:24]}"
@@ -127,19 +132,35 @@ async def tokenize(request: web.Request) -> web.Response:
     add_special = B.boolean(body, "add_special", B.boolean(body, "add_special_tokens", False))
     parse_special = B.boolean(body, "parse_special", True)  # llama.cpp's default: the text is the caller's
     with_pieces = B.boolean(body, "with_pieces")
-    ids = tok.encode(text, add_special=add_special, parse_special=parse_special)
-    if with_pieces:
-        tokens = []
-        for i in ids:
-            b = tok.piece_bytes(i)
-            try:
-                piece = b.decode("utf-8")
-            except UnicodeDecodeError:
-                piece = list(b)  # half a character: the bytes, as llama.cpp does
-            tokens.append({"id": i, "piece": piece})
-    else:
-        tokens = ids
-    return web.json_response({"tokens": tokens, "count": len(ids), "max_model_len": port.card.context_length})
+    ctx = port.card.context_length
+    if len(text) > TOKENIZE_MAX_CHARS:
+        # the tokenizer's result and its JSON are built in single C calls that hold the GIL:
+        # a 10 MB text would stall every stream for seconds even from a worker thread
+        raise ApiError(413, f"'content' has {len(text)} characters; /tokenize takes at most "
+                            f"{TOKENIZE_MAX_CHARS} per request (split the text)", param="content",
+                       code="request_too_large")
+
+    def work() -> bytes:
+        ids = tok.encode(text, add_special=add_special, parse_special=parse_special)
+        if with_pieces:
+            tokens = []
+            for i in ids:
+                b = tok.piece_bytes(i)
+                try:
+                    piece = b.decode("utf-8")
+                except UnicodeDecodeError:
+                    piece = list(b)  # half a character: the bytes, as llama.cpp does
+                tokens.append({"id": i, "piece": piece})
+        else:
+            tokens = ids
+        # the list in slices: each encode is one GIL-holding call, so the loop gets turns between them
+        parts = [msgspec.json.encode(tokens[i:i + 65536])[1:-1] for i in range(0, len(tokens), 65536)]
+        return (b'{"tokens":[' + b",".join(parts) + b'],"count":' + str(len(ids)).encode()
+                + b',"max_model_len":' + str(ctx).encode() + b"}")
+
+    # a worker thread: tokenizing a 10 MB text and encoding its answer take seconds; the
+    # event loop keeps serving every other request and stream meanwhile
+    return web.Response(body=await asyncio.to_thread(work), content_type="application/json")
 
 
 async def detokenize(request: web.Request) -> web.Response:

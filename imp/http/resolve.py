@@ -8,6 +8,7 @@ by the dialect that parsed the body; nothing here re-checks them.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from dataclasses import dataclass
 
@@ -27,6 +28,31 @@ class Prompt:
     ids: list[int]
     text: str  # the prompt as text (echo; think-block detection)
     opens_think: bool  # the reply starts inside a think block
+
+
+def _text_bytes(req: GenerateRequest) -> int:
+    n = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in req.messages)
+    for t in (req.prompt_text, *((req.infill.prefix, req.infill.suffix, req.infill.prompt) if req.infill else ())):
+        n += len(t.encode("utf-8", "surrogatepass")) if t else 0
+    return n
+
+
+def check_size(req: GenerateRequest, tm: TextModel, card: ModelCard) -> None:
+    """A prompt whose bytes cannot fit the context is refused before tokenizing: a text of N
+    bytes is at least N / (the longest token's bytes) tokens, so no tokenizer pass is needed
+    to know an 8 MB body does not fit an 8k window."""
+    n = _text_bytes(req)
+    least = n // tm.max_token_bytes
+    if least >= card.context_length:
+        raise bad(f"prompt is too long: {least} tokens > {card.context_length} maximum (the model's context; "
+                  f"at least that many, counted from its {n} bytes)", req.prompt_param, "context_length_exceeded")
+
+
+async def render_off_loop(req: GenerateRequest, tm: TextModel, card: ModelCard) -> Prompt:
+    """`render` on a worker thread (after the size check), so templating and tokenizing a
+    large prompt never stall the event loop: /health and running streams keep being served."""
+    check_size(req, tm, card)
+    return await asyncio.to_thread(render, req, tm)
 
 
 def render(req: GenerateRequest, tm: TextModel) -> Prompt:
@@ -100,7 +126,9 @@ def check_context(req: GenerateRequest, prompt_len: int, card: ModelCard) -> int
     """Room left for the reply; a prompt that fills the context is a 400."""
     remaining = card.context_length - prompt_len
     if remaining <= 0:
-        raise bad(f"the prompt has {prompt_len} tokens, the model's context is {card.context_length} tokens",
+        # Anthropic's own wording: Claude Code parses "prompt is too long: N tokens > M maximum" to
+        # tell the user the context is full (else a generic API error); OpenAI clients read the code
+        raise bad(f"prompt is too long: {prompt_len} tokens > {card.context_length} maximum (the model's context)",
                   req.prompt_param, "context_length_exceeded")
     return remaining
 

@@ -43,6 +43,7 @@ class TextModel:
     defaults: SamplingDefaults
     fim: FimTokens | None  # None: the model cannot fill in the middle
     think_end: tuple[int, ...]  # the model's spelling of "</think>\n\n", forced by end_thinking
+    max_token_bytes: int = 64  # the longest token's bytes: a text of N bytes is >= N / this tokens
 
     @classmethod
     def build(cls, tokenizer, template: ChatTemplate, metadata: dict[str, Any]) -> "TextModel":
@@ -54,6 +55,8 @@ class TextModel:
             fim=fim_tokens(metadata, vocab),
             # "\n\n" after the tag is how chat templates lay out the answer
             think_end=tuple(tokenizer.encode("</think>\n\n", parse_special=True)),
+            max_token_bytes=max(1, max((len(tokenizer.piece_bytes(i)) for i in range(tokenizer.vocab_size)
+                                        if not tokenizer.is_special(i)), default=1)),
         )
 
     @property

@@ -118,6 +118,9 @@ def gguf_metadata(path) -> dict:
     return read_header(path).metadata
 
 
+_GIL_FREE_CHARS = 4096  # longer texts go through encode_batch, which runs without the GIL
+
+
 class Tokenizer:
     """Text <-> token ids for one GGUF vocabulary. Thread-safe after init."""
 
@@ -194,7 +197,14 @@ class Tokenizer:
         parse_special lets control-token spellings in `text` become those
         tokens (only for trusted text)."""
         hf = self._hf_special if parse_special else self._hf_literal
-        ids = hf.encode(text, add_special_tokens=False).ids if text else []
+        if not text:
+            ids = []
+        elif len(text) > _GIL_FREE_CHARS:
+            # encode_batch releases the GIL while Rust works (encode holds it: a 1 MB text would
+            # stall the event loop for a second even from a worker thread)
+            ids = hf.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = hf.encode(text, add_special_tokens=False).ids
         return self._wrap(ids) if add_special else ids
 
     def _wrap(self, ids: list[int]) -> list[int]:

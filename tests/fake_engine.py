@@ -45,6 +45,7 @@ class Script:
     pieces: list[str] = field(default_factory=lambda: ["Hello", " world", "!"])
     finish: FinishReason = FinishReason.STOP
     delay_s: float = 0.0  # before each piece
+    first_delay_s: float = 0.0  # before the first piece too (a queue wait or a long prefill)
     reject: Reject | None = None  # refused before anything runs
     fault_after: int | None = None  # an actor Fault after this many pieces
     step_error_after: int | None = None  # a failed step (Delta with error) after this many pieces
@@ -118,6 +119,8 @@ class FakeEngine:
         limit = sub.params.max_tokens
         pieces = list(sc.pieces)
         for k, piece in enumerate(pieces):
+            if k == 0 and sc.first_delay_s:
+                await asyncio.sleep(sc.first_delay_s)
             if sc.delay_s:
                 await asyncio.sleep(sc.delay_s)
             else:

@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from imp.config import ServerConfig
 from imp.http.app import create_app
-from imp.messages import FinishReason, Reject
+from imp.messages import Reject
 from tests.fake_engine import FakeEngine, Script
 
 MSGS = [{"role": "user", "content": "Say hello."}]
@@ -346,3 +346,89 @@ async def test_official_sdks_stream_against_the_app(client):
     assert got == "Hello world!" and final.stop_reason == "end_turn"
     await oa.close()
     await an.close()
+
+
+async def test_huge_bodies_never_stall_health_or_a_running_stream(make_client):
+    """8 MB chat bodies, a 10 MB and a 250 kB /tokenize arrive while a stream runs: the stream's
+    gaps and /health stay under 100 ms (parsing, templating and tokenizing run off the event
+    loop; a prompt that cannot fit is refused from its byte length, before tokenizing; /tokenize
+    takes up to 4 Mi characters)."""
+    import time
+
+    c = await make_client(Script(pieces=["x"] * 60, delay_s=0.01), context_length=8192)
+    big = json.dumps({"model": "m", "messages": [{"role": "user", "content": "word " * 1_600_000}]}).encode()
+    gaps, health = [], []
+
+    async def stream():
+        r = await c.post("/v1/chat/completions", json={"model": "m", "messages": MSGS, "stream": True})
+        last = time.monotonic()
+        async for _ in r.content:
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    async def probe(stop):
+        while not stop.is_set():
+            t = time.monotonic()
+            await (await c.get("/health")).read()
+            health.append(time.monotonic() - t)
+            await asyncio.sleep(0.02)
+
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(stream()), asyncio.create_task(probe(stop))]
+    await asyncio.sleep(0.05)
+    refusals = await asyncio.gather(*(c.post("/v1/chat/completions", data=big,
+                                             headers={"Content-Type": "application/json"}) for _ in range(2)))
+    tok = await c.post("/tokenize", data=json.dumps({"content": "z" * 10_000_000}).encode(),
+                       headers={"Content-Type": "application/json"})
+    ok = await c.post("/tokenize", json={"content": "word " * 50_000})
+    await tasks[0]
+    stop.set()
+    await tasks[1]
+    assert [r.status for r in refusals] == [400, 400]
+    assert (await refusals[0].json())["error"]["code"] == "context_length_exceeded"
+    assert tok.status == 413 and (await tok.json())["error"]["param"] == "content"
+    assert ok.status == 200 and (await ok.json())["count"] > 0
+    # 100 ms on a quiet machine (before: 8-12 s stalls); the bound leaves room for a loaded CI box
+    assert max(gaps[1:]) < 0.25 and max(health) < 0.25, (max(gaps[1:]), max(health))
+
+
+# --------------------------------------------------------------------------- keep-alive
+
+
+@pytest.mark.parametrize("route", ["chat", "completions", "messages", "responses"])
+async def test_a_silent_prefill_keeps_the_stream_alive_and_a_refusal_stays_a_status(make_client, monkeypatch, route):
+    """A long prefill (or queue wait) sends each dialect's keep-alive (Claude Code and Codex hang
+    up after 300 s without an event): Anthropic message_start + ping, Responses created +
+    in_progress (again), OpenAI SSE comments; the stream then ends as usual. A refusal, which
+    admission answers at once, is still an HTTP status, never an event."""
+    from imp.http import driver
+
+    monkeypatch.setattr(driver, "KEEPALIVE_FIRST_S", 0.05)
+    monkeypatch.setattr(driver, "KEEPALIVE_EVERY_S", 0.05)
+    path, body = {
+        "chat": ("/v1/chat/completions", {"model": "m", "messages": MSGS, "stream": True}),
+        "completions": ("/v1/completions", {"model": "m", "prompt": "Hi", "stream": True}),
+        "messages": ("/v1/messages", {"model": "m", "max_tokens": 16, "messages": MSGS, "stream": True}),
+        "responses": ("/v1/responses", {"model": "m", "input": "Hi", "stream": True}),
+    }[route]
+    c = await make_client(Script(first_delay_s=0.4))
+    r = await c.post(path, json=body)
+    assert r.status == 200
+    text = (await r.read()).decode()
+    head = text[:text.index("Hello")]  # everything sent before the first token
+    if route == "messages":
+        assert head.startswith("event: message_start") and head.count("event: ping") >= 3, head
+        assert "event: message_stop" in text
+    elif route == "responses":
+        assert head.startswith("event: response.created") and head.count("event: response.in_progress") >= 3, head
+        assert "event: response.completed" in text
+        seq = [json.loads(line[6:])["sequence_number"] for line in text.split("\n") if line.startswith("data: ")]
+        assert seq == list(range(len(seq)))
+    else:
+        assert head.count(": keep-alive") >= 3, head
+        assert text.rstrip().endswith("data: [DONE]")
+    refused = await make_client(Script(reject=Reject("x", 429, "queue_full", "the queue is full", 1.0),
+                                       first_delay_s=0.4))
+    r = await refused.post(path, json=body)
+    assert r.status == 429 and "text/event-stream" not in r.headers.get("Content-Type", "")

@@ -217,6 +217,12 @@ async def test_namespaced_call_carries_its_namespace(make):
     ({"model": "m", "input": [{"type": "message", "role": "wizard", "content": "x"}]}, "input[0].role"),
     ({"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"model": "m", "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"model": "m", "input": "x", "background": True}, "background"),
+    ({"model": "m", "input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"model": "m", "input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"model": "m", "input": "x", "truncation": "auto"}, "truncation"),
+    ({"model": "m", "input": "x", "top_logprobs": 3}, "top_logprobs"),
+    ({"model": "m", "input": "x", "max_tool_calls": 2}, "max_tool_calls"),
 ])
 async def test_errors_in_the_openai_shape_with_param(make, body, param):
     c = await make()

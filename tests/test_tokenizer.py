@@ -310,3 +310,22 @@ def test_gemma_sentencepiece():
     hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     for s in CORPUS:
         assert g.encode(s, parse_special=True) == hf.encode(s, add_special_tokens=False), s
+
+
+def test_gemma_fallback_folds_system_turns_into_a_user_turn():
+    """Gemma has no system role: a system turn goes in front of the next user turn, or of the
+    previous one when the end (Claude Code's trailing agent list) or an assistant turn comes first."""
+    from imp.text.chat_template import GEMMA, ChatTemplate, fold_system
+
+    t = ChatTemplate(GEMMA, "<bos>", "<eos>")
+    out = t.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"},
+                    {"role": "system", "content": "Agents: a, b."}])
+    assert out == "<bos><start_of_turn>user\nBe brief.\n\nAgents: a, b.\n\nSay hi<end_of_turn>\n<start_of_turn>model\n"
+    assert "<start_of_turn>system" not in out
+    msgs = [{"role": "user", "content": "q1"}, {"role": "system", "content": "s1"},
+            {"role": "assistant", "content": "a1"}, {"role": "system", "content": "s2"},
+            {"role": "user", "content": "q2"}]
+    assert [m["content"] for m in fold_system(msgs)] == ["s1\n\nq1", "a1", "s2\n\nq2"]
+    assert fold_system([{"role": "system", "content": "only"}]) == [{"role": "user", "content": "only"}]
+    parts = t.render_parts(msgs)  # the folded text is the client's: one untrusted part per turn
+    assert ("s1\n\nq1", False) in parts

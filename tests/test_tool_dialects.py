@@ -291,6 +291,45 @@ async def test_a_call_envelope_cut_by_max_tokens_keeps_its_complete_calls(make, 
         await c.close()
 
 
+@pytest.mark.parametrize("cut", ['{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Par',
+                                 '{"tool_call": {"name": "get_we', '{"tool_'])
+async def test_a_reply_cut_inside_its_first_call_shows_no_envelope_text(grammars, cut):
+    """Cut before any call completed: no call, and the envelope JSON never becomes the answer's
+    text (Codex showed it as the agent's message) in any dialect, streamed or not; the
+    finish reason says why it is empty. Responses marks the message item incomplete."""
+    from imp.messages import FinishReason
+
+    eng = FakeEngine(Script(pieces=chunks_of(cut, 4), finish=FinishReason.LENGTH))
+    c = TestClient(TestServer(create_app(eng, eng.tm, ServerConfig(), grammars=grammars)))
+    await c.start_server()
+    try:
+        await _cut_in_every_dialect(c)
+    finally:
+        await c.close()
+
+
+async def _cut_in_every_dialect(c):
+    chat = {"model": "m", "messages": MSGS, "tools": [WEATHER], "tool_choice": "auto"}
+    ch = (await (await c.post("/v1/chat/completions", json=chat)).json())["choices"][0]
+    assert ch["finish_reason"] == "length" and not ch["message"].get("content") and not ch["message"].get("tool_calls")
+    events = await sse(await c.post("/v1/chat/completions", json=dict(chat, stream=True)))
+    assert not any(e["choices"][0]["delta"].get("content") for e in events if e["choices"])
+    tool = {"name": "get_weather", "description": "Weather", "input_schema": WEATHER["function"]["parameters"]}
+    msg = {"model": "m", "max_tokens": 50, "messages": MSGS, "tools": [tool]}
+    m = await (await c.post("/v1/messages", json=msg)).json()
+    assert m["stop_reason"] == "max_tokens" and all(not b.get("text") for b in m["content"]), m
+    raw = (await (await c.post("/v1/messages", json=dict(msg, stream=True))).read()).decode()
+    assert "tool_call" not in raw and "text_delta" not in raw
+    rtool = {"type": "function", **WEATHER["function"]}
+    r = await (await c.post("/v1/responses", json={"model": "m", "input": "Hi", "tools": [rtool]})).json()
+    assert r["status"] == "incomplete", r
+    assert all(it["status"] == "incomplete" for it in r["output"] if it["type"] == "message"), r["output"]
+    assert "tool_call" not in json.dumps([it.get("content") for it in r["output"]])
+    raw = (await (await c.post("/v1/responses", json={"model": "m", "input": "Hi", "tools": [rtool],
+                                                       "stream": True})).read()).decode()
+    assert "response.output_text.delta" not in raw and '\\"tool_' not in raw and "response.incomplete" in raw
+
+
 async def test_after_a_tool_round_auto_in_the_generic_shape_must_answer(make):
     """A model with no tool format of its own, shown its call and the result, would call again
     forever: after GENERIC_TOOL_ROUNDS rounds since the user spoke, auto is answer-only."""

@@ -665,3 +665,24 @@ def test_tools_system_prompt(shape):
     named = tools_system_prompt(TOOLS, ToolChoice("named", "ping"), shape)
     assert "ping" in named and "get_weather" not in named and "must" in named
     assert tools_system_prompt(TOOLS, ToolChoice("none"), shape) == ""
+
+
+def test_unbounded_numbers_get_a_bound_so_a_call_always_closes():
+    """Codex's exec_command has `yield_time_ms: {"type": "number"}`: unbounded, a small model ran
+    its digits to max_tokens. Forced arguments bound every integer / number to ±(2^53 - 1);
+    values in enum / const / default are instances and stay as they are."""
+    from imp.tools.grammar import bound_numbers
+
+    B = 2**53 - 1
+    schema = {"type": "object", "properties": {
+        "ms": {"type": "number"}, "n": {"type": ["integer", "null"], "minimum": 0},
+        "default": {"type": "integer", "exclusiveMaximum": 10},
+        "xs": {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "string"}]}},
+        "c": {"const": {"type": "number"}}}}
+    out = bound_numbers(schema)
+    p = out["properties"]
+    assert p["ms"] == {"type": "number", "minimum": -B, "maximum": B}
+    assert p["n"] == {"type": ["integer", "null"], "minimum": 0, "maximum": B}
+    assert p["default"] == {"type": "integer", "exclusiveMaximum": 10, "minimum": -B}
+    assert p["xs"]["items"]["anyOf"][0] == {"type": "integer", "minimum": -B, "maximum": B}
+    assert p["c"] == {"const": {"type": "number"}} and schema["properties"]["ms"] == {"type": "number"}

@@ -11,6 +11,7 @@ response carries `request-id` and echoes `anthropic-version` / `anthropic-beta`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
@@ -182,6 +183,9 @@ def _tool_plan(body: dict, template_source: str, messages=()):
     return tool_use.plan(specs, choice, template_source, messages)
 
 
+_EFFORTS = ("low", "medium", "high", "xhigh", "max")  # Claude Code's --effort offers all five
+
+
 def _template_kwargs(body: dict) -> dict:
     """thinking (enabled / adaptive / disabled, budget_tokens) and output_config.effort:
     templates that think (Qwen3 ...) follow enable_thinking; a model that does not think
@@ -199,8 +203,10 @@ def _template_kwargs(body: dict) -> dict:
         if not isinstance(oc, dict):
             raise bad("'output_config' must be an object", "output_config")
         effort = oc.get("effort")
-        if effort is not None and effort not in ("low", "medium", "high", "max"):
-            raise bad("'output_config.effort' must be low, medium, high or max", "output_config.effort")
+        if effort is not None and effort not in _EFFORTS:
+            raise bad(f"'output_config.effort' must be one of {', '.join(_EFFORTS)}", "output_config.effort")
+        if effort is not None:  # to the template as the Responses dialect passes reasoning.effort
+            kw["reasoning_effort"] = effort
     cm = body.get("context_management")
     if cm is not None and not isinstance(cm, dict):
         raise bad("'context_management' must be an object", "context_management")
@@ -301,6 +307,11 @@ def _msg(m: dict) -> Message:
                    tool_call_id=m.get("tool_call_id"))
 
 
+async def _render_off_loop(req: GenerateRequest, tm, card) -> resolve.Prompt:
+    resolve.check_size(req, tm, card)
+    return await asyncio.to_thread(_render, req, tm)
+
+
 def _render(req: GenerateRequest, tm) -> resolve.Prompt:
     try:
         return resolve.render(req, tm)
@@ -343,7 +354,8 @@ def _tools_as_text(msgs: list[dict]) -> list[dict]:
 async def count_tokens(request: web.Request, echo: dict) -> web.Response:
     tm = request.app[keys.TEXT]
     req = parse(await B.read_json(request), tm.template.source, count_only=True)
-    return web.json_response({"input_tokens": len(_render(req, tm).ids)})
+    prompt = await _render_off_loop(req, tm, request.app[keys.PORT].card)
+    return web.json_response({"input_tokens": len(prompt.ids)})
 
 
 @_route
@@ -351,7 +363,7 @@ async def messages(request: web.Request, echo: dict) -> web.StreamResponse:
     port, tm, cfg = request.app[keys.PORT], request.app[keys.TEXT], request.app[keys.CONFIG]
     req = parse(await B.read_json(request), tm.template.source)
     await resolve.compile_constraint(req, request.app[keys.GRAMMARS])
-    prompt = _render(req, tm)
+    prompt = await _render_off_loop(req, tm, port.card)
     params = resolve.sampling_params(req, len(prompt.ids), port.card, tm, cfg.max_tokens, cfg.max_output_tokens)
     mid = f"msg_{uuid.uuid4().hex[:24]}"
     request["response_id"] = request.get("client_request_id") or mid
@@ -359,7 +371,8 @@ async def messages(request: web.Request, echo: dict) -> web.StreamResponse:
     plan = req.tool_plan if req.tool_plan is not None and req.tool_plan.active else None
     ctx = _Ctx(port.card.name, mid, len(prompt.ids), splitter, plan)
     with live_requests(request).track(mid, request.get("client_request_id"), lambda: splitter.thinking):
-        async with contextlib.aclosing(generate(port, mid, prompt.ids, params, req, request=request)) as deltas:
+        async with contextlib.aclosing(generate(port, mid, prompt.ids, params, req, request=request,
+                                                keepalive=req.stream)) as deltas:
             if req.stream:
                 return await _stream(request, ctx, deltas, echo)
             return await _complete(request, ctx, deltas)
@@ -469,14 +482,25 @@ async def _stream(request, ctx: _Ctx, deltas, echo) -> web.StreamResponse:
             elif isinstance(ev, ArgsDelta):
                 delta({"type": "input_json_delta", "partial_json": ev.text})
 
+    async def start(cached: int) -> web.StreamResponse:
+        r = await _sse_start(request, echo)
+        msg = _message(ctx.model, ctx.mid, [], (None, None), _usage(prompt_len, 0, cached))
+        out.append(_event("message_start", {"type": "message_start", "message": msg}) + _PING)
+        return r
+
     try:
         async for d in deltas:
+            if d is None:  # queued or prefilling: message_start now, then a ping every few seconds
+                if resp is None:
+                    resp = await start(0)
+                else:
+                    out.append(_PING)
+                await resp.write(b"".join(out))
+                out.clear()
+                continue
             prompt_len, cached, completion = d.prompt_tokens or prompt_len, d.cached_tokens, d.completion_tokens
             if resp is None:
-                resp = await _sse_start(request, echo)
-                msg = _message(ctx.model, ctx.mid, [], (None, None), _usage(prompt_len, completion, cached))
-                out.append(_event("message_start", {"type": "message_start", "message": msg})
-                           + _event("ping", {"type": "ping"}))
+                resp = await start(cached)
             r, c = split_delta(splitter, d)
             done = d.finish != FinishReason.NONE
             if r or (splitter.saw_think and open_kind is None and index < 0):
@@ -510,6 +534,9 @@ async def _stream(request, ctx: _Ctx, deltas, echo) -> web.StreamResponse:
         await stream_failed(exc, resp, lambda message, _code: _error_event(request, 500, message),
                             f"messages stream {ctx.mid}")
     return resp
+
+
+_PING = _event("ping", {"type": "ping"})
 
 
 def _error_event(request, status: int, message: str) -> bytes:

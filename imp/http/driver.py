@@ -11,6 +11,7 @@ the metrics actor when it ends, whatever the dialect.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -39,11 +40,51 @@ def finish_label(reason: FinishReason) -> str:
     return reason.name.lower()
 
 
+# A stream that has nothing to send (queued, or prefilling a long prompt: 20k tokens is minutes
+# on a CPU) still shows it is alive: agent clients hang up after a silence (Claude Code and
+# Codex after 300 s without an event). The first keep-alive comes late enough that a refusal
+# (admission answers in milliseconds) is still an HTTP status, then one every few seconds.
+KEEPALIVE_FIRST_S = 2.0
+KEEPALIVE_EVERY_S = 10.0
+KEEPALIVE_COMMENT = b": keep-alive\n\n"  # the OpenAI dialects' (SSE comments: every client skips them)
+
+
+async def _with_keepalive(stream: AsyncIterator, first_s: float, every_s: float) -> AsyncIterator:
+    """The stream's items, with a None wherever it was silent first_s (then every_s) seconds."""
+    it = stream.__aiter__()
+    pending: asyncio.Future | None = None
+    timeout = first_s
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait((pending,), timeout=timeout)
+            if not done:
+                timeout = every_s
+                yield None
+                continue
+            fut, pending = pending, None
+            try:
+                item = fut.result()
+            except StopAsyncIteration:
+                return
+            timeout = every_s
+            yield item
+    finally:
+        if pending is not None:  # left while waiting: stop the read before the stream is closed
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await pending
+
+
 async def generate(port: EnginePort, req_id: str, prompt: list[int], params: SamplingParams,
-                   req: GenerateRequest, *, salt: str = "", request: web.Request | None = None
-                   ) -> AsyncIterator[Delta]:
+                   req: GenerateRequest, *, salt: str = "", request: web.Request | None = None,
+                   keepalive: bool = False) -> AsyncIterator[Delta | None]:
     """request: the HTTP request (its client id and W3C traceparent go into the request's
-    figures, for the trace and the request log)."""
+    figures, for the trace and the request log). keepalive: yield None after a silence
+    (KEEPALIVE_*), for a streaming dialect to write its own keep-alive; a refusal that comes
+    after one had started the response is still an ApiError, which `stream_failed` renders as
+    the dialect's error event."""
     if port.fault:
         raise ApiError(503, f"engine unavailable: {port.fault}", code="engine_faulted")
     stream = port.submit(Submission(
@@ -60,8 +101,12 @@ async def generate(port: EnginePort, req_id: str, prompt: list[int], params: Sam
     completion = [0] * req.n
     prompt_tokens, cached, finish, status = len(prompt), 0, "", 200
     finishes = [""] * req.n
+    items = _with_keepalive(stream, KEEPALIVE_FIRST_S, KEEPALIVE_EVERY_S) if keepalive else stream
     try:
-        async for item in stream:
+        async for item in items:
+            if item is None:
+                yield None
+                continue
             if isinstance(item, Reject):
                 status, reject_code = item.status, item.code
                 headers = {"Retry-After": str(max(1, round(item.retry_after_s)))} if item.status == 429 else None
@@ -93,6 +138,8 @@ async def generate(port: EnginePort, req_id: str, prompt: list[int], params: Sam
                 finishes[item.index] = finish
             yield item
     finally:
+        if items is not stream:
+            await items.aclose()
         await stream.aclose()  # before the end: cancels upstream
         now = time.monotonic()
         hdrs = request.headers if request is not None else {}
@@ -139,6 +186,8 @@ async def stream_failed(exc: Exception, resp: web.StreamResponse | None,
         return
     if isinstance(exc, StreamFault):
         message, code = f"engine fault: {exc}", "engine_faulted"
+    elif isinstance(exc, ApiError):  # a refusal after a keep-alive had started the stream
+        message, code = exc.message, exc.code or "invalid_request_error"
     else:
         log.exception("%s failed", what, exc_info=exc)
         message, code = f"internal error: {type(exc).__name__}", "internal_error"

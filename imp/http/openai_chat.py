@@ -14,7 +14,7 @@ from imp.http import keys, resolve
 from imp.http.capacity import estimate_for
 from imp.http.chat_request import parse
 from imp.http.control import live_requests
-from imp.http.driver import StreamFault, finish_label, generate, sse_start, stream_failed
+from imp.http.driver import KEEPALIVE_COMMENT, StreamFault, finish_label, generate, sse_start, stream_failed
 from imp.http.errors import ApiError
 from imp.http.logprobs import chat_content
 from imp.http.openai_wire import error_event, fingerprint, sse_data, sse_end, usage_json
@@ -30,10 +30,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     port, tm, cfg = request.app[keys.PORT], request.app[keys.TEXT], request.app[keys.CONFIG]
     body = await B.read_json(request)
     if B.boolean(body, "dry_run"):  # POST /v1/estimate's answer; nothing runs
-        return web.json_response(estimate_for(request, body))
+        return web.json_response(await estimate_for(request, body))
     req = parse(body, tm.tokenizer.vocab_size, tm.template.source)
     await resolve.compile_constraint(req, request.app[keys.GRAMMARS])
-    prompt = resolve.render(req, tm)
+    prompt = await resolve.render_off_loop(req, tm, port.card)
     params = resolve.sampling_params(req, len(prompt.ids), port.card, tm, cfg.max_tokens, cfg.max_output_tokens)
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     request["response_id"] = request.get("client_request_id") or rid
@@ -41,7 +41,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     splitters = [ThinkSplitter(prompt.opens_think) for _ in range(req.n)]
     with live_requests(request).track(rid, request.get("client_request_id"),
                                       lambda: any(s.thinking for s in splitters)):
-        async with contextlib.aclosing(generate(port, rid, prompt.ids, params, req, request=request)) as deltas:
+        async with contextlib.aclosing(generate(port, rid, prompt.ids, params, req, request=request,
+                                                keepalive=req.stream)) as deltas:
             if not req.stream:
                 return await _complete(request, ctx, deltas, splitters)
             return await _stream(request, ctx, deltas, splitters)
@@ -165,6 +166,9 @@ async def _stream(request, ctx: _Ctx, deltas, splitters) -> web.StreamResponse:
                     chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
                     for i in range(gen.n)
                 ))
+            if d is None:  # queued or prefilling: the role chunk above, then an SSE comment now and then
+                await resp.write(KEEPALIVE_COMMENT)
+                continue
             i = d.index
             completion[i] = d.completion_tokens
             prompt_tokens, cached = d.prompt_tokens or prompt_tokens, d.cached_tokens

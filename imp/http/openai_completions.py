@@ -21,7 +21,7 @@ from aiohttp import web
 from imp.http import body as B
 from imp.http import keys, openai_fields, resolve, structured
 from imp.http.control import live_requests
-from imp.http.driver import StreamFault, finish_label, generate, sse_start, stream_failed
+from imp.http.driver import KEEPALIVE_COMMENT, StreamFault, finish_label, generate, sse_start, stream_failed
 from imp.http.errors import ApiError, bad
 from imp.http.logprobs import CompletionLogprobs, merge, prompt_logprobs_json
 from imp.http.openai_wire import error_event, fingerprint, sse_data, sse_end, usage_json
@@ -84,7 +84,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     port, tm, cfg = request.app[keys.PORT], request.app[keys.TEXT], request.app[keys.CONFIG]
     req = parse(await B.read_json(request), tm.tokenizer.vocab_size)
     await resolve.compile_constraint(req, request.app[keys.GRAMMARS])
-    prompt = resolve.render(req, tm)
+    prompt = await resolve.render_off_loop(req, tm, port.card)
     params = resolve.sampling_params(req, len(prompt.ids), port.card, tm, cfg.max_tokens, cfg.max_output_tokens)
     if req.echo and req.logprobs:
         # the echoed prompt's logprobs come from the same prompt scoring as prompt_logprobs
@@ -95,7 +95,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     # for end_thinking: follow the think state of choice 0's text
     think = ThinkSplitter(prompt_opens_think(prompt.text[-64:]))
     with live_requests(request).track(rid, request.get("client_request_id"), lambda: think.thinking):
-        async with contextlib.aclosing(generate(port, rid, prompt.ids, params, req, request=request)) as deltas:
+        async with contextlib.aclosing(generate(port, rid, prompt.ids, params, req, request=request,
+                                                keepalive=req.stream)) as deltas:
             if req.stream:
                 return await _stream(request, ctx, deltas, think)
             return await _complete(request, ctx, deltas, think)
@@ -171,6 +172,9 @@ async def _stream(request, ctx: _Ctx, deltas, think) -> web.StreamResponse:
                     await resp.write(b"".join(
                         chunk([{"index": i, "text": ctx.prompt_text, "logprobs": None, "finish_reason": None}])
                         for i in range(gen.n)))
+            if d is None:  # queued or prefilling: an SSE comment now and then (clients skip comments)
+                await resp.write(KEEPALIVE_COMMENT)
+                continue
             if d.index == 0:
                 think.push(d.text)
             completion[d.index] = d.completion_tokens

@@ -115,7 +115,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     history = await _history(store, B.string(body, "previous_response_id"))
     req, ex = parse(body, tm.tokenizer.vocab_size, tm.template.source, history)
     await resolve.compile_constraint(req, request.app[keys.GRAMMARS])
-    prompt = resolve.render(req, tm)
+    prompt = await resolve.render_off_loop(req, tm, port.card)
     params = resolve.sampling_params(req, len(prompt.ids), port.card, tm, cfg.max_tokens, cfg.max_output_tokens)
     rid = f"resp_{_hex()}"
     request["response_id"] = request.get("client_request_id") or rid
@@ -123,7 +123,8 @@ async def create(request: web.Request) -> web.StreamResponse:
     splitter = ThinkSplitter(prompt.opens_think)
     plan = req.tool_plan if req.tool_plan is not None and (req.tool_plan.active or ex.forced_custom) else None
     with live_requests(request).track(rid, request.get("client_request_id"), lambda: splitter.thinking):
-        async with contextlib.aclosing(generate(port, rid, prompt.ids, params, req, request=request)) as deltas:
+        async with contextlib.aclosing(generate(port, rid, prompt.ids, params, req, request=request,
+                                                keepalive=req.stream)) as deltas:
             run = _Run(out, splitter, plan, len(prompt.ids))
             if req.stream:
                 return await _stream(request, run, deltas, store)
@@ -209,7 +210,8 @@ async def _complete(request, run: _Run, deltas, store) -> web.Response:
             parsed = run.plan.parse(run.text, cut=run.cut)
             text, calls = parsed.content, parsed.calls
         if text or not calls:
-            out.items.append(_message_item(f"msg_{_hex()}", text))
+            # a reply max_output_tokens cut is an incomplete message, as OpenAI marks it
+            out.items.append(_message_item(f"msg_{_hex()}", text, "incomplete" if run.cut else "completed"))
         out.items += [_call_item(ex, c.id, c.name, c.arguments) for c in calls]
     run.close()
     await _store(store, out)
@@ -217,9 +219,11 @@ async def _complete(request, run: _Run, deltas, store) -> web.Response:
 
 
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict:
+    """status in_progress: the streamed item as added (no content yet); completed / incomplete:
+    its text."""
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed"
-            else []}
+            "content": [] if status == "in_progress" else
+            [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
 def _canonical(item: dict) -> dict:
@@ -299,7 +303,7 @@ async def _stream(request, run: _Run, deltas, store) -> web.StreamResponse:
                           text=text, logprobs=[]))
             buf.append(ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
                           part=part))
-            item["content"], item["status"] = [part], "completed"
+            item["content"], item["status"] = [part], "incomplete" if run.cut else "completed"
         elif kind == "custom":
             buf.append(ev("response.custom_tool_call_input.done", item_id=item["id"], output_index=idx,
                           input=item["input"]))
@@ -375,6 +379,12 @@ async def _stream(request, run: _Run, deltas, store) -> web.StreamResponse:
 
     try:
         async for d in deltas:
+            if d is None:  # queued or prefilling: created + in_progress now, then in_progress again
+                if resp is None:  # every few seconds (Codex hangs up after 300 s without an event)
+                    resp = await start()
+                else:
+                    await resp.write(ev("response.in_progress", response=out.obj()))
+                continue
             if resp is None:
                 resp = await start()
             r, c = run.take(d)

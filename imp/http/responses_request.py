@@ -260,9 +260,31 @@ def _choice(raw, tools: list[Tool], parallel: bool) -> ToolChoice:
               "tool_choice")
 
 
+# Responses fields imp knows and cannot honour: set to anything but their default they are a 400
+# naming the field, never a quiet no-op (a client asking for background mode would otherwise
+# wait on an answer it believes is queued elsewhere).
+_REFUSED = {
+    "background": (lambda v: v in (None, False), "background mode is not supported; send the request and wait"),
+    "conversation": (lambda v: v is None, "the Conversations API is not supported; use previous_response_id"),
+    "prompt": (lambda v: v is None, "stored prompt templates are not supported; send the input itself"),
+    "truncation": (lambda v: v in (None, "disabled"), "only truncation 'disabled' is supported (a prompt "
+                   "beyond the context is a 400)"),
+    "top_logprobs": (lambda v: v in (None, 0), "logprobs are not supported on /v1/responses; use "
+                     "/v1/chat/completions"),
+    "max_tool_calls": (lambda v: v is None, "max_tool_calls is not supported; use parallel_tool_calls"),
+}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, (ok, why) in _REFUSED.items():
+        if not ok(body.get(name)):
+            raise bad(f"'{name}': {why}", name)
+
+
 def parse(body: dict, vocab_size: int, template_source: str = "",
           history: list[Message] | None = None) -> tuple[GenerateRequest, ResponsesExtras]:
     """history: the previous_response_id chain's conversation (the store's), prepended."""
+    _refuse_unsupported(body)
     model = B.model_name(body)
     ex = ResponsesExtras()
     ex.store = B.boolean(body, "store", True)

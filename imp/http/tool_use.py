@@ -22,6 +22,7 @@ ToolChoice); `plan` decides, once per request, everything that follows:
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from imp.http.errors import ApiError, bad
@@ -59,10 +60,8 @@ class ToolPlan:
     def parse(self, text: str, cut: bool = False) -> Parsed:
         """The calls and text of a whole reply. cut: max_tokens ended it (see `salvage`)."""
         got = parse(text, self.shape, list(self.tools), new_id=new_call_id)
-        if cut and not got.calls and self.shape == "generic":
-            calls = salvage(text)
-            if calls:
-                return Parsed("", tuple(calls))
+        if cut and not got.calls and self.shape == "generic" and cut_in_envelope(text):
+            return Parsed("", tuple(salvage(text)))
         return got
 
     def finish(self, parser: ToolStreamParser, cut: bool) -> list:
@@ -71,25 +70,43 @@ class ToolPlan:
         events = parser.finish()
         if cut and self.shape == "generic" and not parser_called(parser):
             held = "".join(ev.text for ev in events if isinstance(ev, Text))
-            calls = salvage(held)
-            if calls:
+            if cut_in_envelope(held):
                 out = []
-                for k, c in enumerate(calls):
+                for k, c in enumerate(salvage(held)):
                     out += [CallStart(k, c.id, c.name), ArgsDelta(k, c.arguments), CallEnd(k)]
                 return out
         return events
 
 
 _ENVELOPE = '{"tool_calls": ['
+_ONE_CALL = '{"tool_call": '
+_CALL_KEY = re.compile(r'\{\s*"tool_calls?"')
+
+
+def cut_in_envelope(text: str) -> bool:
+    """max_tokens ended the reply inside a generic call envelope (or inside its opening key):
+    such a reply is the calls it completed and no text. Its JSON is the model's call markup,
+    not an answer: shown as content it becomes the agent's message (Codex printed it)."""
+    s = text.lstrip()
+    return bool(s) and (bool(_CALL_KEY.match(s)) or '{"tool_call'.startswith(re.sub(r"\s+", "", s)))
 
 
 def salvage(text: str) -> list[ToolCall]:
     """The complete calls of a generic envelope that max_tokens cut: `{"tool_calls": [{...},
-    {...}, {"na` -> the first two. The model asked for them; the cut only lost the rest."""
+    {...}, {"na` -> the first two (`{"tool_call": {...}` cut before its last brace -> that one).
+    The model asked for them; the cut only lost the rest."""
     s = text.lstrip()
+    dec = json.JSONDecoder()
+    if s.startswith(_ONE_CALL):
+        try:
+            obj, _ = dec.raw_decode(s, len(_ONE_CALL))
+        except ValueError:
+            return []
+        ok = isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments"), dict)
+        return [ToolCall(new_call_id(), obj["name"], json.dumps(obj["arguments"], ensure_ascii=False,
+                                                                separators=(",", ":")))] if ok else []
     if not s.startswith(_ENVELOPE):
         return []
-    dec = json.JSONDecoder()
     i, calls = len(_ENVELOPE), []
     while i < len(s):
         try:

@@ -42,6 +42,49 @@ GEMMA = (
 )
 
 
+def fold_system(messages: list[dict]) -> list[dict]:
+    """System turns folded into a user turn, for templates with no system role (Gemma's has
+    none: its official template prefixes the first user turn with the system text). A system
+    message goes in front of the next user turn's text, or, when an assistant turn or the end
+    comes first, in front of the previous user turn's: Claude Code sends its agent list as a
+    system message *after* the user's request, and rendered as a turn of its own it is the last
+    thing the model reads before answering."""
+    out: list[dict] = []
+    before: dict[int, list[str]] = {}  # user turn (index in out) -> system texts put in front, in order
+    pending: list[str] = []
+    last_user = None  # index in out of the user turn since the last assistant turn
+
+    def fold_into(i: int) -> None:
+        before.setdefault(i, []).extend(pending)
+        pending.clear()
+
+    for m in messages:
+        role, content = m.get("role"), m.get("content")
+        if role == "system" and isinstance(content, str):
+            if content:
+                pending.append(content)
+            continue
+        if pending and role != "user" and last_user is not None:
+            fold_into(last_user)
+        out.append(m)
+        if role == "user":
+            last_user = len(out) - 1
+            if pending:
+                fold_into(last_user)
+        elif role == "assistant":
+            last_user = None
+    if pending:
+        if last_user is not None:
+            fold_into(last_user)
+        else:
+            out.append({"role": "user", "content": ""})
+            fold_into(len(out) - 1)
+    for i, texts in before.items():
+        own = out[i].get("content") or ""
+        out[i] = dict(out[i], content="\n\n".join([*texts, own] if own else texts))
+    return out
+
+
 class TemplateError(ValueError):
     """The template refused the request (raise_exception) or failed on it.
     The HTTP layer answers 400 with this message."""
@@ -112,9 +155,12 @@ class ChatTemplate:
 
     # ------------------------------------------------------------------
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools=None, **kw) -> str:
+    def _prepare(self, messages: list[dict]) -> list[dict]:
         msgs = [dict(m, content=_content_text(m.get("content"))) if "content" in m else dict(m) for m in messages]
-        return self._render(msgs, add_generation_prompt, tools, kw)
+        return fold_system(msgs) if self.source == GEMMA else msgs
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools=None, **kw) -> str:
+        return self._render(self._prepare(messages), add_generation_prompt, tools, kw)
 
     def _render(self, messages, add_generation_prompt, tools, kw) -> str:
         variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, **kw}
@@ -134,7 +180,7 @@ class ChatTemplate:
     ) -> list[tuple[str, bool]]:
         """The rendered prompt as (text, trusted) parts: trusted parts come
         from the template, untrusted ones are message contents."""
-        msgs = [dict(m, content=_content_text(m.get("content"))) if "content" in m else dict(m) for m in messages]
+        msgs = self._prepare(messages)
         real = self._render(msgs, add_generation_prompt, tools, kw)
 
         # Sentinels: private-use characters and hex digits survive the usual

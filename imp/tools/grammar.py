@@ -81,9 +81,39 @@ def close_objects(schema: Any) -> Any:
     return s
 
 
+# A number with no bounds is an unbounded digit run to the grammar: a small model that starts
+# one ("yield_time_ms": 1000000...) may never close it, and the call is cut at max_tokens. The
+# integer part is bounded at the IEEE double's exact range (what JSON parsers keep anyway),
+# which llguidance turns into at most 16 digits; a fraction stays unbounded (no JSON Schema
+# keyword bounds it) and is left to max_tokens.
+_SAFE_INT = 2**53 - 1
+_VALUES = ("enum", "const", "default", "examples")  # instances, not schemas: never rewritten
+
+
+def bound_numbers(schema: Any) -> Any:
+    """A copy of schema where every integer / number without a bound gets ±(2^53 - 1)."""
+    if isinstance(schema, list):
+        return [bound_numbers(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    s = {k: (v if k in _VALUES else bound_numbers(v)) for k, v in schema.items()}
+    for k in ("properties", "patternProperties", "$defs", "definitions"):  # name -> schema maps
+        if isinstance(schema.get(k), dict):  # (a property may be called "default")
+            s[k] = {n: bound_numbers(v) for n, v in schema[k].items()}
+    t = s.get("type")
+    types = set(t) if isinstance(t, list) else {t}
+    if types & {"integer", "number"}:
+        if "minimum" not in s and "exclusiveMinimum" not in s:
+            s["minimum"] = -_SAFE_INT
+        if "maximum" not in s and "exclusiveMaximum" not in s:
+            s["maximum"] = _SAFE_INT
+    return s
+
+
 def arguments_schema(tool: Tool, lenient: bool = False) -> dict[str, Any]:
-    """The schema a forced call's arguments are generated under (closed, compact spacing)."""
-    s = close_objects(copy.deepcopy(tool.parameters))
+    """The schema a forced call's arguments are generated under (closed, numbers bounded,
+    compact spacing)."""
+    s = bound_numbers(close_objects(copy.deepcopy(tool.parameters)))
     s["x-guidance"] = {**_COMPACT, "lenient": True} if lenient else dict(_COMPACT)
     return s
 

@@ -82,13 +82,18 @@ class ConstraintBook:
                 w = works[i]
                 m = self._matcher(w)
                 if m is not None:
+                    had = m.tokens[-4:]
                     try:
                         m.sync(w.history)
                         fill.append((m, j))
                         continue
                     except ConstraintError as exc:
                         self.failures += 1
-                        log.warning("%s: generated tokens leave the grammar (%s); only EOS from here", w.seq_id, exc)
+                        # what the matcher had consumed at the last mask vs the history now: tells a
+                        # mask that was not applied from a history that changed under it
+                        log.warning("%s: generated tokens leave the grammar (%s); only EOS from here "
+                                    "(matcher had ...%s of %d, history ...%s of %d, pending %d)", w.seq_id, exc,
+                                    list(had), len(m.tokens), list(w.history[-4:]), len(w.history), w.pending)
                 self._eos_only(bitmask[j], w)
             fill_masks(fill, bitmask, self.cache.executor if len(fill) > 1 else None)
         return rows, bitmask

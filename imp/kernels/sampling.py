@@ -30,7 +30,10 @@ extern "C" __global__ void gumbel(float* __restrict__ out, const long long* __re
     if (i >= (long long)V * R) return;
     const int r = (int)(i / V), v = (int)(i % V);
     const unsigned long long h = mix64(mix64(mix64((unsigned long long)seeds[r]) ^ (unsigned long long)gidx[r]) ^ (unsigned long long)v);
-    const float u = ((float)(h >> 40) + 0.5f) * (1.0f / 16777216.0f);  // (0, 1)
+    // u in (0, 1) strictly: 23 random bits + 0.5 are exact in a float (24 bits would round
+    // 2^24 - 0.5 up to 2^24, u = 1, noise +inf, and -inf + inf = NaN wins the argmax: a filtered
+    // or grammar-masked token drawn about once in 2^24 / V steps)
+    const float u = ((float)(h >> 41) + 0.5f) * (1.0f / 8388608.0f);
     out[i] = -logf(-logf(u));
 }
 """

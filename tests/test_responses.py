@@ -26,8 +26,8 @@ def grammars():
 async def make(grammars):
     clients = []
 
-    async def make(script=None):
-        eng = FakeEngine(script)
+    async def make(script=None, **kw):
+        eng = FakeEngine(script, **kw)
         c = TestClient(TestServer(create_app(eng, eng.tm, ServerConfig(), grammars=grammars)))
         await c.start_server()
         c.engine = eng
@@ -238,3 +238,21 @@ async def test_text_format_json_schema_reaches_the_engine(make):
                                                                             "schema": schema, "strict": True}})
     assert json.loads(r.output_text) == {"a": 1}
     assert c.engine.submissions[-1].params.constraint.kind == "json_schema"
+
+
+@pytest.mark.parametrize("capture", ["codex_request.json", "codex_tool_output_request.json"])
+async def test_the_real_codex_requests_stream_a_response(make, capture):
+    """The bodies the real Codex CLI sent (captured by bench/capture_proxy.py: its ~20 tools,
+    namespaced agents, hosted web_search, reasoning, store false, include, prompt_cache_key; the
+    second with function_call / function_call_output history) stream to response.completed."""
+    from pathlib import Path
+
+    cap = json.loads((Path(__file__).parent / "data" / capture).read_text())
+    c = await make(Script(pieces=pieces('{"response": "Hi!"}', 5)), context_length=131072)  # a byte-level fake tokenizer
+    r = await c.post("/v1/responses", json=dict(cap["body"], model="m"))
+    text = (await r.read()).decode()
+    assert r.status == 200, text
+    types = [b.split("\n")[0][7:] for b in text.strip().split("\n\n")]
+    assert types[0] == "response.created" and types[-1] == "response.completed", types
+    sub = c.engine.submissions[-1]
+    assert sub.session_id == cap["body"]["prompt_cache_key"]

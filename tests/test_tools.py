@@ -678,7 +678,8 @@ def test_unbounded_numbers_get_a_bound_so_a_call_always_closes():
         "ms": {"type": "number"}, "n": {"type": ["integer", "null"], "minimum": 0},
         "default": {"type": "integer", "exclusiveMaximum": 10},
         "xs": {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "string"}]}},
-        "c": {"const": {"type": "number"}}}}
+        "c": {"const": {"type": "number"}},
+        "type": {"type": "string"}, "properties": {"type": "object", "properties": {"type": {"type": "integer"}}}}}
     out = bound_numbers(schema)
     p = out["properties"]
     assert p["ms"] == {"type": "number", "minimum": -B, "maximum": B}
@@ -686,3 +687,34 @@ def test_unbounded_numbers_get_a_bound_so_a_call_always_closes():
     assert p["default"] == {"type": "integer", "exclusiveMaximum": 10, "minimum": -B}
     assert p["xs"]["items"]["anyOf"][0] == {"type": "integer", "minimum": -B, "maximum": B}
     assert p["c"] == {"const": {"type": "number"}} and schema["properties"]["ms"] == {"type": "number"}
+    assert p["type"] == {"type": "string"} and p["properties"]["properties"]["type"]["maximum"] == B
+
+
+@pytest.mark.parametrize("capture", ["codex_request.json", "claude_code_request.json"])
+def test_the_agent_clis_tools_all_compile_to_call_grammars(capture, byte_tok):
+    """Every tool schema Codex and Claude Code send (captured from the real CLIs) becomes a
+    call grammar llguidance accepts, forced and auto (a schema we choke on is a 500 for every
+    turn of that client)."""
+    from pathlib import Path
+
+    from imp.tools import from_anthropic, from_openai
+
+    body = json.loads((Path(__file__).parent / "data" / capture).read_text())["body"]
+    if "input_schema" in json.dumps(body["tools"][:1]):
+        tools, _ = from_anthropic(body["tools"])
+    else:
+        tools, _ = from_openai([{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                                   if k in t}}
+                                for t in body["tools"] if t.get("type") == "function"])
+    assert len(tools) >= 4
+    for choice in (ToolChoice("required"), ToolChoice("auto")):
+        for shape in ("generic", "hermes"):
+            g = llg.grammar_from("lark", call_grammar(tools, choice, shape))
+            is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(g, byte_tok)
+            if choice.mode == "required" and capture.startswith("claude"):
+                # one of Claude Code's tools uses propertyNames, which llguidance cannot enforce: a
+                # forced call over them is a 400 naming it (never a quietly unchecked schema);
+                # Claude Code itself sends auto
+                assert is_error and "propertyNames" in str(msgs)
+            else:
+                assert not is_error, (choice.mode, shape, msgs)

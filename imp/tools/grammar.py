@@ -88,6 +88,7 @@ def close_objects(schema: Any) -> Any:
 # keyword bounds it) and is left to max_tokens.
 _SAFE_INT = 2**53 - 1
 _VALUES = ("enum", "const", "default", "examples")  # instances, not schemas: never rewritten
+_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def bound_numbers(schema: Any) -> Any:
@@ -96,12 +97,14 @@ def bound_numbers(schema: Any) -> Any:
         return [bound_numbers(v) for v in schema]
     if not isinstance(schema, dict):
         return schema
-    s = {k: (v if k in _VALUES else bound_numbers(v)) for k, v in schema.items()}
-    for k in ("properties", "patternProperties", "$defs", "definitions"):  # name -> schema maps
-        if isinstance(schema.get(k), dict):  # (a property may be called "default")
-            s[k] = {n: bound_numbers(v) for n, v in schema[k].items()}
+    s = {}
+    for k, v in schema.items():
+        if k in _MAPS and isinstance(v, dict):  # name -> schema (a property may be called "type")
+            s[k] = {n: bound_numbers(sub) for n, sub in v.items()}
+        else:
+            s[k] = v if k in _VALUES else bound_numbers(v)
     t = s.get("type")
-    types = set(t) if isinstance(t, list) else {t}
+    types = {x for x in t if isinstance(x, str)} if isinstance(t, list) else {t} if isinstance(t, str) else set()
     if types & {"integer", "number"}:
         if "minimum" not in s and "exclusiveMinimum" not in s:
             s["minimum"] = -_SAFE_INT

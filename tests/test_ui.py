@@ -320,7 +320,7 @@ def test_error_banners_from_the_real_server(server, open_page, tmp_path):
     banner = page.locator("#banner")
     expect(banner).to_be_visible(timeout=30_000)
     expect(banner).to_contain_text("400")
-    expect(banner).to_contain_text("context is 8192 tokens")
+    expect(banner).to_contain_text("8192 maximum")
     page.screenshot(path=str(tmp_path / "error-banner.png"))
     assert page.locator(".msg").count() == 0  # the failed turn is taken back ...
     assert page.input_value("#input") == long_prompt  # ... and its text handed back to edit

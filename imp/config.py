@@ -20,9 +20,12 @@ class ServerConfig:
     max_output_tokens: int | None = None  # server-wide cap on every request's output (llama-server's -n)
     max_queued_tokens: int = 0
     request_timeout_s: float = 0.0
+    shutdown_timeout_s: float = 30.0  # SIGTERM: how long admitted requests may run on
     chat_template: str | None = None
     models_dir: str | None = None  # GGUFs listed by /v1/models besides the loaded one
     api_key: str | None = None
+    api_key_file: str | None = None  # more keys, one per line (read once at boot)
+    rate_limit: int = 0  # requests per minute per key (per address without keys); 0 = none
     threads: int | None = None
     device: str = "cpu"  # "cpu" or "cuda[:N]": which executor runs the model
     pipeline_depth: int = 0  # steps in flight: 2 plans step N+1 while N runs; 0 = auto (2 on a GPU, 1 on CPU)
@@ -47,6 +50,8 @@ class ServerConfig:
             (self.max_output_tokens is None or self.max_output_tokens >= 1, "--max-output-tokens must be >= 1"),
             (self.max_queued_tokens >= 0, "--max-queued-tokens must be >= 0"),
             (self.request_timeout_s >= 0, "--request-timeout must be >= 0"),
+            (self.rate_limit >= 0, "--rate-limit must be >= 0 (requests per minute; 0 = off)"),
+            (self.shutdown_timeout_s >= 0, "--shutdown-timeout must be >= 0"),
             (self.device == "cpu" or self.device.startswith("cuda"), "--device must be cpu or cuda[:N]"),
             (self.pipeline_depth in (0, 1, 2), "--pipeline-depth must be 1 or 2 (0 = auto)"),
             (1 <= self.data_parallel <= 64, "--data-parallel must be 1..64"),
@@ -74,9 +79,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="cap every request's output at N tokens (a normal max_tokens / length stop)")
     p.add_argument("--max-queued-tokens", type=int, default=0, help="429 beyond this many queued prompt tokens")
     p.add_argument("--request-timeout", dest="request_timeout_s", type=float, default=0.0)
+    p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=d.shutdown_timeout_s,
+                   help="on SIGTERM, seconds the admitted requests may run on (new ones get 503 draining)")
     p.add_argument("--chat-template", default=None, help="jinja file overriding the model's template")
     p.add_argument("--models-dir", default=None, help="directory of GGUFs to list in /v1/models")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="require this key on every route but /health and /ready "
+                   "(Authorization: Bearer KEY or x-api-key: KEY)")
+    p.add_argument("--api-key-file", default=None, help="file of accepted keys, one per line ('#' comments)")
+    p.add_argument("--rate-limit", type=int, default=0,
+                   help="requests per minute per key (per client address without keys); past it 429 + Retry-After")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default=d.device, help="cpu (default) or cuda:N (GPU executor)")
     p.add_argument("--pipeline-depth", type=int, default=0,

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from imp.config import ServerConfig, replica_devices
 from imp.constrain.compile import GrammarCache
+from imp.actors.faults import FaultPlan
 from imp.actors.otlp import OtlpConfig
 from imp.constrain.vocab import from_tokenizer
 from imp.engine.local import LocalEngine
@@ -87,26 +88,42 @@ def load_engine(cfg: ServerConfig, store=None) -> tuple[LocalEngine, TextModel]:
     grammars = GrammarCache(from_tokenizer(tokenizer, int(runner.config.vocab_size)))
     _progress(f"grammar engine ready for {tokenizer.vocab_size} tokens in {time.monotonic() - t1:.1f}s")
     otlp = OtlpConfig.resolve(cfg.otlp_endpoint, cfg.log_requests, os.environ)  # the environment, read once
-    return LocalEngine(cfg, runners, tokenizer, name, str(path), grammars=grammars, store=store, otlp=otlp), text
+    faults = FaultPlan.parse(os.environ.get("IMP_FAULT_INJECT"))
+    if faults is not None:
+        _progress(f"fault injection armed: {faults.kind} fault at step {faults.at_step} (IMP_FAULT_INJECT)")
+    return (LocalEngine(cfg, runners, tokenizer, name, str(path), grammars=grammars, store=store, otlp=otlp,
+                        faults=faults), text)
 
 
-async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel) -> None:
-    app = create_app(engine, text, cfg, grammars=engine.grammars)
+async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel, api_keys: tuple[str, ...]) -> None:
+    app = create_app(engine, text, cfg, grammars=engine.grammars, api_keys=api_keys)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
     await site.start()
     _progress(f"serving on http://{cfg.host}:{cfg.port}")
-    stop = asyncio.Event()
+    signals = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, signals.put_nowait, sig)
         except NotImplementedError:  # pragma: no cover - non-unix
             pass
-    await stop.wait()
-    engine.drain()
-    _progress("shutting down")
+    sig = await signals.get()
+    # Drain: /ready answers 503 draining, new requests 503, admitted ones finish (a second
+    # signal stops waiting). Then the app's cleanup stops the actors: the event log and the
+    # Responses store are flushed and closed before the process exits 0.
+    _progress(f"{signal.Signals(sig).name}: draining (up to {cfg.shutdown_timeout_s:g}s) ...")
+    drain = asyncio.ensure_future(engine.drain(cfg.shutdown_timeout_s))
+    again = asyncio.ensure_future(signals.get())
+    await asyncio.wait((drain, again), return_when=asyncio.FIRST_COMPLETED)
+    again.cancel()
+    left = drain.result() if drain.done() else None
+    if not drain.done():
+        drain.cancel()
+    _progress("shutting down" + (f": the engine faulted ({engine.fault})" if engine.fault else
+                                 f": {left} requests still running are cut" if left else
+                                 ": second signal, requests still running are cut" if left is None else ""))
     await runner.cleanup()
 
 
@@ -118,15 +135,18 @@ def serve(cfg: ServerConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from imp.store.sqlite import StoreOpenError
 
+    from imp.http.access import load_api_keys
+
     try:
+        api_keys = load_api_keys(cfg.api_key, cfg.api_key_file)
         store = open_responses_store(cfg)
-    except StoreOpenError as exc:
+    except (StoreOpenError, ValueError) as exc:
         _progress(f"cannot start: {exc}")
         sys.exit(2)
     engine, text = load_engine(cfg, store)
     try:
         import uvloop
 
-        uvloop.run(_serve(cfg, engine, text))
+        uvloop.run(_serve(cfg, engine, text, api_keys))
     except ImportError:  # pragma: no cover
-        asyncio.run(_serve(cfg, engine, text))
+        asyncio.run(_serve(cfg, engine, text, api_keys))

@@ -178,8 +178,9 @@ class FakeEngine:
     def resume(self) -> None:
         self.suspended = False
 
-    def drain(self) -> None:
+    async def drain(self, timeout_s: float) -> int:
         self.draining = True
+        return 0
 
     def report(self, stats: RequestStats) -> None:
         self.reports.append(stats)

@@ -20,11 +20,11 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str, *args: str, log_path: Path | None = None):
+    def __init__(self, model: str, *args: str, log_path: Path | None = None, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "imp", "--model", str(model), "--port", str(self.port), *args]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.log_path = log_path
         self.out = open(log_path, "wb") if log_path else subprocess.DEVNULL
         # cwd = the checkout: Python 3.11's stdlib `imp` must not shadow ours

@@ -165,7 +165,7 @@ async def test_context_overflow_refusal_and_faults(make_client):
     events = await sse_events(r)
     assert json.loads(events[-1])["error"]["code"] == "engine_faulted" and "[DONE]" not in events
     r = await c.post("/v1/chat/completions", json={"model": "m", "messages": MSGS})  # the engine stays faulted
-    assert r.status == 503 and (await r.json())["error"]["code"] == "engine_faulted"
+    assert r.status == 500 and (await r.json())["error"]["code"] == "engine_faulted"
     h = await c.get("/health")
     assert h.status == 503 and (await h.json())["code"] == "engine_faulted"
     await c.close()

@@ -17,7 +17,8 @@ Two ways to run a step:
       meanwhile), and PENDING_TOKEN is read on the device from step N's
       samples without a round trip to the host.
 Results go back strictly in plan order; a launch that raises becomes a
-StepFailed in its turn. A sequence's SamplingParams come with its first share
+StepFailed in its turn, unless it is a device fault (`imp.actors.faults`): then the
+executor stops and reports a Fault, which ends every request. A sequence's SamplingParams come with its first share
 after each admission only; `attach_params` keeps them (until the plan that
 frees the sequence) and hands the runners complete SeqWorks.
 """
@@ -31,6 +32,7 @@ import time
 import msgspec
 
 from imp.actors.base import Actor, Bus
+from imp.actors.faults import FaultPlan, is_device_fault
 from imp.messages import Msg, SampledToken, SamplingParams, SeqWork, StepFailed, StepPlan, StepResult
 from imp.sampling.pending import resolve_pending
 
@@ -55,9 +57,10 @@ class ExecutorActor(Actor):
     name = "executor"
 
     def __init__(self, bus: Bus, runner, name: str = "executor", scheduler: str = "scheduler",
-                 constraints=None):
+                 constraints=None, faults: FaultPlan | None = None):
         """constraints: an imp.constrain.book.ConstraintBook (grammar masks for constrained
-        sequences), handed to the runner with every step; None = no grammar engine."""
+        sequences), handed to the runner with every step; None = no grammar engine.
+        faults: the boot-time fault-injection plan (tests), or None."""
         self.name = name
         super().__init__(bus)
         self.scheduler = scheduler  # its replica's scheduler (data parallel: "scheduler.i")
@@ -72,6 +75,8 @@ class ExecutorActor(Actor):
         self._last: dict[str, int] = {}  # sync path: what the previous step sampled
         self._params: dict[str, SamplingParams] = {}  # by sequence, from its first share
         self.steps = 0
+        self.faults = faults
+        self._planned = 0  # steps started (the injection hook counts these)
 
     def _run_step(self, seqs: list[SeqWork]) -> list[SampledToken]:
         import torch
@@ -101,6 +106,12 @@ class ExecutorActor(Actor):
             seqs, bad = attach_params(msg, self._params), None
         except KeyError as exc:  # a protocol bug: fail the step (in its turn), not the actor
             seqs, bad = [], RuntimeError(f"no sampling params for {exc}")
+        if self.faults is not None and seqs and bad is None:
+            self._planned += 1
+            try:
+                self.faults.check(self._planned)
+            except Exception as exc:  # noqa: BLE001 - injected: takes the path a real failure takes
+                bad = exc
         if self.pipelined:
             if self._collector is None:
                 self._landing = asyncio.Queue()
@@ -111,6 +122,8 @@ class ExecutorActor(Actor):
                 handle = await loop.run_in_executor(self._pool, self._launch, seqs) if seqs else None
                 self._landing.put_nowait((msg.step, t0, handle, None))
             except Exception as exc:  # noqa: BLE001 - a failed step ends its requests, not the server
+                if is_device_fault(exc):
+                    raise  # the context is poisoned: the actor fails, ingress ends every request
                 self._landing.put_nowait((msg.step, t0, None, exc))
             return
         try:
@@ -118,6 +131,8 @@ class ExecutorActor(Actor):
                 raise bad
             tokens = await loop.run_in_executor(self._pool, self._run_step, seqs) if seqs else []
         except Exception as exc:  # noqa: BLE001 - a failed step ends its requests, not the server
+            if is_device_fault(exc):
+                raise  # the context is poisoned: the actor fails, ingress ends every request
             self._last = {}
             self.send(self.scheduler, StepFailed(msg.step, f"{type(exc).__name__}: {exc}", time.monotonic_ns()))
             return
@@ -136,6 +151,9 @@ class ExecutorActor(Actor):
                 except Exception as e:  # noqa: BLE001
                     exc = e
             now = time.monotonic_ns()
+            if exc is not None and is_device_fault(exc):
+                await self.on_failure(exc)  # as if the actor's own task had raised
+                return
             if exc is not None:
                 self.send(self.scheduler, StepFailed(step, f"{type(exc).__name__}: {exc}", now))
                 continue

@@ -110,10 +110,11 @@ class IngressActor(Actor):
         """Unpin a session's prompt now (else it expires after the session TTL)."""
         self.send("admission", SessionClose(session_id))
 
-    def suspend(self) -> None:
-        """Close admission (new requests get 503 `suspended`); running ones finish."""
-        self.suspended = True
-        self.send("admission", Suspend())
+    def suspend(self, reason: str = "operator") -> None:
+        """Close admission (new requests get 503 `suspended`, or `draining` on shutdown);
+        running ones finish."""
+        self.suspended = reason != "draining"
+        self.send("admission", Suspend(reason))
 
     def resume(self) -> None:
         self.suspended = False

@@ -106,6 +106,8 @@ class AdmissionCore:
         if n_prompt + 1 > c.max_context:
             return reject(400, "context_length_exceeded",
                           f"prompt of {n_prompt} tokens exceeds the model context of {c.max_context} tokens")
+        if self.suspended == "draining":  # SIGTERM: in-flight requests finish, nothing new starts
+            return reject(503, "draining", "the server is shutting down; retry on another replica")
         if self.suspended:
             return reject(503, "suspended", "the server is suspended; POST /admin/resume admits requests again")
         if c.max_queued_tokens and self.queued_tokens and self.queued_tokens + n_prompt > c.max_queued_tokens:

@@ -51,13 +51,14 @@ class LocalEngine:
     """EnginePort over actors on this event loop. `runners`: one per replica (same file)."""
 
     def __init__(self, cfg: ServerConfig, runners: list, detok_tokenizer, name: str, path: str = "",
-                 grammars=None, store=None, otlp=None):
+                 grammars=None, store=None, otlp=None, faults=None):
         """grammars: the imp.constrain GrammarCache shared with HTTP (which compiles a request's
         grammar at admission, under its deadline); each executor keeps its sequences' matchers."""
         self.cfg = cfg
         self.grammars = grammars
         self.store_db = store  # an opened imp.store StoreDB, or None (no Responses store)
         self.otlp_cfg = otlp  # imp.actors.otlp.OtlpConfig (resolved at boot), or None
+        self.faults = faults  # imp.actors.faults.FaultPlan from IMP_FAULT_INJECT (tests), or None
         self.runners = list(runners)
         self.tokenizer = detok_tokenizer  # the detok actor renders text with it
         r = self.runners[0]
@@ -99,7 +100,8 @@ class LocalEngine:
             self.ingress,
             *(CoreActor(bus, c) for c in cores),
             *(ExecutorActor(bus, run, name=replica_name("executor", i, n), scheduler=replica_name("scheduler", i, n),
-                            constraints=ConstraintBook(self.grammars) if self.grammars is not None else None)
+                            constraints=ConstraintBook(self.grammars) if self.grammars is not None else None,
+                            faults=self.faults)
               for i, run in enumerate(self.runners)),
             DetokActor(bus, self.tokenizer),
             self.metrics,
@@ -164,10 +166,18 @@ class LocalEngine:
         return SuspendResult(suspended=True, drained=left == 0, in_flight=left, kv_released=False)
 
     def resume(self) -> None:
-        self.ingress.resume()
+        if not self.draining:  # a shutdown is not undone by an admin call
+            self.ingress.resume()
 
-    def drain(self) -> None:
+    async def drain(self, timeout_s: float) -> int:
+        """Shutdown (SIGTERM): admission closes with 503 `draining`, /ready says so, and the
+        admitted requests run to their end for up to timeout_s. Returns how many were left."""
         self.draining = True
+        self.ingress.suspend("draining")
+        deadline = time.monotonic() + timeout_s
+        while self._in_flight() and time.monotonic() < deadline and not self.fault:
+            await asyncio.sleep(0.05)
+        return self._in_flight()
 
     def report(self, stats: RequestStats) -> None:
         self.ingress.stats(stats)

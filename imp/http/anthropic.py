@@ -263,6 +263,7 @@ def parse(body: dict, template_source: str = "", *, count_only: bool = False) ->
     """A Messages body -> the typed request. A trailing assistant turn with text is a prefill.
     count_only: /v1/messages/count_tokens, whose body has no max_tokens."""
     model = B.model_name(body)
+    B.refuse_request_template(body)
     msgs = _messages(body)
     metadata = body.get("metadata")
     if metadata is not None:

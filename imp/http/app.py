@@ -8,14 +8,16 @@ every response echoes X-Request-Id. Dependencies are injected here
 
 from __future__ import annotations
 
-import hmac
+import hashlib
 import logging
 import re
+import time
 import uuid
 
 from aiohttp import web
 
 from imp.http import keys
+from imp.http.access import RateLimiter, key_matches, presented_key, retry_after
 from imp.http.control import LiveRequests
 from imp.http.errors import ApiError, error_response
 from imp.http.routes import ROUTES
@@ -69,26 +71,41 @@ async def context_mw(request: web.Request, handler):
     return resp
 
 
-def auth_mw(api_key: str | None):
+def access_mw(api_keys: tuple[str, ...], rate_limit: int):
+    """API keys on every route but the probes, then the per-caller rate limit (imp.http.access)."""
+    limiter = RateLimiter(rate_limit) if rate_limit else None
+
     @web.middleware
     async def mw(request: web.Request, handler):
-        if api_key and not _open_path(request):
-            got = request.headers.get("x-api-key") or ""
-            auth = request.headers.get("Authorization", "")
-            if auth.lower().startswith("bearer "):
-                got = auth[7:].strip()
-            if not hmac.compare_digest(got.encode(), api_key.encode()):
-                raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
+        if _open_path(request):
+            return await handler(request)
+        caller = request.remote or "?"
+        if api_keys:
+            key = key_matches(presented_key(request.headers), api_keys)
+            if key is None:
+                raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY or x-api-key: KEY)",
+                               code="invalid_api_key")
+            caller = "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
+        if limiter is not None:
+            wait = limiter.take(caller, time.monotonic())
+            if wait:
+                raise ApiError(429, f"rate limit of {rate_limit} requests per minute reached; retry in {wait:.1f}s",
+                               code="rate_limit_exceeded", headers={"Retry-After": retry_after(wait)})
         return await handler(request)
 
     return mw
 
 
-def create_app(port, text, config, grammars=None) -> web.Application:
+def create_app(port, text, config, grammars=None, api_keys: tuple[str, ...] | None = None) -> web.Application:
     """port: an imp.engine.port.EnginePort (started and stopped with the app);
     text: the imp.text.model.TextModel; config: the frozen imp.config.ServerConfig;
-    grammars: the imp.constrain.compile.GrammarCache (None: constraints are refused)."""
-    app = web.Application(middlewares=[context_mw, auth_mw(config.api_key)], client_max_size=BODY_LIMIT)
+    grammars: the imp.constrain.compile.GrammarCache (None: constraints are refused);
+    api_keys: every accepted key (read at boot from --api-key and --api-key-file; None:
+    just config.api_key)."""
+    if api_keys is None:
+        api_keys = (config.api_key,) if config.api_key else ()
+    app = web.Application(middlewares=[context_mw, access_mw(api_keys, config.rate_limit)],
+                          client_max_size=BODY_LIMIT)
     app[keys.PORT] = port
     app[keys.TEXT] = text
     app[keys.CONFIG] = config

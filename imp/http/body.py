@@ -109,6 +109,16 @@ def model_name(body: dict) -> str:
     return v
 
 
+def refuse_request_template(body: dict) -> None:
+    """A chat template sent in a request (vLLM's `chat_template`, llama.cpp's `template`) is
+    Jinja run on the server: refused on every dialect. The template is the model's, or
+    --chat-template, fixed at boot; `chat_template_kwargs` may still set its variables."""
+    for name in ("chat_template", "template"):
+        if body.get(name) is not None:
+            raise bad(f"'{name}': request-supplied chat templates are refused; the server's template is "
+                      "fixed at boot (--chat-template)", name, "unsupported_parameter")
+
+
 def stop_list(body: dict, name: str = "stop") -> tuple[str, ...]:
     v = body.get(name)
     if v is None:

@@ -124,6 +124,7 @@ def tools_of(body: dict, template_source: str, messages=()):
 
 def parse(body: dict, vocab_size: int, template_source: str = "") -> GenerateRequest:
     """A chat-completions body -> the typed request (every field checked here, once)."""
+    B.refuse_request_template(body)
     model = B.model_name(body)
     for k, why in _REFUSED.items():
         if body.get(k) is not None:

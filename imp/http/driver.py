@@ -86,7 +86,8 @@ async def generate(port: EnginePort, req_id: str, prompt: list[int], params: Sam
     after one had started the response is still an ApiError, which `stream_failed` renders as
     the dialect's error event."""
     if port.fault:
-        raise ApiError(503, f"engine unavailable: {port.fault}", code="engine_faulted")
+        # the reference: every request after a device fault is a 500 engine_faulted, never queued
+        raise ApiError(500, f"engine fault: {port.fault}", code="engine_faulted")
     stream = port.submit(Submission(
         req_id=req_id, prompt=tuple(prompt), params=params, n=req.n, priority=req.priority, stop=req.stop,
         salt=salt, cache_prompt=req.cache_prompt, session_id=req.session_id,

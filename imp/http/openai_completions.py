@@ -56,6 +56,7 @@ def prompt_field(raw) -> tuple[tuple[int, ...] | None, str | None]:
 
 def parse(body: dict, vocab_size: int) -> GenerateRequest:
     model = B.model_name(body)
+    B.refuse_request_template(body)
     ids, text = prompt_field(body.get("prompt"))
     suffix = B.string(body, "suffix")
     echo = B.boolean(body, "echo")

@@ -284,6 +284,7 @@ def _refuse_unsupported(body: dict) -> None:
 def parse(body: dict, vocab_size: int, template_source: str = "",
           history: list[Message] | None = None) -> tuple[GenerateRequest, ResponsesExtras]:
     """history: the previous_response_id chain's conversation (the store's), prepended."""
+    B.refuse_request_template(body)
     _refuse_unsupported(body)
     model = B.model_name(body)
     ex = ResponsesExtras()

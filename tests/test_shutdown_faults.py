@@ -1,0 +1,145 @@
+"""Shutdown and faults through the real server (issue 13 §6).
+
+SIGTERM under load: /ready says draining, new requests get 503 draining, every admitted
+stream runs to its end, the process exits 0 and its event log replays. Fault injection
+(IMP_FAULT_INJECT, read once at boot): a host-side step failure ends the requests of that
+step with engine_step_failed and the engine serves on; a device fault ends every in-flight
+request with engine_faulted, /health and /ready turn 503 engine_faulted, later requests are
+500 engine_faulted at once, and nothing hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.serverproc import ROOT, ServerProcess
+
+pytestmark = pytest.mark.slow
+
+
+def call(url: str, path: str, body: dict | None = None, timeout: float = 120) -> tuple[int, dict]:
+    req = urllib.request.Request(url + path, json.dumps(body).encode() if body is not None else None,
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def stream(url: str, body: dict, out: dict, first: threading.Event, timeout: float = 120) -> None:
+    """One streaming chat request; out gets its status, events and whether it saw [DONE]."""
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    events, done = [], False
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            out["status"] = r.status
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                events.append(json.loads(line[6:]))
+                first.set()
+    except urllib.error.HTTPError as e:
+        out["status"] = e.code
+        events.append(json.loads(e.read()))
+    except Exception as e:  # noqa: BLE001 - the test reads what happened
+        out["exc"] = repr(e)
+    first.set()
+    out["events"], out["done"] = events, done
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Count from one to one hundred."}],
+        "temperature": 0, "max_tokens": 48, "ignore_eos": True}
+
+
+def test_sigterm_under_load_finishes_every_admitted_stream_and_exits_0(smollm2_path, tmp_path):
+    log = tmp_path / "events.log"
+    srv = ServerProcess(smollm2_path, "--kv-cache-tokens", "4096", "--event-log", str(log), "--shutdown-timeout",
+                        "60", log_path=tmp_path / "server.out")
+    with srv:
+        outs = [{} for _ in range(4)]
+        firsts = [threading.Event() for _ in outs]
+        threads = [threading.Thread(target=stream, args=(srv.url, CHAT, o, f)) for o, f in zip(outs, firsts)]
+        for t in threads:
+            t.start()
+        for f in firsts:
+            assert f.wait(120)
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        st, ready = call(srv.url, "/ready")
+        assert st == 503 and ready["code"] == "draining", ready
+        st, health = call(srv.url, "/health")
+        assert st == 200, health  # liveness: an orchestrator must not restart a draining server
+        st, err = call(srv.url, "/v1/chat/completions", {**CHAT, "max_tokens": 2})
+        assert st == 503 and err["error"]["code"] == "draining", err
+        for t in threads:
+            t.join(120)
+        assert srv.proc.wait(60) == 0, srv.tail()
+    for o in outs:
+        assert o.get("status") == 200 and o["done"], o
+        assert o["events"][-1]["choices"][0]["finish_reason"] == "length" or o["events"][-1].get("usage")
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in o["events"] if e.get("choices"))
+        assert text, o
+    assert "draining" in srv.tail()
+    # the log was closed cleanly: it replays to the same decisions
+    rep = subprocess.run([sys.executable, "-m", "imp", "replay", str(log)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert rep.returncode == 0, rep.stdout[-2000:] + rep.stderr[-2000:]
+
+
+def test_a_host_step_failure_ends_its_requests_and_the_engine_serves_on(smollm2_path, tmp_path):
+    with ServerProcess(smollm2_path, "--kv-cache-tokens", "2048", log_path=tmp_path / "server.out",
+                       env={"IMP_FAULT_INJECT": "step@3"}) as srv:
+        st, err = call(srv.url, "/v1/chat/completions", {**CHAT, "max_tokens": 8})
+        assert st == 500 and err["error"]["code"] == "engine_step_failed", err
+        assert "injected step failure" in err["error"]["message"]
+        st, ok = call(srv.url, "/v1/chat/completions", {**CHAT, "max_tokens": 4})
+        assert st == 200 and ok["usage"]["completion_tokens"] == 4, ok
+        assert call(srv.url, "/health")[0] == 200 and call(srv.url, "/ready")[0] == 200
+        st, metrics = 0, urllib.request.urlopen(srv.url + "/metrics", timeout=10).read().decode()
+        kv = [ln for ln in metrics.splitlines() if ln.startswith("imp_kv_blocks_used ")]
+        assert kv and float(kv[0].split()[1]) == 0, kv  # the failed request's blocks came back
+        assert "fault injection armed: step fault at step 3" in srv.tail()
+
+
+def test_a_device_fault_ends_every_request_and_later_ones_fail_fast(smollm2_path, tmp_path):
+    with ServerProcess(smollm2_path, "--kv-cache-tokens", "4096", log_path=tmp_path / "server.out",
+                       env={"IMP_FAULT_INJECT": "device@6"}) as srv:
+        outs = [{} for _ in range(3)]
+        firsts = [threading.Event() for _ in outs]
+        threads = [threading.Thread(target=stream, args=(srv.url, CHAT, o, f, 60)) for o, f in zip(outs, firsts)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+            assert not t.is_alive(), "a stream hung after the device fault"
+        for o in outs:
+            assert not o["done"], o  # no [DONE]: the stream ends in an error event
+            last = o["events"][-1]
+            assert last.get("error", {}).get("code") == "engine_faulted", o
+        t0 = time.monotonic()
+        st, err = call(srv.url, "/v1/chat/completions", {**CHAT, "max_tokens": 2}, timeout=10)
+        assert st == 500 and err["error"]["code"] == "engine_faulted" and time.monotonic() - t0 < 2, err
+        st, err = call(srv.url, "/v1/messages", {"model": "m", "max_tokens": 2,
+                                                 "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+        assert st == 500 and err["type"] == "error" and err["error"]["type"] == "api_error", err
+        st, h = call(srv.url, "/health")
+        assert st == 503 and h["code"] == "engine_faulted", h
+        st, r = call(srv.url, "/ready")
+        assert st == 503 and r["code"] == "engine_faulted", r
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(30) == 0, srv.tail()

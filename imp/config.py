@@ -20,6 +20,7 @@ class ServerConfig:
     max_output_tokens: int | None = None  # server-wide cap on every request's output (llama-server's -n)
     max_queued_tokens: int = 0
     request_timeout_s: float = 0.0
+    idle_unload_s: float = 0.0  # release the model after this many idle seconds (0 = never)
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long admitted requests may run on
     chat_template: str | None = None
     models_dir: str | None = None  # GGUFs listed by /v1/models besides the loaded one
@@ -51,6 +52,7 @@ class ServerConfig:
             (self.max_queued_tokens >= 0, "--max-queued-tokens must be >= 0"),
             (self.request_timeout_s >= 0, "--request-timeout must be >= 0"),
             (self.rate_limit >= 0, "--rate-limit must be >= 0 (requests per minute; 0 = off)"),
+            (self.idle_unload_s >= 0, "--idle-unload-seconds must be >= 0 (0 = off)"),
             (self.shutdown_timeout_s >= 0, "--shutdown-timeout must be >= 0"),
             (self.device == "cpu" or self.device.startswith("cuda"), "--device must be cpu or cuda[:N]"),
             (self.pipeline_depth in (0, 1, 2), "--pipeline-depth must be 1 or 2 (0 = auto)"),
@@ -79,6 +81,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="cap every request's output at N tokens (a normal max_tokens / length stop)")
     p.add_argument("--max-queued-tokens", type=int, default=0, help="429 beyond this many queued prompt tokens")
     p.add_argument("--request-timeout", dest="request_timeout_s", type=float, default=0.0)
+    p.add_argument("--idle-unload-seconds", dest="idle_unload_s", type=float, default=0.0,
+                   help="release the weights and KV pool after N s without a request; the next one reloads "
+                        "them inside itself (0 = off)")
     p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=d.shutdown_timeout_s,
                    help="on SIGTERM, seconds the admitted requests may run on (new ones get 503 draining)")
     p.add_argument("--chat-template", default=None, help="jinja file overriding the model's template")

@@ -527,6 +527,41 @@ class Fault(Msg):
 
 
 # --------------------------------------------------------------------------
+# memory: suspend frees the weights and the KV pool (POST /admin/suspend, --idle-unload-seconds)
+
+
+class Unload(Msg):
+    """ingress -> executor: release the weights and the KV pool (nothing is running: the
+    caller drained first). The next StepPlan, or a Reload, loads them again."""
+
+    reason: str = "operator"  # "operator" (POST /admin/suspend) or "idle"
+
+
+class Reload(Msg):
+    """ingress -> executor: load the weights and the KV pool again now (POST /admin/resume)."""
+
+
+class MemoryState(Msg):
+    """executor -> ingress: after an Unload or a (re)load. Resident bytes of the process and,
+    on a GPU, the card's free bytes, read before and after (0 when not measured)."""
+
+    actor: str
+    loaded: bool
+    reason: str
+    seconds: float
+    rss_before: int = 0
+    rss_after: int = 0
+    device_free_before: int = 0
+    device_free_after: int = 0
+    error: str = ""
+
+
+class KvForget(Msg):
+    """ingress -> kv: the pool's contents are gone (unloaded): drop the prefix cache and the
+    pins. Sent only while no sequence is live."""
+
+
+# --------------------------------------------------------------------------
 # the Responses store (imp/store): ingress asks, the store actor answers. Every request
 # names `reply_to` and a `req_id` the requester picked; the store answers exactly one
 # StoreReply with that req_id (reply_to "" = no reply). Time arrives as now_s (the
@@ -688,6 +723,10 @@ Message = Union[
     RequestStats,
     StepStats,
     Fault,
+    Unload,
+    Reload,
+    MemoryState,
+    KvForget,
     StorePut,
     StoreGet,
     StoreGetChain,

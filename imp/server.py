@@ -42,6 +42,30 @@ def open_responses_store(cfg: ServerConfig):
                                   cfg.responses_store_max_age_s), now_s=time.time())
 
 
+def warm_up_prefill(runner, tokens: int = 128) -> float | None:
+    """A short prefill at boot (before anything is admitted, into blocks the allocator has
+    not handed out yet, sequence forgotten after): its rate is what /v1/estimate's
+    est_ttft_s uses until real prefills are measured. Also warms the kernels."""
+    import torch
+
+    from imp.messages import SamplingParams, SeqWork
+
+    n = min(tokens, runner.num_blocks * runner.block_size - 1, int(runner.config.context_length) - 1)
+    if n < 16:
+        return None
+    table = tuple(range((n + runner.block_size - 1) // runner.block_size))
+    work = [SeqWork("warm-up", tuple(range(1, n + 1)), 0, table, True, SamplingParams(max_tokens=1, temperature=0.0))]
+    rate = None
+    with torch.inference_mode():
+        for _ in range(2):  # the first may still compile
+            t0 = time.perf_counter()
+            runner.step(work)
+            rate = n / (time.perf_counter() - t0)
+    if hasattr(runner, "forget"):
+        runner.forget(("warm-up",))
+    return rate
+
+
 def load_engine(cfg: ServerConfig, store=None) -> tuple[LocalEngine, TextModel]:
     """Everything that reads the disk or the environment happens here, once."""
     import torch
@@ -56,18 +80,19 @@ def load_engine(cfg: ServerConfig, store=None) -> tuple[LocalEngine, TextModel]:
     path = Path(resolve_model(cfg.model))
     t0 = time.monotonic()
     _progress(f"loading {path.name} ...")
-    runners = []
-    for device in replica_devices(cfg):  # data parallel: one full model copy per device
+
+    def loader(device: str):
+        """The load call for one replica; suspend calls it again to reload what it released."""
         if device.startswith("cuda"):
             from imp.gpu.runner import GpuModelRunner
 
-            runners.append(GpuModelRunner.load(
-                str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens, device=device,
-                max_graph_batch=cfg.max_batch_size,
-            ))
-        else:
-            runners.append(ModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens,
-                                            num_threads=cfg.threads))
+            return lambda: GpuModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens,
+                                               device=device, max_graph_batch=cfg.max_batch_size)
+        return lambda: ModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens,
+                                        num_threads=cfg.threads)
+
+    loaders = [loader(device) for device in replica_devices(cfg)]  # data parallel: one model copy each
+    runners = [load() for load in loaders]
     runner = runners[0]
     template = ChatTemplate.from_metadata(runner.metadata, override_path=cfg.chat_template)
     if path.is_dir():  # HF directory: tokenizer.json; BOS/EOS texts for the template from it
@@ -84,6 +109,9 @@ def load_engine(cfg: ServerConfig, store=None) -> tuple[LocalEngine, TextModel]:
         + (f" on each of {len(runners)} replicas ({', '.join(replica_devices(cfg))})" if len(runners) > 1 else "")
     )
     text = TextModel.build(tokenizer, template, runner.metadata)
+    boot_rate = warm_up_prefill(runner)
+    if boot_rate:
+        _progress(f"warm-up prefill: {boot_rate:.0f} tokens/s (est_ttft_s uses it until requests are measured)")
     t1 = time.monotonic()
     grammars = GrammarCache(from_tokenizer(tokenizer, int(runner.config.vocab_size)))
     _progress(f"grammar engine ready for {tokenizer.vocab_size} tokens in {time.monotonic() - t1:.1f}s")
@@ -92,7 +120,7 @@ def load_engine(cfg: ServerConfig, store=None) -> tuple[LocalEngine, TextModel]:
     if faults is not None:
         _progress(f"fault injection armed: {faults.kind} fault at step {faults.at_step} (IMP_FAULT_INJECT)")
     return (LocalEngine(cfg, runners, tokenizer, name, str(path), grammars=grammars, store=store, otlp=otlp,
-                        faults=faults), text)
+                        faults=faults, loaders=loaders, boot_prefill_tok_s=boot_rate), text)
 
 
 async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel, api_keys: tuple[str, ...]) -> None:

@@ -175,8 +175,11 @@ class FakeEngine:
         self.suspended = True
         return SuspendResult(suspended=True, drained=not self.live, in_flight=len(self.live), kv_released=False)
 
-    def resume(self) -> None:
+    async def resume(self):
+        from imp.engine.port import ResumeResult
+
         self.suspended = False
+        return ResumeResult(suspended=False, reloaded=False)
 
     async def drain(self, timeout_s: float) -> int:
         self.draining = True

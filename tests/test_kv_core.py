@@ -224,3 +224,19 @@ def test_pins_never_exceed_half_the_pool():
         run(kv, alloc(f"a{i}", p))
         run(kv, free(f"a{i}", p), pin(f"prompt:{i}", p))
     assert kv.figures().pinned <= 4 and list(kv.pins) == ["prompt:2", "prompt:3"]  # oldest dropped
+
+
+def test_forget_drops_the_cache_and_the_pins_after_a_suspend():
+    from imp.messages import KvForget
+
+    kv = KvCore(KvConfig(8, BS, "m"))
+    prompt = list(range(8))
+    run(kv, alloc("a", prompt), KvOp("pin", "session", token_ids=tuple(prompt)))
+    run(kv, free("a", prompt), KvOp("pin", "session", token_ids=tuple(prompt)))
+    assert run(kv, alloc("b", prompt)).results[0].cached_tokens == 4  # warm before
+    run(kv, free("b"))
+    assert kv.handle("ingress", KvForget()) == []
+    kv.audit()
+    f = kv.figures()
+    assert (f.free, f.cached, f.pinned) == (8, 0, 0)
+    assert run(kv, alloc("c", prompt)).results[0].cached_tokens == 0  # the released pool promises nothing

@@ -18,7 +18,12 @@ Two ways to run a step:
       samples without a round trip to the host.
 Results go back strictly in plan order; a launch that raises becomes a
 StepFailed in its turn, unless it is a device fault (`imp.actors.faults`): then the
-executor stops and reports a Fault, which ends every request. A sequence's SamplingParams come with its first share
+executor stops and reports a Fault, which ends every request.
+
+Suspend: an `Unload` drops the runner (its weights and KV pool) and hands the memory
+back; the next StepPlan, or a `Reload`, builds it again with `loader` (the boot's own
+load call), so an idle-unloaded server resumes inside the request that wakes it. Each
+answers ingress with a `MemoryState` carrying the bytes it measured. A sequence's SamplingParams come with its first share
 after each admission only; `attach_params` keeps them (until the plan that
 frees the sequence) and hands the runners complete SeqWorks.
 """
@@ -33,7 +38,9 @@ import msgspec
 
 from imp.actors.base import Actor, Bus
 from imp.actors.faults import FaultPlan, is_device_fault
-from imp.messages import Msg, SampledToken, SamplingParams, SeqWork, StepFailed, StepPlan, StepResult
+from imp.actors import memory
+from imp.messages import (MemoryState, Msg, Reload, SampledToken, SamplingParams, SeqWork, StepFailed, StepPlan,
+                          StepResult, Unload)
 from imp.sampling.pending import resolve_pending
 
 
@@ -57,14 +64,19 @@ class ExecutorActor(Actor):
     name = "executor"
 
     def __init__(self, bus: Bus, runner, name: str = "executor", scheduler: str = "scheduler",
-                 constraints=None, faults: FaultPlan | None = None):
+                 constraints=None, faults: FaultPlan | None = None, loader=None):
         """constraints: an imp.constrain.book.ConstraintBook (grammar masks for constrained
         sequences), handed to the runner with every step; None = no grammar engine.
-        faults: the boot-time fault-injection plan (tests), or None."""
+        faults: the boot-time fault-injection plan (tests), or None.
+        loader: () -> a runner like `runner`, for loading it again after an Unload (None: this
+        executor cannot unload; an Unload is answered with an error)."""
         self.name = name
         super().__init__(bus)
         self.scheduler = scheduler  # its replica's scheduler (data parallel: "scheduler.i")
         self.runner = runner
+        self.loader = loader
+        self.device = getattr(runner, "device", None)
+        self.fingerprint = getattr(runner, "fingerprint", "")
         self.book = constraints
         self.pipelined = hasattr(runner, "launch") and hasattr(runner, "collect")
         # one launch thread: torch's per-thread state (threads, grad mode, device) stays put
@@ -94,8 +106,16 @@ class ExecutorActor(Actor):
             return self.runner.launch(seqs, constraints=self.book)
 
     async def on_message(self, sender: str, msg: Msg) -> None:
+        if isinstance(msg, Unload):
+            await self._unload(msg.reason)
+            return
+        if isinstance(msg, Reload):
+            await self._load("resume")
+            return
         if not isinstance(msg, StepPlan):
             return
+        if self.runner is None:
+            await self._load("request")  # idle-unloaded: the request that woke it waits for this
         if msg.freed and hasattr(self.runner, "forget"):
             self.runner.forget(msg.freed)
         if msg.freed and self.book is not None:
@@ -139,6 +159,44 @@ class ExecutorActor(Actor):
         now = time.monotonic_ns()
         self.steps += 1
         self.send(self.scheduler, StepResult(msg.step, tuple(tokens), now, now - t0))
+
+    def _measure(self) -> tuple[int, int]:
+        return memory.rss_bytes(), memory.device_free_bytes(self.device)
+
+    async def _unload(self, reason: str) -> None:
+        if self.runner is None:
+            return
+        if self.loader is None:
+            self.send("ingress", MemoryState(self.name, True, reason, 0.0, error="this runner cannot be unloaded"))
+            return
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        rss0, dev0 = await loop.run_in_executor(self._pool, self._measure)
+        self.runner, self._last = None, {}
+        if self.book is not None:
+            self.book.forget(list(self._params))
+        self._params.clear()
+        await loop.run_in_executor(self._pool, memory.release, self.device)
+        rss1, dev1 = await loop.run_in_executor(self._pool, self._measure)
+        state = MemoryState(self.name, False, reason, time.monotonic() - t0, rss0, rss1, dev0, dev1)
+        self.send("metrics", state)
+        self.send("ingress", state)
+
+    async def _load(self, reason: str) -> None:
+        """Build the runner again (a failure is a fault: the actor stops, requests end)."""
+        if self.runner is not None:
+            return
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        rss0, dev0 = await loop.run_in_executor(self._pool, self._measure)
+        runner = await loop.run_in_executor(self._pool, self.loader)
+        if runner.fingerprint != self.fingerprint:
+            raise RuntimeError(f"the model file changed while suspended ({self.fingerprint} -> {runner.fingerprint})")
+        self.runner = runner
+        rss1, dev1 = await loop.run_in_executor(self._pool, self._measure)
+        state = MemoryState(self.name, True, reason, time.monotonic() - t0, rss0, rss1, dev0, dev1)
+        self.send("metrics", state)
+        self.send("ingress", state)
 
     async def _collect_loop(self) -> None:
         loop = asyncio.get_running_loop()

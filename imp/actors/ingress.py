@@ -20,6 +20,7 @@ from imp.messages import (
     DetokClose,
     DetokOpen,
     EndThinking,
+    MemoryState,
     Fault,
     FinishReason,
     Msg,
@@ -65,6 +66,8 @@ class IngressActor(Actor):
         self.suspended = False  # POST /admin/suspend; admission refuses while set
         self.rejections = 0  # Rejects of admission/scheduler, any status
         self.last_reject_reason: str | None = None
+        self.memory: dict = {}  # executor -> its latest MemoryState (suspend / reload)
+        self.memory_changed = asyncio.Event()
 
     def submit(
         self,
@@ -170,6 +173,9 @@ class IngressActor(Actor):
             if h is not None:
                 h.finished.update(range(h.n))
                 h.queue.put_nowait(msg)
+        elif isinstance(msg, MemoryState):
+            self.memory[msg.actor] = msg
+            self.memory_changed.set()
         elif isinstance(msg, StoreReply):
             if self.store is not None:
                 self.store.deliver(msg)

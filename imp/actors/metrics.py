@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from imp.actors.base import Actor, Bus
 from imp.actors.request_log import timeline
-from imp.messages import Fault, Figures, KvFigures, Msg, QueueFigures, RequestStats, StepStats
+from imp.messages import Fault, Figures, KvFigures, MemoryState, Msg, QueueFigures, RequestStats, StepStats
 
 # the generation routes (a series per route, at zero before traffic); embeddings / rerank
 # join when those routes exist
@@ -145,6 +145,7 @@ class MetricsActor(Actor):
         c = lambda n, d, *l: Counter(n, d, l, registry=r)  # noqa: E731 (exposed as n + "_total")
         h = lambda n, d, *l: Histogram(n, d, l, buckets=_LAT, registry=r)  # noqa: E731
         self.g_model = g("imp_model_loaded", "1 while the model is loaded", "model")
+        self.model_name = model_name
         self.g_model.labels(model_name).set(1)
         self.g_kv = {k: g(f"imp_kv_blocks_{k}", f"KV blocks {k}") for k in ("total", "free", "used", "cached", "pinned")}
         self.g_kv["reserved"] = g("imp_kv_blocks_reserved", "KV blocks admission promised to running requests for "
@@ -268,6 +269,8 @@ class MetricsActor(Actor):
         elif isinstance(msg, Fault):
             self.faults.append(msg.error)
             self.c_faults.inc()
+        elif isinstance(msg, MemoryState) and not msg.error:  # suspend released / reloaded the model
+            self.g_model.labels(self.model_name).set(1 if msg.loaded else 0)
 
     def replica_kv(self) -> list[KvFigures]:
         """Each scheduler replica's latest KV figures (one entry without data parallel)."""

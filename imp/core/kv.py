@@ -37,7 +37,7 @@ import struct
 import msgspec
 
 from imp.core.core import CoreError, Out
-from imp.messages import KvFigures, KvOp, KvReply, KvRequest, KvResult, Msg
+from imp.messages import KvFigures, KvForget, KvOp, KvReply, KvRequest, KvResult, Msg
 
 
 class KvConfig(msgspec.Struct, frozen=True):
@@ -82,6 +82,9 @@ class KvCore:
     # ------------------------------------------------------------------ core
 
     def handle(self, sender: str, msg: Msg) -> Out:
+        if isinstance(msg, KvForget):
+            self._forget()
+            return []
         if not isinstance(msg, KvRequest):
             raise CoreError(f"kv cannot handle {type(msg).__name__}")
         self._dry = False
@@ -209,6 +212,19 @@ class KvCore:
             self._hold(b)
         if blocks:
             self.pins[op.seq_id] = blocks
+
+    def _forget(self) -> None:
+        """The pool was released (suspend): no cached block holds its KV any more. Sent after a
+        drain; a sequence still live here (its free not yet applied) keeps its table, but none
+        of its blocks stays a cache entry."""
+        for key in list(self.pins):
+            for b in self.pins.pop(key):
+                self._release(b)
+        for b in self.lru:
+            self.clean.append(b)
+        self.lru.clear()
+        self.block_hash = [None] * self.config.num_blocks
+        self.cache.clear()
 
     def _unpin(self, op: KvOp) -> None:
         for b in self.pins.pop(op.seq_id, []):

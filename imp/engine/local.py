@@ -29,10 +29,11 @@ from imp.config import ServerConfig
 from imp.constrain.book import ConstraintBook
 from imp.core.replicas import replica_name
 from imp.engine.cores import build_cores
-from imp.engine.port import LiveRow, ModelCard, Rates, Snapshot, StreamItem, Submission, SuspendResult
+from imp.engine.port import (LiveRow, ModelCard, Rates, ResumeResult, Snapshot, StreamItem, Submission,
+                              SuspendResult)
 from imp.log.eventlog import EventLog, LogHeader
 from imp.store.actor import StoreActor
-from imp.messages import SCHEMA_VERSION, KvFigures, RequestStats
+from imp.messages import SCHEMA_VERSION, KvFigures, KvForget, Reload, RequestStats, Unload
 
 log = logging.getLogger("imp.engine")
 
@@ -51,7 +52,8 @@ class LocalEngine:
     """EnginePort over actors on this event loop. `runners`: one per replica (same file)."""
 
     def __init__(self, cfg: ServerConfig, runners: list, detok_tokenizer, name: str, path: str = "",
-                 grammars=None, store=None, otlp=None, faults=None):
+                 grammars=None, store=None, otlp=None, faults=None, loaders=None,
+                 boot_prefill_tok_s: float | None = None):
         """grammars: the imp.constrain GrammarCache shared with HTTP (which compiles a request's
         grammar at admission, under its deadline); each executor keeps its sequences' matchers."""
         self.cfg = cfg
@@ -59,6 +61,12 @@ class LocalEngine:
         self.store_db = store  # an opened imp.store StoreDB, or None (no Responses store)
         self.otlp_cfg = otlp  # imp.actors.otlp.OtlpConfig (resolved at boot), or None
         self.faults = faults  # imp.actors.faults.FaultPlan from IMP_FAULT_INJECT (tests), or None
+        # () -> runner per replica: how suspend loads a released model again (None: cannot release)
+        self.loaders = list(loaders) if loaders is not None else [None] * len(runners)
+        self.boot_prefill_tok_s = boot_prefill_tok_s  # the boot warm-up's rate (est_ttft_s before traffic)
+        self.idle_suspended = False  # --idle-unload-seconds released the model; the next request reloads
+        self.last_activity = time.monotonic()
+        self._idle_task: asyncio.Task | None = None
         self.runners = list(runners)
         self.tokenizer = detok_tokenizer  # the detok actor renders text with it
         r = self.runners[0]
@@ -94,14 +102,14 @@ class LocalEngine:
         self.ingress = IngressActor(bus, store=self.store_actor is not None)
         self.metrics = MetricsActor(bus, self.card.name,
                                     KvFigures(r.num_blocks, r.num_blocks, 0, 0, 0, cfg.block_size),
-                                    sources=[c.name for c in self.schs])
+                                    sources=[c.name for c in self.schs], boot_prefill_tok_s=self.boot_prefill_tok_s)
         self.actors = [
             *([self.store_actor] if self.store_actor is not None else []),
             self.ingress,
             *(CoreActor(bus, c) for c in cores),
             *(ExecutorActor(bus, run, name=replica_name("executor", i, n), scheduler=replica_name("scheduler", i, n),
                             constraints=ConstraintBook(self.grammars) if self.grammars is not None else None,
-                            faults=self.faults)
+                            faults=self.faults, loader=self.loaders[i])
               for i, run in enumerate(self.runners)),
             DetokActor(bus, self.tokenizer),
             self.metrics,
@@ -111,11 +119,17 @@ class LocalEngine:
         if self.otlp_cfg is not None and self.otlp_cfg.enabled:
             self.otlp = OtlpActor(bus, self.otlp_cfg, self.metrics.otlp)
             self.actors.append(self.otlp)
+        self.executors = [a.name for a in self.actors if isinstance(a, ExecutorActor)]
+        self.runners = []  # the executors own them now: an Unload must leave no other reference
         for a in self.actors:
             a.start()
+        if cfg.idle_unload_s > 0:
+            self._idle_task = asyncio.create_task(self._idle_loop(), name="idle-unload")
         await asyncio.sleep(0)
 
     async def stop(self) -> None:
+        if self._idle_task is not None:
+            self._idle_task.cancel()
         for a in reversed(self.actors):
             await a.stop()
         self.eventlog.close()
@@ -127,6 +141,10 @@ class LocalEngine:
         return self.ingress.fault or (next(iter(self.bus.dead.values())) if self.bus.dead else None)
 
     def submit(self, sub: Submission) -> AsyncIterator[StreamItem]:
+        self.last_activity = time.monotonic()
+        if self.idle_suspended:  # the executor reloads at this request's first step
+            self.idle_suspended = False
+            log.info("[idle-unload] request %s wakes the model", sub.req_id)
         # sent now, not at the first iteration: the request is queued as soon as it is submitted
         handle = self.ingress.submit(
             sub.req_id, sub.prompt, sub.params, n=sub.n, priority=sub.priority, stop=sub.stop,
@@ -156,18 +174,85 @@ class LocalEngine:
         return max(sum(not h.done for h in self.ingress.handles.values()), q.waiting + q.running)
 
     async def suspend(self, drain_s: float) -> SuspendResult:
-        """Stop admitting, then wait up to drain_s for the admitted requests (never cancelled).
-        The weights and KV pool stay mapped (kv_released: false)."""
+        """Stop admitting, wait up to drain_s for the admitted requests (never cancelled), then
+        release the weights and the KV pool of every replica."""
         self.ingress.suspend()  # FIFO: every Submit sent after this is refused by admission
         deadline = time.monotonic() + drain_s
         while self._in_flight() and time.monotonic() < deadline and not self.fault:
             await asyncio.sleep(0.05)
         left = self._in_flight()
-        return SuspendResult(suspended=True, drained=left == 0, in_flight=left, kv_released=False)
+        if left or self.fault:
+            return SuspendResult(suspended=True, drained=left == 0, in_flight=left, kv_released=False,
+                                 error=self.fault or f"{left} requests still running after {drain_s:g}s; "
+                                                     "the model stays loaded")
+        states = await self._unload("operator")
+        return self._suspend_result(states)
 
-    def resume(self) -> None:
-        if not self.draining:  # a shutdown is not undone by an admin call
-            self.ingress.resume()
+    def _suspend_result(self, states: list) -> SuspendResult:
+        errors = [m.error for m in states if m.error] or ([] if len(states) == len(self.executors) else
+                                                          ["no answer from the executor"])
+        return SuspendResult(
+            suspended=True, drained=True, in_flight=0, kv_released=not errors and all(not m.loaded for m in states),
+            rss_before=max((m.rss_before for m in states), default=0),  # one process: the last is the total
+            rss_after=min((m.rss_after for m in states), default=0) if states else 0,
+            device_free_before=sum(m.device_free_before for m in states),
+            device_free_after=sum(m.device_free_after for m in states), error="; ".join(errors),
+        )
+
+    async def _memory(self, names: list[str], send, timeout_s: float = 300.0) -> list:
+        """Send each executor a message (send(name)) and wait for their MemoryStates."""
+        ing = self.ingress
+        for name in names:
+            ing.memory.pop(name, None)
+            send(name)
+        deadline = time.monotonic() + timeout_s
+        while any(n not in ing.memory for n in names) and not self.fault and time.monotonic() < deadline:
+            ing.memory_changed.clear()
+            try:
+                await asyncio.wait_for(ing.memory_changed.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+        return [ing.memory[n] for n in names if n in ing.memory]
+
+    async def _unload(self, reason: str) -> list:
+        # the pool's KV goes with it: the prefix cache must not promise blocks it no longer has
+        for kv in self.kvs:
+            self.ingress.send(kv.name, KvForget())
+        states = await self._memory(self.executors, lambda n: self.ingress.send(n, Unload(reason)))
+        for m in states:
+            if m.error:
+                log.warning("[%s-unload] %s: %s", reason, m.actor, m.error)
+            else:
+                log.info("[%s-unload] %s released the model in %.2fs: RSS %.0f -> %.0f MiB%s", reason, m.actor,
+                         m.seconds, m.rss_before / 2**20, m.rss_after / 2**20,
+                         f", device free {m.device_free_before / 2**30:.2f} -> {m.device_free_after / 2**30:.2f} GiB"
+                         if m.device_free_before else "")
+        return states
+
+    async def resume(self) -> ResumeResult:
+        if self.draining:  # a shutdown is not undone by an admin call
+            return ResumeResult(suspended=False, reloaded=False)
+        released = [n for n in self.executors if n in self.ingress.memory and not self.ingress.memory[n].loaded]
+        states = await self._memory(released, lambda n: self.ingress.send(n, Reload())) if released else []
+        self.idle_suspended = False
+        self.ingress.resume()
+        return ResumeResult(suspended=False, reloaded=bool(states),
+                            seconds=max((m.seconds for m in states), default=0.0))
+
+    async def _idle_loop(self) -> None:
+        """--idle-unload-seconds: once a second, release the model after N idle seconds."""
+        n = self.cfg.idle_unload_s
+        while True:
+            await asyncio.sleep(1.0)
+            if (self.idle_suspended or self.ingress.suspended or self.draining or self.fault or self._in_flight()
+                    or time.monotonic() - self.last_activity < n):
+                continue
+            self.idle_suspended = True
+            states = await self._unload("idle")
+            if any(m.error for m in states):
+                log.warning("[idle-unload] disabled: %s", "; ".join(m.error for m in states if m.error))
+                self.idle_suspended = False
+                return
 
     async def drain(self, timeout_s: float) -> int:
         """Shutdown (SIGTERM): admission closes with 503 `draining`, /ready says so, and the
@@ -203,5 +288,6 @@ class LocalEngine:
             kv=m.kv, replica_kv=tuple(m.replica_kv()), queue=m.queue, rates=Rates(**m.rates.snapshot(now)),
             suspended=ing.suspended, draining=self.draining, fault=self.fault, rejections=ing.rejections,
             last_reject_reason=ing.last_reject_reason, in_flight=self._in_flight(),
-            uptime_s=time.time() - self.started_at, live=live,
+            uptime_s=time.time() - self.started_at, live=live, idle_suspended=self.idle_suspended,
+            weights_loaded=not any(not m.loaded for m in ing.memory.values()),
         )

@@ -94,13 +94,26 @@ class Snapshot(_Value):
     in_flight: int  # requests admitted and not finished
     uptime_s: float
     live: tuple[LiveRow, ...] = ()
+    idle_suspended: bool = False  # --idle-unload-seconds released the model; the next request reloads it
+    weights_loaded: bool = True  # False while suspended (operator or idle) with the model released
 
 
 class SuspendResult(_Value):
     suspended: bool
     drained: bool
     in_flight: int
-    kv_released: bool
+    kv_released: bool  # the weights and the KV pool were released (every replica)
+    rss_before: int = 0  # bytes, summed over replicas (CPU: the process; GPU: the card's free)
+    rss_after: int = 0
+    device_free_before: int = 0
+    device_free_after: int = 0
+    error: str = ""  # why the memory was not released (drain timed out, a runner that cannot unload)
+
+
+class ResumeResult(_Value):
+    suspended: bool
+    reloaded: bool  # the weights and KV pool were loaded again by this call
+    seconds: float = 0.0
 
 
 # what a request's stream yields: its Deltas, or why it stopped early
@@ -138,7 +151,7 @@ class EnginePort(Protocol):
 
     async def suspend(self, drain_s: float) -> SuspendResult: ...
 
-    def resume(self) -> None: ...
+    async def resume(self) -> ResumeResult: ...
 
     async def drain(self, timeout_s: float) -> int: ...
 

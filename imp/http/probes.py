@@ -47,6 +47,9 @@ async def health(request: web.Request) -> web.Response:
         "swaps": 0,  # a preempted request is recomputed, never swapped to host memory
         "queued_prompt_tokens": q.queued_prompt_tokens,
         "suspended": snap.suspended,
+        "idle_unload_seconds": request.app[keys.CONFIG].idle_unload_s,
+        "idle_suspended": snap.idle_suspended,
+        "weights_loaded": snap.weights_loaded,
         **_kv_fields(snap.kv),
     }
     if snap.fault:
@@ -94,15 +97,17 @@ async def ready(request: web.Request) -> web.Response:
         return no("suspended", hint="POST /admin/resume")
     if snap.draining:
         return no("draining")
+    # an idle suspend stays ready: the next request reloads the model inside itself
     return web.json_response({"ready": True, "model": port.card.name, "suspended": False,
-                              "idle_suspended": False})
+                              "idle_suspended": snap.idle_suspended})
 
 
 async def suspend(request: web.Request) -> web.Response:
     """POST /admin/suspend[?drain_s=N]: stop admitting, then wait (up to N s,
     default 30) for the admitted requests to finish; they are never cancelled.
-    Sticky until POST /admin/resume. The CPU build keeps its weights and KV pool
-    mapped (kv_released: false)."""
+    Sticky until POST /admin/resume. Drained, the weights and the KV pool are released
+    (kv_released: true, with the bytes measured before and after); a drain that timed
+    out keeps them (kv_released: false, error says why)."""
     raw = request.query.get("drain_s", "30")
     try:
         drain_s = float(raw)
@@ -111,13 +116,20 @@ async def suspend(request: web.Request) -> web.Response:
     if not 0 <= drain_s <= 600:
         raise bad(f"'drain_s' must be in 0..600, got {drain_s}", "drain_s")
     res = await request.app[keys.PORT].suspend(drain_s)
-    return web.json_response({"suspended": res.suspended, "drained": res.drained, "in_flight": res.in_flight,
-                              "kv_released": res.kv_released})
+    body = {"suspended": res.suspended, "drained": res.drained, "in_flight": res.in_flight,
+            "kv_released": res.kv_released, "weights_released": res.kv_released,
+            "memory": {"rss_before": res.rss_before, "rss_after": res.rss_after}}
+    if res.device_free_before or res.device_free_after:
+        body["memory"].update(device_free_before=res.device_free_before, device_free_after=res.device_free_after)
+    if res.error:
+        body["error"] = res.error
+    return web.json_response(body)
 
 
 async def resume(request: web.Request) -> web.Response:
-    request.app[keys.PORT].resume()
-    return web.json_response({"suspended": False})
+    """POST /admin/resume: admit again; released weights and KV pool are loaded first."""
+    res = await request.app[keys.PORT].resume()
+    return web.json_response({"suspended": res.suspended, "reloaded": res.reloaded, "seconds": round(res.seconds, 3)})
 
 
 def _model_entry(card) -> dict:

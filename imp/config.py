@@ -20,6 +20,7 @@ class ServerConfig:
     max_output_tokens: int | None = None  # server-wide cap on every request's output (llama-server's -n)
     max_queued_tokens: int = 0
     request_timeout_s: float = 0.0
+    lora_dir: str | None = None  # POST /admin/lora/load reads adapters from under this directory only
     idle_unload_s: float = 0.0  # release the model after this many idle seconds (0 = never)
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long admitted requests may run on
     chat_template: str | None = None
@@ -81,6 +82,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="cap every request's output at N tokens (a normal max_tokens / length stop)")
     p.add_argument("--max-queued-tokens", type=int, default=0, help="429 beyond this many queued prompt tokens")
     p.add_argument("--request-timeout", dest="request_timeout_s", type=float, default=0.0)
+    p.add_argument("--lora-dir", default=None,
+                   help="directory of LoRA adapters (PEFT dirs or .safetensors) that POST /admin/lora/load may read")
     p.add_argument("--idle-unload-seconds", dest="idle_unload_s", type=float, default=0.0,
                    help="release the weights and KV pool after N s without a request; the next one reloads "
                         "them inside itself (0 = off)")

@@ -105,6 +105,9 @@ class SamplingParams(Struct):
     # the output's grammar (structured output, a forced tool call); its mask is applied to the
     # logits before anything else, so logprobs read a masked token as probability 0
     constraint: Constraint | None = None
+    # the LoRA adapter the sequence runs with (its id from POST /admin/lora/load; 0 = the base
+    # model). Carried with the params: the executor keeps them per sequence already.
+    lora: int = 0
 
     # The sampling policy, decided here once: every runner, sampler and the
     # scheduler ask these instead of re-testing the fields.
@@ -556,6 +559,31 @@ class MemoryState(Msg):
     error: str = ""
 
 
+class LoraLoad(Msg):
+    """ingress -> executor: read the adapter at `path` (already confined to --lora-dir) and
+    hold it under `lora_id`; sequences whose params.lora is that id run with it."""
+
+    lora_id: int
+    name: str
+    path: str
+
+
+class LoraUnload(Msg):
+    """ingress -> executor: drop the adapter (no sequence uses it: ingress waited)."""
+
+    lora_id: int
+
+
+class LoraState(Msg):
+    """executor -> ingress: after a LoraLoad / LoraUnload; error says why a load failed."""
+
+    actor: str
+    lora_id: int
+    loaded: bool
+    error: str = ""
+    nbytes: int = 0
+
+
 class KvForget(Msg):
     """ingress -> kv: the pool's contents are gone (unloaded): drop the prefix cache and the
     pins. Sent only while no sequence is live."""
@@ -727,6 +755,9 @@ Message = Union[
     Reload,
     MemoryState,
     KvForget,
+    LoraLoad,
+    LoraUnload,
+    LoraState,
     StorePut,
     StoreGet,
     StoreGetChain,

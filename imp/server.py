@@ -71,6 +71,8 @@ def load_engine(cfg: ServerConfig, store=None) -> tuple[LocalEngine, TextModel]:
     import torch
 
     from imp.fetch import resolve_model
+    from imp.formats.lora import LoraFiles
+    from imp.model.lora import LoraTable
     from imp.text.chat_template import ChatTemplate
     from imp.model.runner import ModelRunner
     from imp.text.tokenizer import Tokenizer
@@ -120,7 +122,8 @@ def load_engine(cfg: ServerConfig, store=None) -> tuple[LocalEngine, TextModel]:
     if faults is not None:
         _progress(f"fault injection armed: {faults.kind} fault at step {faults.at_step} (IMP_FAULT_INJECT)")
     return (LocalEngine(cfg, runners, tokenizer, name, str(path), grammars=grammars, store=store, otlp=otlp,
-                        faults=faults, loaders=loaders, boot_prefill_tok_s=boot_rate), text)
+                        faults=faults, loaders=loaders, boot_prefill_tok_s=boot_rate,
+                        lora_files=LoraFiles(cfg.lora_dir), lora_tables=[LoraTable() for _ in loaders]), text)
 
 
 async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel, api_keys: tuple[str, ...]) -> None:

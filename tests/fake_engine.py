@@ -181,6 +181,22 @@ class FakeEngine:
         self.suspended = False
         return ResumeResult(suspended=False, reloaded=False)
 
+    def loras(self):
+        return ()
+
+    def lora_named(self, name: str):
+        return None
+
+    async def lora_load(self, path, name):
+        from imp.engine.port import LoraRefused
+
+        raise LoraRefused(400, "lora_load_failed", "the fake engine has no model")
+
+    async def lora_unload(self, lora_id, name):
+        from imp.engine.port import LoraRefused
+
+        raise LoraRefused(404, "lora_not_found", "no LoRA adapter")
+
     async def drain(self, timeout_s: float) -> int:
         self.draining = True
         return 0

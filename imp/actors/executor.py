@@ -39,8 +39,8 @@ import msgspec
 from imp.actors.base import Actor, Bus
 from imp.actors.faults import FaultPlan, is_device_fault
 from imp.actors import memory
-from imp.messages import (MemoryState, Msg, Reload, SampledToken, SamplingParams, SeqWork, StepFailed, StepPlan,
-                          StepResult, Unload)
+from imp.messages import (LoraLoad, LoraState, LoraUnload, MemoryState, Msg, Reload, SampledToken, SamplingParams,
+                          SeqWork, StepFailed, StepPlan, StepResult, Unload)
 from imp.sampling.pending import resolve_pending
 
 
@@ -64,12 +64,15 @@ class ExecutorActor(Actor):
     name = "executor"
 
     def __init__(self, bus: Bus, runner, name: str = "executor", scheduler: str = "scheduler",
-                 constraints=None, faults: FaultPlan | None = None, loader=None):
+                 constraints=None, faults: FaultPlan | None = None, loader=None, loras=None, lora_reader=None):
         """constraints: an imp.constrain.book.ConstraintBook (grammar masks for constrained
         sequences), handed to the runner with every step; None = no grammar engine.
         faults: the boot-time fault-injection plan (tests), or None.
         loader: () -> a runner like `runner`, for loading it again after an Unload (None: this
-        executor cannot unload; an Unload is answered with an error)."""
+        executor cannot unload; an Unload is answered with an error).
+        loras: the replica's adapter table (imp.model.lora.LoraTable, injected at boot: it
+        outlives the runner across an Unload); lora_reader: (path, model config) -> a checked
+        adapter, raising ValueError with the reason (None: no LoRA)."""
         self.name = name
         super().__init__(bus)
         self.scheduler = scheduler  # its replica's scheduler (data parallel: "scheduler.i")
@@ -87,6 +90,8 @@ class ExecutorActor(Actor):
         self._last: dict[str, int] = {}  # sync path: what the previous step sampled
         self._params: dict[str, SamplingParams] = {}  # by sequence, from its first share
         self.steps = 0
+        self.loras = loras
+        self.lora_reader = lora_reader
         self.faults = faults
         self._planned = 0  # steps started (the injection hook counts these)
 
@@ -95,7 +100,7 @@ class ExecutorActor(Actor):
 
         seqs = resolve_pending(seqs, self._last) if any(w.pending for w in seqs) else seqs
         with torch.inference_mode():
-            tokens = self.runner.step(seqs, constraints=self.book) if seqs else []
+            tokens = self.runner.step(seqs, constraints=self.book, lora=self.loras) if seqs else []
         self._last = {t.seq_id: t.token_id for t in tokens}
         return tokens
 
@@ -103,7 +108,7 @@ class ExecutorActor(Actor):
         import torch
 
         with torch.inference_mode():
-            return self.runner.launch(seqs, constraints=self.book)
+            return self.runner.launch(seqs, constraints=self.book, lora=self.loras)
 
     async def on_message(self, sender: str, msg: Msg) -> None:
         if isinstance(msg, Unload):
@@ -111,6 +116,14 @@ class ExecutorActor(Actor):
             return
         if isinstance(msg, Reload):
             await self._load("resume")
+            return
+        if isinstance(msg, LoraLoad):
+            await self._lora_load(msg)
+            return
+        if isinstance(msg, LoraUnload):
+            if self.loras is not None:
+                self.loras.remove(msg.lora_id)
+            self.send("ingress", LoraState(self.name, msg.lora_id, False))
             return
         if not isinstance(msg, StepPlan):
             return
@@ -159,6 +172,27 @@ class ExecutorActor(Actor):
         now = time.monotonic_ns()
         self.steps += 1
         self.send(self.scheduler, StepResult(msg.step, tuple(tokens), now, now - t0))
+
+    async def _lora_load(self, msg: LoraLoad) -> None:
+        loop = asyncio.get_running_loop()
+        if self.runner is None:
+            await self._load("request")
+        runner = self.runner
+        if self.loras is None or self.lora_reader is None:
+            self.send("ingress", LoraState(self.name, msg.lora_id, False, error="this engine runs without LoRA"))
+            return
+        if not getattr(runner, "supports_lora", False):
+            self.send("ingress", LoraState(self.name, msg.lora_id, False,
+                                           error=f"this model's {type(runner).__name__} cannot run LoRA adapters"))
+            return
+        cfg = runner.config
+        try:  # reading and checking the file is disk work: off the loop, on the step thread
+            ad = await loop.run_in_executor(self._pool, self.lora_reader, msg.path, cfg)
+        except ValueError as exc:  # the adapter's fault (imp.formats.lora.LoraError): the caller's 400
+            self.send("ingress", LoraState(self.name, msg.lora_id, False, error=str(exc)))
+            return
+        self.loras.add(msg.lora_id, ad, cfg.n_layers)
+        self.send("ingress", LoraState(self.name, msg.lora_id, True, nbytes=ad.nbytes))
 
     def _measure(self) -> tuple[int, int]:
         return memory.rss_bytes(), memory.device_free_bytes(self.device)

@@ -20,6 +20,7 @@ from imp.messages import (
     DetokClose,
     DetokOpen,
     EndThinking,
+    LoraState,
     MemoryState,
     Fault,
     FinishReason,
@@ -67,7 +68,8 @@ class IngressActor(Actor):
         self.rejections = 0  # Rejects of admission/scheduler, any status
         self.last_reject_reason: str | None = None
         self.memory: dict = {}  # executor -> its latest MemoryState (suspend / reload)
-        self.memory_changed = asyncio.Event()
+        self.lora_states: dict = {}  # (executor, adapter id) -> its LoraState
+        self.memory_changed = asyncio.Event()  # a MemoryState or LoraState arrived
 
     def submit(
         self,
@@ -175,6 +177,9 @@ class IngressActor(Actor):
                 h.queue.put_nowait(msg)
         elif isinstance(msg, MemoryState):
             self.memory[msg.actor] = msg
+            self.memory_changed.set()
+        elif isinstance(msg, LoraState):
+            self.lora_states[(msg.actor, msg.lora_id)] = msg
             self.memory_changed.set()
         elif isinstance(msg, StoreReply):
             if self.store is not None:

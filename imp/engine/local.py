@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import AsyncIterator
 
 import msgspec
@@ -29,11 +30,11 @@ from imp.config import ServerConfig
 from imp.constrain.book import ConstraintBook
 from imp.core.replicas import replica_name
 from imp.engine.cores import build_cores
-from imp.engine.port import (LiveRow, ModelCard, Rates, ResumeResult, Snapshot, StreamItem, Submission,
-                              SuspendResult)
+from imp.engine.port import (LiveRow, LoraInfo, LoraRefused, ModelCard, Rates, ResumeResult, Snapshot, StreamItem,
+                              Submission, SuspendResult)
 from imp.log.eventlog import EventLog, LogHeader
 from imp.store.actor import StoreActor
-from imp.messages import SCHEMA_VERSION, KvFigures, KvForget, Reload, RequestStats, Unload
+from imp.messages import SCHEMA_VERSION, KvFigures, KvForget, LoraLoad, LoraUnload, Reload, RequestStats, Unload
 
 log = logging.getLogger("imp.engine")
 
@@ -53,7 +54,7 @@ class LocalEngine:
 
     def __init__(self, cfg: ServerConfig, runners: list, detok_tokenizer, name: str, path: str = "",
                  grammars=None, store=None, otlp=None, faults=None, loaders=None,
-                 boot_prefill_tok_s: float | None = None):
+                 boot_prefill_tok_s: float | None = None, lora_files=None, lora_tables=None):
         """grammars: the imp.constrain GrammarCache shared with HTTP (which compiles a request's
         grammar at admission, under its deadline); each executor keeps its sequences' matchers."""
         self.cfg = cfg
@@ -67,6 +68,13 @@ class LocalEngine:
         self.idle_suspended = False  # --idle-unload-seconds released the model; the next request reloads
         self.last_activity = time.monotonic()
         self._idle_task: asyncio.Task | None = None
+        # LoRA (injected at boot, this layer reads no files): path confinement + reader, and
+        # one adapter table per replica, which outlives a runner dropped by suspend
+        self.lora_files = lora_files
+        self.lora_tables = list(lora_tables) if lora_tables is not None else [None] * len(runners)
+        self._loras: dict[int, LoraInfo] = {}  # loaded adapters by id (ids never reused)
+        self._lora_next = 1
+        self._lora_users: dict[int, int] = {}  # adapter id -> requests running with it
         self.runners = list(runners)
         self.tokenizer = detok_tokenizer  # the detok actor renders text with it
         r = self.runners[0]
@@ -109,7 +117,8 @@ class LocalEngine:
             *(CoreActor(bus, c) for c in cores),
             *(ExecutorActor(bus, run, name=replica_name("executor", i, n), scheduler=replica_name("scheduler", i, n),
                             constraints=ConstraintBook(self.grammars) if self.grammars is not None else None,
-                            faults=self.faults, loader=self.loaders[i])
+                            faults=self.faults, loader=self.loaders[i], loras=self.lora_tables[i],
+                            lora_reader=self.lora_files.read if self.lora_files is not None else None)
               for i, run in enumerate(self.runners)),
             DetokActor(bus, self.tokenizer),
             self.metrics,
@@ -142,6 +151,9 @@ class LocalEngine:
 
     def submit(self, sub: Submission) -> AsyncIterator[StreamItem]:
         self.last_activity = time.monotonic()
+        lid = sub.params.lora
+        if lid and lid not in self._loras:  # unloaded since HTTP resolved the name
+            raise LoraRefused(400, "lora_not_loaded", f"LoRA adapter {lid} is not loaded")
         if self.idle_suspended:  # the executor reloads at this request's first step
             self.idle_suspended = False
             log.info("[idle-unload] request %s wakes the model", sub.req_id)
@@ -151,13 +163,17 @@ class LocalEngine:
             salt=sub.salt, prompt_tail=sub.prompt[-4:], cache_prompt=sub.cache_prompt,
             session_id=sub.session_id,
         )
-        return self._items(handle)
+        if lid:
+            self._lora_users[lid] = self._lora_users.get(lid, 0) + 1
+        return self._items(handle, lid)
 
-    async def _items(self, handle) -> AsyncIterator[StreamItem]:
+    async def _items(self, handle, lora_id: int = 0) -> AsyncIterator[StreamItem]:
         try:
             while not (handle.done and handle.queue.empty()):
                 yield await handle.queue.get()
         finally:
+            if lora_id:
+                self._lora_users[lora_id] -= 1
             if handle.done:
                 self.ingress.release(handle.req_id)
             else:
@@ -238,6 +254,77 @@ class LocalEngine:
         self.ingress.resume()
         return ResumeResult(suspended=False, reloaded=bool(states),
                             seconds=max((m.seconds for m in states), default=0.0))
+
+    # ------------------------------------------------------------------ LoRA
+
+    def loras(self) -> tuple[LoraInfo, ...]:
+        return tuple(self._loras[i] for i in sorted(self._loras))
+
+    def lora_named(self, name: str) -> int | None:
+        return next((i for i, a in self._loras.items() if a.name == name), None)
+
+    async def _lora_replies(self, lora_id: int, send, timeout_s: float = 120.0) -> list:
+        ing = self.ingress
+        for n in self.executors:
+            ing.lora_states.pop((n, lora_id), None)
+        for n in self.executors:
+            send(n)
+        deadline = time.monotonic() + timeout_s
+        while (any((n, lora_id) not in ing.lora_states for n in self.executors) and not self.fault
+               and time.monotonic() < deadline):
+            ing.memory_changed.clear()
+            try:
+                await asyncio.wait_for(ing.memory_changed.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+        return [ing.lora_states.pop((n, lora_id)) for n in self.executors if (n, lora_id) in ing.lora_states]
+
+    async def lora_load(self, path: str, name: str | None) -> LoraInfo:
+        if self.fault:
+            raise LoraRefused(409, "engine_faulted", f"the engine faulted: {self.fault}")
+        if self.ingress.suspended or self.draining:
+            raise LoraRefused(409, "suspended", "the server is suspended or shutting down; POST /admin/resume first")
+        if self.lora_files is None:
+            raise LoraRefused(400, "lora_load_failed", "this engine runs without LoRA")
+        try:
+            real = Path(self.lora_files.confine(path))
+        except ValueError as exc:  # outside --lora-dir, '..', a symlink out, missing
+            raise LoraRefused(400, "lora_load_failed", str(exc)) from None
+        name = name or (real.stem if real.suffix == ".safetensors" else real.name)
+        if self.lora_named(name) is not None:
+            raise LoraRefused(409, "lora_already_loaded", f"a LoRA adapter named {name!r} is loaded already")
+        lid, self._lora_next = self._lora_next, self._lora_next + 1
+        states = await self._lora_replies(lid, lambda n: self.ingress.send(n, LoraLoad(lid, name, str(real))))
+        errors = [m.error for m in states if m.error] or ([] if len(states) == len(self.executors) else
+                                                          ["no answer from the executor"])
+        if errors:
+            for n in self.executors:  # a replica that did load it drops it again
+                self.ingress.send(n, LoraUnload(lid))
+            if self._lora_next == lid + 1:  # never shown to anyone: the next load may take it
+                self._lora_next = lid
+            raise LoraRefused(400, "lora_load_failed", errors[0])
+        info = LoraInfo(id=lid, name=name, path=str(real), nbytes=max(m.nbytes for m in states))
+        self._loras[lid] = info
+        log.info("[lora] loaded %r (id=%d, %d bytes) from %s", name, lid, info.nbytes, real)
+        return info
+
+    async def lora_unload(self, lora_id: int | None, name: str | None, drain_s: float = 30.0) -> LoraInfo:
+        lid = lora_id if lora_id is not None else self.lora_named(name or "")
+        info = self._loras.get(lid) if lid is not None else None
+        if info is None:
+            what = f"id {lora_id}" if lora_id is not None else f"name {name!r}"
+            raise LoraRefused(404, "lora_not_found", f"no LoRA adapter with {what}")
+        deadline = time.monotonic() + drain_s  # its running requests finish first, never cancelled
+        while self._lora_users.get(lid, 0) and time.monotonic() < deadline and not self.fault:
+            await asyncio.sleep(0.05)
+        if self._lora_users.get(lid, 0):
+            raise LoraRefused(503, "lora_busy", f"{self._lora_users[lid]} requests still run with {info.name!r} "
+                                                f"after {drain_s:g}s; try again")
+        del self._loras[lid]
+        await self._lora_replies(lid, lambda n: self.ingress.send(n, LoraUnload(lid)))
+        self._lora_users.pop(lid, None)
+        log.info("[lora] unloaded %r (id=%d)", info.name, lid)
+        return info
 
     async def _idle_loop(self) -> None:
         """--idle-unload-seconds: once a second, release the model after N idle seconds."""

@@ -120,6 +120,23 @@ class ResumeResult(_Value):
 StreamItem = Union[Delta, Reject, Fault]
 
 
+class LoraInfo(_Value):
+    """A loaded LoRA adapter. Ids are never reused; they survive suspend and resume."""
+
+    id: int
+    name: str
+    path: str
+    nbytes: int = 0
+
+
+class LoraRefused(Exception):
+    """Why a LoRA load or unload was refused: HTTP answers `status` with `code`."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
 class RequestStream(Protocol):
     """A submitted request's output. Iterate for its items; `aclose()` before the
     end cancels the request upstream (its KV is freed within a step)."""
@@ -154,6 +171,16 @@ class EnginePort(Protocol):
     async def resume(self) -> ResumeResult: ...
 
     async def drain(self, timeout_s: float) -> int: ...
+
+    async def lora_load(self, path: str, name: str | None) -> LoraInfo:
+        """Load an adapter (path relative to --lora-dir, or inside it); LoraRefused."""
+
+    async def lora_unload(self, lora_id: int | None, name: str | None) -> LoraInfo:
+        """Drop an adapter once no request uses it; LoraRefused."""
+
+    def loras(self) -> tuple[LoraInfo, ...]: ...
+
+    def lora_named(self, name: str) -> int | None: ...
 
     def report(self, stats: RequestStats) -> None: ...
 

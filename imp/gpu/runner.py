@@ -178,8 +178,10 @@ class GpuModelRunner:
             _cuda.use_device(self.device.index or 0)
             return self.fwd(eager_meta(seqs, rows, self.block_size, self.device)).clone()
 
-    def step(self, seqs: list[SeqWork], constraints=None) -> list[SampledToken]:
-        return self.collect(self.launch(seqs, constraints))
+    supports_lora = False  # the GPU forward has no adapter path yet: a load is refused by name
+
+    def step(self, seqs: list[SeqWork], constraints=None, lora=None) -> list[SampledToken]:
+        return self.collect(self.launch(seqs, constraints, lora))
 
     def collect(self, h: Landing) -> list[SampledToken]:
         """Wait for a launched step; its tokens, in the order of its sampled shares."""
@@ -188,7 +190,7 @@ class GpuModelRunner:
         return [SampledToken(seq_id=sid, token_id=t) for sid, t in zip(h.seq_ids, h.ids())]
 
     @torch.inference_mode()
-    def launch(self, seqs: list[SeqWork], constraints=None) -> Landing:
+    def launch(self, seqs: list[SeqWork], constraints=None, lora=None) -> Landing:
         """Enqueue one step on the device and return without waiting for it.
 
         A share feeding PENDING_TOKEN whose sequence the previous step did not
@@ -197,6 +199,7 @@ class GpuModelRunner:
         rows' logits before sampling; such a row's history must be complete, so
         a constrained share feeding PENDING_TOKEN waits for the previous step's
         ids on the host (as a penalized one does) while this step's forward runs.
+        lora: never used here (supports_lora is False, so no adapter is ever loaded).
         """
         self._check(seqs)
         with self._lock:

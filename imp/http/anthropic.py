@@ -298,7 +298,7 @@ def parse(body: dict, template_source: str = "", *, count_only: bool = False) ->
         sampling=_sampling(body), max_tokens=max_tokens, stop=tuple(s for s in stops or () if s),
         stream=B.boolean(body, "stream"),
         priority=B.num(body, "priority", -(2**31), 2**31 - 1, integer=True, default=0),
-        cache_prompt=B.boolean(body, "cache_prompt"), session_id=B.session_id(body),
+        cache_prompt=B.boolean(body, "cache_prompt"), session_id=B.session_id(body), lora=B.lora_name(body),
     )
 
 

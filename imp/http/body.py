@@ -109,6 +109,16 @@ def model_name(body: dict) -> str:
     return v
 
 
+def lora_name(body: dict) -> str:
+    """`lora`: the name of an adapter loaded with POST /admin/lora/load (checked at submit)."""
+    v = body.get("lora")
+    if v is None:
+        return ""
+    if not isinstance(v, str) or not v or len(v) > 256:
+        raise bad("'lora' must be the name of a loaded LoRA adapter (a non-empty string)", "lora")
+    return v
+
+
 def refuse_request_template(body: dict) -> None:
     """A chat template sent in a request (vLLM's `chat_template`, llama.cpp's `template`) is
     Jinja run on the server: refused on every dialect. The template is the model's, or

@@ -163,6 +163,6 @@ def parse(body: dict, vocab_size: int, template_source: str = "") -> GenerateReq
         endpoint="chat_completions", model=model, messages=messages, **opts, sampling=sampling,
         max_tokens=c.max_tokens, n=c.n, stop=c.stop, stream=c.stream, include_usage=c.include_usage,
         logprobs=logprobs, top_logprobs=top or 0, prompt_logprobs=plp, priority=c.priority,
-        cache_prompt=c.cache_prompt, session_id=c.session_id, constraint=constraint, constraint_field=field,
+        cache_prompt=c.cache_prompt, session_id=c.session_id, lora=c.lora, constraint=constraint, constraint_field=field,
         tool_plan=plan,
     )

@@ -17,9 +17,10 @@ import logging
 import time
 from typing import AsyncIterator, Callable
 
+import msgspec
 from aiohttp import web
 
-from imp.engine.port import EnginePort, Submission
+from imp.engine.port import EnginePort, LoraRefused, Submission
 from imp.http.errors import ApiError
 from imp.http.request import GenerateRequest
 from imp.messages import Delta, Fault, FinishReason, Reject, RequestStats, SamplingParams
@@ -77,6 +78,21 @@ async def _with_keepalive(stream: AsyncIterator, first_s: float, every_s: float)
                 await pending
 
 
+def with_lora(port: EnginePort, req: GenerateRequest, params: SamplingParams, salt: str):
+    """The adapter the request runs with: its `lora` field, else a `model` that names a loaded
+    adapter (as vLLM serves them); its id goes into the params and the prefix-cache salt
+    (different adapters never share KV)."""
+    name = req.lora or (req.model if req.model and port.lora_named(req.model) is not None else "")
+    if not name:
+        return params, salt
+    lid = port.lora_named(name)
+    if lid is None:
+        loaded = ", ".join(repr(a.name) for a in port.loras()) or "none"
+        raise ApiError(400, f"LoRA adapter {name!r} is not loaded (loaded: {loaded}); POST /admin/lora/load",
+                       code="lora_not_loaded", param="lora")
+    return msgspec.structs.replace(params, lora=lid), f"lora:{lid}|{salt}"
+
+
 async def generate(port: EnginePort, req_id: str, prompt: list[int], params: SamplingParams,
                    req: GenerateRequest, *, salt: str = "", request: web.Request | None = None,
                    keepalive: bool = False) -> AsyncIterator[Delta | None]:
@@ -88,10 +104,14 @@ async def generate(port: EnginePort, req_id: str, prompt: list[int], params: Sam
     if port.fault:
         # the reference: every request after a device fault is a 500 engine_faulted, never queued
         raise ApiError(500, f"engine fault: {port.fault}", code="engine_faulted")
-    stream = port.submit(Submission(
-        req_id=req_id, prompt=tuple(prompt), params=params, n=req.n, priority=req.priority, stop=req.stop,
-        salt=salt, cache_prompt=req.cache_prompt, session_id=req.session_id,
-    ))
+    params, salt = with_lora(port, req, params, salt)
+    try:
+        stream = port.submit(Submission(
+            req_id=req_id, prompt=tuple(prompt), params=params, n=req.n, priority=req.priority, stop=req.stop,
+            salt=salt, cache_prompt=req.cache_prompt, session_id=req.session_id,
+        ))
+    except LoraRefused as exc:  # unloaded between the name check and the submit
+        raise ApiError(exc.status, exc.message, code=exc.code, param="lora") from None
     arrival = time.monotonic()
     arrival_ns = time.time_ns()  # wall clock for the trace; the monotonic one for the latencies
     first_ns = 0

@@ -72,7 +72,7 @@ def parse_infill(body: dict, vocab_size: int) -> GenerateRequest:
     return GenerateRequest(endpoint="infill", model=B.string(body, "model"), infill=infill, prompt_param="prompt",
                            sampling=openai_fields.sampling(body, vocab_size), max_tokens=mt, stop=c.stop,
                            stream=c.stream, priority=c.priority, cache_prompt=c.cache_prompt,
-                           session_id=c.session_id, constraint=constraint, constraint_field=field)
+                           session_id=c.session_id, lora=c.lora, constraint=constraint, constraint_field=field)
 
 
 async def infill(request: web.Request) -> web.StreamResponse:

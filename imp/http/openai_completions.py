@@ -77,7 +77,7 @@ def parse(body: dict, vocab_size: int) -> GenerateRequest:
         prompt_ids=ids if infill is None else None, infill=infill, prompt_param="prompt", sampling=sampling,
         max_tokens=c.max_tokens, n=c.n, stop=c.stop, stream=c.stream, include_usage=c.include_usage,
         logprobs=lp is not None, top_logprobs=lp or 0, prompt_logprobs=plp, echo=echo, priority=c.priority,
-        cache_prompt=c.cache_prompt, session_id=c.session_id, constraint=constraint, constraint_field=field,
+        cache_prompt=c.cache_prompt, session_id=c.session_id, lora=c.lora, constraint=constraint, constraint_field=field,
     )
 
 

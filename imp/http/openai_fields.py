@@ -43,6 +43,7 @@ class Common:
     session_id: str
     max_tokens: int | None
     stop: tuple[str, ...]
+    lora: str = ""
 
 
 def common(body: dict, *, max_tokens_name: str = "max_tokens") -> Common:
@@ -68,6 +69,7 @@ def common(body: dict, *, max_tokens_name: str = "max_tokens") -> Common:
         session_id=B.session_id(body),
         max_tokens=mt,
         stop=B.stop_list(body),
+        lora=B.lora_name(body),
     )
 
 

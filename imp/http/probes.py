@@ -167,9 +167,17 @@ def _directory(card, models_dir: str | None) -> list[dict]:
     return out
 
 
+def _adapters(port, card) -> list[dict]:
+    """Loaded LoRA adapters, listed as vLLM lists them: a model whose parent is the base (a
+    request may name one as its `model`, or in `lora`)."""
+    return [{"id": a.name, "object": "model", "created": card.created, "owned_by": "imp", "parent": card.name,
+             "root": a.path, "lora_id": a.id} for a in port.loras()]
+
+
 async def models(request: web.Request) -> web.Response:
-    card = request.app[keys.PORT].card
-    return web.json_response({"object": "list", "data": [_model_entry(card),
+    port = request.app[keys.PORT]
+    card = port.card
+    return web.json_response({"object": "list", "data": [_model_entry(card), *_adapters(port, card),
                                                          *_directory(card, request.app[keys.CONFIG].models_dir)]})
 
 
@@ -178,7 +186,7 @@ async def model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     if name == card.name:
         return web.json_response(_model_entry(card))
-    for m in _directory(card, request.app[keys.CONFIG].models_dir):
+    for m in [*_adapters(request.app[keys.PORT], card), *_directory(card, request.app[keys.CONFIG].models_dir)]:
         if m["id"] == name:
             return web.json_response(m)
     raise ApiError(404, f"model '{name[:128]}' not found", code="model_not_found")

@@ -99,6 +99,7 @@ class GenerateRequest(_Value):
     priority: int = 0
     cache_prompt: bool = False
     session_id: str = ""
+    lora: str = ""  # a loaded LoRA adapter's name ("" = the base model, unless `model` names one)
     # what the output must match: a structured-output constraint (and the field that set it),
     # and the request's tools (an imp.http.tool_use.ToolPlan: shape, forced grammar, parser)
     constraint: Constraint | None = None

@@ -366,6 +366,6 @@ def parse(body: dict, vocab_size: int, template_source: str = "",
         cache_prompt=B.boolean(body, "cache_prompt"),
         # prompt_cache_key (Codex sends one per conversation) is the prefix-cache affinity key
         session_id=sid or (pck[:256] if pck and pck.isprintable() else ""),
-        constraint=constraint, constraint_field=cfield,
+        constraint=constraint, constraint_field=cfield, lora=B.lora_name(body),
         tool_plan=plan,
     ), ex

@@ -1,6 +1,6 @@
 """The routes table: one line per endpoint, one module per dialect."""
 
-from imp.http import anthropic, capacity, control, llama_cpp, openai_chat, openai_completions, probes, responses
+from imp.http import anthropic, capacity, control, llama_cpp, lora, openai_chat, openai_completions, probes, responses
 from imp.http import ui
 
 ROUTES = [
@@ -24,6 +24,9 @@ ROUTES = [
     ("GET", "/v1/metrics", capacity.metrics_json),
     ("POST", "/admin/suspend", probes.suspend),
     ("POST", "/admin/resume", probes.resume),
+    ("POST", "/admin/lora/load", lora.load),
+    ("POST", "/admin/lora/unload", lora.unload),
+    ("GET", "/admin/lora", lora.listing),
     # Anthropic Messages dialect
     ("POST", "/v1/messages", anthropic.messages),
     ("POST", "/v1/messages/count_tokens", anthropic.count_tokens),

@@ -159,6 +159,37 @@ def _attention(qkv, H, Hkv, D, l, kc, vc, nblocks, bs, pos, tables, row_tab, win
             of[oo + e] = of[oo + e] * inv
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def _lora_add(inp, out, mats, l, m0, m1, lo, la, lb, lscale, row_slot):
+    """out[n, matrix m's columns] += scale * B (A inp[n]) for each row n with an adapter slot
+    (imp.model.lora's packing). Per row in a fixed order: batch invariance holds. One prange
+    over rows: at decode the work is ~r * (in + out) multiply-adds, nothing to split."""
+    N, K = inp.shape
+    for n in prange(N):
+        s = row_slot[n]
+        if s < 0:
+            continue
+        col = 0
+        for m in range(m0, m1):
+            rows = mats[l, m, 1]
+            r = lo[s, l, m, 2]
+            if r > 0:
+                oa, ob = lo[s, l, m, 0], lo[s, l, m, 1]
+                kin = K  # every matrix of the group reads the same input row
+                t = np.empty(r, np.float32)
+                for i in range(r):
+                    acc = np.float32(0.0)
+                    for k in range(kin):
+                        acc += la[oa + i * kin + k] * inp[n, k]
+                    t[i] = acc * lscale[s]
+                for j in range(rows):
+                    acc = np.float32(0.0)
+                    for i in range(r):
+                        acc += lb[ob + j * r + i] * t[i]
+                    out[n, col + j] += acc
+            col += rows
+
+
 @njit(cache=True, nogil=True)
 def _quantize(h):
     N, K = h.shape
@@ -183,8 +214,11 @@ def _post_norm_add(x, y, fv, fo, l, which, eps):
 @njit(cache=True, nogil=True)
 def forward_layers(blob, mats, fv, fo, sliding, x, pos, slots, tables, row_tab,
                    cos_g, sin_g, cos_l, sin_l, kc, vc, nblocks, bs,
-                   H, Hkv, D, window, neox, act, eps, scale):
-    """Run every layer over the step's rows (see the module docstring); x [N, d] in place."""
+                   H, Hkv, D, window, neox, act, eps, scale, lo, la, lb, lscale, row_slot):
+    """Run every layer over the step's rows (see the module docstring); x [N, d] in place.
+    lo, la, lb, lscale, row_slot: the LoRA adapters (imp.model.lora) and each row's slot
+    (-1 = none; lo with 0 slots when no adapter is loaded)."""
+    lora = lo.shape[0] > 0
     N, d = x.shape
     L = mats.shape[0]
     h = np.empty((N, d), np.float32)
@@ -200,6 +234,8 @@ def forward_layers(blob, mats, fv, fo, sliding, x, pos, slots, tables, row_tab,
         _rms_norm_rows(x, fv, fo[l, NORM], eps, h)
         xq, xd, xs = _quantize(h)
         _gemm_multi(blob, mats, l, 0, 3, xq, xd, xs, qkv)
+        if lora:
+            _lora_add(h, qkv, mats, l, 0, 3, lo, la, lb, lscale, row_slot)
         c, s = (cos_l, sin_l) if sliding[l] else (cos_g, sin_g)
         for n in range(N):
             if fo[l, BIAS] >= 0:
@@ -220,10 +256,14 @@ def forward_layers(blob, mats, fv, fo, sliding, x, pos, slots, tables, row_tab,
                    window if sliding[l] else 0, scale, attn)
         xq, xd, xs = _quantize(attn)
         _gemm_multi(blob, mats, l, 3, 4, xq, xd, xs, y)
+        if lora:
+            _lora_add(attn, y, mats, l, 3, 4, lo, la, lb, lscale, row_slot)
         _post_norm_add(x, y, fv, fo, l, POST_ATTN, eps)
         _rms_norm_rows(x, fv, fo[l, FFN_NORM], eps, h)
         xq, xd, xs = _quantize(h)
         _gemm_multi(blob, mats, l, 4, 6, xq, xd, xs, gu)
+        if lora:
+            _lora_add(h, gu, mats, l, 4, 6, lo, la, lb, lscale, row_slot)
         for n in range(N):
             for i in range(dff):
                 gv, uv = gu[n, i], gu[n, dff + i]
@@ -234,4 +274,6 @@ def forward_layers(blob, mats, fv, fo, sliding, x, pos, slots, tables, row_tab,
                     a[n, i] = np.float32(0.5) * gv * (np.float32(1.0) + t) * uv
         xq, xd, xs = _quantize(a)
         _gemm_multi(blob, mats, l, 6, 7, xq, xd, xs, y)
+        if lora:
+            _lora_add(a, y, mats, l, 6, 7, lo, la, lb, lscale, row_slot)
         _post_norm_add(x, y, fv, fo, l, POST_FFN, eps)

@@ -116,6 +116,8 @@ class FusedModel:
         self.cos_g, self.sin_g = (a.numpy() for a in glob)
         self.cos_l, self.sin_l = (a.numpy() for a in local)
         self._kv = None  # (cache id, k bits, v bits)
+        self._no_lora = (np.zeros((0, L, 7, 3), np.int64), np.zeros(0, np.float32), np.zeros(0, np.float32),
+                         np.zeros(0, np.float32))
 
     def _cache_bits(self, cache: KVCache):
         if self._kv is None or self._kv[0] is not cache:
@@ -127,8 +129,9 @@ class FusedModel:
             self._kv = (cache, *bits)
         return self._kv[1], self._kv[2]
 
-    def forward(self, tokens: torch.Tensor, plan: AttnPlan, cache: KVCache) -> torch.Tensor:
-        """tokens [N] -> logits [B, vocab] fp32 at plan.last_rows."""
+    def forward(self, tokens: torch.Tensor, plan: AttnPlan, cache: KVCache, lora=None) -> torch.Tensor:
+        """tokens [N] -> logits [B, vocab] fp32 at plan.last_rows. lora: (lo, la, lb, scale,
+        row slots [N]) from imp.model.lora, or None."""
         cfg = self.cfg
         x = self.tok_embd(tokens).numpy()  # [N, d] fp32, a fresh array
         if self.embed_scale != 1.0:
@@ -140,6 +143,7 @@ class FusedModel:
             self.cos_g, self.sin_g, self.cos_l, self.sin_l, kc, vc, cache.num_blocks, cache.block_size,
             cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.window, self.neox, self.act,
             np.float32(cfg.rms_eps), np.float32(self.scale),
+            *(lora if lora is not None else (*self._no_lora, np.full(x.shape[0], -1, np.int64))),
         )
         rows = plan.last_rows.numpy()
         if rows.size == 0:

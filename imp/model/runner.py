@@ -119,27 +119,40 @@ class ModelRunner:
         tokens = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64)
         return tokens, plan
 
-    def forward(self, seqs: list[SeqWork]) -> torch.Tensor:
+    def _lora_args(self, seqs: list[SeqWork], lora) -> dict:
+        """The forward's lora argument for the seqs' adapters (none: no argument at all)."""
+        if not lora or not any(w.params is not None and w.params.lora for w in seqs):
+            return {}
+        if not self.supports_lora:
+            raise ValueError("LoRA needs the fused GGUF forward")
+        return {"lora": (*lora.packed()[:4], lora.row_slots(seqs))}
+
+    def forward(self, seqs: list[SeqWork], lora=None) -> torch.Tensor:
         """All new tokens of all seqs in one forward -> fp32 logits [B, vocab] at each last position."""
         tokens, plan = self._prepare(seqs)
+        kw = self._lora_args(seqs, lora)
         with self._lock:
             self._threads()
-            return self.model.forward(tokens, plan, self.cache)
+            return self.model.forward(tokens, plan, self.cache, **kw)
 
-    def step(self, seqs: list[SeqWork], constraints=None) -> list[SampledToken]:
+    supports_lora = property(lambda self: isinstance(self.model, FusedModel))
+
+    def step(self, seqs: list[SeqWork], constraints=None, lora=None) -> list[SampledToken]:
         """forward + sampling, one SampledToken per seq with sample=True or prompt_logprobs >= 0.
 
         A seq with prompt_logprobs >= 0 also gets its chunk's prompt tokens scored
         (SampledToken.prompt); if it samples nothing this step, token_id is -1.
         constraints (imp.constrain.book.ConstraintBook): masks constrained rows' logits
-        right before sampling.
+        right before sampling. lora (imp.model.lora.LoraTable): the adapters that seqs'
+        params.lora name.
         """
         tokens, plan = self._prepare(seqs)
         rows, sample_at, plp_at = head_rows(seqs)
         plan.last_rows = torch.tensor(rows, dtype=torch.int64)
+        kw = self._lora_args(seqs, lora)
         with self._lock:
             self._threads()
-            logits = self.model.forward(tokens, plan, self.cache)  # [len(rows), vocab]
+            logits = self.model.forward(tokens, plan, self.cache, **kw)  # [len(rows), vocab]
         order = sorted(sample_at)
         drawn = {}
         if order:

@@ -30,9 +30,9 @@ def call(url, path, body=None, method=None):
         return e.code, json.loads(e.read())
 
 
-def factors(seed, layers=range(30)):
+def factors(seed, layers=range(30), std=0.1):
     rng = np.random.default_rng(seed)
-    return {(layer, m): (rng.standard_normal((8, i), np.float32) * 0.1, rng.standard_normal((o, 8), np.float32) * 0.1)
+    return {(layer, m): (rng.standard_normal((8, i), np.float32) * std, rng.standard_normal((o, 8), np.float32) * std)
             for layer in layers for m, (o, i) in DIMS.items()}
 
 

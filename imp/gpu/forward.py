@@ -37,8 +37,9 @@ class Forward:
         self.kv_impl = kv_impl  # "numba" | "cupy": the KV write captured into graphs
         self.eager_kv_impl = "cupy"  # outside graphs: a CuPy launch costs far less host time than Numba's
 
-    def __call__(self, m: Meta) -> torch.Tensor:
-        """logits [R, V] fp32 for m.out_rows (every row when None)."""
+    def __call__(self, m: Meta, lora=None) -> torch.Tensor:
+        """logits [R, V] fp32 for m.out_rows (every row when None). lora: (imp.gpu.lora.DeviceLoras,
+        row slots [N]) for a step with adapter rows: unfused, each projection gets its delta."""
         cfg, w = self.cfg, self.w
         H, Hkv, D, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps
         N = m.tokens.shape[0]
@@ -53,12 +54,17 @@ class Forward:
             kc, vc = self.k_cache[i], self.v_cache[i]  # [num_blocks, bs, Hkv, D]
             kf, vf = kc.view(-1, Hkv * D), vc.view(-1, Hkv * D)  # [slots, Hkv D]
             qm = L.wqkv.mode(N)
-            fused = self.fuse and qm in qgemv.XVARIANTS
+            fused = self.fuse and qm in qgemv.XVARIANTS and lora is None
             if fused:  # one kernel: QKV GEMV, RoPE on q/k, k/v into the cache
                 qkv = qgemv.gemv_bf16x(L.wqkv.xw, h, variant=qm, mode="qkv",
                                        rope=(m.positions, self.cos, self.sin, (H + Hkv) * D), kv=(kf, vf, m.slots, H * D))
             else:
                 qkv = L.wqkv.run(qm, h)  # [N, (H + 2 Hkv) D]
+                if lora is not None:
+                    dl, idx = lora
+                    dl.add(qkv[:, :H * D], h, i, 0, idx)
+                    dl.add(qkv[:, H * D:(H + Hkv) * D], h, i, 1, idx)
+                    dl.add(qkv[:, (H + Hkv) * D:], h, i, 2, idx)
                 k_rope.rope(qkv, m.positions, self.cos, self.sin, H + Hkv)
             kn, vn = qkv[:, H * D:(H + Hkv) * D], qkv[:, (H + Hkv) * D:]  # [N, Hkv D] each
             if not fused:
@@ -68,13 +74,22 @@ class Forward:
                     k_kv.kv_write_cupy(kn, vn, kf, vf, m.slots)
             a = self.attention(qkv, kn, vn, kc, vc, m, N)  # [N, H D]
             delta = L.wo(a)  # [N, d]
+            if lora is not None:
+                lora[0].add(delta, a, i, 3, lora[1])
             k_norm.add_rmsnorm(x, delta, L.ffn_norm, eps, out=h)
             gm = L.w13.mode(N)
-            if self.fuse and gm in qgemv.XVARIANTS:  # one kernel: gate/up GEMV and SiLU(gate) * up
+            if self.fuse and gm in qgemv.XVARIANTS and lora is None:  # one kernel: gate/up GEMV, SiLU(gate) * up
                 act = qgemv.gemv_bf16x(L.w13.xw, h, variant=gm, mode="gated", act="silu")
             else:
-                act = k_act.gated_act(L.w13.run(gm, h), "silu")  # [N, d_ff]
+                gu = L.w13.run(gm, h)  # [N, 2 d_ff]: gate columns, then up
+                if lora is not None:
+                    F = gu.shape[1] // 2
+                    lora[0].add(gu[:, :F], h, i, 4, lora[1])
+                    lora[0].add(gu[:, F:], h, i, 5, lora[1])
+                act = k_act.gated_act(gu, "silu")  # [N, d_ff]
             delta = L.w2(act)  # [N, d]
+            if lora is not None:
+                lora[0].add(delta, act, i, 6, lora[1])
         if m.out_rows is not None:
             x, delta = x.index_select(0, m.out_rows), delta.index_select(0, m.out_rows)  # [R, d]
         hf = k_norm.add_rmsnorm(x, delta, w.out_norm, eps)

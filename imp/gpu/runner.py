@@ -46,6 +46,7 @@ import torch
 from imp.formats.gguf_loader import ModelConfig
 from imp.gpu.forward import Forward
 from imp.gpu.graphs import DecodeGraphs
+from imp.gpu.lora import DeviceLoras
 from imp.gpu.inputs import Landing, check, eager_meta
 from imp.gpu.linear import FUSED_CREDIT_US
 from imp.gpu.weights import GGUFSource, Weights, load_weights
@@ -88,6 +89,7 @@ class GpuModelRunner:
         self._sampled = torch.zeros(MAX_SAMPLED, dtype=torch.int32, device=self.device)  # last step's ids
         self._prev_rows: dict[str, int] = {}  # seq id -> index in _sampled, for the next step's PENDING_TOKEN
         self._prev: Landing | None = None
+        self._dev_loras = None  # imp.gpu.lora.DeviceLoras, made at the first adapter step
         self._ring = [torch.zeros(MAX_SAMPLED, dtype=torch.int32).pin_memory() for _ in range(RING)]
         self._ring_i = 0
         self.w: Weights = load_weights(src, self.device, dense)
@@ -167,7 +169,7 @@ class GpuModelRunner:
     # ------------------------------------------------------------------ interface
 
     @torch.inference_mode()
-    def forward(self, seqs: list[SeqWork]) -> torch.Tensor:
+    def forward(self, seqs: list[SeqWork], lora=None) -> torch.Tensor:
         """fp32 logits [B, vocab] (on the device) at each sequence's last new token."""
         self._check(seqs)
         rows, base = [], 0
@@ -176,9 +178,10 @@ class GpuModelRunner:
             rows.append(base - 1)
         with self._lock:
             _cuda.use_device(self.device.index or 0)
-            return self.fwd(eager_meta(seqs, rows, self.block_size, self.device)).clone()
+            la = self._lora_arg(seqs, lora)
+            return self.fwd(eager_meta(seqs, rows, self.block_size, self.device), lora=la).clone()
 
-    supports_lora = False  # the GPU forward has no adapter path yet: a load is refused by name
+    supports_lora = True  # adapter rows run eagerly and unfused (imp.gpu.lora)
 
     def step(self, seqs: list[SeqWork], constraints=None, lora=None) -> list[SampledToken]:
         return self.collect(self.launch(seqs, constraints, lora))
@@ -199,13 +202,14 @@ class GpuModelRunner:
         rows' logits before sampling; such a row's history must be complete, so
         a constrained share feeding PENDING_TOKEN waits for the previous step's
         ids on the host (as a penalized one does) while this step's forward runs.
-        lora: never used here (supports_lora is False, so no adapter is ever loaded).
+        lora (imp.model.lora.LoraTable): the adapters the seqs' params.lora name; a step with
+        adapter rows runs eagerly (no graph), every projection getting its rows' deltas.
         """
         self._check(seqs)
         with self._lock:
             _cuda.use_device(self.device.index or 0)  # per thread: the executor's thread starts on device 0
             try:
-                return self._launch(seqs, constraints)
+                return self._launch(seqs, constraints, lora)
             except BaseException:
                 self._prev_rows, self._prev = {}, None  # nothing to feed the next step from
                 raise
@@ -232,15 +236,24 @@ class GpuModelRunner:
     def _check(self, seqs: list[SeqWork]) -> None:
         check(seqs, self.config.context_length, self.block_size, self.num_blocks)
 
-    def _launch(self, seqs: list[SeqWork], constraints=None) -> Landing:
+    def _lora_arg(self, seqs: list[SeqWork], lora):
+        if not lora or not any(w.params is not None and w.params.lora for w in seqs):
+            return None
+        if self._dev_loras is None:
+            self._dev_loras = DeviceLoras(self.device)
+        self._dev_loras.sync(lora, self.config)
+        return self._dev_loras, self._dev_loras.rows(seqs, sum(len(w.token_ids) for w in seqs))
+
+    def _launch(self, seqs: list[SeqWork], constraints=None, lora=None) -> Landing:
         seqs = pending.known(seqs, self._prev_rows)
         src = pending.pending_rows(seqs, self._prev_rows)
         if not seqs:
             return self._landed([], None, [])
-        if self.graphs.fits(seqs):
+        la = self._lora_arg(seqs, lora)
+        if la is None and self.graphs.fits(seqs):
             return self._sample_and_land(self.graphs.replay(seqs, src), seqs, constraints)
         rows, sample_at, plp_at = head_rows(seqs)
-        logits = self.fwd(eager_meta(seqs, rows, self.block_size, self.device, src))  # rows == []: KV writes only
+        logits = self.fwd(eager_meta(seqs, rows, self.block_size, self.device, src), lora=la)  # rows == []: KV only
         order = sorted(sample_at)
         if not plp_at:
             if not order:

@@ -22,14 +22,17 @@ class LoraTable:
         self.adapters: dict[int, Adapter] = {}  # adapter id -> its factors (ids from admission order)
         self._packed = None
         self._n_layers = 0
+        self.version = 0  # bumped by every change (the GPU copy re-uploads on it)
 
     def add(self, lora_id: int, adapter: Adapter, n_layers: int) -> None:
         self.adapters[lora_id] = adapter
         self._n_layers = n_layers
         self._packed = None
+        self.version += 1
 
     def remove(self, lora_id: int) -> bool:
         self._packed = None
+        self.version += 1
         return self.adapters.pop(lora_id, None) is not None
 
     def __bool__(self) -> bool:

@@ -669,11 +669,12 @@ def test_tools_system_prompt(shape):
 
 def test_unbounded_numbers_get_a_bound_so_a_call_always_closes():
     """Codex's exec_command has `yield_time_ms: {"type": "number"}`: unbounded, a small model ran
-    its digits to max_tokens. Forced arguments bound every integer / number to ±(2^53 - 1);
-    values in enum / const / default are instances and stay as they are."""
+    its digits to max_tokens, and past 2^31 Codex cannot parse it ("expected i32"). Forced
+    arguments bound every integer / number to ±(2^31 - 1); values in enum / const / default are
+    instances and stay as they are."""
     from imp.tools.grammar import bound_numbers
 
-    B = 2**53 - 1
+    B = 2**31 - 1
     schema = {"type": "object", "properties": {
         "ms": {"type": "number"}, "n": {"type": ["integer", "null"], "minimum": 0},
         "default": {"type": "integer", "exclusiveMaximum": 10},

@@ -83,16 +83,18 @@ def close_objects(schema: Any) -> Any:
 
 # A number with no bounds is an unbounded digit run to the grammar: a small model that starts
 # one ("yield_time_ms": 1000000...) may never close it, and the call is cut at max_tokens. The
-# integer part is bounded at the IEEE double's exact range (what JSON parsers keep anyway),
-# which llguidance turns into at most 16 digits; a fraction stays unbounded (no JSON Schema
+# integer part is bounded at the int32 range: what every typed client decodes such a field into
+# (Codex 0.171 parses exec_command's `yield_time_ms: {"type": "number"}` as an i32 and fails the
+# whole turn on 1000000000000000, "expected i32"); llguidance turns it into at most 10 digits.
+# A schema's own minimum / maximum always wins. A fraction stays unbounded (no JSON Schema
 # keyword bounds it) and is left to max_tokens.
-_SAFE_INT = 2**53 - 1
+_SAFE_INT = 2**31 - 1
 _VALUES = ("enum", "const", "default", "examples")  # instances, not schemas: never rewritten
 _MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def bound_numbers(schema: Any) -> Any:
-    """A copy of schema where every integer / number without a bound gets ±(2^53 - 1)."""
+    """A copy of schema where every integer / number without a bound gets ±(2^31 - 1)."""
     if isinstance(schema, list):
         return [bound_numbers(v) for v in schema]
     if not isinstance(schema, dict):

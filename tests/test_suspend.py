@@ -73,6 +73,9 @@ def test_operator_suspend_releases_memory_and_resume_reloads(smollm2_path, tmp_p
               f"(server measured {s['memory']['rss_before'] / 2**20:.0f} -> {s['memory']['rss_after'] / 2**20:.0f})")
         assert before - after > 0.8 * smollm2_path.stat().st_size, (before, after)  # the weights left
         assert call(srv.url, "/ready")[1]["code"] == "suspended"
+        t0 = time.monotonic()
+        st, s2 = call(srv.url, "/admin/suspend?drain_s=10", {}, "POST")  # again: already released
+        assert st == 200 and s2["kv_released"] and time.monotonic() - t0 < 5, s2
         assert 'imp_model_loaded{model="SmolLM2-135M-Instruct.Q4_1"} 0.0' in metrics(srv.url)
         st, h = call(srv.url, "/health")
         assert st == 200 and h["suspended"] and not h["weights_loaded"], h
@@ -110,6 +113,11 @@ def test_idle_unload_releases_and_the_next_request_reloads_inside_itself(smollm2
         assert st == 200 and r["idle_suspended"] is True, r
         after = rss(srv.proc.pid)
         print(f"\nRSS {before / 2**20:.0f} MiB -> {after / 2**20:.0f} MiB after the idle unload")
+        t0 = time.monotonic()
+        st, s = call(srv.url, "/admin/suspend?drain_s=5", {}, "POST")  # an operator suspend on top of an idle one
+        assert st == 200 and s["kv_released"] and time.monotonic() - t0 < 5, s
+        assert call(srv.url, "/ready")[1]["code"] == "suspended"
+        assert call(srv.url, "/admin/resume", {}, "POST")[1]["reloaded"]
         assert before - after > 0.8 * smollm2_path.stat().st_size, (before, after)
         t0 = time.monotonic()
         st, again = call(srv.url, "/v1/chat/completions", CHAT)

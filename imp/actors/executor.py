@@ -198,7 +198,8 @@ class ExecutorActor(Actor):
         return memory.rss_bytes(), memory.device_free_bytes(self.device)
 
     async def _unload(self, reason: str) -> None:
-        if self.runner is None:
+        if self.runner is None:  # released already (an idle unload, a second suspend): say so
+            self.send("ingress", MemoryState(self.name, False, reason, 0.0))
             return
         if self.loader is None:
             self.send("ingress", MemoryState(self.name, True, reason, 0.0, error="this runner cannot be unloaded"))
@@ -219,6 +220,8 @@ class ExecutorActor(Actor):
     async def _load(self, reason: str) -> None:
         """Build the runner again (a failure is a fault: the actor stops, requests end)."""
         if self.runner is not None:
+            if reason == "resume":  # nothing to load: still answer the caller that waits
+                self.send("ingress", MemoryState(self.name, True, reason, 0.0))
             return
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()

@@ -294,6 +294,8 @@ class LocalEngine:
         if self.lora_named(name) is not None:
             raise LoraRefused(409, "lora_already_loaded", f"a LoRA adapter named {name!r} is loaded already")
         lid, self._lora_next = self._lora_next, self._lora_next + 1
+        self.last_activity = time.monotonic()
+        self.idle_suspended = False  # the executor loads the model to check the adapter against it
         states = await self._lora_replies(lid, lambda n: self.ingress.send(n, LoraLoad(lid, name, str(real))))
         errors = [m.error for m in states if m.error] or ([] if len(states) == len(self.executors) else
                                                           ["no answer from the executor"])

@@ -74,3 +74,38 @@ def test_logprobs_finite_sorted_and_consistent():
     assert t.logprob == dict(t.top)[t.token_id]
     g = S.sample_one(x, work(logprobs=0))
     assert g.top == () and abs(g.logprob - torch.log_softmax(x, -1).max().item()) < 1e-5
+
+
+def test_penalties_touch_only_the_history_and_match_the_dense_form():
+    """apply_penalties gathers the history's tokens only; the dense form over the whole row (HF's
+    semantics: divide positive logits, multiply negative ones, then presence, then frequency)
+    is the reference, bit for bit."""
+    import random
+
+    from imp.messages import SamplingParams
+    from imp.sampling.cpu import apply_penalties
+
+    def dense(logits, history, p):
+        ids = torch.tensor(history, dtype=torch.int64)
+        counts = torch.bincount(ids, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
+        seen, out = counts > 0, logits
+        if p.repetition_penalty != 1.0:
+            r = p.repetition_penalty
+            out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+        if p.presence_penalty != 0.0:
+            out = out - p.presence_penalty * seen.to(out.dtype)
+        if p.frequency_penalty != 0.0:
+            out = out - p.frequency_penalty * counts
+        return out
+
+    rng = random.Random(0)
+    for _ in range(200):
+        V = rng.choice([50, 1000, 49152])
+        x = torch.randn(V, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))) * 5
+        x[rng.randrange(V)] = 0.0
+        hist = [rng.randrange(V) for _ in range(rng.randrange(1, 300))]
+        p = SamplingParams(max_tokens=1, repetition_penalty=rng.choice([1.0, 1.05, 1.3, 0.9]),
+                           presence_penalty=rng.choice([0.0, 0.3, -1.2]), frequency_penalty=rng.choice([0.0, 0.7, -0.4]))
+        before = x.clone()
+        assert torch.equal(apply_penalties(x, hist, p), dense(x, hist, p))
+        assert torch.equal(x, before)  # the caller's row is not changed in place

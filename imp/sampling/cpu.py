@@ -41,20 +41,29 @@ def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) 
 
 
 def apply_penalties(logits: torch.Tensor, history: list[int], p: SamplingParams) -> torch.Tensor:
-    """Repetition (HF: divide positive logits, multiply negative ones), presence, frequency."""
+    """Repetition (HF: divide positive logits, multiply negative ones), presence, frequency.
+
+    Only the tokens of the history change, so only they are gathered, penalized and put back:
+    O(history) instead of O(vocab) (Gemma's 262k vocabulary made the dense form ~2 ms a row).
+    The same operations in the same order as on the whole row, so the same bits."""
     if not history or not p.penalized:
         return logits
+    V = logits.shape[-1]
     ids = torch.tensor(history, dtype=torch.int64)
-    counts = torch.bincount(ids, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
-    seen = counts > 0
-    out = logits
+    ids = ids[(ids >= 0) & (ids < V)]
+    if ids.numel() == 0:
+        return logits
+    uniq, counts = torch.unique(ids, return_counts=True)
+    v = logits.index_select(-1, uniq)
     if p.repetition_penalty != 1.0:
         r = p.repetition_penalty
-        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+        v = torch.where(v > 0, v / r, v * r)
     if p.presence_penalty != 0.0:
-        out = out - p.presence_penalty * seen.to(out.dtype)
+        v = v - p.presence_penalty * torch.ones_like(v)
     if p.frequency_penalty != 0.0:
-        out = out - p.frequency_penalty * counts
+        v = v - p.frequency_penalty * counts.to(v.dtype)
+    out = logits.clone()
+    out[..., uniq] = v
     return out
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -69,3 +71,15 @@ class ServerProcess:
         finally:
             if self.out is not subprocess.DEVNULL:
                 self.out.close()
+
+
+def call(url: str, path: str, body: dict | None = None, method: str | None = None,
+         timeout: float = 120) -> tuple[int, dict]:
+    """One JSON request to a running server: (status, decoded body), error statuses included."""
+    req = urllib.request.Request(url + path, json.dumps(body).encode() if body is not None else None,
+                                 {"Content-Type": "application/json"}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

@@ -6,28 +6,15 @@ surviving suspend/resume, ids never reused. The logits against HF+peft: tests/te
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
 
-from tests.serverproc import ServerProcess
+from tests.serverproc import ServerProcess, call
 from tests.test_lora import write_peft
 
 pytestmark = pytest.mark.slow
 DIMS = {0: (576, 576), 1: (192, 576), 2: (192, 576), 3: (576, 576), 4: (1536, 576), 5: (1536, 576), 6: (576, 1536)}
-
-
-def call(url, path, body=None, method=None):
-    req = urllib.request.Request(url + path, json.dumps(body).encode() if body is not None else None,
-                                 {"Content-Type": "application/json"}, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def factors(seed, layers=range(30), std=0.1):

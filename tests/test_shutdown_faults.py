@@ -21,19 +21,9 @@ import urllib.request
 
 import pytest
 
-from tests.serverproc import ROOT, ServerProcess
+from tests.serverproc import ROOT, ServerProcess, call
 
 pytestmark = pytest.mark.slow
-
-
-def call(url: str, path: str, body: dict | None = None, timeout: float = 120) -> tuple[int, dict]:
-    req = urllib.request.Request(url + path, json.dumps(body).encode() if body is not None else None,
-                                 {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def stream(url: str, body: dict, out: dict, first: threading.Event, timeout: float = 120) -> None:

@@ -13,33 +13,21 @@ idle_suspended, /ready stays 200.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 
 import pytest
 
-from tests.serverproc import ROOT, ServerProcess
+from tests.serverproc import ROOT, ServerProcess, call
 
 pytestmark = pytest.mark.slow
 PAGE = os.sysconf("SC_PAGE_SIZE")
 KV_TOKENS = 16384  # SmolLM2 fp16 KV: 2 * 30 layers * 3 heads * 64 * 2 B = 23 KB/token -> 360 MiB
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Name three colours of the rainbow."}],
         "temperature": 0, "max_tokens": 16}
-
-
-def call(url: str, path: str, body: dict | None = None, method: str | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(url + path, json.dumps(body).encode() if body is not None else None,
-                                 {"Content-Type": "application/json"}, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def rss(pid: int) -> int:

@@ -22,8 +22,8 @@ import itertools
 import time
 from typing import Callable, Sequence
 
-from imp.messages import Msg
 from imp.messages import (
+    Msg,
     StoreDelete,
     StoreGet,
     StoreGetChain,

@@ -215,26 +215,32 @@ class LocalEngine:
             device_free_after=sum(m.device_free_after for m in states), error="; ".join(errors),
         )
 
-    async def _memory(self, names: list[str], send, timeout_s: float = 300.0) -> list:
-        """Send each executor a message (send(name)) and wait for their MemoryStates."""
+    async def _ask(self, msg, names: list[str], replies: dict, key=lambda n: n, timeout_s: float = 300.0,
+                   keep: bool = True) -> list:
+        """Send msg to each executor in names and wait (up to timeout_s, or a fault) for their
+        replies, which ingress files in `replies` under key(name); keep=False takes them out."""
         ing = self.ingress
-        for name in names:
-            ing.memory.pop(name, None)
-            send(name)
+        for n in names:
+            replies.pop(key(n), None)
+            ing.send(n, msg)
         deadline = time.monotonic() + timeout_s
-        while any(n not in ing.memory for n in names) and not self.fault and time.monotonic() < deadline:
+        while any(key(n) not in replies for n in names) and not self.fault and time.monotonic() < deadline:
             ing.memory_changed.clear()
             try:
                 await asyncio.wait_for(ing.memory_changed.wait(), 0.5)
             except asyncio.TimeoutError:
                 pass
-        return [ing.memory[n] for n in names if n in ing.memory]
+        got = [replies[key(n)] for n in names if key(n) in replies]
+        if not keep:
+            for n in names:
+                replies.pop(key(n), None)
+        return got
 
     async def _unload(self, reason: str) -> list:
         # the pool's KV goes with it: the prefix cache must not promise blocks it no longer has
         for kv in self.kvs:
             self.ingress.send(kv.name, KvForget())
-        states = await self._memory(self.executors, lambda n: self.ingress.send(n, Unload(reason)))
+        states = await self._ask(Unload(reason), self.executors, self.ingress.memory)
         for m in states:
             if m.error:
                 log.warning("[%s-unload] %s: %s", reason, m.actor, m.error)
@@ -249,7 +255,7 @@ class LocalEngine:
         if self.draining:  # a shutdown is not undone by an admin call
             return ResumeResult(suspended=False, reloaded=False)
         released = [n for n in self.executors if n in self.ingress.memory and not self.ingress.memory[n].loaded]
-        states = await self._memory(released, lambda n: self.ingress.send(n, Reload())) if released else []
+        states = await self._ask(Reload(), released, self.ingress.memory) if released else []
         self.idle_suspended = False
         self.ingress.resume()
         return ResumeResult(suspended=False, reloaded=bool(states),
@@ -263,21 +269,9 @@ class LocalEngine:
     def lora_named(self, name: str) -> int | None:
         return next((i for i, a in self._loras.items() if a.name == name), None)
 
-    async def _lora_replies(self, lora_id: int, send, timeout_s: float = 120.0) -> list:
-        ing = self.ingress
-        for n in self.executors:
-            ing.lora_states.pop((n, lora_id), None)
-        for n in self.executors:
-            send(n)
-        deadline = time.monotonic() + timeout_s
-        while (any((n, lora_id) not in ing.lora_states for n in self.executors) and not self.fault
-               and time.monotonic() < deadline):
-            ing.memory_changed.clear()
-            try:
-                await asyncio.wait_for(ing.memory_changed.wait(), 0.5)
-            except asyncio.TimeoutError:
-                pass
-        return [ing.lora_states.pop((n, lora_id)) for n in self.executors if (n, lora_id) in ing.lora_states]
+    async def _lora_ask(self, msg, lora_id: int) -> list:
+        return await self._ask(msg, self.executors, self.ingress.lora_states, key=lambda n: (n, lora_id),
+                               timeout_s=120.0, keep=False)
 
     async def lora_load(self, path: str, name: str | None) -> LoraInfo:
         if self.fault:
@@ -296,7 +290,7 @@ class LocalEngine:
         lid, self._lora_next = self._lora_next, self._lora_next + 1
         self.last_activity = time.monotonic()
         self.idle_suspended = False  # the executor loads the model to check the adapter against it
-        states = await self._lora_replies(lid, lambda n: self.ingress.send(n, LoraLoad(lid, name, str(real))))
+        states = await self._lora_ask(LoraLoad(lid, name, str(real)), lid)
         errors = [m.error for m in states if m.error] or ([] if len(states) == len(self.executors) else
                                                           ["no answer from the executor"])
         if errors:
@@ -323,7 +317,7 @@ class LocalEngine:
             raise LoraRefused(503, "lora_busy", f"{self._lora_users[lid]} requests still run with {info.name!r} "
                                                 f"after {drain_s:g}s; try again")
         del self._loras[lid]
-        await self._lora_replies(lid, lambda n: self.ingress.send(n, LoraUnload(lid)))
+        await self._lora_ask(LoraUnload(lid), lid)
         self._lora_users.pop(lid, None)
         log.info("[lora] unloaded %r (id=%d)", info.name, lid)
         return info

@@ -173,8 +173,7 @@ def from_openai(tools: Any, tool_choice: Any = None,
         if not isinstance(f, dict):
             raise ToolSpecError(f"'{w}.function' must be an object", f"{w}.function")
         fw = f"{w}.function"
-        out.append(Tool(_name(f, "name", fw, _OPENAI_NAME), _description(f, "description", fw),
-                        _schema(f, "parameters", fw, required=False), _strict(f, fw)))
+        out.append(_function_tool(f, fw))
         params.append(f"{fw}.name")
     _unique(out, params)
     parallel = _parallel(parallel_tool_calls, "parallel_tool_calls")
@@ -195,13 +194,18 @@ def from_responses(tools: Any, tool_choice: Any = None,
             raise ToolSpecError(f"'{w}' must be an object", w)
         if t.get("type") != "function":
             raise ToolSpecError(f"'{w}.type': only 'function' tools are supported, not {t.get('type')!r}", f"{w}.type")
-        out.append(Tool(_name(t, "name", w, _OPENAI_NAME), _description(t, "description", w),
-                        _schema(t, "parameters", w, required=False), _strict(t, w)))
+        out.append(_function_tool(t, w))
         params.append(f"{w}.name")
     _unique(out, params)
     parallel = _parallel(parallel_tool_calls, "parallel_tool_calls")
     mode, name = _openai_choice(tool_choice, nested=False)
     return out, _choice(mode, name, out, parallel, "tool_choice", "tool_choice.name")
+
+
+def _function_tool(d: dict, where: str) -> Tool:
+    """An OpenAI function definition (chat's `function` object, or a flat Responses tool)."""
+    return Tool(_name(d, "name", where, _OPENAI_NAME), _description(d, "description", where),
+                _schema(d, "parameters", where, required=False), _strict(d, where))
 
 
 def _openai_choice(choice: Any, nested: bool) -> tuple[str, str | None]:

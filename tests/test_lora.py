@@ -43,7 +43,7 @@ def test_paths_are_confined_to_the_lora_dir(tmp_path):
     assert confine(str(root), "good") == (root / "good").resolve()
     assert confine(str(root), str(root / "good")) == (root / "good").resolve()  # absolute, inside
     for bad, why in [("../secret", "'..'"), ("good/../../secret", "'..'"), (str(outside), "outside"),
-                     ("escape", "symlink"), ("missing", "does not exist"), ("", "non-empty")]:
+                     ("escape", "symlink"), ("missing", "does not exist"), ("", "non-empty"), ("a\x00b", "NUL")]:
         with pytest.raises(LoraError, match=why):
             confine(str(root), bad)
     with pytest.raises(LoraError, match="--lora-dir"):

@@ -50,8 +50,10 @@ def confine(lora_dir: str | None, path: str) -> Path:
     """The adapter path resolved inside lora_dir, or LoraError."""
     if not lora_dir:
         raise LoraError("LoRA loading is off: start the server with --lora-dir DIR")
-    if not isinstance(path, str) or not path or "\x00" in path:
+    if not isinstance(path, str) or not path:
         raise LoraError("'path' must be a non-empty string")
+    if "\x00" in path:
+        raise LoraError("'path' must not contain NUL bytes")
     root = Path(lora_dir).resolve()
     raw = Path(path)
     if ".." in raw.parts:

@@ -28,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"replay: cannot read the model {model}: {exc}", file=sys.stderr)
                 return 2
         return replay_main(argv[1:], expect_fingerprint=fp)
+    if argv and argv[0] in ("_engine", "_api"):  # children of the supervisor (imp.procs)
+        from imp import procs
+
+        return (procs.engine_main if argv[0] == "_engine" else procs.api_main)(argv[1:])
     if argv and argv[0] == "pull":
         p = argparse.ArgumentParser(prog="python -m imp pull")
         p.add_argument("name")
@@ -45,6 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(ns)
     except ValueError as exc:
         p.error(str(exc))
+    import os
+
+    from imp.config import api_servers
+
+    if api_servers(cfg, os.cpu_count() or 1) > 0:  # an engine process and API-server processes
+        from imp.procs import supervise
+
+        return supervise(cfg)
     from imp.server import serve
 
     serve(cfg)

@@ -32,6 +32,9 @@ class ServerConfig:
     device: str = "cpu"  # "cpu" or "cuda[:N]": which executor runs the model
     pipeline_depth: int = 0  # steps in flight: 2 plans step N+1 while N runs; 0 = auto (2 on a GPU, 1 on CPU)
     data_parallel: int = 1  # model replicas, one executor each (cuda:K, cuda:K+1, ... from --device)
+    # API-server processes in front of one engine process (0 = HTTP in the engine's own
+    # process; -1 = auto: 0 on CPU, where the cores are the model's, else from the cores)
+    api_servers: int = -1
     log_level: str = "info"
     otlp_endpoint: str | None = None  # OTLP/HTTP traces URL (else OTEL_EXPORTER_OTLP_TRACES_ENDPOINT at boot)
     log_requests: str | None = None  # JSONL file: one line per generation request
@@ -58,6 +61,7 @@ class ServerConfig:
             (self.device == "cpu" or self.device.startswith("cuda"), "--device must be cpu or cuda[:N]"),
             (self.pipeline_depth in (0, 1, 2), "--pipeline-depth must be 1 or 2 (0 = auto)"),
             (1 <= self.data_parallel <= 64, "--data-parallel must be 1..64"),
+            (-1 <= self.api_servers <= 64, "--api-servers must be 0..64 (0 = one process; default: auto)"),
             (self.responses_store_max_responses >= 0, "--responses-store-max-responses must be >= 0"),
             (self.responses_store_max_bytes >= 0, "--responses-store-max-bytes must be >= 0"),
             (self.responses_store_max_age_s >= 0, "--responses-store-max-age must be >= 0"),
@@ -103,6 +107,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel", type=int, default=1,
                    help="model replicas, one scheduler + KV pool + executor each; with --device cuda:K they take "
                         "cuda:K .. cuda:K+N-1 (on CPU they share the cores)")
+    p.add_argument("--api-servers", type=int, default=-1,
+                   help="HTTP API-server processes in front of one engine process, sharing the port "
+                        "(0 = HTTP in the engine's process; default: 0 on CPU, else from the cores)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--otlp-endpoint", default=None,
                    help="full OTLP/HTTP traces URL of a collector, e.g. http://127.0.0.1:4318/v1/traces "
@@ -124,6 +131,16 @@ def replica_devices(cfg: ServerConfig) -> list[str]:
         return ["cpu"] * cfg.data_parallel
     base = int(cfg.device.partition(":")[2] or 0)
     return [f"cuda:{base + i}" for i in range(cfg.data_parallel)]
+
+
+def api_servers(cfg: ServerConfig, cores: int) -> int:
+    """--api-servers, auto resolved: on CPU the cores run the model, so HTTP stays in its
+    process; on a GPU the per-token host work moves off the engine's loop."""
+    if cfg.api_servers >= 0:
+        return cfg.api_servers
+    if not cfg.device.startswith("cuda") or cores < 4:
+        return 0
+    return max(1, min(4, cores // 8))
 
 
 def pipeline_depth(cfg: ServerConfig) -> int:

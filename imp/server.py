@@ -66,16 +66,49 @@ def warm_up_prefill(runner, tokens: int = 128) -> float | None:
     return rate
 
 
-def load_engine(cfg: ServerConfig, store=None) -> tuple[LocalEngine, TextModel]:
-    """Everything that reads the disk or the environment happens here, once."""
+def model_name(path: Path) -> str:
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def text_parts(cfg: ServerConfig, path: Path, metadata: dict):
+    """The tokenizer and chat template of the model at path (its metadata already read)."""
+    from imp.text.chat_template import ChatTemplate
+    from imp.text.tokenizer import Tokenizer
+
+    template = ChatTemplate.from_metadata(metadata, override_path=cfg.chat_template)
+    if path.is_dir():  # HF directory: tokenizer.json; BOS/EOS texts for the template from it
+        from imp.text.hf_tokenizer import HFTokenizer
+
+        tokenizer = HFTokenizer.from_dir(path)
+        template = ChatTemplate(template.source, tokenizer.token_text("bos"), tokenizer.token_text("eos"))
+    else:
+        tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    return tokenizer, template
+
+
+def load_text(cfg: ServerConfig) -> tuple[TextModel, GrammarCache]:
+    """What an API-server process needs of the model: its text side and grammar vocabulary,
+    read from the file's header (the weights stay with the engine process)."""
+    from imp.fetch import resolve_model
+    from imp.formats.gguf_loader import open_gguf
+    from imp.formats.hf_dir import open_hf_dir
+
+    path = Path(resolve_model(cfg.model))
+    g = open_hf_dir(path) if path.is_dir() else open_gguf(str(path))
+    tokenizer, template = text_parts(cfg, path, g.metadata)
+    return (TextModel.build(tokenizer, template, g.metadata),
+            GrammarCache(from_tokenizer(tokenizer, int(g.config.vocab_size))))
+
+
+def load_engine(cfg: ServerConfig, store=None, render: bool = True) -> tuple[LocalEngine, TextModel]:
+    """Everything that reads the disk or the environment happens here, once. render=False:
+    the engine sends token ids only (API-server processes make the text)."""
     import torch
 
     from imp.fetch import resolve_model
     from imp.formats.lora import LoraFiles
     from imp.model.lora import LoraTable
-    from imp.text.chat_template import ChatTemplate
     from imp.model.runner import ModelRunner
-    from imp.text.tokenizer import Tokenizer
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -96,15 +129,8 @@ def load_engine(cfg: ServerConfig, store=None) -> tuple[LocalEngine, TextModel]:
     loaders = [loader(device) for device in replica_devices(cfg)]  # data parallel: one model copy each
     runners = [load() for load in loaders]
     runner = runners[0]
-    template = ChatTemplate.from_metadata(runner.metadata, override_path=cfg.chat_template)
-    if path.is_dir():  # HF directory: tokenizer.json; BOS/EOS texts for the template from it
-        from imp.text.hf_tokenizer import HFTokenizer
-
-        tokenizer = HFTokenizer.from_dir(path)
-        template = ChatTemplate(template.source, tokenizer.token_text("bos"), tokenizer.token_text("eos"))
-    else:
-        tokenizer = Tokenizer.from_gguf_metadata(runner.metadata)
-    name = path.stem if path.suffix == ".gguf" else path.name
+    tokenizer, template = text_parts(cfg, path, runner.metadata)
+    name = model_name(path)
     _progress(
         f"loaded {name} in {time.monotonic() - t0:.1f}s: {runner.config.n_layers} layers, "
         f"ctx {runner.config.context_length}, KV pool {runner.num_blocks} x {runner.block_size} tokens"
@@ -123,7 +149,8 @@ def load_engine(cfg: ServerConfig, store=None) -> tuple[LocalEngine, TextModel]:
         _progress(f"fault injection armed: {faults.kind} fault at step {faults.at_step} (IMP_FAULT_INJECT)")
     return (LocalEngine(cfg, runners, tokenizer, name, str(path), grammars=grammars, store=store, otlp=otlp,
                         faults=faults, loaders=loaders, boot_prefill_tok_s=boot_rate,
-                        lora_files=LoraFiles(cfg.lora_dir), lora_tables=[LoraTable() for _ in loaders]), text)
+                        lora_files=LoraFiles(cfg.lora_dir), lora_tables=[LoraTable() for _ in loaders],
+                        render=render), text)
 
 
 async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel, api_keys: tuple[str, ...]) -> None:
@@ -158,12 +185,17 @@ async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel, api_ke
     await runner.cleanup()
 
 
-def serve(cfg: ServerConfig) -> None:
+def setup_logging(cfg: ServerConfig) -> None:
     logging.basicConfig(
         level=getattr(logging, cfg.log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def serve(cfg: ServerConfig) -> None:
+    """One process: the engine and HTTP on one event loop (--api-servers 0; see imp.procs)."""
+    setup_logging(cfg)
     from imp.store.sqlite import StoreOpenError
 
     from imp.http.access import load_api_keys

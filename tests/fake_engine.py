@@ -204,10 +204,10 @@ class FakeEngine:
     def report(self, stats: RequestStats) -> None:
         self.reports.append(stats)
 
-    def metrics_text(self) -> bytes:
+    async def metrics_text(self) -> bytes:
         return b"# fake\nimp_model_loaded{model=\"fake-model\"} 1.0\n"
 
-    def snapshot(self, with_live: bool = False) -> Snapshot:
+    async def snapshot(self, with_live: bool = False) -> Snapshot:
         kv = KvFigures(256, 256, 0, 0, 0, 16)
         return Snapshot(kv=kv, replica_kv=(kv,), queue=QueueFigures(0, len(self.live), 0), rates=Rates(),
                         suspended=self.suspended, draining=self.draining, fault=self._fault, rejections=0,

@@ -26,6 +26,9 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "imp", "--model", str(model), "--port", str(self.port), *args]
+        if os.environ.get("IMP_TEST_API_SERVERS") and "--api-servers" not in args:
+            # the whole e2e suite against the process layout: IMP_TEST_API_SERVERS=2 pytest ...
+            cmd += ["--api-servers", os.environ["IMP_TEST_API_SERVERS"]]
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.log_path = log_path
         self.out = open(log_path, "wb") if log_path else subprocess.DEVNULL

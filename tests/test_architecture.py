@@ -38,6 +38,7 @@ RULES: dict[str, set[str]] = {
     "imp.http": {"imp.messages", "imp.config", "imp.text", "imp.engine.port", "imp.tools", "imp.constrain"},
     # boot: builds everything
     "imp.server": {"*"},
+    "imp.procs": {"*"},
     "imp.__main__": {"*"},
 }
 

@@ -1,9 +1,14 @@
 """Detokenizer actor: token ids -> text deltas, stop strings, fan-out.
 
-One state per (request, choice). Text is decoded incrementally (a multibyte
-character split across tokens is held back, never sent as U+FFFD) and passed
-through the stop matcher. When every choice of a request has hit a stop
-string, that choice is cancelled upstream so it frees its KV at once.
+One `Renderer` per request, one state per choice. Text is decoded incrementally
+(a multibyte character split across tokens is held back, never sent as U+FFFD)
+and passed through the stop matcher. When a choice hits a stop string it is
+cancelled upstream so it frees its KV at once.
+
+The renderer is also what an API-server process runs on its side of the
+process boundary (`imp.engine.remote`): there the engine's detok actor runs
+with no tokenizer (`raw`) and passes token ids through untouched, so text is
+made where it is sent and never crosses per token.
 """
 
 from __future__ import annotations
@@ -33,53 +38,34 @@ class _Choice:
         self.closed = False  # the scheduler has finished this choice
 
 
-class DetokActor(Actor):
-    name = "detok"
+class Renderer:
+    """One request's text: `render(TokenOut)` -> (the Delta to send or None, whether a
+    stop string ended that choice just now, so it should be cancelled upstream)."""
 
-    def __init__(self, bus: Bus, tokenizer):
-        super().__init__(bus)
+    __slots__ = ("tokenizer", "op", "choices")
+
+    def __init__(self, tokenizer, op: DetokOpen):
         self.tokenizer = tokenizer
-        self.reqs: dict[str, dict[int, _Choice]] = {}
-        self.opens: dict[str, DetokOpen] = {}
+        self.op = op
+        self.choices: dict[int, _Choice] = {}
 
-    def _choice(self, req_id: str, index: int) -> _Choice:
-        from imp.text.tokenizer import IncrementalDetokenizer
-
-        choices = self.reqs.setdefault(req_id, {})
-        ch = choices.get(index)
+    def _choice(self, index: int) -> _Choice:
+        ch = self.choices.get(index)
         if ch is None:
-            op = self.opens.get(req_id) or DetokOpen(req_id)
-            det = IncrementalDetokenizer(
-                self.tokenizer, prompt_tail=list(op.prompt_tail), skip_special=op.skip_special
-            )
-            ch = choices[index] = _Choice(det, list(op.stop))
+            from imp.text.tokenizer import IncrementalDetokenizer
+
+            det = IncrementalDetokenizer(self.tokenizer, prompt_tail=list(self.op.prompt_tail),
+                                         skip_special=self.op.skip_special)
+            ch = self.choices[index] = _Choice(det, list(self.op.stop))
         return ch
 
-    async def on_message(self, sender: str, msg: Msg) -> None:
-        if isinstance(msg, DetokOpen):
-            self.opens[msg.req_id] = msg
-        elif isinstance(msg, DetokClose):
-            self.opens.pop(msg.req_id, None)
-            self.reqs.pop(msg.req_id, None)
-        elif isinstance(msg, TokenBatch):
-            deltas: list[Delta] = []
-            for t in msg.outs:
-                self._on_tokens(t, deltas)
-            if deltas:
-                self.send("ingress", DeltaBatch(tuple(deltas)))
-        elif isinstance(msg, TokenOut):
-            deltas = []
-            self._on_tokens(msg, deltas)
-            if deltas:
-                self.send("ingress", deltas[0])
-
-    def _on_tokens(self, m: TokenOut, deltas: list[Delta]) -> None:
-        ch = self._choice(m.req_id, m.index)
+    def render(self, m: TokenOut) -> tuple[Delta | None, bool]:
+        ch = self._choice(m.index)
         final = m.finish != FinishReason.NONE
         if ch.done:
             if final:
-                self._forget(m.req_id, m.index)
-            return
+                ch.closed = True
+            return None, False
         text = ch.detok.push(m.token_ids)
         if final:
             text += ch.detok.flush()
@@ -90,22 +76,62 @@ class DetokActor(Actor):
             finish = FinishReason.STOP
         elif final:
             out += ch.stops.flush()
-        deltas.append(Delta(m, out, finish, ch.stops.hit if stopped else ""))
         if final:
-            self._forget(m.req_id, m.index)
-        elif stopped:
-            # free this choice's KV now rather than at max_tokens
-            self.send("admission", Cancel(m.req_id, FinishReason.STOP, m.index))
-
-    def _forget(self, req_id: str, index: int) -> None:
-        choices = self.reqs.get(req_id)
-        if choices is None:
-            return
-        ch = choices.get(index)
-        if ch is not None:
             ch.done = ch.closed = True
-        if all(c.closed for c in choices.values()):
-            op = self.opens.get(req_id)
-            if op is None or len(choices) >= op.n:
-                self.reqs.pop(req_id, None)
-                self.opens.pop(req_id, None)
+        return Delta(m, out, finish, ch.stops.hit if stopped else ""), stopped and not final
+
+    @property
+    def finished(self) -> bool:
+        """Every choice has closed upstream: nothing more will come for this request."""
+        return len(self.choices) >= self.op.n and all(c.closed for c in self.choices.values())
+
+
+class DetokActor(Actor):
+    name = "detok"
+
+    def __init__(self, bus: Bus, tokenizer, raw: bool = False):
+        """raw: pass token ids through as Deltas without text (an API-server process
+        renders them, `imp.engine.remote`); stop strings are matched there too."""
+        super().__init__(bus)
+        self.tokenizer = tokenizer
+        self.raw = raw
+        self.reqs: dict[str, Renderer] = {}
+        self.opens: dict[str, DetokOpen] = {}
+
+    async def on_message(self, sender: str, msg: Msg) -> None:
+        if isinstance(msg, DetokOpen):
+            if not self.raw:
+                self.opens[msg.req_id] = msg
+        elif isinstance(msg, DetokClose):
+            self.opens.pop(msg.req_id, None)
+            self.reqs.pop(msg.req_id, None)
+        elif isinstance(msg, TokenBatch):
+            if self.raw:
+                self.send("ingress", DeltaBatch(tuple(Delta(t, "", t.finish) for t in msg.outs)))
+                return
+            deltas: list[Delta] = []
+            for t in msg.outs:
+                self._on_tokens(t, deltas)
+            if deltas:
+                self.send("ingress", DeltaBatch(tuple(deltas)))
+        elif isinstance(msg, TokenOut):
+            if self.raw:
+                self.send("ingress", Delta(msg, "", msg.finish))
+                return
+            deltas = []
+            self._on_tokens(msg, deltas)
+            if deltas:
+                self.send("ingress", deltas[0])
+
+    def _on_tokens(self, m: TokenOut, deltas: list[Delta]) -> None:
+        r = self.reqs.get(m.req_id)
+        if r is None:
+            r = self.reqs[m.req_id] = Renderer(self.tokenizer, self.opens.get(m.req_id) or DetokOpen(m.req_id))
+        d, stopped = r.render(m)
+        if d is not None:
+            deltas.append(d)
+        if stopped:  # free this choice's KV now rather than at max_tokens
+            self.send("admission", Cancel(m.req_id, FinishReason.STOP, m.index))
+        if r.finished:
+            self.reqs.pop(m.req_id, None)
+            self.opens.pop(m.req_id, None)

@@ -22,6 +22,8 @@ import itertools
 import time
 from typing import Callable, Sequence
 
+import msgspec
+
 from imp.messages import (
     Msg,
     StoreDelete,
@@ -75,6 +77,12 @@ class StoreClient:
                           order: str = "desc") -> StoreReply:
         return await self._ask(lambda rid: StoreListInputItems(
             rid, self.reply_to, response_id, after, limit, order, self.clock()))
+
+    async def forward(self, msg: Msg) -> StoreReply:
+        """A store request made elsewhere (an API-server process): asked under an id of
+        ours, answered under its own."""
+        reply = await self._ask(lambda rid: msgspec.structs.replace(msg, req_id=rid, reply_to=self.reply_to))
+        return msgspec.structs.replace(reply, req_id=msg.req_id)
 
     # replies -------------------------------------------------------------
     def deliver(self, reply: StoreReply) -> bool:

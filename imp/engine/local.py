@@ -34,7 +34,7 @@ from imp.engine.port import (LiveRow, LoraInfo, LoraRefused, ModelCard, Rates, R
                               Submission, SuspendResult)
 from imp.log.eventlog import EventLog, LogHeader
 from imp.store.actor import StoreActor
-from imp.messages import SCHEMA_VERSION, KvFigures, KvForget, LoraLoad, LoraUnload, Reload, RequestStats, Unload
+from imp.messages import SCHEMA_VERSION, Cancel, FinishReason, KvFigures, KvForget, LoraLoad, LoraUnload, Reload, RequestStats, Unload
 
 log = logging.getLogger("imp.engine")
 
@@ -54,7 +54,7 @@ class LocalEngine:
 
     def __init__(self, cfg: ServerConfig, runners: list, detok_tokenizer, name: str, path: str = "",
                  grammars=None, store=None, otlp=None, faults=None, loaders=None,
-                 boot_prefill_tok_s: float | None = None, lora_files=None, lora_tables=None):
+                 boot_prefill_tok_s: float | None = None, lora_files=None, lora_tables=None, render: bool = True):
         """grammars: the imp.constrain GrammarCache shared with HTTP (which compiles a request's
         grammar at admission, under its deadline); each executor keeps its sequences' matchers."""
         self.cfg = cfg
@@ -77,6 +77,7 @@ class LocalEngine:
         self._lora_users: dict[int, int] = {}  # adapter id -> requests running with it
         self.runners = list(runners)
         self.tokenizer = detok_tokenizer  # the detok actor renders text with it
+        self.render = render  # False: Deltas carry token ids only (an API-server process renders them)
         r = self.runners[0]
         self.max_context = int(r.config.context_length)
         self.started_at = time.time()
@@ -120,7 +121,7 @@ class LocalEngine:
                             faults=self.faults, loader=self.loaders[i], loras=self.lora_tables[i],
                             lora_reader=self.lora_files.read if self.lora_files is not None else None)
               for i, run in enumerate(self.runners)),
-            DetokActor(bus, self.tokenizer),
+            DetokActor(bus, self.tokenizer, raw=not self.render),
             self.metrics,
             ClockActor(bus, to=[c.name for c in self.schs]),
         ]
@@ -150,6 +151,11 @@ class LocalEngine:
         return self.ingress.fault or (next(iter(self.bus.dead.values())) if self.bus.dead else None)
 
     def submit(self, sub: Submission) -> AsyncIterator[StreamItem]:
+        return self._items(self.open(sub), sub.params.lora)
+
+    def open(self, sub: Submission):
+        """Queue a request now (not at the first iteration) and return its ingress handle;
+        whoever reads the handle calls `close` when done with it."""
         self.last_activity = time.monotonic()
         lid = sub.params.lora
         if lid and lid not in self._loras:  # unloaded since HTTP resolved the name
@@ -157,7 +163,6 @@ class LocalEngine:
         if self.idle_suspended:  # the executor reloads at this request's first step
             self.idle_suspended = False
             log.info("[idle-unload] request %s wakes the model", sub.req_id)
-        # sent now, not at the first iteration: the request is queued as soon as it is submitted
         handle = self.ingress.submit(
             sub.req_id, sub.prompt, sub.params, n=sub.n, priority=sub.priority, stop=sub.stop,
             salt=sub.salt, prompt_tail=sub.prompt[-4:], cache_prompt=sub.cache_prompt,
@@ -165,22 +170,31 @@ class LocalEngine:
         )
         if lid:
             self._lora_users[lid] = self._lora_users.get(lid, 0) + 1
-        return self._items(handle, lid)
+        return handle
+
+    def close(self, handle, lora_id: int = 0) -> None:
+        """The reader is done with a request: released if it ran to its end, else cancelled
+        (client gone or handler failed: its KV is freed within a step)."""
+        if lora_id:
+            self._lora_users[lora_id] -= 1
+        if handle.done:
+            self.ingress.release(handle.req_id)
+        else:
+            self.ingress.cancel(handle.req_id)
 
     async def _items(self, handle, lora_id: int = 0) -> AsyncIterator[StreamItem]:
         try:
             while not (handle.done and handle.queue.empty()):
                 yield await handle.queue.get()
         finally:
-            if lora_id:
-                self._lora_users[lora_id] -= 1
-            if handle.done:
-                self.ingress.release(handle.req_id)
-            else:
-                self.ingress.cancel(handle.req_id)  # client gone or handler failed: free the KV now
+            self.close(handle, lora_id)
 
     def end_thinking(self, req_id: str, token_ids: tuple[int, ...]) -> bool:
         return self.ingress.end_thinking(req_id, list(token_ids))
+
+    def stop_choice(self, req_id: str, index: int) -> None:
+        """A stop string ended one choice where the text is made (an API server): free its KV."""
+        self.ingress.send("admission", Cancel(req_id, FinishReason.STOP, index))
 
     def close_session(self, session_id: str) -> None:
         self.ingress.close_session(session_id)
@@ -358,10 +372,13 @@ class LocalEngine:
         or None when the server runs without one."""
         return self.ingress.store
 
-    def metrics_text(self) -> bytes:
+    async def metrics_text(self) -> bytes:
         return self.metrics.exposition()
 
-    def snapshot(self, with_live: bool = False) -> Snapshot:
+    async def snapshot(self, with_live: bool = False) -> Snapshot:
+        return self.figures(with_live)
+
+    def figures(self, with_live: bool = False) -> Snapshot:
         m, ing = self.metrics, self.ingress
         now = time.monotonic()
         live = ()

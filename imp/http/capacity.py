@@ -266,7 +266,7 @@ async def capacity_plan(request: web.Request) -> web.Response:
     port = request.app[keys.PORT]
     width = _int_param(request, "width", _MAX_WIDTH)
     depth = _int_param(request, "depth", _MAX_DEPTH)
-    card, snap = port.card, port.snapshot()
+    card, snap = port.card, await port.snapshot()
     return web.json_response(plan(width, depth, kv=snap.kv, queue=snap.queue, max_context=card.context_length,
                                   decode_batch=card.max_batch_size * card.replicas, model=card.name,
                                   replicas=card.replicas))
@@ -280,7 +280,7 @@ async def estimate_for(request: web.Request, body: dict) -> dict:
     B.boolean(body, "dry_run")  # the estimate route takes it too: a non-boolean is a 400 there as well
     req = chat_request.parse(body, tm.tokenizer.vocab_size)
     prompt = await resolve.render_off_loop(req, tm, card)
-    snap = port.snapshot()
+    snap = await port.snapshot()
     return estimate(len(prompt.ids), max_tokens=req.max_tokens, n=req.n, kv=snap.kv,
                     bytes_per_token=card.kv_bytes_per_token, max_context=card.context_length,
                     prefill_tok_s=snap.rates.prefill_tok_s_recent, queued_prompt_tokens=snap.queue.queued_prompt_tokens,
@@ -296,7 +296,7 @@ async def metrics_json(request: web.Request) -> web.Response:
     fmt = request.query.get("format", "json")
     if fmt not in ("json", "prometheus"):
         raise bad(f"'format' must be json or prometheus, got {fmt[:32]!r}", "format")
-    snap = snapshot(port.card, port.snapshot(with_live=True))
+    snap = snapshot(port.card, await port.snapshot(with_live=True))
     if fmt == "prometheus":
         return web.Response(text=prometheus(snap), content_type="text/plain", charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})

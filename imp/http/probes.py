@@ -31,7 +31,7 @@ def _kv_fields(kv) -> dict:
 
 async def health(request: web.Request) -> web.Response:
     port = request.app[keys.PORT]
-    card, snap = port.card, port.snapshot()
+    card, snap = port.card, await port.snapshot()
     q = snap.queue
     body = {
         "status": "ok",
@@ -90,7 +90,7 @@ async def ready(request: web.Request) -> web.Response:
 
     if getattr(port, "card", None) is None:
         return no("no_model")
-    snap = port.snapshot()
+    snap = await port.snapshot()
     if snap.fault:
         return no("engine_faulted", error=snap.fault)
     if snap.suspended:
@@ -222,5 +222,5 @@ async def info(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[keys.PORT].metrics_text(), content_type="text/plain", charset="utf-8",
+    return web.Response(body=await request.app[keys.PORT].metrics_text(), content_type="text/plain", charset="utf-8",
                         headers={"X-Prometheus-Format": "0.0.4"})

@@ -1,0 +1,299 @@
+"""The engine process's side of the process boundary: a LocalEngine served over ZMQ.
+
+API-server processes (`imp.engine.remote.RemoteEngine`) connect a DEALER to this
+ROUTER. Each frame they send becomes a call on the engine (`imp.engine.local`),
+so what it asks is still a message on the engine's bus and in its event log;
+what comes back is token ids (the detok actor runs raw), batched: every Delta
+and Reject delivered in one event-loop turn goes out as one `Items` frame per
+API server. Nothing here decides anything: admission, scheduling and the KV
+stay with the actors.
+
+An API server that dies (its pid is gone, or it says Hello again after a
+restart) has its open requests cancelled, so no KV block outlives its client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from imp.engine import wire
+from imp.engine.port import LoraRefused
+from imp.messages import Fault, Reject
+
+log = logging.getLogger("imp.engine.host")
+
+
+class _Peer:
+    __slots__ = ("ident", "api", "pid", "open", "out")
+
+    def __init__(self, ident: bytes, api: int, pid: int):
+        self.ident, self.api, self.pid = ident, api, pid
+        self.open: dict[str, tuple] = {}  # req_id -> (ingress handle, lora id)
+        self.out: list = []  # Items not yet sent this turn
+
+
+class _Sink:
+    """Stands in for a request handle's queue: what ingress delivers goes to the peer."""
+
+    __slots__ = ("host", "peer", "handle")
+
+    def __init__(self, host: "EngineHost", peer: _Peer, handle):
+        self.host, self.peer, self.handle = host, peer, handle
+
+    def put_nowait(self, item) -> None:
+        if isinstance(item, Fault):  # said once to every peer, as State
+            self.host._check_fault()
+            return
+        self.peer.out.append(item)
+        self.host._wake()
+        if self.handle.done:
+            self.host._finished(self.peer, self.handle.req_id)
+
+    def empty(self) -> bool:
+        return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class EngineHost:
+    """Serves `engine` (an imp.engine.local.LocalEngine started with render=False) to the
+    API servers connecting to `endpoint` (an ipc:// or tcp:// ZMQ address)."""
+
+    def __init__(self, engine, endpoint: str, grammars=None, watch_s: float = 0.25):
+        self.engine = engine
+        self.endpoint = endpoint
+        self.grammars = grammars  # compile a request's grammar here before it is queued
+        self.watch_s = watch_s
+        self.peers: dict[bytes, _Peer] = {}
+        self._fault = ""
+        self._wake_pending = False
+        self._tasks: list[asyncio.Task] = []
+        self._calls: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop a frame: the engine's output is bounded by its batch
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.bind(self.endpoint)
+        self._tasks = [asyncio.create_task(self._read(), name="host-read"),
+                       asyncio.create_task(self._watch(), name="host-watch")]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in list(self._calls):
+            t.cancel()
+        self._flush()
+        self.sock.close()
+        self.ctx.term()
+
+    def bye(self) -> None:
+        """Tell every API server the engine is done (after the drain: every Items is out)."""
+        for p in self.peers.values():
+            p.out.append(wire.Bye())
+        self._flush()
+
+    # ------------------------------------------------------------------ output
+
+    def _wake(self) -> None:
+        if not self._wake_pending:  # one send per peer per loop turn, whatever the number of streams
+            self._wake_pending = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._wake_pending = False
+        for p in self.peers.values():
+            if p.out:
+                frames, p.out = p.out, []
+                self._send(p.ident, _batched(frames))
+
+    def _send(self, ident: bytes, frames: list) -> None:
+        fut = self.sock.send_multipart([ident, wire.encode(frames)], copy=False)
+        if fut.done():
+            fut.exception()
+        else:
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def _reply(self, peer: _Peer, frame) -> None:
+        peer.out.append(frame)
+        self._wake()
+
+    def _state(self) -> wire.State:
+        return wire.State(fault=self._fault, loras=self.engine.loras())
+
+    def _broadcast_state(self) -> None:
+        st = self._state()
+        for p in self.peers.values():
+            p.out.append(st)
+        self._wake()
+
+    def _check_fault(self) -> None:
+        f = self.engine.fault or ""
+        if f != self._fault:
+            self._fault = f
+            self._broadcast_state()
+
+    def _finished(self, peer: _Peer, req_id: str) -> None:
+        ent = peer.open.pop(req_id, None)
+        if ent is not None:
+            self.engine.close(*ent)
+
+    # ------------------------------------------------------------------ input
+
+    async def _read(self) -> None:
+        while True:
+            ident, data = await self.sock.recv_multipart()
+            try:
+                frames = wire.decode(data)
+            except msgspec.DecodeError as exc:  # a peer of another build: say so, drop it
+                log.error("undecodable frame from an API server: %s", exc)
+                continue
+            for f in frames:
+                try:
+                    self._on(ident, f)
+                except Exception:  # noqa: BLE001 - one bad frame must not stop the engine's door
+                    log.exception("frame %s from an API server failed", type(f).__name__)
+
+    def _on(self, ident: bytes, f) -> None:
+        eng = self.engine
+        peer = self.peers.get(ident)
+        if type(f) is wire.Hello:
+            for old in [p for p in self.peers.values() if p.api == f.api or p.ident == ident]:
+                self._drop(old, "restarted")
+            peer = self.peers[ident] = _Peer(ident, f.api, f.pid)
+            self._reply(peer, wire.Welcome(eng.card, os.getpid(), eng.loras(), eng.store is not None))
+            self._reply(peer, self._state())
+            log.info("API server %d (pid %d) connected", f.api, f.pid)
+            return
+        if peer is None:
+            log.warning("frame %s from an API server that did not say Hello", type(f).__name__)
+            return
+        t = type(f)
+        if t is wire.Open:
+            c = f.sub.params.constraint
+            if c is not None and self.grammars is not None and self.grammars.get(c) is None:
+                self._spawn(self._open_compiled(peer, f.sub))  # compiled off the loop, then queued
+            else:
+                self._open(peer, f.sub)
+        elif t is wire.Close:
+            self._finished(peer, f.req_id)
+        elif t is wire.StopChoice:
+            if f.req_id in peer.open:
+                eng.stop_choice(f.req_id, f.index)
+        elif t is wire.Think:
+            eng.end_thinking(f.req_id, f.token_ids)
+        elif t is wire.SessionEnd:
+            eng.close_session(f.session_id)
+        elif t is wire.Report:
+            eng.report(f.stats)
+        elif t is wire.Call:
+            self._spawn(self._call(peer, f))
+        elif t is wire.StoreCall:
+            self._spawn(self._store(peer, f))
+
+    def _open(self, peer: _Peer, sub) -> None:
+        try:
+            h = self.engine.open(sub)
+        except (LoraRefused, ValueError) as exc:
+            status, code = (exc.status, exc.code) if isinstance(exc, LoraRefused) else (400, "invalid_request")
+            self._reply(peer, Reject(sub.req_id, status, code, getattr(exc, "message", str(exc))))
+            return
+        h.queue = _Sink(self, peer, h)
+        peer.open[sub.req_id] = (h, sub.params.lora)
+
+    async def _open_compiled(self, peer: _Peer, sub) -> None:
+        try:
+            await self.grammars.compile(sub.params.constraint)
+        except Exception:  # noqa: BLE001 - HTTP compiled it already; the book compiles again if need be
+            log.debug("grammar for %s did not compile in the engine", sub.req_id, exc_info=True)
+        if self.peers.get(peer.ident) is peer:
+            self._open(peer, sub)
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self._calls.add(t)
+        t.add_done_callback(self._calls.discard)
+
+    async def _call(self, peer: _Peer, f: wire.Call) -> None:
+        eng = self.engine
+        try:
+            if f.method == "snapshot":
+                v = eng.figures(*f.args)
+            elif f.method == "metrics_text":
+                v = await eng.metrics_text()
+            elif f.method == "suspend":
+                v = await eng.suspend(*f.args)
+            elif f.method == "resume":
+                v = await eng.resume()
+            elif f.method == "lora_load":
+                v = await eng.lora_load(*f.args)
+                self._broadcast_state()
+            elif f.method == "lora_unload":
+                v = await eng.lora_unload(*f.args)
+                self._broadcast_state()
+            else:
+                raise LoraRefused(400, "unknown_call", f"unknown engine call {f.method!r}")
+            self._reply(peer, wire.Answer(f.call_id, wire.raw(v)))
+        except LoraRefused as exc:
+            self._reply(peer, wire.Answer(f.call_id, status=exc.status, code=exc.code, message=exc.message))
+        except Exception as exc:  # noqa: BLE001 - the caller gets an answer, never a hang
+            log.exception("engine call %s failed", f.method)
+            self._reply(peer, wire.Answer(f.call_id, status=500, code="engine_error", message=str(exc)))
+
+    async def _store(self, peer: _Peer, f: wire.StoreCall) -> None:
+        store = self.engine.store
+        if store is None:
+            self._reply(peer, wire.Answer(f.call_id, status=400, code="store_off", message="no Responses store"))
+            return
+        reply = await store.forward(f.msg)
+        self._reply(peer, wire.Answer(f.call_id, wire.raw(reply)))
+
+    # ------------------------------------------------------------------ peers
+
+    def _drop(self, peer: _Peer, why: str) -> None:
+        """Forget an API server: cancel every request it had open (their KV is freed)."""
+        if peer.open:
+            log.warning("API server %d (pid %d) %s: cancelling its %d open requests", peer.api, peer.pid, why,
+                        len(peer.open))
+        for req_id in list(peer.open):
+            self._finished(peer, req_id)
+        self.peers.pop(peer.ident, None)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.watch_s)
+            self._check_fault()
+            for p in [p for p in self.peers.values() if not _alive(p.pid)]:
+                self._drop(p, "exited")
+
+
+def _batched(frames: list) -> list:
+    """A turn's output: each run of Deltas/Rejects becomes one Items frame, order kept."""
+    out, run = [], []
+    for f in frames:
+        if isinstance(f, wire.Frame):
+            if run:
+                out.append(wire.Items(tuple(run)))
+                run = []
+            out.append(f)
+        else:
+            run.append(f)
+    if run:
+        out.append(wire.Items(tuple(run)))
+    return out

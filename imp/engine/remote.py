@@ -1,0 +1,346 @@
+"""The engine port in an API-server process: the engine is another process, over ZMQ.
+
+Implements `imp.engine.port.EnginePort` for HTTP exactly as the in-process
+engine does, so handlers cannot tell. A request's token ids arrive batched
+(`wire.Items`, one frame per engine loop turn) and are rendered here: the
+incremental detokenizer and the stop strings run in this process
+(`imp.actors.detok.Renderer`), and a stop string that ends a choice is sent
+back as `StopChoice` so its KV is freed at once. Awaited calls (suspend,
+resume, LoRA, the snapshot, /metrics, the store) are `Call` frames answered by
+`Answer` frames. Facts a handler reads synchronously (a fault, the LoRA table)
+arrive as `State` frames whenever they change.
+
+If the engine process dies, every waiting request gets a Fault
+(`engine_faulted`), /health answers 503, and every later request is refused:
+nothing waits on an engine that is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from imp.actors.detok import Renderer
+from imp.actors.store_client import StoreClient
+from imp.engine import wire
+from imp.engine.port import (LoraInfo, LoraRefused, ModelCard, Rates, ResumeResult, Snapshot, StreamItem,
+                             Submission, SuspendResult)
+from imp.messages import Delta, DetokOpen, Fault, KvFigures, QueueFigures, Reject, RequestStats, StoreReply
+
+log = logging.getLogger("imp.engine.remote")
+
+
+class EngineGone(Exception):
+    pass
+
+
+class _Stream:
+    """One submitted request's output, rendered here. Ends once every choice has its last
+    delta (or a Reject / Fault); closing it early cancels the request in the engine."""
+
+    def __init__(self, eng: "RemoteEngine", sub: Submission, skip_special: bool = True):
+        self.eng = eng
+        self.req_id = sub.req_id
+        self.n = sub.n
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.renderer = Renderer(eng.tokenizer, DetokOpen(sub.req_id, sub.n, sub.stop, skip_special,
+                                                          sub.prompt[-4:]))
+        self.ended = False
+
+    def __aiter__(self):
+        return self
+
+    def _all_done(self) -> bool:
+        chs = self.renderer.choices
+        return len(chs) >= self.n and all(c.done for c in chs.values())
+
+    async def __anext__(self) -> StreamItem:
+        while not self.ended:
+            item = await self.queue.get()
+            if type(item) is Delta:
+                d, stopped = self.renderer.render(item.out)
+                if stopped:
+                    self.eng._send(wire.StopChoice(self.req_id, item.out.index))
+                if d is None:
+                    continue
+                if self._all_done():
+                    self._end()
+                return d
+            self._end()  # Reject or Fault: the last item
+            return item
+        raise StopAsyncIteration
+
+    def _end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.eng._forget(self.req_id)
+
+    async def aclose(self) -> None:
+        self._end()
+
+
+class RemoteEngine:
+    """EnginePort over a ZMQ DEALER connected to an `imp.engine.host.EngineHost`."""
+
+    def __init__(self, endpoint: str, tokenizer, api: int = 0, connect_timeout_s: float = 120.0,
+                 watch_s: float = 0.25):
+        self.endpoint = endpoint
+        self.tokenizer = tokenizer  # renders the token ids the engine sends
+        self.api = api
+        self.connect_timeout_s = connect_timeout_s
+        self.watch_s = watch_s
+        self.card: ModelCard | None = None
+        self.engine_pid = 0
+        self.streams: dict[str, _Stream] = {}
+        self._fault = ""
+        self._loras: tuple[LoraInfo, ...] = ()
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._out: list = []
+        self._flush_pending = False
+        self._welcome: asyncio.Future | None = None
+        self._last_snapshot: Snapshot | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._bye = asyncio.Event()  # the engine drained and stops: the server exits
+        self._store: StoreClient | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self.card is not None:  # connected at boot already (the app starts it again)
+            return
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(self.endpoint)
+        self._welcome = asyncio.get_running_loop().create_future()
+        self._tasks = [asyncio.create_task(self._read(), name="remote-read")]
+        self._send(wire.Hello(self.api, os.getpid()))
+        w = await asyncio.wait_for(self._welcome, self.connect_timeout_s)
+        self.card, self.engine_pid = w.card, w.engine_pid
+        self._loras = w.loras
+        if w.store:
+            self._store = StoreClient(lambda _to, msg: self._store_call(msg), reply_to=f"api{self.api}",
+                                      prefix=f"a{self.api}")
+        self._tasks.append(asyncio.create_task(self._watch(), name="remote-watch"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self._flush()
+        self.sock.close()
+        self.ctx.term()
+
+    async def wait_bye(self) -> None:
+        await self._bye.wait()
+
+    # ------------------------------------------------------------------ frames
+
+    def _send(self, frame) -> None:
+        self._out.append(frame)
+        if not self._flush_pending:  # one send per loop turn
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        if self._out:
+            frames, self._out = self._out, []
+            fut = self.sock.send(wire.encode(frames), copy=False)
+            if fut.done():
+                fut.exception()
+            else:
+                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def _read(self) -> None:
+        while True:
+            data = await self.sock.recv()
+            for f in wire.decode(data):
+                t = type(f)
+                if t is wire.Items:
+                    streams = self.streams
+                    for item in f.items:
+                        s = streams.get(item.req_id if type(item) is Reject else item.out.req_id)
+                        if s is not None:
+                            s.queue.put_nowait(item)
+                elif t is wire.Answer:
+                    fut = self._calls.pop(f.call_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(f)
+                elif t is wire.State:
+                    self._loras = f.loras
+                    if f.fault and not self._fault:
+                        self._faulted(f.fault)
+                elif t is wire.Welcome:
+                    if self._welcome is not None and not self._welcome.done():
+                        self._welcome.set_result(f)
+                elif t is wire.Bye:
+                    self._bye.set()
+
+    async def _watch(self) -> None:
+        """The engine process is gone (killed, crashed): fail everything waiting on it now."""
+        while not self._fault:
+            await asyncio.sleep(self.watch_s)
+            try:
+                os.kill(self.engine_pid, 0)
+            except ProcessLookupError:
+                self._faulted(f"the engine process (pid {self.engine_pid}) exited")
+            except PermissionError:
+                pass
+
+    def _faulted(self, error: str) -> None:
+        self._fault = error
+        log.error("engine fault: %s", error)
+        fault = Fault("engine", error)
+        for s in list(self.streams.values()):
+            s.queue.put_nowait(fault)
+        if self.engine_pid and error.startswith("the engine process"):
+            for fut in self._calls.values():
+                if not fut.done():
+                    fut.set_exception(EngineGone(error))
+            self._calls.clear()
+            if self._store is not None:
+                self._store.fail_all(error)
+
+    async def _call(self, method: str, *args, typ=None):
+        if self._fault and not self._alive():
+            raise EngineGone(self._fault)
+        cid = next(self._ids)
+        fut = self._calls[cid] = asyncio.get_running_loop().create_future()
+        self._send(wire.Call(cid, method, args))
+        a: wire.Answer = await fut
+        if a.status:
+            raise LoraRefused(a.status, a.code, a.message)
+        return wire.value(a, typ) if typ is not None else None
+
+    def _alive(self) -> bool:
+        try:
+            os.kill(self.engine_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+    def _forget(self, req_id: str) -> None:
+        if self.streams.pop(req_id, None) is not None and not self._fault:
+            self._send(wire.Close(req_id))
+
+    # ------------------------------------------------------------------ the port
+
+    @property
+    def fault(self) -> str | None:
+        return self._fault or None
+
+    def submit(self, sub: Submission) -> _Stream:
+        if sub.req_id in self.streams:
+            raise ValueError(f"duplicate request id {sub.req_id}")
+        s = self.streams[sub.req_id] = _Stream(self, sub)
+        if self._fault:
+            s.queue.put_nowait(Fault("engine", self._fault))
+        else:  # stop strings stay here: the engine sends token ids, this process makes the text
+            self._send(wire.Open(msgspec.structs.replace(sub, stop=())))
+        return s
+
+    def end_thinking(self, req_id: str, token_ids: tuple[int, ...]) -> bool:
+        s = self.streams.get(req_id)
+        if s is None or s.ended or self._fault:
+            return False
+        self._send(wire.Think(req_id, tuple(token_ids)))
+        return True
+
+    def close_session(self, session_id: str) -> None:
+        self._send(wire.SessionEnd(session_id))
+
+    async def snapshot(self, with_live: bool = False) -> Snapshot:
+        try:
+            snap = await self._call("snapshot", with_live, typ=Snapshot)
+            self._last_snapshot = msgspec.structs.replace(snap, live=())
+            return snap
+        except EngineGone:
+            last = self._last_snapshot or _empty_snapshot(self.card)
+            return msgspec.structs.replace(last, fault=self._fault, in_flight=len(self.streams), live=())
+
+    async def metrics_text(self) -> bytes:
+        try:
+            return await self._call("metrics_text", typ=bytes)
+        except EngineGone:
+            return f"# the engine process is gone: {self._fault}\nimp_model_loaded 0\n".encode()
+
+    async def suspend(self, drain_s: float) -> SuspendResult:
+        try:
+            return await self._call("suspend", drain_s, typ=SuspendResult)
+        except EngineGone as exc:
+            return SuspendResult(suspended=False, drained=False, in_flight=len(self.streams), kv_released=False,
+                                 error=str(exc))
+
+    async def resume(self) -> ResumeResult:
+        try:
+            return await self._call("resume", typ=ResumeResult)
+        except EngineGone:
+            return ResumeResult(suspended=False, reloaded=False)
+
+    async def drain(self, timeout_s: float) -> int:
+        """The engine process drains itself on SIGTERM; here, wait for this server's streams."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.streams and loop.time() < deadline and not self._fault:
+            await asyncio.sleep(0.05)
+        return len(self.streams)
+
+    async def lora_load(self, path: str, name: str | None) -> LoraInfo:
+        try:
+            return await self._call("lora_load", path, name, typ=LoraInfo)
+        except EngineGone as exc:
+            raise LoraRefused(409, "engine_faulted", str(exc)) from None
+
+    async def lora_unload(self, lora_id: int | None, name: str | None) -> LoraInfo:
+        try:
+            return await self._call("lora_unload", lora_id, name, typ=LoraInfo)
+        except EngineGone as exc:
+            raise LoraRefused(409, "engine_faulted", str(exc)) from None
+
+    def loras(self) -> tuple[LoraInfo, ...]:
+        return self._loras
+
+    def lora_named(self, name: str) -> int | None:
+        return next((a.id for a in self._loras if a.name == name), None)
+
+    def report(self, stats: RequestStats) -> None:
+        if not self._fault:
+            self._send(wire.Report(stats))
+
+    @property
+    def store(self):
+        return self._store
+
+    def _store_call(self, msg) -> None:
+        """StoreClient's send: the request crosses; its Answer is the store's reply."""
+        cid = next(self._ids)
+        fut = self._calls[cid] = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(self._store_answer)
+        self._send(wire.StoreCall(cid, msg))
+
+    def _store_answer(self, fut: asyncio.Future) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return  # the engine is gone: fail_all answered the waiting calls
+        a: wire.Answer = fut.result()
+        if not a.status and self._store is not None:
+            self._store.deliver(wire.value(a, StoreReply))
+
+
+def _empty_snapshot(card: ModelCard | None) -> Snapshot:
+    n = card.kv_blocks if card is not None else 0
+    bs = card.block_size if card is not None else 16
+    kv = KvFigures(n, n, 0, 0, 0, bs)
+    return Snapshot(kv=kv, replica_kv=(kv,), queue=QueueFigures(0, 0, 0), rates=Rates(), suspended=False,
+                    draining=False, fault=None, rejections=0, last_reject_reason=None, in_flight=0, uptime_s=0.0)
+

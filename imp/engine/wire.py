@@ -1,0 +1,149 @@
+"""What crosses between an API-server process and the engine process: typed frames.
+
+The engine port (`imp.engine.port`) cut in two. Each frame is a tagged msgspec
+Struct encoded with msgpack; a ZMQ message carries a batch of them (`Frames`),
+one per event-loop turn and direction, so a step's tokens for a hundred streams
+are one send. Token ids travel, never text per token: the engine's detok actor
+runs raw and the API server renders (`imp.actors.detok.Renderer`). Everything a
+frame asks of the engine becomes messages on the engine's bus, so the engine
+process's event log still holds every decision input.
+
+    API server -> engine: Hello, Open, Close, StopChoice, Think, SessionEnd, Report, Call, StoreCall
+    engine -> API server: Welcome, Items, State, Answer, Bye
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from imp.engine.port import LoraInfo, ModelCard, Submission
+from imp.messages import (Delta, Reject, RequestStats, StoreDelete, StoreGet, StoreGetChain, StoreListInputItems,
+                          StorePut)
+
+
+class Frame(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base of every frame; the tag is the class name."""
+
+
+# ---------------------------------------------------------------- API server -> engine
+
+
+class Hello(Frame):
+    """An API server connected (or restarted: the engine cancels what its last life left)."""
+
+    api: int
+    pid: int
+
+
+class Open(Frame):
+    """Submit a request (port.submit). Stop strings stay with the API server."""
+
+    sub: Submission
+
+
+class Close(Frame):
+    """The API server is done with a request: cancelled if it still runs (client gone)."""
+
+    req_id: str
+
+
+class StopChoice(Frame):
+    """A stop string ended one choice on the API side: free its KV now."""
+
+    req_id: str
+    index: int
+
+
+class Think(Frame):
+    req_id: str
+    token_ids: tuple[int, ...]
+
+
+class SessionEnd(Frame):
+    session_id: str
+
+
+class Report(Frame):
+    stats: RequestStats
+
+
+class Call(Frame):
+    """An awaited port call: suspend, resume, drain, lora_load, lora_unload, snapshot,
+    metrics_text. Answered by an `Answer` with the same call_id."""
+
+    call_id: int
+    method: str
+    args: tuple[Any, ...] = ()
+
+
+StoreMsg = Union[StorePut, StoreGet, StoreGetChain, StoreDelete, StoreListInputItems]
+
+
+class StoreCall(Frame):
+    """A Responses store request; the engine forwards it to its store actor."""
+
+    call_id: int
+    msg: StoreMsg
+
+
+# ---------------------------------------------------------------- engine -> API server
+
+
+class Welcome(Frame):
+    card: ModelCard
+    engine_pid: int
+    loras: tuple[LoraInfo, ...] = ()
+    store: bool = False
+
+
+class Items(Frame):
+    """Requests' output of one engine loop turn, in delivery order (token ids, no text)."""
+
+    items: tuple[Union[Delta, Reject], ...]
+
+
+class State(Frame):
+    """Facts every API server answers synchronously from: sent on every change."""
+
+    fault: str = ""
+    loras: tuple[LoraInfo, ...] = ()
+
+
+class Answer(Frame):
+    """The reply to a Call or StoreCall: the value msgpack-encoded (the caller knows its
+    type), or a refusal (status > 0) that the API server raises as the port would."""
+
+    call_id: int
+    value: msgspec.Raw = msgspec.Raw(b"\xc0")  # nil
+    status: int = 0
+    code: str = ""
+    message: str = ""
+
+
+class Bye(Frame):
+    """The engine has drained and stops: finish what is written, then exit."""
+
+
+AnyFrame = Union[Hello, Open, Close, StopChoice, Think, SessionEnd, Report, Call, StoreCall,
+                 Welcome, Items, State, Answer, Bye]
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(list[AnyFrame])
+
+
+def encode(frames: list[Frame]) -> bytes:
+    return _enc.encode(frames)
+
+
+def decode(data: bytes) -> list[Frame]:
+    return _dec.decode(data)
+
+
+def raw(value) -> msgspec.Raw:
+    return msgspec.Raw(_enc.encode(value))
+
+
+def value(answer: Answer, typ):
+    return msgspec.msgpack.decode(answer.value, type=typ)

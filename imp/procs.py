@@ -1,0 +1,332 @@
+"""The process layout (--api-servers N): one engine process, N API-server processes.
+
+    python -m imp --api-servers 2        (this process: the supervisor)
+      ├─ python -m imp _engine           the actors and the executors; owns the device,
+      │                                   the event log and the Responses store
+      ├─ python -m imp _api 0            HTTP, tokenization, chat templates, grammars,
+      └─ python -m imp _api 1            detokenization and SSE; all accept on one socket
+
+The supervisor reads nothing heavy: it binds the listening socket once (so a port
+in use is one clear error), starts the engine, waits until it has loaded the model,
+then starts the API servers, which inherit the socket and connect to the engine
+over ZMQ (`imp.engine.host` <-> `imp.engine.remote`). Children get their config
+on stdin and say "ready" on a pipe.
+
+Lifecycle:
+- a dead API server is started again (its open requests were cancelled by the engine);
+- a dead engine: every API server fails its waiting requests with `engine_faulted`
+  and answers /health 503 until the operator restarts the server;
+- SIGTERM / SIGINT: the engine drains (new requests 503 `draining`, admitted ones run
+  up to --shutdown-timeout, streamed out through the API servers), says Bye, and
+  every process exits 0; a second signal cuts the drain;
+- no orphans: children die with the supervisor (PR_SET_PDEATHSIG) and run in their
+  own session, so a terminal's Ctrl-C reaches only the supervisor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import msgspec
+
+from imp.config import ServerConfig, api_servers
+
+log = logging.getLogger("imp.procs")
+
+
+def _progress(msg: str) -> None:
+    print(f"imp: {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------- children
+
+
+def _die_with_parent(sig: int, parent: int) -> None:
+    """Linux: the kernel sends sig when the supervisor dies, however it dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
+
+
+def _child_args(argv: list[str]) -> tuple[ServerConfig, dict]:
+    args = dict(a.split("=", 1) for a in argv)
+    cfg = msgspec.json.decode(sys.stdin.buffer.read(), type=ServerConfig)
+    _die_with_parent(signal.SIGTERM if args["role"] == "engine" else signal.SIGKILL, int(args["parent"]))
+    return cfg, args
+
+
+def _ready(fd: int) -> None:
+    os.write(fd, b"ready\n")
+    os.close(fd)
+
+
+def _run(coro) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)
+    except ImportError:  # pragma: no cover
+        asyncio.run(coro)
+
+
+def engine_main(argv: list[str]) -> int:
+    """`python -m imp _engine ...`: load the model, run the actors, serve the API servers."""
+    from imp.server import load_engine, open_responses_store, setup_logging
+    from imp.store.sqlite import StoreOpenError
+
+    cfg, args = _child_args(argv)
+    setup_logging(cfg)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; it sends SIGTERM
+    try:
+        store = open_responses_store(cfg)
+    except (StoreOpenError, ValueError) as exc:
+        _progress(f"cannot start: {exc}")
+        return 2
+    engine, _text = load_engine(cfg, store, render=False)
+    _run(_engine(cfg, engine, args["endpoint"], int(args["ready"])))
+    return 0
+
+
+async def _engine(cfg: ServerConfig, engine, endpoint: str, ready_fd: int) -> None:
+    from imp.engine.host import EngineHost
+
+    await engine.start()
+    host = EngineHost(engine, endpoint, grammars=engine.grammars)
+    await host.start()
+    signals: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, signals.put_nowait, signal.SIGTERM)
+    _ready(ready_fd)
+    await signals.get()
+    _progress(f"engine: draining (up to {cfg.shutdown_timeout_s:g}s) ...")
+    drain = asyncio.ensure_future(engine.drain(cfg.shutdown_timeout_s))
+    again = asyncio.ensure_future(signals.get())
+    await asyncio.wait((drain, again), return_when=asyncio.FIRST_COMPLETED)
+    again.cancel()
+    left = drain.result() if drain.done() else None
+    if not drain.done():
+        drain.cancel()
+    if left:
+        _progress(f"engine: {left} requests still running are cut")
+    await asyncio.sleep(0.05)  # the last Items go out before the Bye
+    host.bye()
+    deadline = loop.time() + 10.0  # the API servers write their last bytes and exit
+    while host.peers and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await host.stop()
+    await engine.stop()  # the event log and the store are flushed and closed
+
+
+def api_main(argv: list[str]) -> int:
+    """`python -m imp _api ...`: one HTTP front end on the shared socket."""
+    from imp.http.access import load_api_keys
+    from imp.server import load_text, setup_logging
+
+    cfg, args = _child_args(argv)
+    setup_logging(cfg)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    api_keys = load_api_keys(cfg.api_key, cfg.api_key_file)
+    text, grammars = load_text(cfg)
+    sock = socket.socket(fileno=int(args["sock"]))
+    _run(_api(cfg, text, grammars, api_keys, args["endpoint"], int(args["index"]), sock, int(args["ready"])))
+    return 0
+
+
+async def _api(cfg, text, grammars, api_keys, endpoint: str, index: int, sock, ready_fd: int) -> None:
+    from aiohttp import web
+
+    from imp.engine.remote import RemoteEngine
+    from imp.http.app import create_app
+
+    port = RemoteEngine(endpoint, text.tokenizer, api=index)
+    await port.start()
+    app = create_app(port, text, cfg, grammars=grammars, api_keys=api_keys)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=max(1.0, cfg.shutdown_timeout_s))
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    term = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, term.set)
+    _ready(ready_fd)
+    bye = asyncio.ensure_future(port.wait_bye())
+    stop = asyncio.ensure_future(term.wait())
+    await asyncio.wait((bye, stop), return_when=asyncio.FIRST_COMPLETED)
+    if not bye.done():  # asked to stop without the engine: let this server's streams finish
+        await port.drain(cfg.shutdown_timeout_s)
+    bye.cancel()
+    stop.cancel()
+    await runner.cleanup()
+
+
+# ---------------------------------------------------------------------- supervisor
+
+
+class _Child:
+    def __init__(self, role: str, cfg: ServerConfig, endpoint: str, extra: dict, pass_fds: tuple = ()):
+        r, w = os.pipe()
+        args = [f"role={role}", f"parent={os.getpid()}", f"endpoint={endpoint}", f"ready={w}",
+                *(f"{k}={v}" for k, v in extra.items())]
+        self.role = role
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "imp", "_" + role.split(":")[0], *args], stdin=subprocess.PIPE,
+            pass_fds=(w, *pass_fds), start_new_session=True)
+        os.close(w)
+        self.proc.stdin.write(msgspec.json.encode(cfg))
+        self.proc.stdin.close()
+        self.ready_fd = r
+        self.started = time.monotonic()
+
+    def wait_ready(self) -> bool:
+        """Blocks until the child says ready (True) or exits first (False)."""
+        data = b""
+        while True:
+            chunk = os.read(self.ready_fd, 64)
+            if not chunk:
+                break
+            data += chunk
+        os.close(self.ready_fd)
+        return data.startswith(b"ready")
+
+
+class _Stop(Exception):
+    pass
+
+
+def supervise(cfg: ServerConfig) -> int:
+    from imp.http.access import load_api_keys
+    from imp.server import setup_logging
+
+    setup_logging(cfg)
+    n = api_servers(cfg, os.cpu_count() or 1)
+    try:
+        load_api_keys(cfg.api_key, cfg.api_key_file)  # a bad key file is one error here, not one per child
+    except ValueError as exc:
+        _progress(f"cannot start: {exc}")
+        return 2
+    tmp = tempfile.mkdtemp(prefix="imp-")
+    endpoint = f"ipc://{tmp}/engine.sock"
+    children: list[_Child] = []
+    stopping = []
+
+    def on_signal(sig, _frame):
+        stopping.append(sig)
+        if len(stopping) == 1 and not ready_flag:
+            raise _Stop()
+
+    ready_flag = False
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    sock = None
+    try:
+        engine = _Child("engine", cfg, endpoint, {})
+        children.append(engine)
+        if not engine.wait_ready():
+            code = engine.proc.wait()
+            _progress(f"the engine process exited with {code} before it was ready")
+            return code or 2
+        try:
+            sock = socket.create_server((cfg.host, cfg.port), reuse_port=False, backlog=1024)
+        except OSError as exc:
+            _progress(f"cannot listen on {cfg.host}:{cfg.port}: {exc}")
+            return 2
+        sock.set_inheritable(True)
+        apis: list[_Child] = []
+        for i in range(n):
+            c = _Child(f"api:{i}", cfg, endpoint, {"index": i, "sock": sock.fileno()}, pass_fds=(sock.fileno(),))
+            apis.append(c)
+            children.append(c)
+        for c in apis:
+            if not c.wait_ready():
+                _progress(f"API server {c.role} exited with {c.proc.wait()} before it was ready")
+                return 2
+        ready_flag = True
+        _progress(f"serving on http://{cfg.host}:{cfg.port} (engine pid {engine.proc.pid}, "
+                  f"{n} API server{'s' if n != 1 else ''}: {', '.join(str(c.proc.pid) for c in apis)})")
+        return _watch(cfg, engine, apis, children, sock, endpoint, stopping)
+    except _Stop:
+        _progress("stopped while starting")
+        return 0
+    finally:
+        for c in children:
+            if c.proc.poll() is None:
+                c.proc.terminate()
+        for c in children:
+            try:
+                c.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+        if sock is not None:
+            sock.close()
+        try:
+            os.unlink(f"{tmp}/engine.sock")
+            os.rmdir(tmp)
+        except OSError:
+            pass
+
+
+def _watch(cfg, engine: _Child, apis: list[_Child], children: list, sock, endpoint: str, stopping: list) -> int:
+    restarts: list[float] = []
+    engine_dead = False
+    signalled = 0
+    while True:
+        time.sleep(0.1)
+        if len(stopping) > signalled:  # SIGTERM / SIGINT: the engine drains, then says Bye
+            signalled = len(stopping)
+            if signalled == 1:
+                _progress(f"{signal.Signals(stopping[0]).name}: draining (up to {cfg.shutdown_timeout_s:g}s) ...")
+            target = [engine] if engine.proc.poll() is None else apis
+            for c in target:
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+        if engine.proc.poll() is not None and not engine_dead:
+            engine_dead = True
+            if not stopping:
+                _progress(f"the engine process exited with {engine.proc.returncode}: requests fail with "
+                          "engine_faulted and /health answers 503 until the server is restarted")
+            else:  # drained and gone: the API servers have their Bye
+                deadline = time.monotonic() + 10
+                while any(c.proc.poll() is None for c in apis) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        if stopping and engine_dead:
+            if all(c.proc.poll() is not None for c in apis):
+                _progress("shut down")
+                return 0
+            if signalled and engine_dead:  # the engine died first: stop the API servers directly
+                for c in apis:
+                    if c.proc.poll() is None:
+                        c.proc.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + cfg.shutdown_timeout_s + 5
+                while any(c.proc.poll() is None for c in apis) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                return 0
+        if stopping:
+            continue
+        for i, c in enumerate(apis):
+            if c.proc.poll() is None:
+                continue
+            now = time.monotonic()
+            restarts[:] = [t for t in restarts if now - t < 60] + [now]
+            if len(restarts) > 5:
+                _progress("API servers keep dying (6 restarts in a minute): shutting down")
+                stopping.append(signal.SIGTERM)
+                break
+            _progress(f"API server {i} (pid {c.proc.pid}) exited with {c.proc.returncode}: starting it again")
+            nc = _Child(f"api:{i}", cfg, endpoint, {"index": i, "sock": sock.fileno()}, pass_fds=(sock.fileno(),))
+            children.append(nc)
+            apis[i] = nc
+            if not nc.wait_ready():
+                _progress(f"API server {i} did not start again (exit {nc.proc.wait()})")

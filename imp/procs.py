@@ -104,7 +104,13 @@ async def _engine(cfg: ServerConfig, engine, endpoint: str, ready_fd: int) -> No
     from imp.engine.host import EngineHost
 
     await engine.start()
-    host = EngineHost(engine, endpoint, grammars=engine.grammars)
+    rate_take = None
+    if cfg.rate_limit:  # one set of buckets for every API server
+        from imp.http.access import RateLimiter
+
+        limiter = RateLimiter(cfg.rate_limit)
+        rate_take = lambda caller: limiter.take(caller, time.monotonic())  # noqa: E731
+    host = EngineHost(engine, endpoint, grammars=engine.grammars, rate_take=rate_take)
     await host.start()
     signals: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
@@ -153,7 +159,7 @@ async def _api(cfg, text, grammars, api_keys, endpoint: str, index: int, sock, r
 
     port = RemoteEngine(endpoint, text.tokenizer, api=index)
     await port.start()
-    app = create_app(port, text, cfg, grammars=grammars, api_keys=api_keys)
+    app = create_app(port, text, cfg, grammars=grammars, api_keys=api_keys, rate=port.rate_take)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=max(1.0, cfg.shutdown_timeout_s))
     await runner.setup()

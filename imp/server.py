@@ -116,8 +116,16 @@ def load_engine(cfg: ServerConfig, store=None, render: bool = True) -> tuple[Loc
     t0 = time.monotonic()
     _progress(f"loading {path.name} ...")
 
+    null = os.environ.get("IMP_NULL_RUNNER") == "1"  # benchmarks: the server's own cost, no model math
+    if null:
+        _progress("IMP_NULL_RUNNER=1: a runner that computes nothing answers every step (benchmark only)")
+
     def loader(device: str):
         """The load call for one replica; suspend calls it again to reload what it released."""
+        if null:
+            from imp.model.null_runner import NullRunner
+
+            return lambda: NullRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens)
         if device.startswith("cuda"):
             from imp.gpu.runner import GpuModelRunner
 

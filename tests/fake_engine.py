@@ -171,6 +171,12 @@ class FakeEngine:
     def close_session(self, session_id: str) -> None:
         self.closed_sessions.append(session_id)
 
+    def serve_peers(self, handler) -> None:
+        self.peer_handler = handler
+
+    async def ask_peers(self, action: str, some_id: str):
+        return None
+
     async def suspend(self, drain_s: float) -> SuspendResult:
         self.suspended = True
         return SuspendResult(suspended=True, drained=not self.live, in_flight=len(self.live), kv_released=False)

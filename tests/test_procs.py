@@ -168,6 +168,25 @@ def test_store_admin_and_lora_listing_cross_the_boundary(split):
     assert st == 200 and m["server"]["status"]["fault"] is None and m["server"]["status"]["model"], m
 
 
+def test_end_thinking_reaches_the_api_server_that_runs_the_request(split):
+    body = {"model": "m", "messages": [{"role": "user", "content": "Explain gravity in detail."},
+                                       {"role": "assistant", "content": "<think>"}],
+            "max_tokens": 200, "temperature": 0, "ignore_eos": True, "continue_final_message": True}
+    req = urllib.request.Request(split.url + "/v1/chat/completions", json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json", "X-Request-Id": "think-split-1"})
+    r = urllib.request.urlopen(req, timeout=60)
+    r.readline()
+    answers, pids = [], set()
+    for _ in range(6):  # fresh connections: some land on the other API server
+        answers.append(call(split.url, "/v1/requests/think-split-1/end_thinking", {}))
+        pids.add(call(split.url, "/health")[1]["pid"])
+    rest = r.read().decode()
+    assert [st for st, _ in answers] == [200] * 6, answers
+    assert sum(a["ended"] for _, a in answers) == 1, answers  # once, whichever server was asked
+    assert "reasoning_content" in rest and '"content":"' in rest, rest[-500:]
+    assert call(split.url, "/v1/requests/think-split-1/end_thinking", {})[0] == 404
+
+
 def test_sigterm_drains_every_process_exits_0_and_the_log_replays(split):
     sup = split.proc.pid
     kids = children(sup)
@@ -248,12 +267,18 @@ def test_a_killed_api_server_is_started_again(smollm2_path, tmp_path):
         assert "starting it again" in srv.tail()
 
 
-def test_a_killed_supervisor_leaves_no_orphans(smollm2_path, tmp_path):
-    srv = ServerProcess(smollm2_path, "--api-servers", "2", "--kv-cache-tokens", "2048",
+def test_the_rate_limit_is_one_across_api_servers_and_a_killed_supervisor_leaves_no_orphans(smollm2_path,
+                                                                                              tmp_path):
+    srv = ServerProcess(smollm2_path, "--api-servers", "2", "--kv-cache-tokens", "2048", "--rate-limit", "3",
                         log_path=tmp_path / "server.out")
     with srv:
         kids = children(srv.proc.pid)
         assert len(kids) == 3, kids
+        pids, codes = set(), []
+        for _ in range(4):  # a new connection each: either API server may answer
+            codes.append(call(srv.url, "/v1/models")[0])
+            pids.add(call(srv.url, "/health")[1]["pid"])
+        assert codes == [200, 200, 200, 429], (codes, pids)  # the buckets live in the engine
         srv.proc.kill()
         srv.proc.wait(10)
         assert wait_gone(kids, 40) == [], "orphan processes after the supervisor was killed"

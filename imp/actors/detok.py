@@ -13,6 +13,8 @@ made where it is sent and never crosses per token.
 
 from __future__ import annotations
 
+import msgspec
+
 from imp.actors.base import Actor, Bus
 from imp.text.stops import StopMatcher
 from imp.messages import (
@@ -84,6 +86,21 @@ class Renderer:
     def finished(self) -> bool:
         """Every choice has closed upstream: nothing more will come for this request."""
         return len(self.choices) >= self.op.n and all(c.closed for c in self.choices.values())
+
+
+def merge(a: Delta, b: Delta) -> Delta:
+    """Two consecutive Deltas of one choice as one (b is the later): a stream that is behind
+    writes one chunk for the tokens that are waiting, not one each."""
+    ao, bo = a.out, b.out
+    out = msgspec.structs.replace(
+        bo, token_ids=ao.token_ids + bo.token_ids, logprobs=ao.logprobs + bo.logprobs,
+        prompt_tokens=bo.prompt_tokens or ao.prompt_tokens, prompt_logprobs=ao.prompt_logprobs or bo.prompt_logprobs)
+    return Delta(out, a.text + b.text, b.finish, b.stop_str)
+
+
+def mergeable(a: Delta, b) -> bool:
+    return (type(b) is Delta and b.out.index == a.out.index and a.finish == FinishReason.NONE
+            and not a.out.error and not b.out.error)
 
 
 class DetokActor(Actor):

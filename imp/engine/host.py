@@ -73,16 +73,21 @@ class EngineHost:
     """Serves `engine` (an imp.engine.local.LocalEngine started with render=False) to the
     API servers connecting to `endpoint` (an ipc:// or tcp:// ZMQ address)."""
 
-    def __init__(self, engine, endpoint: str, grammars=None, watch_s: float = 0.25):
+    def __init__(self, engine, endpoint: str, grammars=None, watch_s: float = 0.25, rate_take=None):
+        """rate_take: (caller) -> seconds to wait, --rate-limit's one set of buckets for every
+        API server (injected at boot), or None."""
         self.engine = engine
         self.endpoint = endpoint
         self.grammars = grammars  # compile a request's grammar here before it is queued
+        self.rate_take = rate_take
         self.watch_s = watch_s
         self.peers: dict[bytes, _Peer] = {}
         self._fault = ""
         self._wake_pending = False
         self._tasks: list[asyncio.Task] = []
         self._calls: set[asyncio.Task] = set()
+        self._asks: dict[int, list] = {}  # peer control: ask id -> [asker, its call id, answers still due]
+        self._ask_ids = 0
 
     async def start(self) -> None:
         self.ctx = zmq.asyncio.Context()
@@ -206,6 +211,8 @@ class EngineHost:
             self._spawn(self._call(peer, f))
         elif t is wire.StoreCall:
             self._spawn(self._store(peer, f))
+        elif t is wire.ControlReply:
+            self._control_reply(f)
 
     def _open(self, peer: _Peer, sub) -> None:
         try:
@@ -235,6 +242,11 @@ class EngineHost:
         try:
             if f.method == "snapshot":
                 v = eng.figures(*f.args)
+            elif f.method == "ask_peers":
+                self._ask_peers(peer, f)
+                return
+            elif f.method == "rate_take" and self.rate_take is not None:
+                v = float(self.rate_take(*f.args))
             elif f.method == "metrics_text":
                 v = await eng.metrics_text()
             elif f.method == "suspend":
@@ -266,6 +278,29 @@ class EngineHost:
 
     # ------------------------------------------------------------------ peers
 
+    def _ask_peers(self, asker: _Peer, f: wire.Call) -> None:
+        """A control call for a request another API server runs: ask each of the others;
+        the first that has it answers, else the asker hears None."""
+        others = [p for p in self.peers.values() if p is not asker]
+        if not others:
+            self._reply(asker, wire.Answer(f.call_id, wire.raw(None)))
+            return
+        self._ask_ids += 1
+        self._asks[self._ask_ids] = [asker, f.call_id, len(others)]
+        action, some_id = f.args
+        for p in others:
+            self._reply(p, wire.Control(self._ask_ids, action, some_id))
+
+    def _control_reply(self, f: wire.ControlReply) -> None:
+        ask = self._asks.get(f.ask_id)
+        if ask is None:
+            return
+        ask[2] -= 1
+        if f.body is not None or ask[2] <= 0:
+            del self._asks[f.ask_id]
+            v = None if f.body is None else [f.status, f.body]
+            self._reply(ask[0], wire.Answer(ask[1], wire.raw(v)))
+
     def _drop(self, peer: _Peer, why: str) -> None:
         """Forget an API server: cancel every request it had open (their KV is freed)."""
         if peer.open:
@@ -274,6 +309,8 @@ class EngineHost:
         for req_id in list(peer.open):
             self._finished(peer, req_id)
         self.peers.pop(peer.ident, None)
+        for ask_id, ask in list(self._asks.items()):  # it will not answer: count it as "not here"
+            self._control_reply(wire.ControlReply(ask_id))
 
     async def _watch(self) -> None:
         while True:

@@ -21,7 +21,7 @@ import msgspec
 
 from imp.actors.base import Bus, CoreActor
 from imp.actors.clock import ClockActor
-from imp.actors.detok import DetokActor
+from imp.actors.detok import DetokActor, merge, mergeable
 from imp.actors.executor import ExecutorActor
 from imp.actors.ingress import IngressActor
 from imp.actors.metrics import MetricsActor
@@ -34,7 +34,8 @@ from imp.engine.port import (LiveRow, LoraInfo, LoraRefused, ModelCard, Rates, R
                               Submission, SuspendResult)
 from imp.log.eventlog import EventLog, LogHeader
 from imp.store.actor import StoreActor
-from imp.messages import SCHEMA_VERSION, Cancel, FinishReason, KvFigures, KvForget, LoraLoad, LoraUnload, Reload, RequestStats, Unload
+from imp.messages import (SCHEMA_VERSION, Cancel, Delta, FinishReason, KvFigures, KvForget, LoraLoad, LoraUnload,
+                          Reload, RequestStats, Unload)
 
 log = logging.getLogger("imp.engine")
 
@@ -183,14 +184,25 @@ class LocalEngine:
             self.ingress.cancel(handle.req_id)
 
     async def _items(self, handle, lora_id: int = 0) -> AsyncIterator[StreamItem]:
+        q = handle.queue
         try:
-            while not (handle.done and handle.queue.empty()):
-                yield await handle.queue.get()
+            while not (handle.done and q.empty()):
+                item = await q.get()
+                if type(item) is Delta:  # the tokens that are already here go out as one chunk
+                    while not q.empty() and mergeable(item, q._queue[0]):
+                        item = merge(item, q.get_nowait())
+                yield item
         finally:
             self.close(handle, lora_id)
 
     def end_thinking(self, req_id: str, token_ids: tuple[int, ...]) -> bool:
         return self.ingress.end_thinking(req_id, list(token_ids))
+
+    def serve_peers(self, handler) -> None:
+        """One process, no peers: nothing to serve."""
+
+    async def ask_peers(self, action: str, some_id: str):
+        return None  # every request of this engine is in this process's HTTP app
 
     def stop_choice(self, req_id: str, index: int) -> None:
         """A stop string ended one choice where the text is made (an API server): free its KV."""

@@ -166,6 +166,14 @@ class EnginePort(Protocol):
 
     def close_session(self, session_id: str) -> None: ...
 
+    def serve_peers(self, handler) -> None:
+        """handler: async (action, some_id) -> (status, body), or None when the request is not
+        running in this process; what other API-server processes' `ask_peers` reach."""
+
+    async def ask_peers(self, action: str, some_id: str):
+        """A control call (e.g. "end_thinking") for a request this process does not hold, asked
+        of the other API servers: their (status, body), or None when none runs it."""
+
     async def suspend(self, drain_s: float) -> SuspendResult: ...
 
     async def resume(self) -> ResumeResult: ...

@@ -26,7 +26,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from imp.actors.detok import Renderer
+from imp.actors.detok import Renderer, merge, mergeable
 from imp.actors.store_client import StoreClient
 from imp.engine import wire
 from imp.engine.port import (LoraInfo, LoraRefused, ModelCard, Rates, ResumeResult, Snapshot, StreamItem,
@@ -60,20 +60,30 @@ class _Stream:
         chs = self.renderer.choices
         return len(chs) >= self.n and all(c.done for c in chs.values())
 
+    def _render(self, item: Delta) -> Delta | None:
+        d, stopped = self.renderer.render(item.out)
+        if stopped:
+            self.eng._send(wire.StopChoice(self.req_id, item.out.index))
+        return d
+
     async def __anext__(self) -> StreamItem:
+        q = self.queue
         while not self.ended:
-            item = await self.queue.get()
-            if type(item) is Delta:
-                d, stopped = self.renderer.render(item.out)
-                if stopped:
-                    self.eng._send(wire.StopChoice(self.req_id, item.out.index))
-                if d is None:
-                    continue
-                if self._all_done():
-                    self._end()
-                return d
-            self._end()  # Reject or Fault: the last item
-            return item
+            item = await q.get()
+            if type(item) is not Delta:
+                self._end()  # Reject or Fault: the last item
+                return item
+            d = self._render(item)
+            if d is None:
+                continue
+            # the tokens that are already here go out as one chunk (this stream is behind)
+            while not q.empty() and mergeable(d, q._queue[0]):  # asyncio.Queue's deque: a peek
+                nd = self._render(q.get_nowait())
+                if nd is not None:
+                    d = merge(d, nd)
+            if self._all_done():
+                self._end()
+            return d
         raise StopAsyncIteration
 
     def _end(self) -> None:
@@ -109,6 +119,8 @@ class RemoteEngine:
         self._tasks: list[asyncio.Task] = []
         self._bye = asyncio.Event()  # the engine drained and stops: the server exits
         self._store: StoreClient | None = None
+        self._peer_handler = None  # HTTP's answer to a control call for a request it may run
+        self._control_tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -182,8 +194,25 @@ class RemoteEngine:
                 elif t is wire.Welcome:
                     if self._welcome is not None and not self._welcome.done():
                         self._welcome.set_result(f)
+                elif t is wire.Control:
+                    self._spawn_control(f)
                 elif t is wire.Bye:
                     self._bye.set()
+
+    def _spawn_control(self, f: wire.Control) -> None:
+        async def run():
+            got = None
+            if self._peer_handler is not None:
+                try:
+                    got = await self._peer_handler(f.action, f.some_id)
+                except Exception:  # noqa: BLE001 - answer "not here" rather than leave the asker waiting
+                    log.exception("control %s for %s failed", f.action, f.some_id)
+            status, body = got if got is not None else (0, None)
+            self._send(wire.ControlReply(f.ask_id, status, body))
+
+        t = asyncio.create_task(run())
+        self._control_tasks.add(t)
+        t.add_done_callback(self._control_tasks.discard)
 
     async def _watch(self) -> None:
         """The engine process is gone (killed, crashed): fail everything waiting on it now."""
@@ -307,6 +336,25 @@ class RemoteEngine:
             return await self._call("lora_unload", lora_id, name, typ=LoraInfo)
         except EngineGone as exc:
             raise LoraRefused(409, "engine_faulted", str(exc)) from None
+
+    def serve_peers(self, handler) -> None:
+        """handler: async (action, some_id) -> (status, body) or None if not running here."""
+        self._peer_handler = handler
+
+    async def ask_peers(self, action: str, some_id: str):
+        """The same control call, asked of every other API server: (status, body) or None."""
+        try:
+            got = await self._call("ask_peers", action, some_id, typ=list | None)
+        except EngineGone:
+            return None
+        return None if got is None else (got[0], got[1])
+
+    async def rate_take(self, caller: str) -> float:
+        """--rate-limit, decided in the engine process for every API server at once."""
+        try:
+            return await self._call("rate_take", caller, typ=float)
+        except EngineGone:
+            return 0.0  # the request is refused as engine_faulted anyway
 
     def loras(self) -> tuple[LoraInfo, ...]:
         return self._loras

@@ -8,8 +8,9 @@ runs raw and the API server renders (`imp.actors.detok.Renderer`). Everything a
 frame asks of the engine becomes messages on the engine's bus, so the engine
 process's event log still holds every decision input.
 
-    API server -> engine: Hello, Open, Close, StopChoice, Think, SessionEnd, Report, Call, StoreCall
-    engine -> API server: Welcome, Items, State, Answer, Bye
+    API server -> engine: Hello, Open, Close, StopChoice, Think, SessionEnd, Report, Call, StoreCall,
+                          ControlReply
+    engine -> API server: Welcome, Items, State, Answer, Control, Bye
 """
 
 from __future__ import annotations
@@ -122,12 +123,29 @@ class Answer(Frame):
     message: str = ""
 
 
+class Control(Frame):
+    """engine -> the other API servers: a control call for a request one of them runs
+    (POST /v1/requests/{id}/end_thinking landed on a server that does not hold it)."""
+
+    ask_id: int
+    action: str
+    some_id: str
+
+
+class ControlReply(Frame):
+    """API server -> engine: its answer to a Control (body None: not running here)."""
+
+    ask_id: int
+    status: int = 0
+    body: dict | None = None
+
+
 class Bye(Frame):
     """The engine has drained and stops: finish what is written, then exit."""
 
 
-AnyFrame = Union[Hello, Open, Close, StopChoice, Think, SessionEnd, Report, Call, StoreCall,
-                 Welcome, Items, State, Answer, Bye]
+AnyFrame = Union[Hello, Open, Close, StopChoice, Think, SessionEnd, Report, Call, StoreCall, ControlReply,
+                 Welcome, Items, State, Answer, Control, Bye]
 
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(list[AnyFrame])

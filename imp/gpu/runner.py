@@ -273,13 +273,21 @@ class GpuModelRunner:
         step's PENDING_TOKEN and start their copy to the host."""
         if len(seqs) > MAX_SAMPLED:
             raise ValueError(f"{len(seqs)} sequences sampled in one step (at most {MAX_SAMPLED})")
-        if any(s.pending and s.params.needs_history for s in seqs):
-            # penalties count the token in flight and a grammar's state follows it: need it on the host
+        dev_pending = None
+        hist = [i for i, s in enumerate(seqs) if s.pending and s.params.needs_history]
+        if hist and not any(s.params.host_sampled for s in seqs) and all(seqs[i].params.constraint is None
+                                                                         for i in hist):
+            # penalties count the token in flight: it is on the device (last step's ids), counted there
+            slots = [self._prev_rows[seqs[i].seq_id] for i in hist]
+            dev_pending = (torch.tensor(hist, device=self.device),
+                           self._sampled.index_select(0, torch.tensor(slots, device=self.device)))
+        elif hist:
+            # a grammar's state follows the token in flight (and a host-sampled row reads it): on the host
             prev = dict(zip(self._prev.seq_ids, self._prev.ids()))
             seqs = [pending.fill(s, prev[s.seq_id]) if s.pending and s.params.needs_history else s for s in seqs]
         if constraints is not None:
             constraints.apply(logits, seqs)  # in place: masked tokens -inf, before bias and the rest
-        ids, tokens = sampler.draw_ids(logits, seqs, self.use_numba_sampling)
+        ids, tokens = sampler.draw_ids(logits, seqs, self.use_numba_sampling, dev_pending)
         B = len(seqs)
         self._sampled[:B].copy_(ids)
         ring = self._ring[self._ring_i]

@@ -21,17 +21,19 @@ from imp.messages import SampledToken, SeqWork
 from imp.sampling.cpu import LOGPROB_FLOOR, sample_one
 
 
-def draw_ids(logits: torch.Tensor, seqs: list[SeqWork], use_numba: bool = True
+def draw_ids(logits: torch.Tensor, seqs: list[SeqWork], use_numba: bool = True, pending=None
              ) -> tuple[torch.Tensor, list[SampledToken] | None]:
     """A step's sampled ids [R] on the device, without a host sync where possible; the
-    SampledTokens too when some row had to be sampled on the host (they are then final)."""
+    SampledTokens too when some row had to be sampled on the host (they are then final).
+    pending: (rows [P] long, ids [P] on the device): penalized rows whose history lacks the
+    token the step in flight sampled, still on the device; the penalties count it there."""
     ps = [s.params for s in seqs]
     if all(p.plain_greedy for p in ps):
         return torch.argmax(logits, dim=-1), None
     if any(p.host_sampled for p in ps):
         tokens = sample_rows(logits, seqs, use_numba)
         return torch.tensor([t.token_id for t in tokens], dtype=torch.int32).to(logits.device), tokens
-    return sample_ids(logits, seqs, use_numba)[0], None
+    return sample_ids(logits, seqs, use_numba, pending)[0], None
 
 
 def sample_rows(logits: torch.Tensor, seqs: list[SeqWork], use_numba: bool = True) -> list[SampledToken]:
@@ -51,9 +53,12 @@ def sample_rows(logits: torch.Tensor, seqs: list[SeqWork], use_numba: bool = Tru
     return [out[i] for i in range(len(seqs))]
 
 
-def bias_and_penalties(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = True) -> torch.Tensor:
-    """In place on logits [R, V] fp32 (contiguous): logit_bias, then repetition/presence/frequency."""
+def bias_and_penalties(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = True,
+                       pending=None) -> torch.Tensor:
+    """In place on logits [R, V] fp32 (contiguous): logit_bias, then repetition/presence/frequency.
+    pending: see draw_ids; those rows are penalized densely, their device token counted once more."""
     V = logits.shape[1]
+    dense = set(pending[0].tolist()) if pending is not None else set()
     b_rows, b_ids, b_vals = [], [], []
     p_rows, p_ids, p_cnt = [], [], []
     params = np.zeros((len(works), 3), np.float32)
@@ -67,7 +72,7 @@ def bias_and_penalties(logits: torch.Tensor, works: list[SeqWork], use_numba: bo
         b_ids += list(agg)
         b_vals += list(agg.values())
         params[r] = (p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
-        if w.history and p.penalized:
+        if w.history and p.penalized and r not in dense:
             c = Counter(t for t in w.history if 0 <= t < V)
             p_rows += [r] * len(c)
             p_ids += list(c)
@@ -79,7 +84,32 @@ def bias_and_penalties(logits: torch.Tensor, works: list[SeqWork], use_numba: bo
     if p_ids:
         k.penalize(logits, i32(p_rows), i32(p_ids), torch.tensor(p_cnt, dtype=torch.float32, device=dev),
                    torch.from_numpy(params).to(dev), use_numba)
+    if dense:
+        _penalize_dense(logits, [works[r] for r in pending[0].tolist()], pending, torch.from_numpy(params).to(dev))
     return logits
+
+
+def _penalize_dense(logits: torch.Tensor, works: list[SeqWork], pending, params: torch.Tensor) -> None:
+    """The penalties of rows `pending[0]` over counts built on the device: the host-known history
+    plus the in-flight token `pending[1]` (no host sync). Same arithmetic as k.penalize, applied to
+    every token with a count: repetition once, presence once, frequency per occurrence."""
+    rows, ids = pending
+    P, V = rows.shape[0], logits.shape[1]
+    dev = logits.device
+    counts = torch.zeros(P, V, dtype=torch.float32, device=dev)
+    hr = [i for i, w in enumerate(works) for t in w.history if 0 <= t < V]
+    if hr:
+        ht = [t for w in works for t in w.history if 0 <= t < V]
+        counts.index_put_((torch.tensor(hr, device=dev), torch.tensor(ht, device=dev)),
+                          torch.ones(len(ht), device=dev), accumulate=True)
+    counts.scatter_add_(1, ids.long().clamp(0, V - 1).view(P, 1), torch.ones(P, 1, device=dev))
+    x = logits.index_select(0, rows)
+    pr = params.index_select(0, rows)
+    rep, pres, freq = pr[:, 0:1], pr[:, 1:2], pr[:, 2:3]
+    seen = counts > 0
+    y = torch.where(rep != 1.0, torch.where(x > 0, x / rep, x * rep), x)
+    y = y - pres - freq * counts
+    logits.index_copy_(0, rows, torch.where(seen, y, x))
 
 
 def sample(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = True) -> list[SampledToken]:
@@ -88,13 +118,13 @@ def sample(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = True) -
     return _to_sampled(tokens, processed, works)
 
 
-def sample_ids(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = True
+def sample_ids(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = True, pending=None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The drawn ids [R] int64 and the processed logits, left on the device (no host sync)."""
     R, V = logits.shape
     dev = logits.device
     x = logits.float().contiguous().clone()
-    bias_and_penalties(x, works, use_numba)
+    bias_and_penalties(x, works, use_numba, pending)
     ps = [w.params for w in works]
     greedy = [p.greedy for p in ps]
     tokens = torch.argmax(x, dim=-1)

@@ -1,0 +1,43 @@
+"""Penalties of a pipelined share whose last token is still on the device (issue 14: a
+penalized stream no longer waits for the previous step on the host).
+
+`imp.sampling.gpu._penalize_dense` counts the host-known history plus the in-flight
+token on the device; it must equal the CPU reference (`imp.sampling.cpu.apply_penalties`)
+over the complete history. The ops are plain torch, so this runs on the CPU."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from imp.messages import SamplingParams, SeqWork
+from imp.sampling.cpu import apply_penalties
+from imp.sampling.gpu import _penalize_dense
+
+
+def test_dense_pending_penalty_equals_the_reference_over_the_full_history():
+    rng = random.Random(0)
+    V, R = 97, 6
+    logits = torch.randn(R, V) * 3
+    works, pend_rows, pend_ids = [], [], []
+    params = torch.zeros(R, 3)
+    for r in range(R):
+        p = SamplingParams(max_tokens=8, repetition_penalty=rng.choice([1.0, 1.05, 1.3, 0.8]),
+                           presence_penalty=rng.choice([0.0, 0.5, -0.3]), frequency_penalty=rng.choice([0.0, 0.2]))
+        hist = tuple(rng.randrange(V) for _ in range(rng.randrange(0, 12)))
+        works.append(SeqWork(seq_id=str(r), token_ids=(0,), start_pos=5, block_table=(0,), sample=True, params=p,
+                             history=hist))
+        params[r] = torch.tensor([p.repetition_penalty, p.presence_penalty, p.frequency_penalty])
+        if r % 2 == 0 or r == R - 1:  # these rows feed a pending token (sometimes one already seen)
+            pend_rows.append(r)
+            pend_ids.append(hist[0] if hist and r % 4 == 0 else rng.randrange(V))
+    x = logits.clone()
+    rows = torch.tensor(pend_rows)
+    _penalize_dense(x, [works[r] for r in pend_rows], (rows, torch.tensor(pend_ids, dtype=torch.int32)), params)
+    for i, r in enumerate(pend_rows):
+        w = works[r]
+        want = apply_penalties(logits[r].clone(), [*w.history, pend_ids[i]], w.params)
+        assert torch.allclose(x[r], want, atol=1e-6), (r, w.params, w.history, pend_ids[i])
+    others = [r for r in range(R) if r not in pend_rows]
+    assert torch.equal(x[others], logits[others])  # rows without a pending token are left to the kernel

@@ -33,8 +33,7 @@ def test_dense_pending_penalty_equals_the_reference_over_the_full_history():
             pend_rows.append(r)
             pend_ids.append(hist[0] if hist and r % 4 == 0 else rng.randrange(V))
     x = logits.clone()
-    rows = torch.tensor(pend_rows)
-    _penalize_dense(x, [works[r] for r in pend_rows], (rows, torch.tensor(pend_ids, dtype=torch.int32)), params)
+    _penalize_dense(x, [works[r] for r in pend_rows], (pend_rows, torch.tensor(pend_ids, dtype=torch.int32)), params)
     for i, r in enumerate(pend_rows):
         w = works[r]
         want = apply_penalties(logits[r].clone(), [*w.history, pend_ids[i]], w.params)

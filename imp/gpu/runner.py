@@ -258,12 +258,12 @@ class GpuModelRunner:
         if not plp_at:
             if not order:
                 return self._landed([], None, [])
-            sel = logits.index_select(0, torch.tensor([sample_at[i] for i in order], device=self.device))
+            sel = logits.index_select(0, _cuda.to_device([sample_at[i] for i in order], torch.int64, self.device))
             return self._sample_and_land(sel, [seqs[i] for i in order], constraints)
         # prompt logprobs: scored on the host now (not pipelined; such steps are prefill chunks)
         drawn: dict[int, SampledToken] = {}
         if order:
-            sel = logits.index_select(0, torch.tensor([sample_at[i] for i in order], device=self.device))
+            sel = logits.index_select(0, _cuda.to_device([sample_at[i] for i in order], torch.int64, self.device))
             drawn = dict(zip(order, self.collect(self._sample_and_land(sel, [seqs[i] for i in order], constraints))))
         out = with_prompt_logprobs(seqs, drawn, plp_at, logits)
         return Landing([t.seq_id for t in out], None, None, out)
@@ -279,8 +279,7 @@ class GpuModelRunner:
                                                                          for i in hist):
             # penalties count the token in flight: it is on the device (last step's ids), counted there
             slots = [self._prev_rows[seqs[i].seq_id] for i in hist]
-            dev_pending = (torch.tensor(hist, device=self.device),
-                           self._sampled.index_select(0, torch.tensor(slots, device=self.device)))
+            dev_pending = (hist, self._sampled.index_select(0, _cuda.to_device(slots, torch.int64, self.device)))
         elif hist:
             # a grammar's state follows the token in flight (and a host-sampled row reads it): on the host
             prev = dict(zip(self._prev.seq_ids, self._prev.ids()))

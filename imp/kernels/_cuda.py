@@ -116,6 +116,19 @@ def use_device(index: int) -> None:
         pass
 
 
+def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """A small host array on the device without a stream sync. `torch.tensor(v, device=...)`
+    copies from pageable memory and then waits for the stream, i.e. for every step already
+    queued: one such call in a launch undoes the pipelining. Staged in pinned memory instead
+    (the caching host allocator keeps the block until the copy has run)."""
+    t = values if isinstance(values, torch.Tensor) else torch.as_tensor(values, dtype=dtype)
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def ptr(t: torch.Tensor | None) -> np.uint64:
     return np.uint64(0 if t is None else t.data_ptr())
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from imp.kernels import sampling as k
+from imp.kernels._cuda import to_device
 from imp.messages import SampledToken, SeqWork
 from imp.sampling.cpu import LOGPROB_FLOOR, sample_one
 
@@ -25,14 +26,14 @@ def draw_ids(logits: torch.Tensor, seqs: list[SeqWork], use_numba: bool = True, 
              ) -> tuple[torch.Tensor, list[SampledToken] | None]:
     """A step's sampled ids [R] on the device, without a host sync where possible; the
     SampledTokens too when some row had to be sampled on the host (they are then final).
-    pending: (rows [P] long, ids [P] on the device): penalized rows whose history lacks the
+    pending: (rows: a list of P row indices, ids [P] on the device): penalized rows whose history lacks the
     token the step in flight sampled, still on the device; the penalties count it there."""
     ps = [s.params for s in seqs]
     if all(p.plain_greedy for p in ps):
         return torch.argmax(logits, dim=-1), None
     if any(p.host_sampled for p in ps):
         tokens = sample_rows(logits, seqs, use_numba)
-        return torch.tensor([t.token_id for t in tokens], dtype=torch.int32).to(logits.device), tokens
+        return to_device([t.token_id for t in tokens], torch.int32, logits.device), tokens
     return sample_ids(logits, seqs, use_numba, pending)[0], None
 
 
@@ -45,7 +46,7 @@ def sample_rows(logits: torch.Tensor, seqs: list[SeqWork], use_numba: bool = Tru
     dev = [i for i in range(len(seqs)) if i not in set(cpu)]
     out: dict[int, SampledToken] = {}
     if dev:
-        sel = logits if len(dev) == len(seqs) else logits.index_select(0, torch.tensor(dev, device=logits.device))
+        sel = logits if len(dev) == len(seqs) else logits.index_select(0, to_device(dev, torch.int64, logits.device))
         for i, t in zip(dev, sample(sel, [seqs[i] for i in dev], use_numba)):
             out[i] = t
     for i in cpu:  # typical_p: the CPU sampler, row by row
@@ -58,7 +59,7 @@ def bias_and_penalties(logits: torch.Tensor, works: list[SeqWork], use_numba: bo
     """In place on logits [R, V] fp32 (contiguous): logit_bias, then repetition/presence/frequency.
     pending: see draw_ids; those rows are penalized densely, their device token counted once more."""
     V = logits.shape[1]
-    dense = set(pending[0].tolist()) if pending is not None else set()
+    dense = set(pending[0]) if pending is not None else set()
     b_rows, b_ids, b_vals = [], [], []
     p_rows, p_ids, p_cnt = [], [], []
     params = np.zeros((len(works), 3), np.float32)
@@ -78,14 +79,15 @@ def bias_and_penalties(logits: torch.Tensor, works: list[SeqWork], use_numba: bo
             p_ids += list(c)
             p_cnt += list(c.values())
     dev = logits.device
-    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
+    i32 = lambda v: to_device(v, torch.int32, dev)  # noqa: E731
     if b_ids:
-        k.add_bias(logits, i32(b_rows), i32(b_ids), torch.tensor(b_vals, dtype=torch.float32, device=dev), use_numba)
+        k.add_bias(logits, i32(b_rows), i32(b_ids), to_device(b_vals, torch.float32, dev), use_numba)
+    if p_ids or dense:
+        params_dev = to_device(torch.from_numpy(params), torch.float32, dev)
     if p_ids:
-        k.penalize(logits, i32(p_rows), i32(p_ids), torch.tensor(p_cnt, dtype=torch.float32, device=dev),
-                   torch.from_numpy(params).to(dev), use_numba)
+        k.penalize(logits, i32(p_rows), i32(p_ids), to_device(p_cnt, torch.float32, dev), params_dev, use_numba)
     if dense:
-        _penalize_dense(logits, [works[r] for r in pending[0].tolist()], pending, torch.from_numpy(params).to(dev))
+        _penalize_dense(logits, [works[r] for r in pending[0]], pending, params_dev)
     return logits
 
 
@@ -93,14 +95,15 @@ def _penalize_dense(logits: torch.Tensor, works: list[SeqWork], pending, params:
     """The penalties of rows `pending[0]` over counts built on the device: the host-known history
     plus the in-flight token `pending[1]` (no host sync). Same arithmetic as k.penalize, applied to
     every token with a count: repetition once, presence once, frequency per occurrence."""
-    rows, ids = pending
-    P, V = rows.shape[0], logits.shape[1]
+    rows_l, ids = pending
+    P, V = len(rows_l), logits.shape[1]
     dev = logits.device
+    rows = to_device(rows_l, torch.int64, dev)
     counts = torch.zeros(P, V, dtype=torch.float32, device=dev)
     hr = [i for i, w in enumerate(works) for t in w.history if 0 <= t < V]
     if hr:
         ht = [t for w in works for t in w.history if 0 <= t < V]
-        counts.index_put_((torch.tensor(hr, device=dev), torch.tensor(ht, device=dev)),
+        counts.index_put_((to_device(hr, torch.int64, dev), to_device(ht, torch.int64, dev)),
                           torch.ones(len(ht), device=dev), accumulate=True)
     counts.scatter_add_(1, ids.long().clamp(0, V - 1).view(P, 1), torch.ones(P, 1, device=dev))
     x = logits.index_select(0, rows)
@@ -130,7 +133,7 @@ def sample_ids(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = Tru
     tokens = torch.argmax(x, dim=-1)
     processed = x
     if not all(greedy):
-        f = lambda vals, dt: torch.tensor(vals, dtype=dt, device=dev)  # noqa: E731
+        f = lambda vals, dt: to_device(vals, dt, dev)  # noqa: E731
         temp = f([p.temperature if p.temperature > 0 else 1.0 for p in ps], torch.float32)
         filt = k.filter_logits(x, temp, f([p.top_k for p in ps], torch.int64), f([p.top_p for p in ps], torch.float32),
                              f([p.min_p for p in ps], torch.float32))

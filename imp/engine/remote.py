@@ -40,6 +40,10 @@ class EngineGone(Exception):
     pass
 
 
+# calls that wait on a drain or a model load: the engine answers them when done
+_SLOW_CALLS = {"suspend": 3600.0, "resume": 600.0, "lora_load": 600.0, "lora_unload": 600.0, "ask_peers": 10.0}
+
+
 class _Stream:
     """One submitted request's output, rendered here. Ends once every choice has its last
     delta (or a Reject / Fault); closing it early cancels the request in the engine."""
@@ -239,13 +243,19 @@ class RemoteEngine:
             if self._store is not None:
                 self._store.fail_all(error)
 
-    async def _call(self, method: str, *args, typ=None):
+    async def _call(self, method: str, *args, typ=None, timeout_s: float | None = None):
         if self._fault and not self._alive():
             raise EngineGone(self._fault)
         cid = next(self._ids)
         fut = self._calls[cid] = asyncio.get_running_loop().create_future()
         self._send(wire.Call(cid, method, args))
-        a: wire.Answer = await fut
+        # a live engine that does not answer (hung) must not hang the handler for ever
+        limit = timeout_s if timeout_s is not None else _SLOW_CALLS.get(method, 30.0)
+        try:
+            a: wire.Answer = await asyncio.wait_for(fut, limit)
+        except asyncio.TimeoutError:
+            self._calls.pop(cid, None)
+            raise EngineGone(f"the engine did not answer {method} within {limit:g}s") from None
         if a.status:
             raise LoraRefused(a.status, a.code, a.message)
         return wire.value(a, typ) if typ is not None else None

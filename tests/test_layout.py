@@ -1,0 +1,30 @@
+"""--api-servers: the layout a config resolves to, and the frames that cross (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from imp.config import ServerConfig, api_servers
+from imp.engine import wire
+from imp.engine.port import Submission
+from imp.messages import Delta, Reject, SamplingParams, TokenOut
+
+
+def test_auto_is_one_process_on_cpu_and_api_servers_on_a_gpu_host():
+    assert api_servers(ServerConfig(), 2) == 0 and api_servers(ServerConfig(), 64) == 0  # CPU: the cores run the model
+    assert api_servers(ServerConfig(device="cuda:0"), 2) == 0
+    assert api_servers(ServerConfig(device="cuda:0"), 16) == 1
+    assert api_servers(ServerConfig(device="cuda:0"), 128) == 4
+    assert api_servers(ServerConfig(api_servers=3), 2) == 3  # asked for: as asked
+    with pytest.raises(ValueError, match="--api-servers"):
+        ServerConfig(api_servers=65)
+
+
+def test_frames_round_trip_in_one_message():
+    sub = Submission(req_id="r1", prompt=(1, 2, 3), params=SamplingParams(max_tokens=4), n=2, stop=("x",))
+    d = Delta(TokenOut("r1", 1, (7, 8), completion_tokens=2), "")
+    frames = [wire.Hello(0, 123), wire.Open(sub), wire.Items((d, Reject("r2", 429, "queue_full", "full"))),
+              wire.Call(5, "suspend", (1.5,)), wire.Answer(5, wire.raw({"ok": True})), wire.Bye()]
+    back = wire.decode(wire.encode(frames))
+    assert back[:4] == frames[:4] and type(back[5]) is wire.Bye
+    assert wire.value(back[4], dict) == {"ok": True}

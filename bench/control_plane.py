@@ -35,6 +35,9 @@ from imp.messages import (  # noqa: E402
 )
 
 
+PENALTY = 1.0
+
+
 class FakeExecutor(Actor):
     name = "executor"
 
@@ -75,7 +78,7 @@ async def run(batch: int, steps: int, mode: str) -> tuple[float, int]:
               Sink(bus, "detok", done, batch), Sink(bus, "metrics"), Sink(bus, "ingress")]
     for a in actors:
         a.start()
-    params = SamplingParams(max_tokens=steps, temperature=0.0, stop_token_ids=(2,))
+    params = SamplingParams(max_tokens=steps, temperature=0.0, stop_token_ids=(2,), repetition_penalty=PENALTY)
     t0 = time.perf_counter()
     for i in range(batch):
         bus.send("ingress", "admission", Submit(f"r{i}", list(range(100, 100 + prompt_len)), params, time.monotonic_ns()))
@@ -93,7 +96,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200, help="tokens decoded per request")
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--repeats", type=int, default=5, help="runs per cell; the median is reported")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="1.05 = what HTTP requests get by default: penalized shares carry their history")
     ns = ap.parse_args()
+    global PENALTY
+    PENALTY = ns.repetition_penalty
     import uvloop
 
     rows = []

@@ -48,6 +48,16 @@ class ServerProcess:
                 time.sleep(0.3)
         raise TimeoutError(f"server not ready in {timeout}s: {self.tail()}")
 
+    @property
+    def model_pid(self) -> int:
+        """The process that holds the model: the engine process under --api-servers N
+        (its pid is in the supervisor's "serving on" line), else the server itself."""
+        import re
+
+        text = self.log_path.read_bytes().decode(errors="replace") if self.log_path and self.log_path.exists() else ""
+        m = re.search(r"engine pid (\d+)", text)
+        return int(m.group(1)) if m else self.proc.pid
+
     def tail(self) -> str:
         if self.log_path and self.log_path.exists():
             return self.log_path.read_bytes()[-3000:].decode(errors="replace")

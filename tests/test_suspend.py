@@ -52,11 +52,11 @@ def test_operator_suspend_releases_memory_and_resume_reloads(smollm2_path, tmp_p
         assert st == 200 and e["est_ttft_s"] > 0, e
         st, first = call(srv.url, "/v1/chat/completions", CHAT)
         assert st == 200
-        before = rss(srv.proc.pid)
+        before = rss(srv.model_pid)
         assert 'imp_model_loaded{model="SmolLM2-135M-Instruct.Q4_1"} 1.0' in metrics(srv.url)
         st, s = call(srv.url, "/admin/suspend?drain_s=10", {}, "POST")
         assert st == 200 and s["suspended"] and s["drained"] and s["kv_released"], s
-        after = rss(srv.proc.pid)
+        after = rss(srv.model_pid)
         print(f"\nRSS {before / 2**20:.0f} MiB -> {after / 2**20:.0f} MiB after suspend "
               f"(server measured {s['memory']['rss_before'] / 2**20:.0f} -> {s['memory']['rss_after'] / 2**20:.0f})")
         assert before - after > 0.8 * smollm2_path.stat().st_size, (before, after)  # the weights left
@@ -89,7 +89,7 @@ def test_idle_unload_releases_and_the_next_request_reloads_inside_itself(smollm2
                        log_path=tmp_path / "server.out") as srv:
         st, first = call(srv.url, "/v1/chat/completions", CHAT)
         assert st == 200
-        before = rss(srv.proc.pid)
+        before = rss(srv.model_pid)
         deadline = time.monotonic() + 30
         while not call(srv.url, "/health")[1]["idle_suspended"]:
             assert time.monotonic() < deadline, "never idle-suspended"
@@ -99,7 +99,7 @@ def test_idle_unload_releases_and_the_next_request_reloads_inside_itself(smollm2
         assert h["idle_unload_seconds"] == 2 and h["idle_suspended"] and not h["weights_loaded"], h
         st, r = call(srv.url, "/ready")
         assert st == 200 and r["idle_suspended"] is True, r
-        after = rss(srv.proc.pid)
+        after = rss(srv.model_pid)
         print(f"\nRSS {before / 2**20:.0f} MiB -> {after / 2**20:.0f} MiB after the idle unload")
         t0 = time.monotonic()
         st, s = call(srv.url, "/admin/suspend?drain_s=5", {}, "POST")  # an operator suspend on top of an idle one

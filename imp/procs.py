@@ -102,6 +102,7 @@ def engine_main(argv: list[str]) -> int:
 
 async def _engine(cfg: ServerConfig, engine, endpoint: str, ready_fd: int) -> None:
     from imp.engine.host import EngineHost
+    from imp.server import drain
 
     await engine.start()
     rate_take = None
@@ -118,13 +119,7 @@ async def _engine(cfg: ServerConfig, engine, endpoint: str, ready_fd: int) -> No
     _ready(ready_fd)
     await signals.get()
     _progress(f"engine: draining (up to {cfg.shutdown_timeout_s:g}s) ...")
-    drain = asyncio.ensure_future(engine.drain(cfg.shutdown_timeout_s))
-    again = asyncio.ensure_future(signals.get())
-    await asyncio.wait((drain, again), return_when=asyncio.FIRST_COMPLETED)
-    again.cancel()
-    left = drain.result() if drain.done() else None
-    if not drain.done():
-        drain.cancel()
+    left = await drain(engine, signals, cfg.shutdown_timeout_s)
     if left:
         _progress(f"engine: {left} requests still running are cut")
     await asyncio.sleep(0.05)  # the last Items go out before the Bye
@@ -288,41 +283,36 @@ def _watch(cfg, engine: _Child, apis: list[_Child], children: list, sock, endpoi
     restarts: list[float] = []
     engine_dead = False
     signalled = 0
+    running = lambda cs: [c for c in cs if c.proc.poll() is None]  # noqa: E731
     while True:
         time.sleep(0.1)
         if len(stopping) > signalled:  # SIGTERM / SIGINT: the engine drains, then says Bye
             signalled = len(stopping)
             if signalled == 1:
                 _progress(f"{signal.Signals(stopping[0]).name}: draining (up to {cfg.shutdown_timeout_s:g}s) ...")
-            target = [engine] if engine.proc.poll() is None else apis
-            for c in target:
-                if c.proc.poll() is None:
-                    c.proc.send_signal(signal.SIGTERM)
-        if engine.proc.poll() is not None and not engine_dead:
+            for c in running([engine]) or running(apis):  # a second signal cuts the drain
+                c.proc.send_signal(signal.SIGTERM)
+        if not engine_dead and engine.proc.poll() is not None:
             engine_dead = True
             if not stopping:
                 _progress(f"the engine process exited with {engine.proc.returncode}: requests fail with "
                           "engine_faulted and /health answers 503 until the server is restarted")
-            else:  # drained and gone: the API servers have their Bye
-                deadline = time.monotonic() + 10
-                while any(c.proc.poll() is None for c in apis) and time.monotonic() < deadline:
-                    time.sleep(0.05)
         if stopping and engine_dead:
-            if all(c.proc.poll() is not None for c in apis):
-                _progress("shut down")
-                return 0
-            if signalled and engine_dead:  # the engine died first: stop the API servers directly
-                for c in apis:
-                    if c.proc.poll() is None:
-                        c.proc.send_signal(signal.SIGTERM)
-                deadline = time.monotonic() + cfg.shutdown_timeout_s + 5
-                while any(c.proc.poll() is None for c in apis) and time.monotonic() < deadline:
+            # drained and gone: the API servers have their Bye and exit; stop any that does not
+            for wait_s, sig in ((10.0, None), (cfg.shutdown_timeout_s + 5, signal.SIGTERM)):
+                for c in running(apis) if sig else ():
+                    c.proc.send_signal(sig)
+                deadline = time.monotonic() + wait_s
+                while running(apis) and time.monotonic() < deadline:
                     time.sleep(0.05)
-                return 0
+            _progress("shut down")
+            return 0
         if stopping:
             continue
         for i, c in enumerate(apis):
             if c.proc.poll() is None:
+                continue
+            if engine_dead:  # nothing to connect to: it is not started again
                 continue
             now = time.monotonic()
             restarts[:] = [t for t in restarts if now - t < 60] + [now]
@@ -336,3 +326,6 @@ def _watch(cfg, engine: _Child, apis: list[_Child], children: list, sock, endpoi
             apis[i] = nc
             if not nc.wait_ready():
                 _progress(f"API server {i} did not start again (exit {nc.proc.wait()})")
+        if engine_dead and not running(apis):
+            _progress("no API server left and the engine is gone: exiting")
+            return 1

@@ -161,6 +161,19 @@ def load_engine(cfg: ServerConfig, store=None, render: bool = True) -> tuple[Loc
                         render=render), text)
 
 
+async def drain(engine, signals: asyncio.Queue, timeout_s: float) -> int | None:
+    """SIGTERM's drain: admission closes (503 draining), admitted requests run on for up to
+    timeout_s; a second signal stops waiting. How many were left, None if cut by a signal."""
+    drained = asyncio.ensure_future(engine.drain(timeout_s))
+    again = asyncio.ensure_future(signals.get())
+    await asyncio.wait((drained, again), return_when=asyncio.FIRST_COMPLETED)
+    again.cancel()
+    if not drained.done():
+        drained.cancel()
+        return None
+    return drained.result()
+
+
 async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel, api_keys: tuple[str, ...]) -> None:
     app = create_app(engine, text, cfg, grammars=engine.grammars, api_keys=api_keys)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -180,13 +193,7 @@ async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel, api_ke
     # signal stops waiting). Then the app's cleanup stops the actors: the event log and the
     # Responses store are flushed and closed before the process exits 0.
     _progress(f"{signal.Signals(sig).name}: draining (up to {cfg.shutdown_timeout_s:g}s) ...")
-    drain = asyncio.ensure_future(engine.drain(cfg.shutdown_timeout_s))
-    again = asyncio.ensure_future(signals.get())
-    await asyncio.wait((drain, again), return_when=asyncio.FIRST_COMPLETED)
-    again.cancel()
-    left = drain.result() if drain.done() else None
-    if not drain.done():
-        drain.cancel()
+    left = await drain(engine, signals, cfg.shutdown_timeout_s)
     _progress("shutting down" + (f": the engine faulted ({engine.fault})" if engine.fault else
                                  f": {left} requests still running are cut" if left else
                                  ": second signal, requests still running are cut" if left is None else ""))

@@ -55,18 +55,6 @@ class _Sink:
         if self.handle.done:
             self.host._finished(self.peer, self.handle.req_id)
 
-    def empty(self) -> bool:
-        return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class EngineHost:
@@ -129,11 +117,7 @@ class EngineHost:
                 self._send(p.ident, _batched(frames))
 
     def _send(self, ident: bytes, frames: list) -> None:
-        fut = self.sock.send_multipart([ident, wire.encode(frames)], copy=False)
-        if fut.done():
-            fut.exception()
-        else:
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        wire.sent(self.sock.send_multipart([ident, wire.encode(frames)], copy=False))
 
     def _reply(self, peer: _Peer, frame) -> None:
         peer.out.append(frame)
@@ -316,7 +300,7 @@ class EngineHost:
         while True:
             await asyncio.sleep(self.watch_s)
             self._check_fault()
-            for p in [p for p in self.peers.values() if not _alive(p.pid)]:
+            for p in [p for p in self.peers.values() if not wire.alive(p.pid)]:
                 self._drop(p, "exited")
 
 

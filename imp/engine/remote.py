@@ -170,11 +170,7 @@ class RemoteEngine:
         self._flush_pending = False
         if self._out:
             frames, self._out = self._out, []
-            fut = self.sock.send(wire.encode(frames), copy=False)
-            if fut.done():
-                fut.exception()
-            else:
-                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            wire.sent(self.sock.send(wire.encode(frames), copy=False))
 
     async def _read(self) -> None:
         while True:
@@ -222,12 +218,8 @@ class RemoteEngine:
         """The engine process is gone (killed, crashed): fail everything waiting on it now."""
         while not self._fault:
             await asyncio.sleep(self.watch_s)
-            try:
-                os.kill(self.engine_pid, 0)
-            except ProcessLookupError:
+            if not wire.alive(self.engine_pid):
                 self._faulted(f"the engine process (pid {self.engine_pid}) exited")
-            except PermissionError:
-                pass
 
     def _faulted(self, error: str) -> None:
         self._fault = error
@@ -244,7 +236,7 @@ class RemoteEngine:
                 self._store.fail_all(error)
 
     async def _call(self, method: str, *args, typ=None, timeout_s: float | None = None):
-        if self._fault and not self._alive():
+        if self._fault and not wire.alive(self.engine_pid):
             raise EngineGone(self._fault)
         cid = next(self._ids)
         fut = self._calls[cid] = asyncio.get_running_loop().create_future()
@@ -259,15 +251,6 @@ class RemoteEngine:
         if a.status:
             raise LoraRefused(a.status, a.code, a.message)
         return wire.value(a, typ) if typ is not None else None
-
-    def _alive(self) -> bool:
-        try:
-            os.kill(self.engine_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
 
     def _forget(self, req_id: str) -> None:
         if self.streams.pop(req_id, None) is not None and not self._fault:

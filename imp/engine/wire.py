@@ -15,6 +15,7 @@ process's event log still holds every decision input.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Union
 
 import msgspec
@@ -146,6 +147,27 @@ class Bye(Frame):
 
 AnyFrame = Union[Hello, Open, Close, StopChoice, Think, SessionEnd, Report, Call, StoreCall, ControlReply,
                  Welcome, Items, State, Answer, Control, Bye]
+
+def alive(pid: int) -> bool:
+    """The process at the other end still runs (each side watches the other's pid: ZMQ
+    itself never says a peer is gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def sent(fut) -> None:
+    """A ZMQ asyncio send's future, not awaited (with no high-water mark it does not block):
+    its exception, if any, is retrieved so that it is not reported as never retrieved."""
+    if fut.done():
+        fut.cancelled() or fut.exception()
+    else:
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
 
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(list[AnyFrame])

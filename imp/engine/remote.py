@@ -173,6 +173,15 @@ class RemoteEngine:
             wire.sent(self.sock.send(wire.encode(frames), copy=False))
 
     async def _read(self) -> None:
+        try:
+            await self._read_frames()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a broken link must fail the requests, not hang them
+            log.exception("the link to the engine broke")
+            self._faulted(f"the link to the engine broke: {type(exc).__name__}: {exc}")
+
+    async def _read_frames(self) -> None:
         while True:
             data = await self.sock.recv()
             for f in wire.decode(data):

@@ -16,7 +16,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -35,19 +34,6 @@ def post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
         return json.loads(r.read())
-
-
-def wait(url: str, proc) -> None:
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.3)
-    raise TimeoutError(url)
 
 
 def common(a: str, b: str) -> int:
@@ -71,6 +57,7 @@ def main() -> int:
     from imp.formats.gguf_loader import open_gguf
     from imp.server import text_parts
     from imp.config import ServerConfig
+    from bench.serving import wait_ready
     from tests.serverproc import free_port
 
     path = resolve_model(a.model)
@@ -85,7 +72,7 @@ def main() -> int:
         proc = subprocess.Popen(cmd + ["--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 cwd=Path(__file__).resolve().parent.parent)
         try:
-            wait(f"http://127.0.0.1:{port}", proc)
+            wait_ready(f"http://127.0.0.1:{port}", proc, name)
             outs[name] = [post(f"http://127.0.0.1:{port}/v1/completions", body(ids))["choices"][0]["text"]
                           for ids in prompts]
         finally:

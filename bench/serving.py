@@ -108,7 +108,8 @@ def measure(url: str, streams: int, tokens: int, procs: int) -> dict:
             "chunks_per_token": sum(len(r["times"]) for r in rs) / max(1, toks)}
 
 
-def _wait(url: str, proc, what: str, timeout: float = 900) -> None:
+def wait_ready(url: str, proc, what: str, timeout: float = 900) -> None:
+    """Until url/health answers 200 (or the process exits)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -133,7 +134,7 @@ def start_imp(model: str, layout: int, device: str, extra: list[str], null: bool
     proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent, env=env,
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    _wait(url, proc, f"imp --api-servers {layout} (log {log})")
+    wait_ready(url, proc, f"imp --api-servers {layout} (log {log})")
     return proc, url
 
 
@@ -147,7 +148,7 @@ def start_llama(binary: str, model: str, streams: int, device: str, threads: int
         cmd += ["-ngl", "999"]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    _wait(url, proc, f"llama-server (log {log})")
+    wait_ready(url, proc, f"llama-server (log {log})")
     return proc, url
 
 

@@ -23,7 +23,7 @@ import urllib.request
 import pytest
 
 from tests.serverproc import ROOT, ServerProcess, call
-from tests.test_shutdown_faults import CHAT, stream
+from tests.test_shutdown_faults import CHAT, stream, streams_started
 
 pytestmark = pytest.mark.slow
 
@@ -186,13 +186,7 @@ def test_sigterm_drains_every_process_exits_0_and_the_log_replays(split):
     sup = split.proc.pid
     kids = children(sup)
     assert len(kids) == 3, kids  # the engine and two API servers
-    outs = [{} for _ in range(3)]
-    firsts = [threading.Event() for _ in outs]
-    threads = [threading.Thread(target=stream, args=(split.url, CHAT, o, f)) for o, f in zip(outs, firsts)]
-    for t in threads:
-        t.start()
-    for f in firsts:
-        assert f.wait(120)
+    outs, threads = streams_started(split.url, CHAT, 3)
     split.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     st, ready = call(split.url, "/ready")

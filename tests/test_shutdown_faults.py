@@ -52,6 +52,18 @@ def stream(url: str, body: dict, out: dict, first: threading.Event, timeout: flo
     out["events"], out["done"] = events, done
 
 
+def streams_started(url: str, body: dict, n: int, timeout: float = 120) -> tuple[list[dict], list[threading.Thread]]:
+    """n streaming requests in threads, returned once each has its first event."""
+    outs = [{} for _ in range(n)]
+    firsts = [threading.Event() for _ in outs]
+    threads = [threading.Thread(target=stream, args=(url, body, o, f, timeout)) for o, f in zip(outs, firsts)]
+    for t in threads:
+        t.start()
+    for f in firsts:
+        assert f.wait(timeout)
+    return outs, threads
+
+
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Count from one to one hundred."}],
         "temperature": 0, "max_tokens": 48, "ignore_eos": True}
 
@@ -61,13 +73,7 @@ def test_sigterm_under_load_finishes_every_admitted_stream_and_exits_0(smollm2_p
     srv = ServerProcess(smollm2_path, "--kv-cache-tokens", "4096", "--event-log", str(log), "--shutdown-timeout",
                         "60", log_path=tmp_path / "server.out")
     with srv:
-        outs = [{} for _ in range(4)]
-        firsts = [threading.Event() for _ in outs]
-        threads = [threading.Thread(target=stream, args=(srv.url, CHAT, o, f)) for o, f in zip(outs, firsts)]
-        for t in threads:
-            t.start()
-        for f in firsts:
-            assert f.wait(120)
+        outs, threads = streams_started(srv.url, CHAT, 4)
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         st, ready = call(srv.url, "/ready")

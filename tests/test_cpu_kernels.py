@@ -90,3 +90,76 @@ def test_odd_block_counts(qtype, cols):
     ref = qd.reference_gemm(dequantize(w, qtype, (9, cols)), x)
     assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-6
     np.testing.assert_array_equal(qd.gemm(w, int(qtype), x[5:6])[0], got[5])
+
+
+# ---------------------------------------------------------------- attention (cpu_attn.py)
+
+
+def _attn_case(N, H, Hkv, D, starts, kv_dtype, seed):
+    """Rows of len(starts) sequences (sequence i: positions starts[i] .. , N // len rows each)
+    over a shuffled paged cache; returns the kernel's arguments and each row's key slots."""
+    from imp.kernels import cpu_attn  # noqa: F401
+
+    rng = np.random.default_rng(seed)
+    bs, nblocks, L = 16, 96, 2
+    per = N // len(starts)
+    W = (H + 2 * Hkv) * D
+    qkv = rng.standard_normal((N, W)).astype(np.float32)
+    kc = rng.standard_normal(L * nblocks * bs * Hkv * D).astype(np.float16)
+    vc = rng.standard_normal(L * nblocks * bs * Hkv * D).astype(np.float16)
+    if kv_dtype == "f16":
+        kc, vc = kc.view(np.uint16), vc.view(np.uint16)
+    else:
+        kc, vc = kc.astype(np.float32), vc.astype(np.float32)
+    perm = rng.permutation(nblocks).astype(np.int64)
+    tabs, row_tab, pos, off = [], [], [], 0
+    for i, s in enumerate(starts):
+        nb = (s + per + bs - 1) // bs
+        tabs.append(perm[off:off + nb])
+        row_tab += [sum(len(t) for t in tabs[:-1])] * per
+        pos += list(range(s, s + per))
+        off += nb
+    return qkv, kc, vc, nblocks, bs, np.array(pos, np.int64), np.concatenate(tabs), np.array(row_tab, np.int64)
+
+
+def _attn_reference(qkv, H, Hkv, D, l, kc, vc, nblocks, bs, pos, tables, row_tab, window, scale):
+    def f64(c):
+        return (c.view(np.float16) if c.dtype == np.uint16 else c).astype(np.float64).reshape(-1, nblocks * bs, Hkv, D)[l]
+
+    kf, vf = f64(kc), f64(vc)
+    out = np.zeros((qkv.shape[0], H * D))
+    for n, p in enumerate(pos):
+        lo = max(0, p - window + 1) if window else 0
+        slots = np.array([tables[row_tab[n] + t // bs] * bs + t % bs for t in range(lo, p + 1)])
+        for h in range(H):
+            g = h // (H // Hkv)
+            s = kf[slots, g] @ qkv[n, h * D:(h + 1) * D].astype(np.float64) * scale
+            w = np.exp(s - s.max())
+            out[n, h * D:(h + 1) * D] = (w / w.sum()) @ vf[slots, g]
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", ["f16", "f32"])
+@pytest.mark.parametrize("N,H,Hkv,D,starts,window", [
+    (64, 4, 1, 256, [0], 0),          # Gemma 3's shape, a prefill (head-group items)
+    (1, 4, 1, 256, [300], 0),         # its decode (one head an item)
+    (36, 9, 3, 64, [5, 40], 0),       # SmolLM2's groups of 3, two sequences
+    (20, 6, 1, 80, [3, 17], 7),       # D not a multiple of 64, a sliding window
+    (18, 10, 2, 32, [0, 1], 0),       # groups of 5: an item of 4 heads and one of 1
+])
+def test_attention_matches_float64_reference(N, H, Hkv, D, starts, window, kv_dtype):
+    from imp.kernels import cpu_attn
+
+    args = _attn_case(N, H, Hkv, D, starts, kv_dtype, N + H + D)
+    qkv, kc, vc, nblocks, bs, pos, tables, row_tab = args
+    scale = np.float32(D ** -0.5)
+    out = np.empty((N, H * D), np.float32)
+    cpu_attn.attention(qkv, H, Hkv, D, 1, kc, vc, nblocks, bs, pos, tables, row_tab, window, scale, out)
+    ref = _attn_reference(qkv, H, Hkv, D, 1, kc, vc, nblocks, bs, pos, tables, row_tab, window, float(scale))
+    assert np.abs(out - ref).max() / np.abs(ref).max() < 2e-6
+    # batch invariance: each row alone (one-head items) gives the step's bits (head-group items)
+    for n in (0, N // 2, N - 1):
+        alone = np.empty((1, H * D), np.float32)
+        cpu_attn.attention(qkv[n:n + 1].copy(), H, Hkv, D, 1, kc, vc, nblocks, bs, pos[n:n + 1].copy(),
+                           tables, row_tab[n:n + 1].copy(), window, scale, alone)
+        np.testing.assert_array_equal(alone[0], out[n])

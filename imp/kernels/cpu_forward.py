@@ -12,7 +12,7 @@ calls once per step; inside, each layer is
 
 with the llama / qwen2 / qwen3 / gemma3 differences as flags and absent vectors
 (`fo[l, i] < 0`). The matrix products are cpu_qdot's per-row dots (prange over
-output rows); attention is a prange over (row, head) pairs.
+output rows); attention is cpu_attn's (a prange over rows and query-head groups).
 
 Batch invariance: a row's numbers never depend on the other rows of the step.
 Each GEMV output is one fixed chain (cpu_qdot.py); norms, RoPE and the
@@ -40,8 +40,9 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from imp.kernels.cpu_attn import attention
 from imp.kernels.cpu_qdot import quantize_rows, row_dots
-from imp.kernels.cpu_simd import faxpy, fdot, store16
+from imp.kernels.cpu_simd import fdot, store16
 
 NORM, QNORM, KNORM, POST_ATTN, FFN_NORM, POST_FFN, BIAS = range(7)
 SILU, GELU_TANH = 0, 1
@@ -154,57 +155,6 @@ def _gemm_multi(blob, mats, l, m0, m1, xq, xd, xs, out):
     for c in prange(total):
         m, r = _locate(mats, l, m0, np.int64(c))
         row_dots(blob, mats[l, m, 3], mats[l, m, 0] + r * mats[l, m, 2], nb, N, xqf, xdf, xsf, out, np.int64(c))
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _attention(qkv, H, Hkv, D, l, kc, vc, nblocks, bs, pos, tables, row_tab, window, scale, out):
-    """out[n, h*D : (h+1)*D] = softmax over keys j of row n's context of (q . k_j) * scale, times v_j."""
-    N = qkv.shape[0]
-    W = qkv.shape[1]
-    qf, of = qkv.reshape(-1), out.reshape(-1)
-    grp = H // Hkv
-    layer0 = l * nblocks * bs
-    maxl = 1
-    for n in range(N):
-        maxl = max(maxl, pos[n] + 1)
-    scores = np.empty((N * H, maxl), np.float32)  # one allocation per call, not per (row, head)
-    for i in prange(N * H):
-        n, h = i // H, i % H
-        g = h // grp
-        p = pos[n]
-        lo = max(0, p - window + 1) if window > 0 else 0
-        sc = scores[i]
-        qo = n * W + h * D
-        tab = row_tab[n]
-        m = np.float32(-np.inf)
-        # keys lo..p in position order, walked block by block (no division per key)
-        j = 0
-        for blk in range(lo // bs, p // bs + 1):
-            first = max(lo, blk * bs)
-            last = min(p, blk * bs + bs - 1)
-            base = ((layer0 + tables[tab + blk] * bs - blk * bs) * Hkv + g) * D  # + t * Hkv * D for key t
-            for t in range(first, last + 1):
-                s = fdot(qf, qo, kc, base + t * Hkv * D, D) * scale
-                sc[j] = s
-                m = max(m, s)
-                j += 1
-        oo = n * H * D + h * D
-        for e in range(D):
-            of[oo + e] = np.float32(0.0)
-        tot = np.float32(0.0)
-        j = 0
-        for blk in range(lo // bs, p // bs + 1):
-            first = max(lo, blk * bs)
-            last = min(p, blk * bs + bs - 1)
-            base = ((layer0 + tables[tab + blk] * bs - blk * bs) * Hkv + g) * D
-            for t in range(first, last + 1):
-                pj = np.float32(math.exp(sc[j] - m))
-                tot += pj
-                faxpy(of, oo, pj, vc, base + t * Hkv * D, D)
-                j += 1
-        inv = np.float32(1.0) / tot
-        for e in range(D):
-            of[oo + e] = of[oo + e] * inv
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -340,7 +290,7 @@ def forward_layers(blob, mats, fv, fo, sliding, x, pos, slots, tables, row_tab,
         else:
             for n in range(N):
                 _qkv_post_row(qkv, fv, fo, l, H, Hkv, D, eps, c, s, pos, neox, kc, vc, nblocks, bs, slots, n)
-        _attention(qkv, H, Hkv, D, l, kc, vc, nblocks, bs, pos, tables, row_tab,
+        attention(qkv, H, Hkv, D, l, kc, vc, nblocks, bs, pos, tables, row_tab,
                    window if sliding[l] else 0, scale, attn)
         xq, xd, xs = _quantize(attn)
         _gemm_multi(blob, mats, l, 3, 4, xq, xd, xs, y)

@@ -141,27 +141,27 @@ class Seqs:
 
 def linear_table(runner, name: str, copy_Bps: float, res: dict) -> str:
     """The tuner's graph-replayed timings (rotating over the layers' copies of each matrix) as a table."""
-    head = (f"{name}: per-matrix device time, µs (GB/s), n = rows of x; * = chosen (fused variants have "
-            "2 µs per saved kernel taken off)")
-    cands = ("gemv", "x4", "x8", "a4", "k4", "dense")
+    from imp.kernels.qweight import BITS  # noqa: PLC0415
+
+    head = (f"{name}: per-matrix device time, µs (GB/s of the weight as stored), n = rows of x; * = chosen "
+            "(fused variants have 2 µs per saved kernel taken off)")
+    times_all = runner.w.tune_stats["times"]
+    order = ("gemv", "q8r1", "q8r2", "q8r4", "q8s1", "q8s2", "q8s4", "x4", "x8", "a4", "k4", "dense")
+    seen = {c for t in times_all.values() for c in t}
+    cands = [c for c in order if c in seen] + sorted(seen - set(order))
     out = [head, "", "| matrix | n | " + " | ".join(cands) + " |", "|---|---|" + "---|" * len(cands)]
-    for (key, n), times in sorted(runner.w.tune_stats["times"].items(), key=lambda kv: (kv[0][1], -kv[0][0][0][0][1])):
-        if n > 8:
-            continue
+    for (key, n), times in sorted(times_all.items(), key=lambda kv: (kv[0][1], -kv[0][0][0][0][1])):
         rows_, cols = sum(r for _, r in key[0]), key[1]
-        nbytes = rows_ * cols * 2 if key[0][0][0] == "BF16" else None
+        nbytes = sum(r * cols * BITS[f] / 8 for f, r in key[0])
         best = runner.w.tuner.get((key, n))
         cells = []
         for c in cands:
             t = times.get(c)
-            if t is None:
-                cells.append("")
-                continue
-            gbs = f" ({nbytes / t / 1e3:.0f})" if nbytes else ""
-            cells.append(f"{t:.1f}{gbs}{'*' if c == best else ''}")
-        out.append(f"| {key[0][0][0]} {rows_}x{cols} | {n} | " + " | ".join(cells) + " |")
+            cells.append("" if t is None else f"{t:.1f} ({nbytes / t / 1e3:.0f}){'*' if c == best else ''}")
+        fmts = "+".join(f for f, _ in key[0])
+        out.append(f"| {fmts} {rows_}x{cols} | {n} | " + " | ".join(cells) + " |")
     res[f"{name}_tune_failed"] = runner.w.tune_stats["failed"]
-    res[f"{name}_tune_times"] = {f"{k[0]}|n={n}": v for (k, n), v in runner.w.tune_stats["times"].items()}
+    res[f"{name}_tune_times"] = {f"{k[0]}|n={n}": v for (k, n), v in times_all.items()}
     return "\n".join(out)
 
 
@@ -317,12 +317,18 @@ def profile_prefill(runner, name: str, P: int, out: Path, res: dict) -> None:
 
 
 def bench_model(name: str, path: str, copy_Bps: float, prefills: list[int], rows: list, res: dict,
-                extras: bool = False, out: Path | None = None) -> None:
+                extras: bool = False, out: Path | None = None, label: str = "", **runner_kw) -> None:
     t0 = time.time()
     kv_tokens = 64 * (PROMPT + MAX_NEW) + max(prefills + [0]) + 1024
-    runner = GpuModelRunner.load(path, block_size=BS, kv_tokens=kv_tokens, max_graph_batch=64)
+    torch.cuda.reset_peak_memory_stats()
+    runner = GpuModelRunner.load(path, block_size=BS, kv_tokens=kv_tokens, max_graph_batch=64, **runner_kw)
+    base, name = name, name + label
+    kv_bytes = runner.k_cache.numel() * runner.k_cache.element_size() * 2
+    mem = torch.cuda.memory_allocated() - kv_bytes
+    res[f"{name}_device_bytes_without_kv"] = mem
     log(f"{name}: loaded in {time.time() - t0:.1f}s, weights {runner.w.weight_bytes / 1e9:.2f} GB, dense copies "
-        f"{runner.w.dense}, notes {runner.notes}, tuner {sorted(set(v for v in runner.w.tuner.values()))}")
+        f"{runner.w.dense}, device memory without the KV pool {mem / 1e9:.2f} GB, notes {runner.notes}, "
+        f"tuner {sorted(set(v for v in runner.w.tuner.values()))}")
     res[f"{name}_tuner"] = {f"{k[0]}x{k[1]}|n={n}": v for (k, n), v in runner.w.tuner.items()}
     cfg = runner.config
     kv_per_tok = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * runner.k_cache.element_size()
@@ -349,7 +355,7 @@ def bench_model(name: str, path: str, copy_Bps: float, prefills: list[int], rows
         step_bytes = runner.w.weight_bytes + B * ctx * kv_per_tok
         bw = step_bytes / (dev_ms / 1e3) / copy_Bps
         row = dict(model=name, batch=B, tok_s=B / wall, step_ms=wall * 1e3, dev_ms=dev_ms, dev_tok_s=B / (dev_ms / 1e3),
-                   bw_pct=100 * bw, anchor=ANCHORS.get((name, B), ""), pipe_tok_s=B / pipe)
+                   bw_pct=100 * bw, anchor=ANCHORS.get((base, B), ""), pipe_tok_s=B / pipe)
         rows.append(row)
         log(f"{name} b{B}: {row['tok_s']:.0f} tok/s wall ({wall * 1e3:.3f} ms/step), pipelined {B / pipe:.0f} tok/s "
             f"({pipe * 1e3:.3f} ms/step), graph {dev_ms:.3f} ms "
@@ -369,10 +375,13 @@ def bench_model(name: str, path: str, copy_Bps: float, prefills: list[int], rows
         tp = P / statistics.median(ts)
         rows.append(dict(model=name, batch=f"prefill {P}", tok_s=tp, step_ms=statistics.median(ts) * 1e3, dev_ms=None,
                          pipe_tok_s=None,
-                         dev_tok_s=None, bw_pct=None, anchor=ANCHORS.get((name, "prefill"), "") if P == 512 else ""))
+                         dev_tok_s=None, bw_pct=None, anchor=ANCHORS.get((base, "prefill"), "") if P == 512 else ""))
         log(f"{name} prefill {P}: {tp:.0f} tok/s ({statistics.median(ts) * 1e3:.1f} ms)")
+    lt = linear_table(runner, name, copy_Bps, res)  # the tuner's own timings: no extra device work
+    print(lt, flush=True)
+    (out or Path("/tmp")).joinpath(f"linears_{name.replace(' ', '_')}.md").write_text(lt + "\n")
     if extras:
-        for fn, a in ((linear_table, (runner, name, copy_Bps, res)), (b1_configs, (runner, name, copy_Bps, rows, res)),
+        for fn, a in ((b1_configs, (runner, name, copy_Bps, rows, res)),
                       (profile_decode, (runner, name, out or Path("/tmp"), res)),
                       (profile_prefill, (runner, name, 512, out or Path("/tmp"), res))):
             try:
@@ -386,6 +395,9 @@ def bench_model(name: str, path: str, copy_Bps: float, prefills: list[int], rows
                 traceback.print_exc()
     del runner
     torch.cuda.empty_cache()
+
+
+CONFIGS = {"default": {}, "nodense": {"dense": False}, "fp32act": {"int8_act": False}}
 
 
 def table(rows: list, ceil: dict) -> str:
@@ -407,6 +419,9 @@ def main() -> None:
     ap.add_argument("--models", default="135m-q4_1,8b-bf16,8b-q4_k")
     ap.add_argument("--prefill", default="512,4096")
     ap.add_argument("--dir", default="/tmp/imp_bench")
+    ap.add_argument("--configs", default="default",
+                    help="runner configurations per model, comma list of default | nodense (no fp16 dense copies) | "
+                         "fp32act (the fp32-activation GEMV instead of the int8 one, dense copies as default)")
     ap.add_argument("--extras", default="", help="models (comma list) that also get the per-matrix table, "
                     "the batch-1 legacy/unfused/fused comparison and the decode / prefill-512 profiles. "
                     "torch.profiler leaves CUPTI attached: models measured after it in the same process "
@@ -429,14 +444,17 @@ def main() -> None:
             t = time.time()
             write_raw_gguf(path, seed=0, **SHAPES[name])
             log(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.time() - t:.1f}s")
-        try:
-            bench_model(name, str(path), ceil["copy_Bps"], prefills, rows, res, extras=name in a.extras.split(","),
-                        out=out)
-        except Exception as e:  # noqa: BLE001 - keep going: the other models still get measured
-            import traceback
+        for conf in a.configs.split(","):
+            kw = CONFIGS[conf]
+            try:
+                bench_model(name, str(path), ceil["copy_Bps"], prefills, rows, res,
+                            extras=name in a.extras.split(","), out=out,
+                            label="" if conf == "default" else f" {conf}", **kw)
+            except Exception as e:  # noqa: BLE001 - keep going: the other models still get measured
+                import traceback
 
-            traceback.print_exc()
-            res[f"{name}_error"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+                res[f"{name} {conf}_error"] = f"{type(e).__name__}: {e}"
         (out / "gpu_bench.json").write_text(json.dumps(dict(res, rows=rows), indent=1, default=str))
         if name != "135m-q4_1":
             path.unlink()  # keep the disk free for the next 8B file

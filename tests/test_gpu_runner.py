@@ -74,7 +74,7 @@ def test_greedy_matches_cpu(tmp_path_factory, qtype, graphs):
     path = _model(tmp_path_factory, qtype)
     cpu = ModelRunner.load(path, num_blocks=64, block_size=BS, weights="f32")
     gpu = GpuModelRunner.load(path, num_blocks=64, block_size=BS, kv_dtype=torch.float32, dense=False,
-                              graphs=graphs, max_graph_batch=8)
+                              graphs=graphs, max_graph_batch=8, int8_act=False)  # fp32 activations, as the CPU's f32
     assert not gpu.notes, gpu.notes  # numba KV write compiled, graphs captured with it
     assert gpu.fwd.kv_impl == "numba"
     if graphs:
@@ -94,7 +94,9 @@ def test_logits_close_and_dense_path(tmp_path_factory, qtype):
     seqs = [SeqWork(seq_id=str(i), token_ids=p, start_pos=0, block_table=list(range(4 * i, 4 * i + 4)),
                     sample=True, params=GREEDY) for i, p in enumerate(PROMPTS)]
     ref = cpu.forward(seqs).double()
-    for kw, tol in ((dict(kv_dtype=torch.float32, dense=False), 1e-4), (dict(kv_dtype=torch.bfloat16, dense=True), 3e-2)):
+    for kw, tol in ((dict(kv_dtype=torch.float32, dense=False, int8_act=False), 1e-4),
+                    (dict(kv_dtype=torch.bfloat16, dense=True, int8_act=False), 3e-2),
+                    (dict(kv_dtype=torch.bfloat16, dense=True), 3e-2)):
         gpu = GpuModelRunner.load(path, num_blocks=64, block_size=BS, graphs=False, **kw)
         out = gpu.forward(seqs).double().cpu()
         assert not torch.isnan(out).any()
@@ -125,13 +127,16 @@ def test_sampled_and_logprob_steps_run(tmp_path_factory):
     assert 0 <= t1[0].token_id < 512
 
 
-def test_smollm2_greedy_matches_cpu(smollm2_path):
+@pytest.mark.parametrize("int8_act,cpu_weights", [(True, "gguf"), (False, "f32")])
+def test_smollm2_greedy_matches_cpu(smollm2_path, int8_act, cpu_weights):
+    """The default GPU path (int8 activations) against the CPU's default (GGUF blocks, the same int8
+    activations); fp32 activations against the CPU's fp32 weights."""
     from imp.gpu.runner import GpuModelRunner
     from imp.model.runner import ModelRunner
 
-    cpu = ModelRunner.load(str(smollm2_path), num_blocks=64, block_size=BS, weights="f32")
+    cpu = ModelRunner.load(str(smollm2_path), num_blocks=64, block_size=BS, weights=cpu_weights)
     gpu = GpuModelRunner.load(str(smollm2_path), num_blocks=64, block_size=BS, kv_dtype=torch.float32, dense=False,
-                              max_graph_batch=4)
+                              max_graph_batch=4, int8_act=int8_act)
     prompts = [[1, 2, 3, 4, 5, 6], list(range(100, 140)), [42]]
     assert greedy_run(gpu, prompts, 8) == greedy_run(cpu, prompts, 8)
 
@@ -151,7 +156,7 @@ def test_135m_shape_q4_1_greedy_and_logits_match_cpu(tmp_path_factory):
                    embed_qtype=T.Q8_0, tied=True, context_length=8192, rope_theta=100000.0, seed=0)
     cpu = ModelRunner.load(path, num_blocks=64, block_size=BS, weights="f32")
     gpu = GpuModelRunner.load(path, num_blocks=64, block_size=BS, kv_dtype=torch.float32, dense=False,
-                              max_graph_batch=4)
+                              max_graph_batch=4, int8_act=False)
     prompts = [list(range(400, 407)), list(range(400, 460)), [400]]
     assert greedy_run(gpu, prompts, 8) == greedy_run(cpu, prompts, 8)
     seqs = [SeqWork(seq_id="a", token_ids=list(range(500, 540)), start_pos=0, block_table=[60, 61, 62], sample=True,

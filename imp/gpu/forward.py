@@ -5,7 +5,9 @@ O GEMV -> add+RMSNorm -> gate/up GEMV -> SiLU*up -> down GEMV; where the
 tuner picks a `gemv_bf16x` variant the QKV GEMV also applies RoPE and writes
 k/v into the cache, and the gate/up GEMV writes SiLU(gate)*up (7 kernels a
 layer instead of 10). The residual add is fused into the next RMSNorm
-(`delta` carries the pending add). Shapes: N rows (new tokens), d model
+(`delta` carries the pending add). Where the tuner picks the int8-activation
+GEMV (`qgemv_q8`), the norm before QKV and gate/up, the SiLU*up before down and
+the final norm write the quantized x directly (`q8act`). Shapes: N rows (new tokens), d model
 width, H query heads, Hkv KV heads, D head dim, V vocabulary, R head rows.
 """
 
@@ -21,6 +23,7 @@ from imp.kernels import kv_write as k_kv
 from imp.kernels import paged_attention as k_attn
 from imp.kernels import pending as k_pending
 from imp.kernels import prefill_attention as k_prefill
+from imp.kernels import q8act
 from imp.kernels import qgemv
 from imp.kernels import rmsnorm as k_norm
 from imp.kernels import rope as k_rope
@@ -50,16 +53,16 @@ class Forward:
         h = torch.empty_like(x)  # [N, d] normed input of the next matmul
         capturing = torch.cuda.is_current_stream_capturing()
         for i, L in enumerate(w.layers):
-            k_norm.add_rmsnorm(x, delta, L.attn_norm, eps, out=h)
+            qm = L.wqkv.mode(N)
+            hq = self.norm(x, delta, L.attn_norm, h, L.wqkv.takes_q8(N) and lora is None)
             kc, vc = self.k_cache[i], self.v_cache[i]  # [num_blocks, bs, Hkv, D]
             kf, vf = kc.view(-1, Hkv * D), vc.view(-1, Hkv * D)  # [slots, Hkv D]
-            qm = L.wqkv.mode(N)
             fused = self.fuse and qm in qgemv.XVARIANTS and lora is None
             if fused:  # one kernel: QKV GEMV, RoPE on q/k, k/v into the cache
                 qkv = qgemv.gemv_bf16x(L.wqkv.xw, h, variant=qm, mode="qkv",
                                        rope=(m.positions, self.cos, self.sin, (H + Hkv) * D), kv=(kf, vf, m.slots, H * D))
             else:
-                qkv = L.wqkv.run(qm, h)  # [N, (H + 2 Hkv) D]
+                qkv = L.wqkv.run(qm, h, hq)  # [N, (H + 2 Hkv) D]
                 if lora is not None:
                     dl, idx = lora
                     dl.add(qkv[:, :H * D], h, i, 0, idx)
@@ -76,24 +79,39 @@ class Forward:
             delta = L.wo(a)  # [N, d]
             if lora is not None:
                 lora[0].add(delta, a, i, 3, lora[1])
-            k_norm.add_rmsnorm(x, delta, L.ffn_norm, eps, out=h)
             gm = L.w13.mode(N)
+            hq = self.norm(x, delta, L.ffn_norm, h, L.w13.takes_q8(N) and lora is None)
+            actq = None  # SiLU(gate) * up already quantized for an int8 down GEMV
             if self.fuse and gm in qgemv.XVARIANTS and lora is None:  # one kernel: gate/up GEMV, SiLU(gate) * up
                 act = qgemv.gemv_bf16x(L.w13.xw, h, variant=gm, mode="gated", act="silu")
             else:
-                gu = L.w13.run(gm, h)  # [N, 2 d_ff]: gate columns, then up
+                gu = L.w13.run(gm, h, hq)  # [N, 2 d_ff]: gate columns, then up
                 if lora is not None:
                     F = gu.shape[1] // 2
                     lora[0].add(gu[:, :F], h, i, 4, lora[1])
                     lora[0].add(gu[:, F:], h, i, 5, lora[1])
-                act = k_act.gated_act(gu, "silu")  # [N, d_ff]
-            delta = L.w2(act)  # [N, d]
+                if L.w2.takes_q8(N) and lora is None:
+                    act, actq = None, q8act.gated_act_q8(gu, "silu")
+                else:
+                    act = k_act.gated_act(gu, "silu")  # [N, d_ff]
+            delta = L.w2.run(L.w2.mode(N), act, actq)  # [N, d]
             if lora is not None:
                 lora[0].add(delta, act, i, 6, lora[1])
         if m.out_rows is not None:
             x, delta = x.index_select(0, m.out_rows), delta.index_select(0, m.out_rows)  # [R, d]
+        R = x.shape[0]
+        if w.head.takes_q8(R):
+            return w.head.run(w.head.mode(R), None, q8act.add_rmsnorm_q8(x, delta, w.out_norm, eps))
         hf = k_norm.add_rmsnorm(x, delta, w.out_norm, eps)
         return w.head(hf)  # [R, V] fp32
+
+    def norm(self, x, delta, weight, h, q8: bool) -> q8act.Q8Act | None:
+        """x += delta; the normed x into h (fp32), or only quantized (returned) when the next GEMV is an
+        int8 one: then h is not written."""
+        if q8:
+            return q8act.add_rmsnorm_q8(x, delta, weight, self.cfg.rms_eps)
+        k_norm.add_rmsnorm(x, delta, weight, self.cfg.rms_eps, out=h)
+        return None
 
     def attention(self, qkv, kn, vn, kc, vc, m: Meta, N: int) -> torch.Tensor:
         """[N, H D] fp32: paged decode for one-token rows, prefill attention per chunk."""

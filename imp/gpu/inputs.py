@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from imp.kernels._cuda import to_device
 from imp.messages import SampledToken, SeqWork
 
 
@@ -92,9 +93,11 @@ def eager_meta(seqs: list[SeqWork], rows: list[int], block_size: int, device: to
         slots.append(table[p // bs] * bs + p % bs)
         (dec if n == 1 else pre).append((r, s, n, table))
         r += n
-    i32 = lambda a: torch.from_numpy(np.concatenate(a).astype(np.int32)).to(device)  # noqa: E731
+    # every host array goes up through pinned memory, non-blocking (`to_device`): a pageable copy waits for
+    # the stream, i.e. for the steps already queued, and an eager step (a prefill) would stall the pipeline
+    i32 = lambda a: to_device(torch.from_numpy(np.concatenate(a).astype(np.int32)), torch.int32, device)  # noqa: E731
     m = Meta(tokens=i32(toks), positions=i32(pos), slots=i32(slots), dec_rows=None, dec_bt=None,
-             dec_lens=None, prefill=[], out_rows=torch.tensor(rows, dtype=torch.int64, device=device))
+             dec_lens=None, prefill=[], out_rows=to_device(rows, torch.int64, device))
     if ph_rows:
         m.pending = (i32([np.asarray(ph_rows)]), i32([np.asarray(ph_src)]), len(ph_rows))
     if dec:
@@ -105,14 +108,14 @@ def eager_meta(seqs: list[SeqWork], rows: list[int], block_size: int, device: to
             nb = s.start_pos // bs + 1
             bt[j, :nb] = table[:nb]
             lens[j] = s.start_pos + 1
-        m.dec_bt = torch.from_numpy(bt).to(device)
-        m.dec_lens = torch.from_numpy(lens).to(device)
-        m.dec_rows = torch.tensor([rr for rr, _, _, _ in dec], dtype=torch.int64, device=device)
+        m.dec_bt = to_device(torch.from_numpy(bt), torch.int32, device)
+        m.dec_lens = to_device(torch.from_numpy(lens), torch.int32, device)
+        m.dec_rows = to_device([rr for rr, _, _, _ in dec], torch.int64, device)
     for rr, s, n, table in pre:
         ctx = None
         if s.start_pos > 0:
             nb = (s.start_pos + n - 1) // bs + 1
-            ctx = torch.from_numpy(np.ascontiguousarray(table[:nb])).to(device)
+            ctx = to_device(torch.from_numpy(np.ascontiguousarray(table[:nb])), torch.int64, device)
         m.prefill.append((rr, rr + n, ctx, s.start_pos))
     return m
 

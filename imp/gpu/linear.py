@@ -3,7 +3,8 @@
 A `Linear` holds one logical weight (a row-concatenation of GGUF tensors:
 fused QKV, gate+up) in its quantized form (`imp.kernels.qgemv.QWeight`
 parts), plus optionally a dense fp16 copy (BF16 weights: the weight itself).
-Each call picks, per batch size, the quantized GEMV, a `gemv_bf16x` variant
+Each call picks, per batch size, the quantized GEMV (fp32 activations), the
+int8-activation dp4a GEMV (`qgemv_q8`, R rows a warp), a `gemv_bf16x` variant
 (BF16, two rows a warp) or a dense cuBLAS GEMM: whichever `choose` timed
 fastest at load, replayed in a CUDA graph over every layer's copy of the
 matrix so that none is timed from L2.
@@ -17,10 +18,13 @@ import numpy as np
 import torch
 
 from imp.kernels import qgemv
+from imp.kernels import q8act, qgemv_q8
 
 log = logging.getLogger("imp.gpu")
 
 GEMV_MAX_ROWS = 8  # without timing: GEMV up to this many rows, dense GEMM above
+Q8_DEFAULT = "q8r2"  # untimed choice for int8-activation weights (qgemv_q8.VARIANTS)
+Q8_MAX_ROWS = 64  # the int8-activation GEMV is a candidate up to this many rows (its batch tiles re-read W from L2)
 X_DEFAULT = "x4"  # untimed choice for BF16 weights at <= GEMV_MAX_ROWS rows (qgemv.gemv_bf16x variant)
 FUSED_CREDIT_US = 2.0  # tuner: graph cost of one small kernel that a fused gemv_bf16x epilogue saves
 
@@ -53,7 +57,8 @@ _MM_OUT_DTYPE = [True]
 class Linear:
     """y = x @ W.T for W the row-concatenation of `parts` (fused QKV, gate+up)."""
 
-    def __init__(self, parts: list[qgemv.QWeight], dense: torch.Tensor | None, tuner: dict, stats: dict | None = None):
+    def __init__(self, parts: list[qgemv.QWeight], dense: torch.Tensor | None, tuner: dict, stats: dict | None = None,
+                 int8_act: bool = True):
         self.parts = parts
         self.rows = sum(p.rows for p in parts)
         self.cols = parts[0].cols
@@ -65,6 +70,10 @@ class Linear:
         self.stats = stats if stats is not None else {"times": {}, "failed": []}
         # BF16 weight in one piece: the two-rows-a-warp GEMV (with fused epilogues for QKV and gate/up)
         self.xw = parts[0] if len(parts) == 1 and qgemv.x_ok(parts[0]) else None
+        # int8 activations (llama.cpp's Q8_1, as the CPU kernels): then every GEMV of this weight is the dp4a one,
+        # not the fp32-activation one as well, so the GEMV path has one numerics at every batch size (the CPU
+        # runner's); the fp32 GEMV stays for BF16 and for int8_act=False
+        self.q8 = int8_act and all(qgemv_q8.supports(p) for p in parts)
 
     @property
     def nbytes(self) -> int:
@@ -72,6 +81,8 @@ class Linear:
 
     def candidates(self, n: int) -> list[str]:
         c = ["gemv"]
+        if self.q8:
+            c = list(qgemv_q8.VARIANTS) if n <= Q8_MAX_ROWS or self.dense is None else []
         if self.xw is not None and n <= GEMV_MAX_ROWS:
             c += list(qgemv.XVARIANTS)
         if self.dense is not None:
@@ -82,6 +93,8 @@ class Linear:
         m = self.tuner.get((self.key, n))
         if m is not None:
             return m
+        if self.q8 and (n <= Q8_MAX_ROWS or self.dense is None):
+            return Q8_DEFAULT  # above 64 rows without a dense copy: its batch tiles re-read W from L2
         if n <= GEMV_MAX_ROWS:
             return X_DEFAULT if self.xw is not None else "gemv"
         return "gemv" if self.dense is None else "dense"
@@ -92,10 +105,26 @@ class Linear:
             qgemv.gemv(p, x, out[:, r0:r0 + p.rows])
         return out
 
+    def gemv_q8(self, x: torch.Tensor | None, name: str, xa: q8act.Q8Act | None = None) -> torch.Tensor:
+        """The int8-activation GEMV `name` (qgemv_q8.VARIANTS); xa: x already quantized (by the norm or
+        activation kernel that produced it), else x is quantized here, once for every part."""
+        rows, split = qgemv_q8.VARIANTS[name]
+        xa = xa if xa is not None else q8act.quantize(x)
+        out = torch.empty(xa.shape[0], self.rows, dtype=torch.float32, device=xa.xq.device)
+        for p, r0 in zip(self.parts, self.offsets):
+            qgemv_q8.gemv(p, xa, out[:, r0:r0 + p.rows], rows=rows, split=split)
+        return out
+
     def dense_mm(self, x: torch.Tensor) -> torch.Tensor:
         return _mm_f32(x.to(self.dense.dtype), self.dense)
 
-    def run(self, name: str, x: torch.Tensor) -> torch.Tensor:
+    def takes_q8(self, n: int) -> bool:
+        """Whether the call for n rows runs on int8 activations (the producer of x may then quantize it)."""
+        return self.mode(n) in qgemv_q8.VARIANTS
+
+    def run(self, name: str, x: torch.Tensor | None, xa: q8act.Q8Act | None = None) -> torch.Tensor:
+        if name in qgemv_q8.VARIANTS:
+            return self.gemv_q8(x, name, xa)
         if name == "dense":
             return self.dense_mm(x)
         if name == "gemv":
@@ -135,10 +164,12 @@ class Linear:
         del g
         return s.elapsed_time(e) / reps * 1e3
 
-    def choose(self, n: int, reps: int = 12, peers: list[Linear] | None = None, credit_us: float = 0.0) -> str:
+    def choose(self, n: int, reps: int = 12, peers: list[Linear] | None = None, credit_us: float = 0.0,
+               q8_credit_us: float = 0.0) -> str:
         """Time every candidate for n rows once per shape; remember the fastest. `credit_us` is taken off
         the qgemv.gemv_bf16x variants' times where the forward fuses a small kernel into them (RoPE +
-        KV write after QKV, SiLU*up after gate/up), which this plain timing does not see."""
+        KV write after QKV, SiLU*up after gate/up), `q8_credit_us` off the int8 variants' where the
+        forward quantizes x in the kernel that makes it (timed here as a kernel of its own)."""
         if (self.key, n) in self.tuner:
             return self.tuner[(self.key, n)]
         cands = self.candidates(n)
@@ -158,7 +189,8 @@ class Linear:
                 log.warning("linear %s n=%d: %s failed: %s: %s", self.key, n, name, type(e).__name__, str(e)[:200])
                 self.stats["failed"].append(f"{self.key} n={n} {name}: {type(e).__name__}: {str(e)[:200]}")
                 continue
-            times[name] = t - (credit_us if name in qgemv.XVARIANTS else 0.0)
+            times[name] = t - (credit_us if name in qgemv.XVARIANTS else q8_credit_us if name in qgemv_q8.VARIANTS
+                               else 0.0)
         best = min(times, key=times.get)
         self.tuner[(self.key, n)] = best
         self.stats["times"][(self.key, n)] = times

@@ -70,7 +70,7 @@ RING = 4  # pinned buffers for sampled ids: a step's slot is reused 4 launches l
 class GpuModelRunner:
     def __init__(self, src: GGUFSource, num_blocks: int, block_size: int, device: str = "cuda:0",
                  kv_dtype=torch.bfloat16, dense: bool | None = None, graphs: bool = True, max_graph_batch: int = 64,
-                 tune: bool = True):
+                 tune: bool = True, int8_act: bool = True):
         cfg: ModelConfig = src.config
         self.config = cfg
         self.metadata = src.metadata
@@ -92,7 +92,7 @@ class GpuModelRunner:
         self._dev_loras = None  # imp.gpu.lora.DeviceLoras, made at the first adapter step
         self._ring = [torch.zeros(MAX_SAMPLED, dtype=torch.int32).pin_memory() for _ in range(RING)]
         self._ring_i = 0
-        self.w: Weights = load_weights(src, self.device, dense)
+        self.w: Weights = load_weights(src, self.device, dense, int8_act)
         Hkv, D = cfg.n_kv_heads, cfg.head_dim
         shape = (cfg.n_layers, num_blocks, block_size, Hkv, D)
         self.k_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
@@ -107,11 +107,13 @@ class GpuModelRunner:
                                    self.device)
         if tune:
             credit = {"wqkv": FUSED_CREDIT_US * 2, "w13": FUSED_CREDIT_US} if self.fwd.fuse else {}
+            q8_credit = {"wqkv": FUSED_CREDIT_US, "w13": FUSED_CREDIT_US, "w2": FUSED_CREDIT_US}  # quantize fused
             for n in buckets:
                 for attr in ("wqkv", "wo", "w13", "w2"):
                     getattr(self.w.layers[0], attr).choose(n, peers=[getattr(L, attr) for L in self.w.layers],
-                                                           credit_us=credit.get(attr, 0.0))
-                self.w.head.choose(n)
+                                                           credit_us=credit.get(attr, 0.0),
+                                                           q8_credit_us=q8_credit.get(attr, 0.0))
+                self.w.head.choose(n, q8_credit_us=FUSED_CREDIT_US)
         if graphs and buckets:
             self._capture_or_fall_back()
 

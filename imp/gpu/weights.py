@@ -6,7 +6,9 @@ in their GGUF quantization, repacked for aligned loads (`qgemv.repack`);
 per-layer QKV and gate/up are fused into one `Linear` each; vectors (norms)
 are dequantized to fp32. A dense fp16 copy of each quantized matrix is kept
 only when it fits comfortably (`dense=None`: at most 30 % of free memory),
-for the batch sizes where cuBLAS beats the quantized GEMV.
+for the batch sizes where cuBLAS beats the quantized GEMV. `int8_act`: the
+quantized matrices' GEMVs take int8 activations (`qgemv_q8`, as llama.cpp and
+the CPU kernels) rather than fp32 ones (`qgemv.gemv`).
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def _merge(ws: list[qgemv.QWeight]) -> list[qgemv.QWeight]:
     return out
 
 
-def load_weights(src: GGUFSource, device: torch.device, dense: bool | None = None) -> Weights:
+def load_weights(src: GGUFSource, device: torch.device, dense: bool | None = None, int8_act: bool = True) -> Weights:
     cfg = src.config
     tuner: dict = {}
     stats: dict = {"times": {}, "failed": []}
@@ -122,7 +124,7 @@ def load_weights(src: GGUFSource, device: torch.device, dense: bool | None = Non
             d = parts[0].parts["w"]
         elif dense:
             d = torch.cat([qgemv.reference(p).to(torch.float16) for p in parts])
-        return Linear(parts, d, tuner, stats)
+        return Linear(parts, d, tuner, stats, int8_act=int8_act)
 
     layers = []
     for i in range(cfg.n_layers):

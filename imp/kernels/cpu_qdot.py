@@ -74,19 +74,41 @@ def quantize_rows(x, xq, xd, xs):
 
 # ---------------------------------------------------------------- one row . T tokens, per type
 # The loops themselves are LLVM IR (cpu_rowdot.py): 16 float lanes per token, the
-# block decoded once for T tokens. One intrinsic per (type, T); T = 4 and T = 1 give
-# identical bits per token, so how a batch is split into groups of 4 changes nothing.
+# block decoded once for T tokens. One intrinsic per (type, T); every T gives identical
+# bits per token, so how a batch is split into tiles changes nothing.
 
-TILE = 4  # tokens per weight decode
-_RD = {(qt, t): rowdot(qt, t) for qt in BLOCKS for t in (1, TILE)}
-_q4_0_1, _q4_0_4 = _RD[Q4_0, 1], _RD[Q4_0, TILE]
-_q4_1_1, _q4_1_4 = _RD[Q4_1, 1], _RD[Q4_1, TILE]
-_q5_0_1, _q5_0_4 = _RD[Q5_0, 1], _RD[Q5_0, TILE]
-_q5_1_1, _q5_1_4 = _RD[Q5_1, 1], _RD[Q5_1, TILE]
-_q8_0_1, _q8_0_4 = _RD[Q8_0, 1], _RD[Q8_0, TILE]
-_q4_k_1, _q4_k_4 = _RD[Q4_K, 1], _RD[Q4_K, TILE]
-_q5_k_1, _q5_k_4 = _RD[Q5_K, 1], _RD[Q5_K, TILE]
-_q6_k_1, _q6_k_4 = _RD[Q6_K, 1], _RD[Q6_K, TILE]
+TILE, HALF_TILE = 8, 4  # tokens per weight decode: tiles of 8, then 4, then one by one
+# (tiles of 4 only had left a Gemma prefill ~25 % slower: the decode of a Q5_0 / K-quant
+# block costs as much as several tokens' dots; 4 keeps small decode batches tiled)
+_RD = {(qt, t): rowdot(qt, t) for qt in BLOCKS for t in (1, HALF_TILE, TILE)}
+_q4_0_1, _q4_0_4, _q4_0_8 = _RD[Q4_0, 1], _RD[Q4_0, HALF_TILE], _RD[Q4_0, TILE]
+_q4_1_1, _q4_1_4, _q4_1_8 = _RD[Q4_1, 1], _RD[Q4_1, HALF_TILE], _RD[Q4_1, TILE]
+_q5_0_1, _q5_0_4, _q5_0_8 = _RD[Q5_0, 1], _RD[Q5_0, HALF_TILE], _RD[Q5_0, TILE]
+_q5_1_1, _q5_1_4, _q5_1_8 = _RD[Q5_1, 1], _RD[Q5_1, HALF_TILE], _RD[Q5_1, TILE]
+_q8_0_1, _q8_0_4, _q8_0_8 = _RD[Q8_0, 1], _RD[Q8_0, HALF_TILE], _RD[Q8_0, TILE]
+_q4_k_1, _q4_k_4, _q4_k_8 = _RD[Q4_K, 1], _RD[Q4_K, HALF_TILE], _RD[Q4_K, TILE]
+_q5_k_1, _q5_k_4, _q5_k_8 = _RD[Q5_K, 1], _RD[Q5_K, HALF_TILE], _RD[Q5_K, TILE]
+_q6_k_1, _q6_k_4, _q6_k_8 = _RD[Q6_K, 1], _RD[Q6_K, HALF_TILE], _RD[Q6_K, TILE]
+
+
+@njit(cache=True, nogil=True)
+def row_dot8(w, qtype, base, nb, xq, xo, xstride, xd, xs, xb, xbstride):
+    """Row . 8 tokens (token t at xo + t*xstride); nb = 32-blocks per row."""
+    if qtype == 3:
+        return _q4_1_8(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 8:
+        return _q8_0_8(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 12:
+        return _q4_k_8(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 14:
+        return _q6_k_8(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 6:
+        return _q5_0_8(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 2:
+        return _q4_0_8(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 7:
+        return _q5_1_8(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
+    return _q5_k_8(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
 
 
 @njit(cache=True, nogil=True)
@@ -111,7 +133,7 @@ def row_dot4(w, qtype, base, nb, xq, xo, xstride, xd, xs, xb, xbstride):
 
 @njit(cache=True, nogil=True)
 def row_dot(w, qtype, base, nb, xq, xo, xd, xs, xb):
-    """Row . one token: the same per-token arithmetic as row_dot4."""
+    """Row . one token: the same per-token arithmetic as row_dot8 / row_dot4."""
     if qtype == 3:
         return _q4_1_1(w, base, nb, xq, xo, 0, xd, xs, xb, 0)[0]
     if qtype == 8:
@@ -131,13 +153,19 @@ def row_dot(w, qtype, base, nb, xq, xo, xd, xs, xb):
 
 @njit(cache=True, nogil=True)
 def row_dots(w, qtype, base, nb, N, xq, xd, xs, out, r):
-    """out[n, r] = row . token n for the N tokens (xq/xd/xs flat): groups of 4, then one by one."""
+    """out[n, r] = row . token n for the N tokens (xq/xd/xs flat): tiles of TILE, then one by one."""
     K = nb * QK
     n = 0
     while n + TILE <= N:
-        y = row_dot4(w, qtype, base, nb, xq, n * K, K, xd, xs, n * nb, nb)
-        out[n, r], out[n + 1, r], out[n + 2, r], out[n + 3, r] = y[0], y[1], y[2], y[3]
+        y = row_dot8(w, qtype, base, nb, xq, n * K, K, xd, xs, n * nb, nb)
+        for t in range(TILE):
+            out[n + t, r] = y[t]
         n += TILE
+    if n + HALF_TILE <= N:
+        y4 = row_dot4(w, qtype, base, nb, xq, n * K, K, xd, xs, n * nb, nb)
+        for t in range(HALF_TILE):
+            out[n + t, r] = y4[t]
+        n += HALF_TILE
     while n < N:
         out[n, r] = row_dot(w, qtype, base, nb, xq, n * K, xd, xs, n * nb)
         n += 1

@@ -22,7 +22,7 @@ intrinsic per block with its own reduction 0.21 ms, this loop with vpmaddwd
 
 Every token's arithmetic is the same sequence of IEEE operations whatever T is
 (no fast-math flag but `reassoc` on the final 16-lane tree, which is a fixed
-shuffle tree), so the T = 4 and T = 1 variants give identical bits: what makes
+shuffle tree), so the T = 8, 4 and 1 variants give identical bits: what makes
 the GEMM batch invariant (tests/test_cpu_kernels.py checks it).
 
 `rowdot(qtype, T)` returns a Numba intrinsic (a row of any length: an odd
@@ -221,10 +221,10 @@ def _prefetch(b, e, o):
     b.call(pf, [b.gep(e.w, [b.add(o, ir.Constant(I64, PREFETCH))]), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
-def _dpbusd512(b, uv, xv):
-    """unsigned <64 x i8> . signed <64 x i8> -> <16 x i32> (one zmm vpdpbusd)."""
+def _dpbusd512(b, uv, xv, acc=None):
+    """acc + unsigned <64 x i8> . signed <64 x i8> -> <16 x i32> (one zmm vpdpbusd; acc 0 if None)."""
     fn = b.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", fnty=ir.FunctionType(V16I, [V16I] * 3))
-    return b.call(fn, [ir.Constant(V16I, [0] * 16), b.bitcast(uv, V16I), b.bitcast(xv, V16I)])
+    return b.call(fn, [acc if acc is not None else ir.Constant(V16I, [0] * 16), b.bitcast(uv, V16I), b.bitcast(xv, V16I)])
 
 
 class _Tok:
@@ -246,32 +246,61 @@ class _Tok:
     def xd(self, blk):
         return self.b.load(self.b.gep(self.ddata, [self.b.add(self.tb, blk)]))
 
+    def xd2(self, blk):
+        """<2 x float>: the scales of blocks blk and blk + 1."""
+        p = self.b.bitcast(self.b.gep(self.ddata, [self.b.add(self.tb, blk)]), ir.PointerType(ir.VectorType(F32, 2)))
+        v = self.b.load(p)
+        v.align = 4
+        return v
+
     def xs(self, blk):
         return self.b.load(self.b.gep(self.sdata, [self.b.add(self.tb, blk)]))
 
 
-def _pair_step(b, e, tok: _Tok, ga, gb, blk, acc, mac, fma):
-    """Two consecutive 32-blocks (blk, blk + 1) for one token in one zmm vpdpbusd; lanes 0..7
-    are block blk, 8..15 block blk + 1. Returns the new (acc, mac)."""
+def _pair_prep(b, e, ga, gb):
+    """What two consecutive 32-blocks give every token of the tile, computed once per decode:
+    (weights <64 x i8>, accumulator start <16 x i32> or None, the lanes' float weight scales
+    <16 x float>, the two mins or None). lanes 0..7 are the first block, 8..15 the second.
+
+    A type with an offset (signed weight = quants - offset) takes the activations unsigned
+    instead (x + 128, one xor a token) against the signed weights, and starts each lane's
+    accumulator at -128 * (sum of its 4 weights): the same exact integer dot as before, with
+    one vpdpbusd a token instead of two and a subtraction. Q6_K's 16-element int scales move
+    into the float lane scales (d * sc, exact in fp32) instead of an int32 multiply a token."""
     (ua, off, sa, ma, la), (ub, _, sb, mb, lb) = ga, gb
-    one = ir.Constant(I64, 1)
-    xv = tok.x(blk, 64)
     uv = b.shuffle_vector(ua, ub, ir.Constant(ir.VectorType(I32, 64), list(range(64))))
-    p = _dpbusd512(b, uv, xv)
+    start = None
     if off:
-        p = b.sub(p, _dpbusd512(b, e.c(64, off), xv))
-    if la is not None:  # Q6_K: 16-element scales, 4 lanes each
-        parts = [e.splat(v, 4) for v in (la[0], la[1], lb[0], lb[1])]
+        uv = b.sub(uv, e.c(64, off))  # signed weights (wrapping i8: Q8_0's are its own bytes)
+        start = b.sub(ir.Constant(V16I, [0] * 16), _dpbusd512(b, e.c(64, 128), uv))
+    if la is not None:  # Q6_K: 16-element scales, 4 lanes each, times d
+        parts = [e.splat(b.fmul(sa, b.sitofp(v, F32)), 4) for v in (la[0], la[1])]
+        parts += [e.splat(b.fmul(sb, b.sitofp(v, F32)), 4) for v in (lb[0], lb[1])]
         lo = b.shuffle_vector(parts[0], parts[1], ir.Constant(V8I, list(range(8))))
         hi = b.shuffle_vector(parts[2], parts[3], ir.Constant(V8I, list(range(8))))
-        p = b.mul(p, b.shuffle_vector(lo, hi, ir.Constant(V16I, list(range(16)))))
-    blk1 = b.add(blk, one)
-    s8a, s8b = e.splat(b.fmul(sa, tok.xd(blk)), 8), e.splat(b.fmul(sb, tok.xd(blk1)), 8)
-    sv = b.shuffle_vector(s8a, s8b, ir.Constant(V16I, list(range(16))))
-    acc = b.call(fma, [b.sitofp(p, V16F), sv, acc])
-    if ma is not None:
-        mac = b.fadd(mac, b.fmul(ma, tok.xs(blk)))
-        mac = b.fadd(mac, b.fmul(mb, tok.xs(blk1)))
+        ws = b.shuffle_vector(lo, hi, ir.Constant(V16I, list(range(16))))
+    else:
+        ws = b.shuffle_vector(e.splat(sa, 8), e.splat(sb, 8), ir.Constant(V16I, list(range(16))))
+    return uv, start, ws, (ma, mb) if ma is not None else None
+
+
+def _pair_step(b, e, tok: _Tok, prep, blk, acc, mac, fma):
+    """Two consecutive 32-blocks (blk, blk + 1) for one token in one zmm vpdpbusd (see
+    _pair_prep). Returns the new (acc, mac)."""
+    uv, start, ws, mins = prep
+    xv = tok.x(blk, 64)
+    if start is not None:  # unsigned activations . signed weights
+        p = _dpbusd512(b, b.xor(xv, e.c(64, 0x80)), uv, start)
+    else:  # unsigned weights . signed activations
+        p = _dpbusd512(b, uv, xv)
+    # the token's two block scales, [xd_blk x 8 | xd_blk+1 x 8]: one 8-byte load and a permute
+    xd2 = tok.xd2(blk)
+    xdv = b.shuffle_vector(xd2, ir.Constant(ir.VectorType(F32, 2), ir.Undefined), ir.Constant(V16I, [0] * 8 + [1] * 8))
+    acc = b.call(fma, [b.sitofp(p, V16F), b.fmul(ws, xdv), acc])
+    if mins is not None:
+        blk1 = b.add(blk, ir.Constant(I64, 1))
+        mac = b.fadd(mac, b.fmul(mins[0], tok.xs(blk)))
+        mac = b.fadd(mac, b.fmul(mins[1], tok.xs(blk1)))
     return acc, mac
 
 
@@ -335,8 +364,9 @@ def _codegen(qtype: int, T: int):
         if VNNI:
             for j in range(0, len(groups), 2):
                 blk = b.add(first, ir.Constant(I64, j))
+                prep = _pair_prep(b, e, groups[j], groups[j + 1])
                 for t in range(T):
-                    acc_v[t], mac_v[t] = _pair_step(b, e, toks[t], groups[j], groups[j + 1], blk, acc_v[t], mac_v[t], fma)
+                    acc_v[t], mac_v[t] = _pair_step(b, e, toks[t], prep, blk, acc_v[t], mac_v[t], fma)
         else:
             for j, g in enumerate(groups):
                 blk = b.add(first, ir.Constant(I64, j))

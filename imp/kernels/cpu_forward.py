@@ -12,7 +12,7 @@ calls once per step; inside, each layer is
 
 with the llama / qwen2 / qwen3 / gemma3 differences as flags and absent vectors
 (`fo[l, i] < 0`). The matrix products are cpu_qdot's per-row dots (prange over
-output rows); attention is cpu_attn's (a prange over rows and query-head groups).
+output rows, in blocks of RB rows); attention is cpu_attn's (a prange over rows and query-head groups).
 
 Batch invariance: a row's numbers never depend on the other rows of the step.
 Each GEMV output is one fixed chain (cpu_qdot.py); norms, RoPE and the
@@ -41,7 +41,7 @@ import numpy as np
 from numba import njit, prange
 
 from imp.kernels.cpu_attn import attention
-from imp.kernels.cpu_qdot import quantize_rows, row_dots
+from imp.kernels.cpu_qdot import RB, block_dots, quantize_rows
 from imp.kernels.cpu_simd import fdot, store16
 
 NORM, QNORM, KNORM, POST_ATTN, FFN_NORM, POST_FFN, BIAS = range(7)
@@ -133,28 +133,25 @@ def _qkv_post_par(qkv, fv, fo, l, H, Hkv, D, eps, c, s, pos, neox, kc, vc, nbloc
         _qkv_post_row(qkv, fv, fo, l, H, Hkv, D, eps, c, s, pos, neox, kc, vc, nblocks, bs, slots, n)
 
 
-@njit(cache=True, nogil=True)
-def _locate(mats, l, m0, c):
-    """Output column c of the concatenated matrices m0.. -> (matrix, its row)."""
-    m, r = m0, c
-    while r >= mats[l, m, 1]:
-        r -= mats[l, m, 1]
-        m += 1
-    return m, r
-
-
 @njit(parallel=True, cache=True, nogil=True)
 def _gemm_multi(blob, mats, l, m0, m1, xq, xd, xs, out):
-    """out[n, :] = concatenation over matrices m0..m1-1 of layer l of W_m x[n] (one prange)."""
+    """out[n, :] = concatenation over matrices m0..m1-1 of layer l of W_m x[n] (one prange over
+    blocks of RB rows, a block never straddling two matrices)."""
     N, K = xq.shape
     nb = K // 32
-    total = 0
+    nblk = 0
     for m in range(m0, m1):
-        total += mats[l, m, 1]
+        nblk += (mats[l, m, 1] + RB - 1) // RB
     xqf, xdf, xsf = xq.reshape(-1), xd.reshape(-1), xs.reshape(-1)
-    for c in prange(total):
-        m, r = _locate(mats, l, m0, np.int64(c))
-        row_dots(blob, mats[l, m, 3], mats[l, m, 0] + r * mats[l, m, 2], nb, N, xqf, xdf, xsf, out, np.int64(c))
+    for bi in prange(nblk):
+        m, b, col = m0, np.int64(bi), np.int64(0)
+        while b >= (mats[l, m, 1] + RB - 1) // RB:  # which matrix, which block of it
+            b -= (mats[l, m, 1] + RB - 1) // RB
+            col += mats[l, m, 1]
+            m += 1
+        r0 = b * RB
+        block_dots(blob, mats[l, m, 3], mats[l, m, 0] + r0 * mats[l, m, 2], mats[l, m, 2],
+                   min(RB, mats[l, m, 1] - r0), nb, N, xqf, xdf, xsf, out, col + r0)
 
 
 @njit(parallel=True, cache=True, nogil=True)

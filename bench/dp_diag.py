@@ -25,7 +25,7 @@ for kw in (dict(graphs=False, tune=False), dict(graphs=False, tune=True), dict(g
             r = GpuModelRunner.load(path, device=dev, kv_tokens=4096, max_graph_batch=4, **kw)
             t = r.step(work)
             torch.cuda.synchronize(dev)
-            print("OK", dev, kw, r.kv_impl, r.notes, t[0].token_id, flush=True)
+            print("OK", dev, kw, r.use_numba_sampling, r.notes, t[0].token_id, flush=True)
         except Exception:  # noqa: BLE001
             print("FAIL", dev, kw, flush=True)
             traceback.print_exc(limit=12)

@@ -262,12 +262,9 @@ def profile_prefill(runner, name: str, P: int, out: Path, res: dict) -> None:
             ts.append(time.perf_counter() - t)
         return statistics.median(ts) * 1e3
 
-    for impl in ("numba", "cupy"):
-        runner.eager_kv_impl = impl
-        ms = timed()
-        res[f"{name}_prefill{P}_ms_eager_kv_{impl}"] = ms
-        log(f"{name} prefill {P} with eager KV write {impl}: {ms:.1f} ms")
-    runner.eager_kv_impl = "cupy"
+    ms = timed()
+    res[f"{name}_prefill{P}_ms"] = ms
+    log(f"{name} prefill {P}: {ms:.1f} ms")
     host: dict[str, list] = {}
     patched = []
 
@@ -397,7 +394,7 @@ def bench_model(name: str, path: str, copy_Bps: float, prefills: list[int], rows
     torch.cuda.empty_cache()
 
 
-CONFIGS = {"default": {}, "nodense": {"dense": False}, "fp32act": {"int8_act": False}}
+CONFIGS = {"default": {}, "int8": {"int8_act": True}, "int8-nodense": {"int8_act": True, "dense": False}}
 
 
 def table(rows: list, ceil: dict) -> str:
@@ -420,8 +417,8 @@ def main() -> None:
     ap.add_argument("--prefill", default="512,4096")
     ap.add_argument("--dir", default="/tmp/imp_bench")
     ap.add_argument("--configs", default="default",
-                    help="runner configurations per model, comma list of default | nodense (no fp16 dense copies) | "
-                         "fp32act (the fp32-activation GEMV instead of the int8 one, dense copies as default)")
+                    help="runner configurations per model, comma list of default (fp32 activations) | int8 (int8 "
+                         "activations, --gpu-activations int8) | int8-nodense (and no fp16 dense copies)")
     ap.add_argument("--extras", default="", help="models (comma list) that also get the per-matrix table, "
                     "the batch-1 legacy/unfused/fused comparison and the decode / prefill-512 profiles. "
                     "torch.profiler leaves CUPTI attached: models measured after it in the same process "

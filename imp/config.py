@@ -32,6 +32,9 @@ class ServerConfig:
     device: str = "cpu"  # "cpu" or "cuda[:N]": which executor runs the model
     pipeline_depth: int = 0  # steps in flight: 2 plans step N+1 while N runs; 0 = auto (2 on a GPU, 1 on CPU)
     data_parallel: int = 1  # model replicas, one executor each (cuda:K, cuda:K+1, ... from --device)
+    # GPU GEMVs of quantized weights: "fp32" activations, or "int8" (llama.cpp's Q8_1: ~1.7x faster decode at
+    # batch 1 on an 8B Q4_K_M, numerics of the CPU runner's block kernels; imp.kernels.qgemv_q8)
+    gpu_activations: str = "fp32"
     # API-server processes in front of one engine process (0 = HTTP in the engine's own
     # process; -1 = auto: 0 on CPU, where the cores are the model's, else from the cores)
     api_servers: int = -1
@@ -59,6 +62,7 @@ class ServerConfig:
             (self.idle_unload_s >= 0, "--idle-unload-seconds must be >= 0 (0 = off)"),
             (self.shutdown_timeout_s >= 0, "--shutdown-timeout must be >= 0"),
             (self.device == "cpu" or self.device.startswith("cuda"), "--device must be cpu or cuda[:N]"),
+            (self.gpu_activations in ("fp32", "int8"), "--gpu-activations must be fp32 or int8"),
             (self.pipeline_depth in (0, 1, 2), "--pipeline-depth must be 1 or 2 (0 = auto)"),
             (1 <= self.data_parallel <= 64, "--data-parallel must be 1..64"),
             (-1 <= self.api_servers <= 64, "--api-servers must be 0..64 (0 = one process; default: auto)"),
@@ -102,6 +106,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests per minute per key (per client address without keys); past it 429 + Retry-After")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default=d.device, help="cpu (default) or cuda:N (GPU executor)")
+    p.add_argument("--gpu-activations", choices=("fp32", "int8"), default=d.gpu_activations,
+                   help="GPU matmuls of quantized weights at decode: fp32 activations (default) or int8 ones "
+                        "(dp4a, as llama.cpp: faster at small batches, the CPU runner's numerics)")
     p.add_argument("--pipeline-depth", type=int, default=0,
                    help="steps in flight: 2 = plan step N+1 while step N runs (default: 2 on a GPU, 1 on CPU)")
     p.add_argument("--data-parallel", type=int, default=1,

@@ -130,7 +130,8 @@ def load_engine(cfg: ServerConfig, store=None, render: bool = True) -> tuple[Loc
             from imp.gpu.runner import GpuModelRunner
 
             return lambda: GpuModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens,
-                                               device=device, max_graph_batch=cfg.max_batch_size)
+                                               device=device, max_graph_batch=cfg.max_batch_size,
+                                               int8_act=cfg.gpu_activations == "int8")
         return lambda: ModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens,
                                         num_threads=cfg.threads)
 

@@ -116,6 +116,31 @@ def test_rope(N, H, D):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,H,Hkv,D", [(1, 9, 3, 64), (13, 32, 8, 128)])
+def test_rope_kv_is_rope_then_kv_write(dtype, N, H, Hkv, D):
+    """The fused kernel: the same bits as rope() then kv_write_cupy(), slot -1 rows not written."""
+    _skip_without_gpu()
+    from imp.formats.gguf_loader import ModelConfig
+    from imp.kernels import kv_write, rope
+    from imp.model.llama import rope_tables
+
+    cfg = ModelConfig("llama", 1, H * D, H, Hkv, D, 4, 10, 4096, 10000.0, 1e-5, True, {})
+    cos, sin = (t.to(DEV) for t in rope_tables(cfg, 4096))
+    W, S = Hkv * D, 64
+    qkv = torch.randn(N, (H + 2 * Hkv) * D + 6, device=DEV)[:, :(H + 2 * Hkv) * D]  # row-strided view
+    pos = torch.randint(0, 4096, (N,), dtype=torch.int32, device=DEV)
+    slots = torch.randperm(S, device=DEV)[:N].to(torch.int32)
+    slots[::4] = -1
+    kc, vc = torch.randn(S, W, device=DEV).to(dtype), torch.randn(S, W, device=DEV).to(dtype)
+    q1, kc1, vc1 = qkv.clone(), kc.clone(), vc.clone()
+    rope.rope(q1, pos, cos, sin, H + Hkv)
+    kv_write.kv_write_cupy(q1[:, H * D:(H + Hkv) * D], q1[:, (H + Hkv) * D:], kc1, vc1, slots)
+    rope.rope_kv(qkv, pos, cos, sin, H, Hkv, kc, vc, slots)
+    assert torch.equal(qkv, q1) and torch.equal(kc, kc1) and torch.equal(vc, vc1)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["silu", "gelu"])
 @pytest.mark.parametrize("N,F", [(1, 1536), (5, 14336), (64, 96)])
 def test_gated_act(kind, N, F):
@@ -175,6 +200,10 @@ def test_paged_decode(dtype, B, H, Hkv, D, bs, lens):
     if 0 in lens:
         assert (out[lens.index(0)] == 0).all()
     assert _rel(out, ref) < 1e-5
+    from imp.kernels import q8act  # the int8 output for an int8 O projection: the output, quantized
+
+    xa, want = pa.paged_decode(q, kc, vc, bt, ln, H, q8=True), q8act.quantize(out)
+    assert torch.equal(xa.xq, want.xq) and torch.equal(xa.xds, want.xds)
 
 
 @pytest.mark.gpu

@@ -200,7 +200,7 @@ def test_runner_on_int8_activations_matches_the_cpu_block_path(tmp_path_factory,
     path = _model(tmp_path_factory, qtype)
     cpu = ModelRunner.load(path, num_blocks=64, block_size=BS, kv_dtype=torch.float32)  # "gguf": q8 activations
     gpu_ = GpuModelRunner.load(path, num_blocks=64, block_size=BS, kv_dtype=torch.float32, dense=False,
-                               max_graph_batch=8)
+                               max_graph_batch=8, int8_act=True)
     assert not gpu_.notes, gpu_.notes
     w = gpu_.w.layers[0]
     for lin in (w.wqkv, w.wo, w.w13, w.w2):
@@ -218,6 +218,37 @@ def test_runner_on_int8_activations_matches_the_cpu_block_path(tmp_path_factory,
     assert rel < 6e-3 and rel < 0.6 * rel_f32, (rel, rel_f32)
     # and the graphs replay the eager numerics: greedy tokens equal with and without graphs
     eager = GpuModelRunner.load(path, num_blocks=64, block_size=BS, kv_dtype=torch.float32, dense=False,
-                                graphs=False, max_graph_batch=8)
+                                graphs=False, max_graph_batch=8, int8_act=True)
     assert greedy_run(gpu_, PROMPTS, 12) == greedy_run(eager, PROMPTS, 12)
     assert gpu_linear.Q8_DEFAULT in qgemv_q8.VARIANTS
+
+
+@pytest.mark.gpu
+@gpu
+def test_numerics_follow_the_row_kind_not_the_traffic(tmp_path_factory):
+    """With a dense copy: prompt rows dense at any count, decode rows int8 up to 8 rows. A step that mixes a
+    prompt with decodes runs as two forwards, so its tokens equal the prompt's alone and the decodes' alone."""
+    from imp.gpu.runner import GpuModelRunner
+    from imp.messages import SamplingParams, SeqWork
+    from tests.test_gpu_runner import BS, _model
+
+    path = _model(tmp_path_factory, T.Q4_K)
+    gpu_ = GpuModelRunner.load(path, num_blocks=64, block_size=BS, kv_dtype=torch.float32, dense=True,
+                               max_graph_batch=8, int8_act=True)
+    L = gpu_.w.layers[0]
+    assert gpu_._split_mixed
+    assert L.wqkv.mode(3, prompt=True) == "dense" and L.wqkv.mode(300) == "dense"
+    assert L.wqkv.mode(1) in qgemv_q8.VARIANTS and L.w2.mode(8) in qgemv_q8.VARIANTS
+    g = SamplingParams(max_tokens=64)
+    A, B, C = [5, 9, 200, 3, 17], list(range(40, 77)), list(range(100, 120))
+
+    def share(sid, toks, start, table):
+        return SeqWork(seq_id=sid, token_ids=toks, start_pos=start, block_table=table, sample=True, params=g)
+
+    ta, tb = [0, 1, 2, 3], [10, 11, 12, 13]
+    a0, b0 = (t.token_id for t in gpu_.step([share("a", A, 0, ta), share("b", B, 0, tb)]))
+    dec = [share("a", [a0], len(A), ta), share("b", [b0], len(B), tb)]
+    alone_dec = [t.token_id for t in gpu_.step(dec)]  # a graph replay (decode only)
+    alone_c = gpu_.step([share("c", C, 0, [20, 21])])[0].token_id
+    mixed = [t.token_id for t in gpu_.step([share("c", C, 0, [20, 21])] + dec)]
+    assert mixed == [alone_c] + alone_dec

@@ -75,8 +75,8 @@ def test_greedy_matches_cpu(tmp_path_factory, qtype, graphs):
     cpu = ModelRunner.load(path, num_blocks=64, block_size=BS, weights="f32")
     gpu = GpuModelRunner.load(path, num_blocks=64, block_size=BS, kv_dtype=torch.float32, dense=False,
                               graphs=graphs, max_graph_batch=8, int8_act=False)  # fp32 activations, as the CPU's f32
-    assert not gpu.notes, gpu.notes  # numba KV write compiled, graphs captured with it
-    assert gpu.fwd.kv_impl == "numba"
+    assert not gpu.notes, gpu.notes  # Numba's self-check passed, graphs captured
+    assert gpu.use_numba_sampling
     if graphs:
         assert gpu.graph_buckets() == (1, 2, 4, 8)
     want = greedy_run(cpu, PROMPTS, 12)
@@ -96,7 +96,7 @@ def test_logits_close_and_dense_path(tmp_path_factory, qtype):
     ref = cpu.forward(seqs).double()
     for kw, tol in ((dict(kv_dtype=torch.float32, dense=False, int8_act=False), 1e-4),
                     (dict(kv_dtype=torch.bfloat16, dense=True, int8_act=False), 3e-2),
-                    (dict(kv_dtype=torch.bfloat16, dense=True), 3e-2)):
+                    (dict(kv_dtype=torch.bfloat16, dense=True, int8_act=True), 3e-2)):
         gpu = GpuModelRunner.load(path, num_blocks=64, block_size=BS, graphs=False, **kw)
         out = gpu.forward(seqs).double().cpu()
         assert not torch.isnan(out).any()
@@ -134,11 +134,26 @@ def test_smollm2_greedy_matches_cpu(smollm2_path, int8_act, cpu_weights):
     from imp.gpu.runner import GpuModelRunner
     from imp.model.runner import ModelRunner
 
-    cpu = ModelRunner.load(str(smollm2_path), num_blocks=64, block_size=BS, weights=cpu_weights)
+    cpu = ModelRunner.load(str(smollm2_path), num_blocks=64, block_size=BS, weights=cpu_weights, kv_dtype=torch.float32)
     gpu = GpuModelRunner.load(str(smollm2_path), num_blocks=64, block_size=BS, kv_dtype=torch.float32, dense=False,
                               max_graph_batch=4, int8_act=int8_act)
     prompts = [[1, 2, 3, 4, 5, 6], list(range(100, 140)), [42]]
-    assert greedy_run(gpu, prompts, 8) == greedy_run(cpu, prompts, 8)
+    got, want = greedy_run(gpu, prompts, 8), greedy_run(cpu, prompts, 8)
+    if not int8_act:
+        assert got == want
+        return
+    # int8 activations: the two int8 paths' logits differ by ~1e-2 relative (measured on the H200: GPU int8 vs
+    # CPU blocks 1.1e-2, either vs fp32 weights 0.23 on the first prompt), so a near-tie may go either way:
+    # tokens equal up to the first difference, and there the CPU's top two are within 0.25 and include the GPU's
+    for p, a, b in zip(prompts, got, want):
+        j = next((k for k in range(len(a)) if a[k] != b[k]), None)
+        if j is None:
+            continue
+        seq = [SeqWork(seq_id="x", token_ids=p + b[:j], start_pos=0, block_table=[60, 61, 62, 63], sample=True,
+                       params=GREEDY)]
+        top = torch.topk(cpu.forward(seq).double()[0], 2)
+        assert a[j] in top.indices.tolist() and float(top.values[0] - top.values[1]) < 0.25, (p, a, b, top)
+    assert sum(a == b for a, b in zip(got, want)) >= 2, (got, want)
 
 
 def test_135m_shape_q4_1_greedy_and_logits_match_cpu(tmp_path_factory):

@@ -28,3 +28,18 @@ def test_frames_round_trip_in_one_message():
     back = wire.decode(wire.encode(frames))
     assert back[:4] == frames[:4] and type(back[5]) is wire.Bye
     assert wire.value(back[4], dict) == {"ok": True}
+
+
+def test_gpu_activations_is_validated_and_reaches_the_cli():
+    import argparse
+
+    from imp.config import add_serve_args, config_from_args
+
+    assert ServerConfig().gpu_activations == "fp32"
+    with pytest.raises(ValueError, match="--gpu-activations"):
+        ServerConfig(gpu_activations="int4")
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert config_from_args(p.parse_args(["--gpu-activations", "int8"])).gpu_activations == "int8"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--gpu-activations", "fp16"])

@@ -1,13 +1,14 @@
 """The llama forward on the device, over one step's rows (`imp.gpu.inputs.Meta`).
 
-Per layer: add+RMSNorm -> QKV GEMV -> RoPE -> KV write -> paged attention ->
-O GEMV -> add+RMSNorm -> gate/up GEMV -> SiLU*up -> down GEMV; where the
+Per layer: add+RMSNorm -> QKV GEMV -> RoPE + KV write (one kernel) -> paged
+attention -> O GEMV -> add+RMSNorm -> gate/up GEMV -> SiLU*up -> down GEMV; where the
 tuner picks a `gemv_bf16x` variant the QKV GEMV also applies RoPE and writes
 k/v into the cache, and the gate/up GEMV writes SiLU(gate)*up (7 kernels a
 layer instead of 10). The residual add is fused into the next RMSNorm
 (`delta` carries the pending add). Where the tuner picks the int8-activation
 GEMV (`qgemv_q8`), the norm before QKV and gate/up, the SiLU*up before down and
-the final norm write the quantized x directly (`q8act`). Shapes: N rows (new tokens), d model
+the final norm write the quantized x directly (`q8act`), and so does decode
+attention for the O projection. Shapes: N rows (new tokens), d model
 width, H query heads, Hkv KV heads, D head dim, V vocabulary, R head rows.
 """
 
@@ -19,7 +20,6 @@ from imp.formats.gguf_loader import ModelConfig
 from imp.gpu.inputs import Meta
 from imp.gpu.weights import Weights
 from imp.kernels import act as k_act
-from imp.kernels import kv_write as k_kv
 from imp.kernels import paged_attention as k_attn
 from imp.kernels import pending as k_pending
 from imp.kernels import prefill_attention as k_prefill
@@ -31,14 +31,12 @@ from imp.kernels import rope as k_rope
 
 class Forward:
     def __init__(self, cfg: ModelConfig, w: Weights, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, sampled: torch.Tensor, fuse: bool, kv_impl: str):
+                 cos: torch.Tensor, sin: torch.Tensor, sampled: torch.Tensor, fuse: bool):
         self.cfg, self.w = cfg, w
         self.k_cache, self.v_cache = k_cache, v_cache  # [n_layers, num_blocks, block_size, Hkv, D]
         self.cos, self.sin = cos, sin  # [context, D/2] fp32
         self.sampled = sampled  # [MAX_SAMPLED] int32: the previous step's ids, for PENDING_TOKEN rows
         self.fuse = fuse  # fused QKV(+RoPE+KV write) and gate/up(+SiLU*up) where gemv_bf16x is chosen
-        self.kv_impl = kv_impl  # "numba" | "cupy": the KV write captured into graphs
-        self.eager_kv_impl = "cupy"  # outside graphs: a CuPy launch costs far less host time than Numba's
 
     def __call__(self, m: Meta, lora=None) -> torch.Tensor:
         """logits [R, V] fp32 for m.out_rows (every row when None). lora: (imp.gpu.lora.DeviceLoras,
@@ -51,10 +49,10 @@ class Forward:
         x = w.tok_embd.index_select(0, m.tokens)  # [N, d] residual stream
         delta = None  # [N, d] the residual add still pending (fused into the next norm)
         h = torch.empty_like(x)  # [N, d] normed input of the next matmul
-        capturing = torch.cuda.is_current_stream_capturing()
+        pr = bool(m.prefill)  # prompt rows here: the matmuls take their prompt numerics (Linear.mode)
         for i, L in enumerate(w.layers):
-            qm = L.wqkv.mode(N)
-            hq = self.norm(x, delta, L.attn_norm, h, L.wqkv.takes_q8(N) and lora is None)
+            qm = L.wqkv.mode(N, pr)
+            hq = self.norm(x, delta, L.attn_norm, h, L.wqkv.takes_q8(N, pr) and lora is None)
             kc, vc = self.k_cache[i], self.v_cache[i]  # [num_blocks, bs, Hkv, D]
             kf, vf = kc.view(-1, Hkv * D), vc.view(-1, Hkv * D)  # [slots, Hkv D]
             fused = self.fuse and qm in qgemv.XVARIANTS and lora is None
@@ -68,19 +66,18 @@ class Forward:
                     dl.add(qkv[:, :H * D], h, i, 0, idx)
                     dl.add(qkv[:, H * D:(H + Hkv) * D], h, i, 1, idx)
                     dl.add(qkv[:, (H + Hkv) * D:], h, i, 2, idx)
-                k_rope.rope(qkv, m.positions, self.cos, self.sin, H + Hkv)
+                k_rope.rope_kv(qkv, m.positions, self.cos, self.sin, H, Hkv, kf, vf, m.slots)  # RoPE + KV write
             kn, vn = qkv[:, H * D:(H + Hkv) * D], qkv[:, (H + Hkv) * D:]  # [N, Hkv D] each
-            if not fused:
-                if self.kv_impl == "numba" and (capturing or self.eager_kv_impl == "numba"):
-                    k_kv.kv_write(kn, vn, kf, vf, m.slots)
-                else:
-                    k_kv.kv_write_cupy(kn, vn, kf, vf, m.slots)
-            a = self.attention(qkv, kn, vn, kc, vc, m, N)  # [N, H D]
-            delta = L.wo(a)  # [N, d]
-            if lora is not None:
-                lora[0].add(delta, a, i, 3, lora[1])
-            gm = L.w13.mode(N)
-            hq = self.norm(x, delta, L.ffn_norm, h, L.w13.takes_q8(N) and lora is None)
+            om = L.wo.mode(N, pr)
+            if m.all_decode and lora is None and L.wo.takes_q8(N, pr):  # attention writes O's int8 input directly
+                delta = L.wo.run(om, None, k_attn.paged_decode(qkv, kc, vc, m.dec_bt, m.dec_lens, H, q8=True))
+            else:
+                a = self.attention(qkv, kn, vn, kc, vc, m, N)  # [N, H D]
+                delta = L.wo.run(om, a)  # [N, d]
+                if lora is not None:
+                    lora[0].add(delta, a, i, 3, lora[1])
+            gm = L.w13.mode(N, pr)
+            hq = self.norm(x, delta, L.ffn_norm, h, L.w13.takes_q8(N, pr) and lora is None)
             actq = None  # SiLU(gate) * up already quantized for an int8 down GEMV
             if self.fuse and gm in qgemv.XVARIANTS and lora is None:  # one kernel: gate/up GEMV, SiLU(gate) * up
                 act = qgemv.gemv_bf16x(L.w13.xw, h, variant=gm, mode="gated", act="silu")
@@ -90,20 +87,20 @@ class Forward:
                     F = gu.shape[1] // 2
                     lora[0].add(gu[:, :F], h, i, 4, lora[1])
                     lora[0].add(gu[:, F:], h, i, 5, lora[1])
-                if L.w2.takes_q8(N) and lora is None:
+                if L.w2.takes_q8(N, pr) and lora is None:
                     act, actq = None, q8act.gated_act_q8(gu, "silu")
                 else:
                     act = k_act.gated_act(gu, "silu")  # [N, d_ff]
-            delta = L.w2.run(L.w2.mode(N), act, actq)  # [N, d]
+            delta = L.w2.run(L.w2.mode(N, pr), act, actq)  # [N, d]
             if lora is not None:
                 lora[0].add(delta, act, i, 6, lora[1])
         if m.out_rows is not None:
             x, delta = x.index_select(0, m.out_rows), delta.index_select(0, m.out_rows)  # [R, d]
         R = x.shape[0]
-        if w.head.takes_q8(R):
-            return w.head.run(w.head.mode(R), None, q8act.add_rmsnorm_q8(x, delta, w.out_norm, eps))
+        if w.head.takes_q8(R, pr):
+            return w.head.run(w.head.mode(R, pr), None, q8act.add_rmsnorm_q8(x, delta, w.out_norm, eps))
         hf = k_norm.add_rmsnorm(x, delta, w.out_norm, eps)
-        return w.head(hf)  # [R, V] fp32
+        return w.head.run(w.head.mode(R, pr), hf)  # [R, V] fp32
 
     def norm(self, x, delta, weight, h, q8: bool) -> q8act.Q8Act | None:
         """x += delta; the normed x into h (fp32), or only quantized (returned) when the next GEMV is an

@@ -58,7 +58,7 @@ class Linear:
     """y = x @ W.T for W the row-concatenation of `parts` (fused QKV, gate+up)."""
 
     def __init__(self, parts: list[qgemv.QWeight], dense: torch.Tensor | None, tuner: dict, stats: dict | None = None,
-                 int8_act: bool = True):
+                 int8_act: bool = False):
         self.parts = parts
         self.rows = sum(p.rows for p in parts)
         self.cols = parts[0].cols
@@ -80,21 +80,28 @@ class Linear:
         return sum(p.nbytes for p in self.parts)
 
     def candidates(self, n: int) -> list[str]:
+        if self.q8:  # one numerics per row kind: int8 decode batches up to GEMV_MAX_ROWS, dense above
+            if n <= GEMV_MAX_ROWS or self.dense is None:
+                return list(qgemv_q8.VARIANTS) if n <= Q8_MAX_ROWS or self.dense is None else []
+            return ["dense"]
         c = ["gemv"]
-        if self.q8:
-            c = list(qgemv_q8.VARIANTS) if n <= Q8_MAX_ROWS or self.dense is None else []
         if self.xw is not None and n <= GEMV_MAX_ROWS:
             c += list(qgemv.XVARIANTS)
         if self.dense is not None:
             c.append("dense")
         return c
 
-    def mode(self, n: int) -> str:
+    def mode(self, n: int, prompt: bool = False) -> str:
+        """How n rows run. prompt: the rows are prompt tokens (a prefill forward), which take the dense
+        copy where there is one whatever n is, so that a prompt's numerics do not depend on how many
+        other prompts share its step (decode rows: int8 up to GEMV_MAX_ROWS, the dense copy above)."""
+        if self.q8 and self.dense is not None and (prompt or n > GEMV_MAX_ROWS):
+            return "dense"
         m = self.tuner.get((self.key, n))
         if m is not None:
             return m
-        if self.q8 and (n <= Q8_MAX_ROWS or self.dense is None):
-            return Q8_DEFAULT  # above 64 rows without a dense copy: its batch tiles re-read W from L2
+        if self.q8:
+            return Q8_DEFAULT
         if n <= GEMV_MAX_ROWS:
             return X_DEFAULT if self.xw is not None else "gemv"
         return "gemv" if self.dense is None else "dense"
@@ -118,9 +125,9 @@ class Linear:
     def dense_mm(self, x: torch.Tensor) -> torch.Tensor:
         return _mm_f32(x.to(self.dense.dtype), self.dense)
 
-    def takes_q8(self, n: int) -> bool:
+    def takes_q8(self, n: int, prompt: bool = False) -> bool:
         """Whether the call for n rows runs on int8 activations (the producer of x may then quantize it)."""
-        return self.mode(n) in qgemv_q8.VARIANTS
+        return self.mode(n, prompt) in qgemv_q8.VARIANTS
 
     def run(self, name: str, x: torch.Tensor | None, xa: q8act.Q8Act | None = None) -> torch.Tensor:
         if name in qgemv_q8.VARIANTS:
@@ -175,6 +182,8 @@ class Linear:
         cands = self.candidates(n)
         if n > 64 and "dense" in cands:
             cands = ["dense"]
+        if not cands:
+            cands = [self.mode(n)]
         if len(cands) == 1:
             self.tuner[(self.key, n)] = cands[0]
             return cands[0]

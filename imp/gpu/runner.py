@@ -70,7 +70,7 @@ RING = 4  # pinned buffers for sampled ids: a step's slot is reused 4 launches l
 class GpuModelRunner:
     def __init__(self, src: GGUFSource, num_blocks: int, block_size: int, device: str = "cuda:0",
                  kv_dtype=torch.bfloat16, dense: bool | None = None, graphs: bool = True, max_graph_batch: int = 64,
-                 tune: bool = True, int8_act: bool = True):
+                 tune: bool = True, int8_act: bool = False):
         cfg: ModelConfig = src.config
         self.config = cfg
         self.metadata = src.metadata
@@ -98,10 +98,9 @@ class GpuModelRunner:
         self.k_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
         cos, sin = rope_tables(cfg, cfg.context_length)
-        kv_impl = "numba" if self._self_check_numba() else "cupy"
-        self.use_numba_sampling = kv_impl == "numba"
+        self.use_numba_sampling = self._self_check_numba()
         self.fwd = Forward(cfg, self.w, self.k_cache, self.v_cache, cos.to(self.device), sin.to(self.device),
-                           self._sampled, fuse=kv_dtype in (torch.float32, torch.bfloat16), kv_impl=kv_impl)
+                           self._sampled, fuse=kv_dtype in (torch.float32, torch.bfloat16))
         buckets = tuple(b for i, b in enumerate(BUCKETS) if i == 0 or BUCKETS[i - 1] < max_graph_batch)
         self.graphs = DecodeGraphs(buckets, (cfg.context_length + block_size - 1) // block_size, block_size,
                                    self.device)
@@ -114,6 +113,8 @@ class GpuModelRunner:
                                                            credit_us=credit.get(attr, 0.0),
                                                            q8_credit_us=q8_credit.get(attr, 0.0))
                 self.w.head.choose(n, q8_credit_us=FUSED_CREDIT_US)
+        # prompt rows dense, decode rows int8: mixed eager steps split in two (_eager_logits)
+        self._split_mixed = self.w.dense and any(m.q8 for L in self.w.layers for m in (L.wqkv, L.wo, L.w13, L.w2))
         if graphs and buckets:
             self._capture_or_fall_back()
 
@@ -130,7 +131,8 @@ class GpuModelRunner:
         return cls(src, num_blocks, block_size, device, **kw)
 
     def _self_check_numba(self) -> bool:
-        """Numba KV write on a tiny case; CuPy KV write / torch penalties (noted) if Numba CUDA is unusable."""
+        """Numba on a tiny case (its KV write kernel); torch penalties in the sampler (noted) if Numba CUDA is
+        unusable. The forward's KV write is CuPy's (imp.kernels.rope.rope_kv)."""
         try:
             W = 8
             k = torch.randn(3, W, device=self.device)
@@ -145,28 +147,19 @@ class GpuModelRunner:
                 raise RuntimeError("numba kv_write mismatch")
             return True
         except Exception as e:  # noqa: BLE001
-            self.notes.append(f"numba unavailable, CuPy KV write / torch penalties: {type(e).__name__}: {str(e)[:200]}")
+            self.notes.append(f"numba unavailable, torch penalties: {type(e).__name__}: {str(e)[:200]}")
             log.warning(self.notes[-1])
             return False
 
     def _capture_or_fall_back(self) -> None:
-        """Capture the decode graphs; on failure retry with the CuPy KV write, then decode eagerly."""
+        """Capture the decode graphs; on failure decode eagerly (noted)."""
         try:
             self.graphs.capture(self.fwd)
-            return
         except Exception as e:  # noqa: BLE001
             self.graphs.graphs.clear()
-            self.notes.append(f"graph capture failed with {self.fwd.kv_impl} KV write: {type(e).__name__}: {str(e)[:200]}")
+            self.notes.append(f"graph capture failed, eager decode: {type(e).__name__}: {str(e)[:200]}")
             log.warning(self.notes[-1])
             torch.cuda.synchronize(self.device)
-        if self.fwd.kv_impl == "numba":
-            self.fwd.kv_impl = "cupy"
-            try:
-                self.graphs.capture(self.fwd)
-            except Exception as e2:  # noqa: BLE001
-                self.graphs.graphs.clear()
-                self.notes.append(f"graph capture failed, eager decode: {type(e2).__name__}: {str(e2)[:200]}")
-                log.warning(self.notes[-1])
 
     # ------------------------------------------------------------------ interface
 
@@ -255,7 +248,7 @@ class GpuModelRunner:
         if la is None and self.graphs.fits(seqs):
             return self._sample_and_land(self.graphs.replay(seqs, src), seqs, constraints)
         rows, sample_at, plp_at = head_rows(seqs)
-        logits = self.fwd(eager_meta(seqs, rows, self.block_size, self.device, src), lora=la)  # rows == []: KV only
+        logits = self._eager_logits(seqs, rows, src, la)  # rows == []: KV only
         order = sorted(sample_at)
         if not plp_at:
             if not order:
@@ -269,6 +262,31 @@ class GpuModelRunner:
             drawn = dict(zip(order, self.collect(self._sample_and_land(sel, [seqs[i] for i in order], constraints))))
         out = with_prompt_logprobs(seqs, drawn, plp_at, logits)
         return Landing([t.seq_id for t in out], None, None, out)
+
+    def _eager_logits(self, seqs: list[SeqWork], rows: list[int], src: dict[int, int], la) -> torch.Tensor:
+        """The head's rows of an eager step. With int8 decode and a dense copy for prompts (`Linear.mode`),
+        a step that mixes prompt chunks and one-token shares runs as two forwards, prompts then the
+        rest, so that each row gets the numerics of its kind whoever shares the step (a request's
+        tokens then do not depend on the traffic beside it). Rows independent across sequences: the
+        split changes nothing else; it costs one more read of the weights in such a step."""
+        bs, dev = self.block_size, self.device
+        one = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+        if la is not None or not self._split_mixed or not one or len(one) == len(seqs):
+            return self.fwd(eager_meta(seqs, rows, bs, dev, src), lora=la)
+        one_set = set(one)
+        parts = [[i for i in range(len(seqs)) if i not in one_set], one]
+        where: dict[int, tuple[int, int, int]] = {}  # share -> (part, first head row in its logits, count)
+        outs = []
+        for k, idx in enumerate(parts):
+            sub = [seqs[i] for i in idx]
+            r, _, _ = head_rows(sub)
+            starts = _head_row_counts(sub)
+            for j, i in enumerate(idx):
+                where[i] = (k, starts[j][0], starts[j][1])
+            sub_src = {j: src[i] for j, i in enumerate(idx) if src and i in src}
+            outs.append(self.fwd(eager_meta(sub, r, bs, dev, sub_src)))
+        pieces = [outs[k][a:a + c] for i in range(len(seqs)) for k, a, c in [where[i]] if c]
+        return torch.cat(pieces) if pieces else outs[0][:0]
 
     def _sample_and_land(self, logits: torch.Tensor, seqs: list[SeqWork], constraints=None) -> Landing:
         """Sample rows of logits for seqs; keep the ids on the device for the next
@@ -303,3 +321,14 @@ class GpuModelRunner:
         self._prev_rows = {sid: j for j, sid in enumerate(seq_ids)} if ring is not None else {}
         self._prev = h
         return h
+
+
+def _head_row_counts(seqs: list[SeqWork]) -> list[tuple[int, int]]:
+    """Per share, (first index in head_rows' rows, how many): its prompt-logprob rows, then its sample row."""
+    out, n = [], 0
+    for s in seqs:
+        c = (len(s.token_ids) if s.prompt_next >= 0 else len(s.token_ids) - 1) if s.prompt_logprobs >= 0 else 0
+        c += 1 if s.sample else 0
+        out.append((n, c))
+        n += c
+    return out

@@ -98,7 +98,7 @@ def _merge(ws: list[qgemv.QWeight]) -> list[qgemv.QWeight]:
     return out
 
 
-def load_weights(src: GGUFSource, device: torch.device, dense: bool | None = None, int8_act: bool = True) -> Weights:
+def load_weights(src: GGUFSource, device: torch.device, dense: bool | None = None, int8_act: bool = False) -> Weights:
     cfg = src.config
     tuner: dict = {}
     stats: dict = {"times": {}, "failed": []}

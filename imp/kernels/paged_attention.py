@@ -20,6 +20,7 @@ import math
 import torch
 
 from imp.kernels import _cuda as cu
+from imp.kernels import q8act
 
 NW = 8
 U = 4
@@ -42,11 +43,14 @@ template <> struct Load8<u16> {
     }
 };
 
-template <typename KV, int D>
+// Q8: the output is written quantized per block of 32 (imp.kernels.q8act's rule, bit for bit) into xq [B, H D]
+// int8 and xds [B, H D / 32] float2 for an int8-activation O projection, instead of into out.
+template <typename KV, int D, bool Q8>
 __global__ void __launch_bounds__(256) paged_decode(
     const float* __restrict__ q, int ldq, const KV* __restrict__ kc, const KV* __restrict__ vc,
     const int* __restrict__ bt, int max_blocks, const int* __restrict__ ctx_lens,
-    float* __restrict__ out, int ldo, int H, int Hkv, int bs, float scale) {
+    float* __restrict__ out, int ldo, int H, int Hkv, int bs, float scale,
+    signed char* __restrict__ xq, float2* __restrict__ xds) {
     constexpr int LPK = D / 8, KPW = 32 / LPK, NW = 8, NSLOT = NW * KPW, U = 4;
     __shared__ float s_m[NSLOT], s_l[NSLOT], s_acc[NSLOT][D];
     const int h = blockIdx.x, b = blockIdx.y;
@@ -114,18 +118,33 @@ __global__ void __launch_bounds__(256) paged_decode(
                 o += s_acc[s2][threadIdx.x] * wgt;
             }
         }
-        out[(size_t)b * ldo + (size_t)h * D + threadIdx.x] = (M == NEG_INF) ? 0.f : o / tot;
+        const float val = (M == NEG_INF) ? 0.f : o / tot;
+        if (!Q8) {
+            out[(size_t)b * ldo + (size_t)h * D + threadIdx.x] = val;
+        } else {  // whole warps are here (D is a multiple of 32): one warp = one block of 32
+            const float d = __fdiv_rn(warp_max(fabsf(val)), 127.f);
+            const float inv = d > 0.f ? __fdiv_rn(1.f, d) : 0.f;
+            const float u = __fmul_rn(val, inv);
+            const int qi = u >= 0.f ? (int)__fadd_rn(u, 0.5f) : -(int)__fadd_rn(0.5f, -u);
+            int sq = qi;
+            #pragma unroll
+            for (int o2 = 16; o2 > 0; o2 >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o2);
+            const size_t K = (size_t)H * D;
+            xq[(size_t)b * K + (size_t)h * D + threadIdx.x] = (signed char)qi;
+            if (lane == 0) xds[((size_t)b * K + (size_t)h * D) / 32 + warp] = make_float2(d, __fmul_rn(d, (float)sq));
+        }
     }
 }
 """
 
-_NAMES = tuple(f"paged_decode<{t}, {d}>" for t in ("float", "u16") for d in (64, 128, 256))
+_NAMES = tuple(f"paged_decode<{t}, {d}, {q}>" for t in ("float", "u16") for d in (64, 128, 256) for q in ("false", "true"))
 
 
 def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, block_tables: torch.Tensor,
-                 ctx_lens: torch.Tensor, n_heads: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                 ctx_lens: torch.Tensor, n_heads: int, out: torch.Tensor | None = None, q8: bool = False):
     """q [B, >= H*D] fp32 (row stride free), kc/vc [num_blocks, bs, Hkv, D] fp32|bf16,
-    block_tables [B, max_blocks] int32, ctx_lens [B] int32 (0 -> zeros) -> out [B, H*D] fp32."""
+    block_tables [B, max_blocks] int32, ctx_lens [B] int32 (0 -> zeros) -> out [B, H*D] fp32,
+    or with q8 the same output quantized (`imp.kernels.q8act.Q8Act`, for an int8 O projection)."""
     cu.check(q, "q", torch.float32, 2, align=16)
     cu.check(kc, "kc", (torch.float32, torch.bfloat16), 4, align=16)
     cu.check(vc, "vc", (torch.float32, torch.bfloat16), 4, align=16)
@@ -139,18 +158,23 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, block_tabl
         raise ValueError(f"unsupported shape: D={D}, H={n_heads}, Hkv={Hkv}")
     if vc.shape != kc.shape or vc.dtype != kc.dtype or block_tables.shape[0] != B or ctx_lens.shape[0] != B:
         raise ValueError("shape mismatch")
-    if out is None:
+    xa = None
+    if q8:
+        xa = q8act.empty(B, n_heads * D, q.device)
+    elif out is None:
         out = torch.empty(B, n_heads * D, dtype=torch.float32, device=q.device)
-    cu.check(out, "out", torch.float32, 2)
+    if out is not None:
+        cu.check(out, "out", torch.float32, 2)
     if B == 0:
-        return out
+        return xa if q8 else out
     t = "float" if kc.dtype == torch.float32 else "u16"
-    fn = cu.function(SRC, f"paged_decode<{t}, {D}>", _NAMES)
+    fn = cu.function(SRC, f"paged_decode<{t}, {D}, {'true' if q8 else 'false'}>", _NAMES)
     cu.launch(fn, (n_heads, B), (32 * NW,), (
         cu.ptr(q), cu.i32(q.stride(0)), cu.ptr(kc), cu.ptr(vc), cu.ptr(block_tables), cu.i32(block_tables.shape[1]),
-        cu.ptr(ctx_lens), cu.ptr(out), cu.i32(out.stride(0)), cu.i32(n_heads), cu.i32(Hkv), cu.i32(bs),
-        cu.f32(1.0 / math.sqrt(D))))
-    return out
+        cu.ptr(ctx_lens), cu.ptr(out), cu.i32(0 if out is None else out.stride(0)), cu.i32(n_heads), cu.i32(Hkv),
+        cu.i32(bs), cu.f32(1.0 / math.sqrt(D)), cu.ptr(None if xa is None else xa.xq),
+        cu.ptr(None if xa is None else xa.xds)))
+    return xa if q8 else out
 
 
 def reference(q, kc, vc, block_tables, ctx_lens, n_heads: int) -> torch.Tensor:

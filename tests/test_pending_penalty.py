@@ -40,3 +40,19 @@ def test_dense_pending_penalty_equals_the_reference_over_the_full_history():
         assert torch.allclose(x[r], want, atol=1e-6), (r, w.params, w.history, pend_ids[i])
     others = [r for r in range(R) if r not in pend_rows]
     assert torch.equal(x[others], logits[others])  # rows without a pending token are left to the kernel
+
+
+def test_dense_pending_penalty_ignores_ids_outside_the_vocabulary_and_empty_histories():
+    V = 50
+    p = SamplingParams(max_tokens=8, repetition_penalty=1.3, frequency_penalty=0.2)
+    hists = [(3, 3, -1, 7, V + 5), (), (V, 4)]
+    works = [SeqWork(seq_id=str(r), token_ids=(0,), start_pos=5, block_table=(0,), sample=True, params=p, history=h)
+             for r, h in enumerate(hists)]
+    logits = torch.randn(3, V) * 3
+    params = torch.tensor([[1.3, 0.0, 0.2]] * 3)
+    pend = [9, 3, 4]
+    x = logits.clone()
+    _penalize_dense(x, works, ([0, 1, 2], torch.tensor(pend, dtype=torch.int32)), params)
+    for r, h in enumerate(hists):
+        want = apply_penalties(logits[r].clone(), [t for t in h if 0 <= t < V] + [pend[r]], p)
+        assert torch.allclose(x[r], want, atol=1e-6), (r, h)

@@ -1,0 +1,68 @@
+"""The mixed-step split of the GPU runner (`GpuModelRunner._eager_logits`), on the CPU: a fake
+forward that answers each head row with (token, position, pending slot) shows that the two
+forwards' rows come back in the order of the unsplit step's head rows, for prompt chunks,
+decodes, PENDING_TOKEN rows, prompt-logprob rows and shares that sample nothing."""
+
+from __future__ import annotations
+
+import torch
+
+from imp.gpu.runner import GpuModelRunner
+from imp.messages import PENDING_TOKEN, SamplingParams, SeqWork
+from imp.model.rows import head_rows
+
+
+class FakeForward:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, m, lora=None):
+        self.calls.append(int(m.tokens.shape[0]))
+        pend = torch.full((m.tokens.shape[0],), -1.0)
+        if m.pending is not None:
+            rows, src, k = m.pending
+            pend[rows.long()[:k]] = src.float()[:k]
+        rows = m.out_rows.long()
+        return torch.stack([m.tokens.float()[rows], m.positions.float()[rows], pend[rows]], 1)
+
+
+def _runner(split: bool) -> GpuModelRunner:
+    r = object.__new__(GpuModelRunner)  # no device: only the split's bookkeeping runs
+    r.block_size, r.device, r._split_mixed, r.fwd = 16, torch.device("cpu"), split, FakeForward()
+    return r
+
+
+def test_split_rows_come_back_in_the_unsplit_order():
+    g = SamplingParams(max_tokens=8)
+    seqs = [
+        SeqWork(seq_id="d0", token_ids=(PENDING_TOKEN,), start_pos=20, block_table=(0, 1), sample=True, params=g,
+                pending=1),
+        SeqWork(seq_id="p0", token_ids=tuple(range(100, 130)), start_pos=0, block_table=(2, 3), sample=True, params=g),
+        SeqWork(seq_id="d1", token_ids=(7,), start_pos=5, block_table=(4,), sample=True, params=g),
+        SeqWork(seq_id="p1", token_ids=tuple(range(200, 210)), start_pos=16, block_table=(5, 6), sample=False,
+                params=g),  # a middle chunk: no head row
+        SeqWork(seq_id="p2", token_ids=tuple(range(300, 306)), start_pos=0, block_table=(7,), sample=True, params=g,
+                prompt_logprobs=1, prompt_next=9),
+        SeqWork(seq_id="d2", token_ids=(PENDING_TOKEN,), start_pos=9, block_table=(8,), sample=True, params=g,
+                pending=1),
+    ]
+    src = {0: 3, 5: 1}  # share -> previous step's slot
+    rows, _, _ = head_rows(seqs)
+    want = _runner(False)._eager_logits(seqs, rows, src, None)
+    split = _runner(True)
+    got = split._eager_logits(seqs, rows, src, None)
+    assert split.fwd.calls == [46, 3]  # the prompt chunks' 30 + 10 + 6 rows, then the three decodes
+    assert torch.equal(got, want) and got.shape[0] == len(rows) == 11  # p2: 6 prompt-logprob rows + its sample
+    assert want[0].tolist() == [0.0, 20.0, 3.0] and want[-1].tolist() == [0.0, 9.0, 1.0]  # pending rows remapped
+
+
+def test_no_split_for_steps_of_one_kind_or_adapters():
+    g = SamplingParams(max_tokens=8)
+    dec = [SeqWork(seq_id=str(i), token_ids=(i,), start_pos=3, block_table=(i,), sample=True, params=g)
+           for i in range(3)]
+    pre = [SeqWork(seq_id="p", token_ids=(1, 2, 3), start_pos=0, block_table=(9,), sample=True, params=g)]
+    for seqs, lora in ((dec, None), (pre, None), (pre + dec, object())):
+        r = _runner(True)
+        rows, _, _ = head_rows(seqs)
+        r._eager_logits(seqs, rows, {}, lora)
+        assert len(r.fwd.calls) == 1

@@ -50,12 +50,13 @@ def test_gemm_matches_float64_reference(qtype, rows, cols, n):
 def test_gemm_rows_are_batch_invariant(qtype):
     rng = np.random.default_rng(int(qtype))
     w = random_matrix(qtype, 45, 512, rng)
-    x = rng.standard_normal((17, 512)).astype(np.float32)
+    x = rng.standard_normal((29, 512)).astype(np.float32)  # tiles of 16, 8, 4 and one
     together = qd.gemm(w, int(qtype), x)
-    for i in (0, 5, 13, 16):
+    for i in (0, 5, 13, 16, 28):
         alone = qd.gemm(w, int(qtype), x[i:i + 1])
         np.testing.assert_array_equal(alone[0], together[i])
-    np.testing.assert_array_equal(qd.gemm(w, int(qtype), x[3:9]), together[3:9])
+    for a, b in ((3, 9), (2, 13), (1, 18)):  # 4 + 1 + 1, 8 + 1 + 1 + 1, 16 + 1
+        np.testing.assert_array_equal(qd.gemm(w, int(qtype), x[a:b]), together[a:b])
 
 
 def test_quantize_rows_matches_q8_1():

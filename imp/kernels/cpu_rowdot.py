@@ -22,7 +22,7 @@ intrinsic per block with its own reduction 0.21 ms, this loop with vpmaddwd
 
 Every token's arithmetic is the same sequence of IEEE operations whatever T is
 (no fast-math flag but `reassoc` on the final 16-lane tree, which is a fixed
-shuffle tree), so the T = 8, 4 and 1 variants give identical bits: what makes
+shuffle tree), so the T = 16, 8, 4 and 1 variants give identical bits: what makes
 the GEMM batch invariant (tests/test_cpu_kernels.py checks it).
 
 `rowdot(qtype, T)` returns a Numba intrinsic (a row of any length: an odd

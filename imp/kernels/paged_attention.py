@@ -25,7 +25,7 @@ from imp.kernels import q8act
 NW = 8
 U = 4
 
-SRC = r"""
+SRC = q8act.DEVICE + r"""
 template <typename KV> struct Load8;
 template <> struct Load8<float> {
     static __device__ __forceinline__ void run(const float* p, float (&o)[8]) {
@@ -122,10 +122,9 @@ __global__ void __launch_bounds__(256) paged_decode(
         if (!Q8) {
             out[(size_t)b * ldo + (size_t)h * D + threadIdx.x] = val;
         } else {  // whole warps are here (D is a multiple of 32): one warp = one block of 32
-            const float d = __fdiv_rn(warp_max(fabsf(val)), 127.f);
-            const float inv = d > 0.f ? __fdiv_rn(1.f, d) : 0.f;
-            const float u = __fmul_rn(val, inv);
-            const int qi = u >= 0.f ? (int)__fadd_rn(u, 0.5f) : -(int)__fadd_rn(0.5f, -u);
+            float inv;
+            const float d = q8_scale(warp_max(fabsf(val)), inv);
+            const int qi = q8_round(val, inv);
             int sq = qi;
             #pragma unroll
             for (int o2 = 16; o2 > 0; o2 >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o2);

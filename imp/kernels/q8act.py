@@ -21,10 +21,26 @@ from dataclasses import dataclass
 import torch
 
 from imp.kernels import _cuda as cu
+from imp.kernels.rmsnorm import ROW
 
 QK = 32
 
-SRC = r"""
+# The rounding rule, for every kernel that writes int8 activations (here, and paged_attention's epilogue).
+DEVICE = r"""
+// xd = max|x| / 127 and its inverse (0 for an all-zero block)
+__device__ __forceinline__ float q8_scale(float amax, float& inv) {
+    const float d = __fdiv_rn(amax, 127.f);
+    inv = d > 0.f ? __fdiv_rn(1.f, d) : 0.f;
+    return d;
+}
+// q = trunc(x * inv + 0.5) away from zero, each operation rounded on its own (no FMA contraction)
+__device__ __forceinline__ int q8_round(float x, float inv) {
+    const float u = __fmul_rn(x, inv);
+    return u >= 0.f ? (int)__fadd_rn(u, 0.5f) : -(int)__fadd_rn(0.5f, -u);
+}
+"""
+
+SRC = DEVICE + ROW + r"""
 typedef signed char i8;
 // Quantize 4 consecutive values of one block of 32; the 8 threads of the block are 8 consecutive lanes
 // (lane & ~7 aligned) and all 32 lanes of the warp call this (the shuffles are warp-wide; dead lanes
@@ -33,14 +49,13 @@ __device__ __forceinline__ void q8_store4(float4 v, bool live, i8* __restrict__ 
     float am = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
     #pragma unroll
     for (int o = 4; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
-    const float d = __fdiv_rn(am, 127.f);
-    const float inv = d > 0.f ? __fdiv_rn(1.f, d) : 0.f;
+    float inv;
+    const float d = q8_scale(am, inv);
     const float e[4] = {v.x, v.y, v.z, v.w};
     int q[4], s = 0;
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const float u = __fmul_rn(e[i], inv);
-        q[i] = u >= 0.f ? (int)__fadd_rn(u, 0.5f) : -(int)__fadd_rn(0.5f, -u);
+        q[i] = q8_round(e[i], inv);
         s += q[i];
     }
     #pragma unroll
@@ -69,28 +84,7 @@ extern "C" __global__ void add_rmsnorm_q8(float* __restrict__ x, int ldx, const 
                                           int d, float eps) {
     const int r = blockIdx.x;
     float* xr = x + (size_t)r * ldx;
-    const float* dr = delta ? delta + (size_t)r * ldd : nullptr;
-    float ss = 0.f;
-    for (int i = threadIdx.x * 4; i < d; i += blockDim.x * 4) {
-        float4 v = *(const float4*)(xr + i);
-        if (dr) {
-            const float4 a = *(const float4*)(dr + i);
-            v.x += a.x; v.y += a.y; v.z += a.z; v.w += a.w;
-            *(float4*)(xr + i) = v;
-        }
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    }
-    __shared__ float red[32];
-    ss = warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float t = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : 0.f;
-        t = warp_sum(t);
-        if (threadIdx.x == 0) red[0] = t;
-    }
-    __syncthreads();
-    const float rs = rsqrtf(red[0] / (float)d + eps);
+    const float rs = add_row_rs(xr, delta ? delta + (size_t)r * ldd : nullptr, d, eps);
     i8* qrow = xq + (size_t)r * d;
     float2* drow = xds + (size_t)r * (d >> 5);
     for (int base = 0; base < d; base += blockDim.x * 4) {  // every lane goes round (the shuffles)

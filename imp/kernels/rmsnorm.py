@@ -13,12 +13,10 @@ import torch.nn.functional as F
 
 from imp.kernels import _cuda as cu
 
-SRC = r"""
-extern "C" __global__ void add_rmsnorm(float* __restrict__ x, int ldx, const float* __restrict__ delta, int ldd,
-                                       const float* __restrict__ w, float* __restrict__ out, int ldo, int d, float eps) {
-    const int r = blockIdx.x;
-    float* xr = x + (size_t)r * ldx;
-    const float* dr = delta ? delta + (size_t)r * ldd : nullptr;
+# x += delta for one row (in place) and 1 / rms of the sum: one block per row, blockDim a multiple of 32.
+# Shared with the kernel that writes the normed row as int8 (imp.kernels.q8act.add_rmsnorm_q8).
+ROW = r"""
+__device__ __forceinline__ float add_row_rs(float* __restrict__ xr, const float* __restrict__ dr, int d, float eps) {
     float ss = 0.f;
     for (int i = threadIdx.x * 4; i < d; i += blockDim.x * 4) {
         float4 v = *(const float4*)(xr + i);
@@ -39,7 +37,16 @@ extern "C" __global__ void add_rmsnorm(float* __restrict__ x, int ldx, const flo
         if (threadIdx.x == 0) red[0] = t;
     }
     __syncthreads();
-    const float rs = rsqrtf(red[0] / (float)d + eps);
+    return rsqrtf(red[0] / (float)d + eps);
+}
+"""
+
+SRC = ROW + r"""
+extern "C" __global__ void add_rmsnorm(float* __restrict__ x, int ldx, const float* __restrict__ delta, int ldd,
+                                       const float* __restrict__ w, float* __restrict__ out, int ldo, int d, float eps) {
+    const int r = blockIdx.x;
+    float* xr = x + (size_t)r * ldx;
+    const float rs = add_row_rs(xr, delta ? delta + (size_t)r * ldd : nullptr, d, eps);
     float* orow = out + (size_t)r * ldo;
     for (int i = threadIdx.x * 4; i < d; i += blockDim.x * 4) {
         const float4 v = *(const float4*)(xr + i);

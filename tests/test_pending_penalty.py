@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 
 from imp.messages import SamplingParams, SeqWork
@@ -56,3 +57,19 @@ def test_dense_pending_penalty_ignores_ids_outside_the_vocabulary_and_empty_hist
     for r, h in enumerate(hists):
         want = apply_penalties(logits[r].clone(), [t for t in h if 0 <= t < V] + [pend[r]], p)
         assert torch.allclose(x[r], want, atol=1e-6), (r, h)
+
+
+def test_history_counts_are_the_per_row_counters():
+    from collections import Counter
+
+    from imp.sampling.gpu import history_counts
+
+    rng = random.Random(1)
+    V = 40
+    hists = [tuple(rng.randrange(-3, V + 3) for _ in range(rng.randrange(0, 30))) for _ in range(7)]
+    rows = [0, 2, 3, 5, 8, 9, 11]
+    r, ids, cnt = history_counts(hists, rows, V)
+    got = {(int(a), int(b)): float(c) for a, b, c in zip(r, ids, cnt)}
+    want = {(row, t): float(c) for row, h in zip(rows, hists) for t, c in Counter(x for x in h if 0 <= x < V).items()}
+    assert got == want and cnt.dtype == np.float32
+    assert history_counts([(), ()], [0, 1], V)[0].size == 0

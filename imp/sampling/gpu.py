@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 
-from collections import Counter
 
 import numpy as np
 import torch
@@ -63,8 +62,9 @@ def bias_and_penalties(logits: torch.Tensor, works: list[SeqWork], use_numba: bo
     V = logits.shape[1]
     dense = set(pending[0]) if pending is not None else set()
     b_rows, b_ids, b_vals = [], [], []
-    p_rows, p_ids, p_cnt = [], [], []
+    p_rows, p_ids, p_cnt = [], [], []  # (filled by history_counts)
     params = np.zeros((len(works), 3), np.float32)
+    counted = []  # rows whose history the penalty kernel counts (pending rows: _penalize_dense)
     for r, w in enumerate(works):
         p = w.params
         agg: dict[int, float] = {}
@@ -76,21 +76,33 @@ def bias_and_penalties(logits: torch.Tensor, works: list[SeqWork], use_numba: bo
         b_vals += list(agg.values())
         params[r] = (p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
         if w.history and p.penalized and r not in dense:
-            c = Counter(t for t in w.history if 0 <= t < V)
-            p_rows += [r] * len(c)
-            p_ids += list(c)
-            p_cnt += list(c.values())
+            counted.append(r)
+    if counted:
+        p_rows, p_ids, p_cnt = history_counts([works[r].history for r in counted], counted, V)
     dev = logits.device
     i32 = lambda v: to_device(v, torch.int32, dev)  # noqa: E731
     if b_ids:
         k.add_bias(logits, i32(b_rows), i32(b_ids), to_device(b_vals, torch.float32, dev), use_numba)
-    if p_ids or dense:
+    if len(p_ids) or dense:
         params_dev = to_device(torch.from_numpy(params), torch.float32, dev)
-    if p_ids:
-        k.penalize(logits, i32(p_rows), i32(p_ids), to_device(p_cnt, torch.float32, dev), params_dev, use_numba)
+    if len(p_ids):
+        k.penalize(logits, i32(torch.from_numpy(p_rows)), i32(torch.from_numpy(p_ids)),
+                   to_device(torch.from_numpy(p_cnt), torch.float32, dev), params_dev, use_numba)
     if dense:
         _penalize_dense(logits, [works[r] for r in pending[0]], pending, params_dev)
     return logits
+
+
+def history_counts(histories: list[tuple[int, ...]], rows: list[int], V: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row, token id, count) of every id in 0..V-1 that `histories[i]` holds, row = rows[i], as int64 /
+    int64 / float32 arrays ordered by row then id: the penalty kernel's input, counted in numpy (one
+    np.unique over row * V + id for the whole step) instead of a Counter per row."""
+    lens = [len(h) for h in histories]
+    flat = np.fromiter(itertools.chain.from_iterable(histories), dtype=np.int64, count=sum(lens))
+    r = np.repeat(np.asarray(rows, dtype=np.int64), lens)
+    keep = (flat >= 0) & (flat < V)
+    keys, cnt = np.unique(r[keep] * V + flat[keep], return_counts=True)
+    return keys // V, keys % V, cnt.astype(np.float32)
 
 
 def _penalize_dense(logits: torch.Tensor, works: list[SeqWork], pending, params: torch.Tensor) -> None:

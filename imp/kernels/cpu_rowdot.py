@@ -17,8 +17,8 @@ intrinsic per block with its own reduction 0.21 ms, this loop with vpmaddwd
 0.10 ms, with vpdpbusd 0.085-0.089 ms; T = 4 costs 1.9-2.1x T = 1 for 4 tokens.
 
     acc_t[lane] = fma(float(lanesum_t[lane]), d_w * xd_t[b], acc_t[lane])   per 32-block b
-    mac_t       += m_w * xs_t[b]                                    (types with a min)
-    y_t          = tree_sum(acc_t) + mac_t
+    mac_t[b % MW] += m_w * xs_t[b]        (types with a min; MW blocks a loop step: 2 or 8)
+    y_t          = tree_sum(acc_t) + tree_sum(mac_t)
 
 Every token's arithmetic is the same sequence of IEEE operations whatever T is
 (no fast-math flag but `reassoc` on the final 16-lane tree, which is a fixed
@@ -260,14 +260,14 @@ class _Tok:
 def _pair_prep(b, e, ga, gb):
     """What two consecutive 32-blocks give every token of the tile, computed once per decode:
     (weights <64 x i8>, accumulator start <16 x i32> or None, the lanes' float weight scales
-    <16 x float>, the two mins or None). lanes 0..7 are the first block, 8..15 the second.
+    <16 x float>). lanes 0..7 are the first block, 8..15 the second (the mins: _mins_step).
 
     A type with an offset (signed weight = quants - offset) takes the activations unsigned
     instead (x + 128, one xor a token) against the signed weights, and starts each lane's
     accumulator at -128 * (sum of its 4 weights): the same exact integer dot as before, with
     one vpdpbusd a token instead of two and a subtraction. Q6_K's 16-element int scales move
     into the float lane scales (d * sc, exact in fp32) instead of an int32 multiply a token."""
-    (ua, off, sa, ma, la), (ub, _, sb, mb, lb) = ga, gb
+    (ua, off, sa, _, la), (ub, _, sb, _, lb) = ga, gb
     uv = b.shuffle_vector(ua, ub, ir.Constant(ir.VectorType(I32, 64), list(range(64))))
     start = None
     if off:
@@ -281,13 +281,13 @@ def _pair_prep(b, e, ga, gb):
         ws = b.shuffle_vector(lo, hi, ir.Constant(V16I, list(range(16))))
     else:
         ws = b.shuffle_vector(e.splat(sa, 8), e.splat(sb, 8), ir.Constant(V16I, list(range(16))))
-    return uv, start, ws, (ma, mb) if ma is not None else None
+    return uv, start, ws
 
 
-def _pair_step(b, e, tok: _Tok, prep, blk, acc, mac, fma):
+def _pair_step(b, e, tok: _Tok, prep, blk, acc, fma):
     """Two consecutive 32-blocks (blk, blk + 1) for one token in one zmm vpdpbusd (see
-    _pair_prep). Returns the new (acc, mac)."""
-    uv, start, ws, mins = prep
+    _pair_prep). Returns the new acc (the mins are _mins_step's)."""
+    uv, start, ws = prep
     xv = tok.x(blk, 64)
     if start is not None:  # unsigned activations . signed weights
         p = _dpbusd512(b, b.xor(xv, e.c(64, 0x80)), uv, start)
@@ -296,15 +296,10 @@ def _pair_step(b, e, tok: _Tok, prep, blk, acc, mac, fma):
     # the token's two block scales, [xd_blk x 8 | xd_blk+1 x 8]: one 8-byte load and a permute
     xd2 = tok.xd2(blk)
     xdv = b.shuffle_vector(xd2, ir.Constant(ir.VectorType(F32, 2), ir.Undefined), ir.Constant(V16I, [0] * 8 + [1] * 8))
-    acc = b.call(fma, [b.sitofp(p, V16F), b.fmul(ws, xdv), acc])
-    if mins is not None:
-        blk1 = b.add(blk, ir.Constant(I64, 1))
-        mac = b.fadd(mac, b.fmul(mins[0], tok.xs(blk)))
-        mac = b.fadd(mac, b.fmul(mins[1], tok.xs(blk1)))
-    return acc, mac
+    return b.call(fma, [b.sitofp(p, V16F), b.fmul(ws, xdv), acc])
 
 
-def _single_step(b, e, tok: _Tok, g, blk, acc, mac, fma):
+def _single_step(b, e, tok: _Tok, g, blk, acc, fma):
     """One 32-block for one token, into 16 float lanes (vpmaddwd; or vpdpbusd into lanes 0..7)."""
     uv, off, sc, mn, lanes = g
     xv = tok.x(blk, 32)
@@ -316,10 +311,20 @@ def _single_step(b, e, tok: _Tok, g, blk, acc, mac, fma):
     else:
         p = _products(b, e, uv, off, lanes, xv)  # <16 x i32>
         sv = e.splat(b.fmul(sc, tok.xd(blk)), 16)
-    acc = b.call(fma, [b.sitofp(p, V16F), sv, acc])
-    if mn is not None:
-        mac = b.fadd(mac, b.fmul(mn, tok.xs(blk)))
-    return acc, mac
+    return b.call(fma, [b.sitofp(p, V16F), sv, acc])
+
+
+def _mins_step(b, tok: _Tok, minsv, first, mac):
+    """mac (<MW x float>) += the loop step's MW block mins * the token's xs of those blocks: one
+    load and one fma a token, the lanes summed once at the end of the row (a fixed tree), instead
+    of MW dependent scalar multiply-adds (Q4_K: 8 a super-block a token, ~2/3 of its vector work)."""
+    mw = minsv.type.count
+    p = b.bitcast(b.gep(tok.sdata, [b.add(tok.tb, first)]), ir.PointerType(ir.VectorType(F32, mw)))
+    xsv = b.load(p)
+    xsv.align = 4
+    vt = ir.VectorType(F32, mw)
+    fn = b.module.declare_intrinsic(f"llvm.fma.v{mw}f32", fnty=ir.FunctionType(vt, [vt] * 3))
+    return b.call(fn, [minsv, xsv, mac])
 
 
 def _codegen(qtype: int, T: int):
@@ -328,6 +333,9 @@ def _codegen(qtype: int, T: int):
     # With VNNI two consecutive blocks share one zmm vpdpbusd: a loop step covers a pair of
     # 32-type blocks (an odd last block runs after the loop) or a whole K-type super-block.
     pair32 = VNNI and subs == 1
+    has_min = qtype in (Q4_1, Q5_1, Q4_K, Q5_K)
+    MW = subs * (2 if pair32 else 1)  # blocks a loop step covers: the lanes of the mins' sum
+    MV = ir.VectorType(F32, MW)
 
     def codegen(context, builder, sig, args):
         w, base, units, xq, xo, xstride, xd, xs, xb, xbstride = args
@@ -342,7 +350,8 @@ def _codegen(qtype: int, T: int):
         fma = b.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(V16F, [V16F] * 3))
         toks = [_Tok(b, qdata, ddata, sdata, xo, xstride, xb, xbstride, t) for t in range(T)]
         steps = b.ashr(units, ir.Constant(I64, 1)) if pair32 else units
-        zero_v, zero = ir.Constant(V16F, [0.0] * 16), ir.Constant(F32, 0.0)
+        zero_v = ir.Constant(V16F, [0.0] * 16)
+        zero_m = ir.Constant(MV, [0.0] * MW)
         entry = b.block
         loop = b.append_basic_block("rowdot_loop")
         after = b.append_basic_block("rowdot_after")
@@ -350,7 +359,7 @@ def _codegen(qtype: int, T: int):
         b.position_at_end(loop)
         u = b.phi(I64)
         accs = [b.phi(V16F) for _ in range(T)]
-        macs = [b.phi(F32) for _ in range(T)]
+        macs = [b.phi(MV) for _ in range(T)] if has_min else []
         acc_v, mac_v = list(accs), list(macs)
         if pair32:
             o = b.mul(u, ir.Constant(I64, 2 * ubytes))
@@ -366,29 +375,37 @@ def _codegen(qtype: int, T: int):
                 blk = b.add(first, ir.Constant(I64, j))
                 prep = _pair_prep(b, e, groups[j], groups[j + 1])
                 for t in range(T):
-                    acc_v[t], mac_v[t] = _pair_step(b, e, toks[t], prep, blk, acc_v[t], mac_v[t], fma)
+                    acc_v[t] = _pair_step(b, e, toks[t], prep, blk, acc_v[t], fma)
         else:
             for j, g in enumerate(groups):
                 blk = b.add(first, ir.Constant(I64, j))
                 for t in range(T):
-                    acc_v[t], mac_v[t] = _single_step(b, e, toks[t], g, blk, acc_v[t], mac_v[t], fma)
+                    acc_v[t] = _single_step(b, e, toks[t], g, blk, acc_v[t], fma)
+        if has_min:  # the step's mins as one vector, once for the T tokens
+            minsv = ir.Constant(MV, ir.Undefined)
+            for j, g in enumerate(groups):
+                minsv = b.insert_element(minsv, g[3], ir.Constant(I32, j))
+            for t in range(T):
+                mac_v[t] = _mins_step(b, toks[t], minsv, first, mac_v[t])
         u1 = b.add(u, ir.Constant(I64, 1))
         u.add_incoming(ir.Constant(I64, 0), entry)
         u.add_incoming(u1, loop)
         for t in range(T):
             accs[t].add_incoming(zero_v, entry)
             accs[t].add_incoming(acc_v[t], loop)
-            macs[t].add_incoming(zero, entry)
-            macs[t].add_incoming(mac_v[t], loop)
+            if has_min:
+                macs[t].add_incoming(zero_m, entry)
+                macs[t].add_incoming(mac_v[t], loop)
         b.cbranch(b.icmp_signed("<", u1, steps), loop, after)
         b.position_at_end(after)
         acc_p = [b.phi(V16F) for _ in range(T)]
-        mac_p = [b.phi(F32) for _ in range(T)]
+        mac_p = [b.phi(MV) for _ in range(T)] if has_min else []
         for t in range(T):
             acc_p[t].add_incoming(zero_v, entry)
             acc_p[t].add_incoming(acc_v[t], loop)
-            mac_p[t].add_incoming(zero, entry)
-            mac_p[t].add_incoming(mac_v[t], loop)
+            if has_min:
+                mac_p[t].add_incoming(zero_m, entry)
+                mac_p[t].add_incoming(mac_v[t], loop)
         acc_f, mac_f = list(acc_p), list(mac_p)
         if pair32:  # the odd last block of a 32-type row
             tail = b.append_basic_block("rowdot_tail")
@@ -400,20 +417,29 @@ def _codegen(qtype: int, T: int):
             (g,) = _groups(e, qtype, b.mul(last, ir.Constant(I64, ubytes)))
             tacc, tmac = list(acc_p), list(mac_p)
             for t in range(T):
-                tacc[t], tmac[t] = _single_step(b, e, toks[t], g, last, tacc[t], tmac[t], fma)
+                tacc[t] = _single_step(b, e, toks[t], g, last, tacc[t], fma)
+                if has_min:  # into lane 0 (the even blocks' lane)
+                    m0 = b.fmul(g[3], toks[t].xs(last))
+                    tmac[t] = b.fadd(tmac[t], b.insert_element(zero_m, m0, ir.Constant(I32, 0)))
             tail_end = b.block
             b.branch(done)
             b.position_at_end(done)
             for t in range(T):
-                a_, m_ = b.phi(V16F), b.phi(F32)
+                a_ = b.phi(V16F)
                 a_.add_incoming(acc_p[t], before)
                 a_.add_incoming(tacc[t], tail_end)
-                m_.add_incoming(mac_p[t], before)
-                m_.add_incoming(tmac[t], tail_end)
-                acc_f[t], mac_f[t] = a_, m_
+                acc_f[t] = a_
+                if has_min:
+                    m_ = b.phi(MV)
+                    m_.add_incoming(mac_p[t], before)
+                    m_.add_incoming(tmac[t], tail_end)
+                    mac_f[t] = m_
         red = b.module.declare_intrinsic("llvm.vector.reduce.fadd.v16f32", fnty=ir.FunctionType(F32, [F32, V16F]))
-        outs = [b.fadd(b.call(red, [ir.Constant(F32, -0.0), acc_f[t]], fastmath=("reassoc",)), mac_f[t])
-                for t in range(T)]
+        outs = [b.call(red, [ir.Constant(F32, -0.0), acc_f[t]], fastmath=("reassoc",)) for t in range(T)]
+        if has_min:
+            mred = b.module.declare_intrinsic(f"llvm.vector.reduce.fadd.v{MW}f32", fnty=ir.FunctionType(F32, [F32, MV]))
+            outs = [b.fadd(outs[t], b.call(mred, [ir.Constant(F32, -0.0), mac_f[t]], fastmath=("reassoc",)))
+                    for t in range(T)]
         return context.make_tuple(b, sig.return_type, outs)
 
     return codegen

@@ -81,13 +81,14 @@ class HoldKv:
 
 class Sim:
     def __init__(self, num_blocks=16, block_size=4, max_context=64, max_batch_size=8, max_step_tokens=16,
-                 request_timeout_ns=0, aging_ns=20 * MS, max_queued_tokens=0, decode_reserve=8, pipeline_depth=1):
+                 request_timeout_ns=0, aging_ns=20 * MS, max_queued_tokens=0, decode_reserve=8, pipeline_depth=1,
+                 admit_tokens=0):
         self.bs, self.num_blocks = block_size, num_blocks
         self.max_len = min(max_context, num_blocks * block_size)
         self.kv = KvCore(KvConfig(num_blocks, block_size, "fake"))
         self.sched = SchedulerCore(SchedulerConfig(num_blocks, block_size, max_context, max_batch_size,
                                                    max_step_tokens, request_timeout_ns, aging_ns,
-                                                   pipeline_depth=pipeline_depth))
+                                                   pipeline_depth=pipeline_depth, admit_tokens=admit_tokens))
         self.hold_kv = HoldKv(self.kv)
         self.adm = AdmissionCore(AdmissionConfig(num_blocks, block_size, max_context, max_queued_tokens,
                                                  admission_decode_tokens=decode_reserve))
@@ -421,6 +422,27 @@ def test_penalty_history_and_prefix_cache_usage():
     assert sim.finish[("b", 0)].cached_tokens == 8  # the fake executor checked the reused KV
 
 
+def test_prompts_the_cache_holds_are_admitted_together_within_the_step_budget():
+    """admit_tokens: new requests may bring more prompt than a step computes; once the KV reply shows the cached
+    part, their shares are cut to the step budget, and those past it run from the next step (KV already
+    allocated). 4 requests on a 12-token prompt the cache holds 8 tokens of, a 16-token step budget."""
+    rounds = {}
+    for admit in (0, 16 * 8):
+        sim = Sim(num_blocks=64, max_step_tokens=16, admit_tokens=admit)
+        sim.submit("warm", ids(12), params(max_tokens=1))
+        sim.drain()
+        for i in range(4):
+            sim.submit(f"r{i}", ids(12), params(max_tokens=2, ignore_eos=True))
+        first = len(sim.plans)
+        sim.drain()
+        rounds[admit] = sum(any(w.start_pos == 8 for w in p.seqs) for p in sim.plans[first:])  # after the hit
+        assert all(sum(len(w.token_ids) for w in p.seqs) <= 16 for p in sim.plans)
+        for i in range(4):
+            assert sim.output(f"r{i}") == sim.expected(f"r{i}", 0)
+            assert sim.finish[(f"r{i}", 0)].cached_tokens == 8
+    assert rounds == {0: 2, 16 * 8: 1}  # two a round (12 + the first 4 of the next), then all four at once
+
+
 def test_preemption_reproduces_the_unpreempted_tokens():
     work = [(f"r{i}", ids(6 + i, base=i), params(max_tokens=24, seed=i, ignore_eos=True)) for i in range(6)]
     outs = {}
@@ -528,13 +550,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 max_batch_size=st.integers(1, 6), max_step_tokens=st.integers(1, 24),
                 timeout=st.sampled_from([0, 0, 40 * MS]), max_queued=st.sampled_from([0, 0, 60]),
                 reserve=st.sampled_from([1, 8]), depth=st.sampled_from([1, 2]),
-                first=st.lists(REQUEST, min_size=1, max_size=6))
+                admit=st.sampled_from([0, 0, 8]), first=st.lists(REQUEST, min_size=1, max_size=6))
     def setup(self, num_blocks, block_size, max_batch_size, max_step_tokens, timeout, max_queued, reserve,
-              depth, first):
+              depth, admit, first):
+        self.max_step_tokens = max_step_tokens
         self.sim = Sim(num_blocks, block_size, max_context=48, max_batch_size=max_batch_size,
                        max_step_tokens=max_step_tokens, request_timeout_ns=timeout, aging_ns=5 * MS,
                        max_queued_tokens=max_queued, decode_reserve=reserve,  # 1: preempts often
-                       pipeline_depth=depth)
+                       pipeline_depth=depth, admit_tokens=admit * max_step_tokens)
         event(f"pipeline depth {depth}")
         self.n = 0
         for r in first:  # every example has work, even when swarm testing turns `submit` off
@@ -594,6 +617,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         live = set(sim.enqueued) - set(sim.finished)
         assert not live or sim.inflight or sim.hold_kv.held, "work left but no step in flight"
         assert set(sim.enqueued) | set(sim.rejected) == set(sim.submits)
+        if sim.plans:  # whatever new requests brought to planning (admit_tokens), a step computes <= its budget
+            assert sum(len(w.token_ids) for w in sim.plans[-1].seqs) <= self.max_step_tokens
 
     def teardown(self):
         try:

@@ -67,6 +67,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     aging_ns: int = 10_000_000_000  # waiting this long outranks any prompt length
     session_ttl_ns: int = 600_000_000_000  # an idle session's pinned prompt is released after this
     pipeline_depth: int = 1  # steps in flight at once: 2 plans step N+1 while the executor runs step N
+    # prompt tokens that new requests may bring to one planning round before the KV reply says how many of
+    # them the prefix cache already holds; the step itself still computes at most max_step_tokens (the new
+    # shares are cut to what is left of it once their cached part is known, `_on_kv`). 0 = max_step_tokens
+    # (the policy before this field: logs written then replay identically)
+    admit_tokens: int = 0
 
     def __post_init__(self):
         if min(self.num_blocks, self.block_size, self.max_context, self.max_batch_size,
@@ -106,7 +111,7 @@ class Req:
 
 class Seq:
     __slots__ = ("id", "req", "index", "params", "tokens", "status", "num_computed", "num_reported", "table", "in_kv",
-                 "admit_no", "plp", "plp_sent", "epoch", "ahead", "pending")
+                 "admit_no", "plp", "plp_sent", "epoch", "ahead", "pending", "send_params")
 
     def __init__(self, req: Req, index: int, params):
         self.id, self.req, self.index, self.params = f"{req.id}#{index}", req, index, params
@@ -119,6 +124,7 @@ class Seq:
         self.admit_no = 0  # when it last started running (preemption picks the newest)
         self.plp: list = []  # prompt logprobs gathered during prefill (choice 0 only)
         self.plp_sent = False  # delivered with the first token: never scored again
+        self.send_params = False  # its next share carries the params (the executor forgets them when freed)
         self.epoch = 0  # results of in-flight work from an older epoch are ignored
         self.ahead = 0  # positions fed by steps in flight (this epoch), beyond num_computed
         self.pending = 0  # tokens those steps will sample (0 or 1), beyond len(tokens)
@@ -148,6 +154,7 @@ class SchedulerCore:
         self.sessions: dict[str, int] = {}  # session id -> last use (ns), oldest first
         self.freed: list[str] = []  # for the next StepPlan
         self.batch: list[Work] = []  # the step being prepared (phase KV)
+        self.new_budget = 0  # of the step being prepared: tokens its new shares may still compute (_on_kv)
         self.inflight: collections.deque[tuple[int, list[Work]]] = collections.deque()  # sent to the executor
         self.phase = Phase.IDLE
         self.stalled = False  # a planned step came to nothing while another ran: wait for news
@@ -212,6 +219,8 @@ class SchedulerCore:
             self.batch.append(w)
             budget -= n
         reserved, counted, slots = self._reserved(), set(), c.max_batch_size - len(self.running)
+        self.new_budget = budget  # what the new shares may compute once their cached part is known
+        budget += max(0, c.admit_tokens - c.max_step_tokens)  # planning allowance for prompts the cache may hold
         for s in sorted(self.waiting, key=self._key):
             r = s.req
             if budget == 0 or slots == 0:
@@ -231,6 +240,7 @@ class SchedulerCore:
                 salt = r.salt if s.params.prompt_logprobs < 0 else f"{r.salt}\0plp\0{r.id}"
                 ops.append(KvOp("alloc", s.id, len(s.tokens), tuple(s.tokens), salt=salt))
             n = min(len(s.tokens), budget)
+            s.send_params = True  # with its first share, whichever step that is (admitted past the budget: later)
             self.batch.append(Work(s, n, True, new=True))
             budget -= n
             slots -= 1
@@ -258,7 +268,8 @@ class SchedulerCore:
                     s.req.cached_tokens = res.cached_tokens
                 self._set(s, Status.RUNNING)
                 w.start, w.epoch = s.num_computed, s.epoch
-                w.n = min(w.n, len(s.tokens) - w.start)
+                w.n = min(w.n, len(s.tokens) - w.start, self.new_budget)  # the cached part is free
+                self.new_budget -= w.n
                 w.sample = w.start + w.n == len(s.tokens)
                 s.ahead, s.pending = w.n, int(w.sample)
             elif res is not None and s.status is Status.RUNNING and w.epoch == s.epoch:
@@ -279,6 +290,8 @@ class SchedulerCore:
         for w in self.batch:
             s = w.seq
             if s.status is Status.RUNNING and w.epoch == s.epoch:
+                if w.new and w.n == 0:  # admitted (KV allocated) past this step's budget: computes from the next
+                    continue
                 if s not in failed:
                     keep.append(w)
                 else:  # its grow failed: it sits this step out
@@ -348,7 +361,8 @@ class SchedulerCore:
         start, end, sample = w.start, w.start + w.n, w.sample
         n_prompt, known = len(s.req.prompt), len(s.tokens)
         n_gen = max(known, end) - n_prompt
-        sent = p if w.new else None  # the executor keeps them from the first share of an admission
+        sent = p if s.send_params else None  # the executor keeps them from the first share of an admission
+        s.send_params = False
         if p.prompt_logprobs >= 0 and s.index == 0 and not s.plp_sent and end <= n_prompt:
             nxt = s.tokens[end] if end < n_prompt else -1
             return SeqWork(s.id, tuple(s.tokens[start:end]), start, s.table, sample, sent, gen_index=n_gen,

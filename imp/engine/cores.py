@@ -9,6 +9,13 @@ from imp.core.replicas import Routed
 from imp.core.scheduler import SchedulerConfig, SchedulerCore
 
 
+# New requests may bring this many times a step's token budget of prompt to one planning round: a prompt
+# the prefix cache holds (an agent's next turn, a shared system prompt) costs the step only its uncached tail,
+# which the KV reply reveals after planning; at 1x, 16 requests with a cached 354-token prompt took ~10 rounds
+# to be admitted at the 512-token default (one and a half a round).
+ADMIT_FACTOR = 8
+
+
 def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprint: str, replicas: int = 1):
     """admission, scheduler, kv (lists of `replicas` each when > 1, wrapped to talk to
     their own replica). Boot facts (pool size, context, fingerprint) go into each
@@ -32,6 +39,7 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
             num_blocks=num_blocks,
             max_batch_size=cfg.max_batch_size,
             max_step_tokens=cfg.max_step_tokens,
+            admit_tokens=ADMIT_FACTOR * cfg.max_step_tokens,
             request_timeout_ns=int(cfg.request_timeout_s * 1e9),
             max_context=max_context,
             pipeline_depth=pipeline_depth(cfg),

@@ -184,27 +184,25 @@ def _scores(cnt, qf, qo, D, kc, koff, nk, scale, sc):
         _scores_w(cnt, qf, qo, D, kc, koff, nk, scale, sc, _d1n, _d2n, _d3n, _d4n)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _values_w(cnt, of, oo, D, scf, so, stride, vc, koff, nk, p1, p2, p3, p4):
+    if cnt == 4:
+        p4(of, oo, D, scf, so, stride, vc, koff, nk, D)
+    elif cnt == 3:
+        p3(of, oo, D, scf, so, stride, vc, koff, nk, D)
+    elif cnt == 2:
+        p2(of, oo, D, scf, so, stride, vc, koff, nk, D)
+    else:
+        p1(of, oo, D, scf, so, stride, vc, koff, nk, D)
+
+
 @njit(cache=True, nogil=True)
 def _values(cnt, of, oo, D, scf, so, stride, vc, koff, nk):
     """of[oo + g*D : +D] = sum_j p[g, j] v_j for the item's cnt heads (p at scf[so + g*stride])."""
     if D % 64 == 0:
-        if cnt == 4:
-            _p4(of, oo, D, scf, so, stride, vc, koff, nk, D)
-        elif cnt == 3:
-            _p3(of, oo, D, scf, so, stride, vc, koff, nk, D)
-        elif cnt == 2:
-            _p2(of, oo, D, scf, so, stride, vc, koff, nk, D)
-        else:
-            _p1(of, oo, D, scf, so, stride, vc, koff, nk, D)
+        _values_w(cnt, of, oo, D, scf, so, stride, vc, koff, nk, _p1, _p2, _p3, _p4)
     else:
-        if cnt == 4:
-            _p4n(of, oo, D, scf, so, stride, vc, koff, nk, D)
-        elif cnt == 3:
-            _p3n(of, oo, D, scf, so, stride, vc, koff, nk, D)
-        elif cnt == 2:
-            _p2n(of, oo, D, scf, so, stride, vc, koff, nk, D)
-        else:
-            _p1n(of, oo, D, scf, so, stride, vc, koff, nk, D)
+        _values_w(cnt, of, oo, D, scf, so, stride, vc, koff, nk, _p1n, _p2n, _p3n, _p4n)
 
 
 @njit(parallel=True, cache=True, nogil=True)

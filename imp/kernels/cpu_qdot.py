@@ -92,84 +92,54 @@ _q5_k_1, _q5_k_4, _q5_k_8, _q5_k_16 = (_RD[Q5_K, t] for t in (1, 4, 8, 16))
 _q6_k_1, _q6_k_4, _q6_k_8, _q6_k_16 = (_RD[Q6_K, t] for t in (1, 4, 8, 16))
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _row_dot_t(w, qtype, base, nb, xq, xo, xstride, xd, xs, xb, xbstride,
+               q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k):
+    """Row . T tokens through the type's intrinsic for one T (passed in: a tile size is one set of
+    constants, inlined); nb = 32-blocks per row, the K-quants count 256-element super-blocks."""
+    if qtype == 3:
+        return q4_1(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 8:
+        return q8_0(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 12:
+        return q4_k(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 14:
+        return q6_k(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 6:
+        return q5_0(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 2:
+        return q4_0(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 7:
+        return q5_1(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
+    return q5_k(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
+
+
 @njit(cache=True, nogil=True)
 def row_dot16(w, qtype, base, nb, xq, xo, xstride, xd, xs, xb, xbstride):
     """Row . 16 tokens (token t at xo + t*xstride); nb = 32-blocks per row."""
-    if qtype == 6:
-        return _q5_0_16(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 3:
-        return _q4_1_16(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 8:
-        return _q8_0_16(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 12:
-        return _q4_k_16(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 14:
-        return _q6_k_16(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 2:
-        return _q4_0_16(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 7:
-        return _q5_1_16(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    return _q5_k_16(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
+    return _row_dot_t(w, qtype, base, nb, xq, xo, xstride, xd, xs, xb, xbstride,
+                      _q4_0_16, _q4_1_16, _q5_0_16, _q5_1_16, _q8_0_16, _q4_k_16, _q5_k_16, _q6_k_16)
 
 
 @njit(cache=True, nogil=True)
 def row_dot8(w, qtype, base, nb, xq, xo, xstride, xd, xs, xb, xbstride):
     """Row . 8 tokens (token t at xo + t*xstride); nb = 32-blocks per row."""
-    if qtype == 3:
-        return _q4_1_8(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 8:
-        return _q8_0_8(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 12:
-        return _q4_k_8(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 14:
-        return _q6_k_8(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 6:
-        return _q5_0_8(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 2:
-        return _q4_0_8(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 7:
-        return _q5_1_8(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    return _q5_k_8(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
+    return _row_dot_t(w, qtype, base, nb, xq, xo, xstride, xd, xs, xb, xbstride,
+                      _q4_0_8, _q4_1_8, _q5_0_8, _q5_1_8, _q8_0_8, _q4_k_8, _q5_k_8, _q6_k_8)
 
 
 @njit(cache=True, nogil=True)
 def row_dot4(w, qtype, base, nb, xq, xo, xstride, xd, xs, xb, xbstride):
     """Row . 4 tokens (token t at xo + t*xstride); nb = 32-blocks per row."""
-    if qtype == 3:
-        return _q4_1_4(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 8:
-        return _q8_0_4(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 12:
-        return _q4_k_4(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 14:
-        return _q6_k_4(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 6:
-        return _q5_0_4(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 2:
-        return _q4_0_4(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 7:
-        return _q5_1_4(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    return _q5_k_4(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
+    return _row_dot_t(w, qtype, base, nb, xq, xo, xstride, xd, xs, xb, xbstride,
+                      _q4_0_4, _q4_1_4, _q5_0_4, _q5_1_4, _q8_0_4, _q4_k_4, _q5_k_4, _q6_k_4)
 
 
 @njit(cache=True, nogil=True)
 def row_dot(w, qtype, base, nb, xq, xo, xd, xs, xb):
     """Row . one token: the same per-token arithmetic as row_dot16 / 8 / 4."""
-    if qtype == 3:
-        return _q4_1_1(w, base, nb, xq, xo, 0, xd, xs, xb, 0)[0]
-    if qtype == 8:
-        return _q8_0_1(w, base, nb, xq, xo, 0, xd, xs, xb, 0)[0]
-    if qtype == 12:
-        return _q4_k_1(w, base, nb // 8, xq, xo, 0, xd, xs, xb, 0)[0]
-    if qtype == 14:
-        return _q6_k_1(w, base, nb // 8, xq, xo, 0, xd, xs, xb, 0)[0]
-    if qtype == 6:
-        return _q5_0_1(w, base, nb, xq, xo, 0, xd, xs, xb, 0)[0]
-    if qtype == 2:
-        return _q4_0_1(w, base, nb, xq, xo, 0, xd, xs, xb, 0)[0]
-    if qtype == 7:
-        return _q5_1_1(w, base, nb, xq, xo, 0, xd, xs, xb, 0)[0]
-    return _q5_k_1(w, base, nb // 8, xq, xo, 0, xd, xs, xb, 0)[0]
+    return _row_dot_t(w, qtype, base, nb, xq, xo, 0, xd, xs, xb, 0,
+                      _q4_0_1, _q4_1_1, _q5_0_1, _q5_1_1, _q8_0_1, _q4_k_1, _q5_k_1, _q6_k_1)[0]
 
 
 @njit(cache=True, nogil=True)

@@ -252,3 +252,13 @@ def test_numerics_follow_the_row_kind_not_the_traffic(tmp_path_factory):
     alone_c = gpu_.step([share("c", C, 0, [20, 21])])[0].token_id
     mixed = [t.token_id for t in gpu_.step([share("c", C, 0, [20, 21])] + dec)]
     assert mixed == [alone_c] + alone_dec
+
+
+def test_launcher_checks_shared_by_the_gemv_and_gemm_launchers():
+    from imp.kernels.qweight import QWeight, check_parts, out_for
+
+    w = QWeight("Q4_K", 4, 256, {"blocks": torch.zeros(8, 144, dtype=torch.uint8)[::2]})  # not contiguous
+    with pytest.raises(ValueError, match="weight part blocks must be contiguous"):
+        check_parts(w, ("blocks", None), torch.device("cpu"))
+    check_parts(QWeight("Q4_K", 4, 256, {"blocks": torch.zeros(4, 144, dtype=torch.uint8)}), ("blocks",), torch.device("cpu"))
+    assert tuple(out_for(w, 3, None, "cpu").shape) == (3, 4)

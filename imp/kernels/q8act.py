@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from imp.kernels import _cuda as cu
-from imp.kernels.rmsnorm import ROW
+from imp.kernels.rmsnorm import ROW, check_args
 
 QK = 32
 
@@ -166,17 +166,9 @@ def quantize(x: torch.Tensor) -> Q8Act:
 
 def add_rmsnorm_q8(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> Q8Act:
     """x [N, d] fp32 += delta (in place); returns q8(rms_norm(x) * w) (`rmsnorm.add_rmsnorm`'s output)."""
-    cu.check(x, "x", torch.float32, 2, align=16)
-    N, d = x.shape
-    if d % QK or x.stride(0) % 4:
-        raise ValueError(f"d must be a multiple of {QK} and the row stride of 4")
-    if delta is not None:
-        cu.check(delta, "delta", torch.float32, 2, align=16)
-        if tuple(delta.shape) != (N, d) or delta.stride(0) % 4:
-            raise ValueError("delta must match x")
-    cu.check(w, "w", torch.float32, 1, align=16)
-    if w.shape[0] != d:
-        raise ValueError("w must have d elements")
+    N, d = check_args(x, delta, w)
+    if d % QK:
+        raise ValueError(f"d must be a multiple of {QK}")
     xa = empty(N, d, x.device)
     if N:
         threads = min(256, max(32, ((d // 4 + 31) // 32) * 32))

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from imp.kernels import _cuda as cu
-from imp.kernels.qweight import (BITS, BLOCK, FORMATS, TILES, QWeight, cat_rows, gemv_reference, reference, repack,
-                                  tile_for)
+from imp.kernels.qweight import (BITS, BLOCK, FORMATS, TILES, QWeight, cat_rows, check_parts, gemv_reference, out_for,
+                                  reference, repack, tile_for)
 
 WARPS = 4
 
@@ -294,17 +294,10 @@ def gemv(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.
         raise ValueError(f"x has {K} columns, weight {w.cols}")
     if x.stride(0) % 4:
         raise ValueError("x row stride must be a multiple of 4 floats")
-    if out is None:
-        out = torch.empty(B, w.rows, dtype=torch.float32, device=x.device)
-    cu.check(out, "out", torch.float32, 2)
-    if tuple(out.shape) != (B, w.rows):
-        raise ValueError(f"out shape {tuple(out.shape)}, expected {(B, w.rows)}")
+    out = out_for(w, B, out, x.device)
     if B == 0:
         return out
-    for k in _PARTS[w.fmt]:
-        t = w.parts[k]
-        if not t.is_contiguous() or t.device != x.device:
-            raise ValueError(f"weight part {k} must be contiguous on {x.device}")
+    check_parts(w, _PARTS[w.fmt], x.device)
     bt = tile_for(B)
     fn = cu.function(SRC, f"{_KNAME[w.fmt]}<{bt}>", _NAMES)
     args = tuple(cu.ptr(w.parts[k]) for k in _PARTS[w.fmt]) + (

@@ -34,7 +34,7 @@ import torch
 
 from imp.kernels import _cuda as cu
 from imp.kernels.q8act import Q8Act, dequant as dequant_act, quantize, reference as reference_quantize
-from imp.kernels.qweight import QWeight, reference as dequant_reference, tile_for, TILES
+from imp.kernels.qweight import QWeight, TILES, check_parts, out_for, reference as dequant_reference, tile_for
 
 WARPS = 4
 FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
@@ -299,17 +299,10 @@ def gemv(w: QWeight, xa: Q8Act, out: torch.Tensor | None = None, rows: int = 1, 
     B, K = xa.shape
     if K != w.cols:
         raise ValueError(f"x has {K} columns, weight {w.cols}")
-    if out is None:
-        out = torch.empty(B, w.rows, dtype=torch.float32, device=xa.xq.device)
-    cu.check(out, "out", torch.float32, 2)
-    if tuple(out.shape) != (B, w.rows):
-        raise ValueError(f"out shape {tuple(out.shape)}, expected {(B, w.rows)}")
+    out = out_for(w, B, out, xa.xq.device)
     if B == 0:
         return out
-    for k in _PARTS[w.fmt]:
-        t = w.parts[k]
-        if not t.is_contiguous() or t.device != xa.xq.device:
-            raise ValueError(f"weight part {k} must be contiguous on {xa.xq.device}")
+    check_parts(w, _PARTS[w.fmt], xa.xq.device)
     bt = tile_for(B)
     fn = cu.function(SRC, f"{_KNAME[w.fmt]}<{bt}, {rows}, {split}>", _NAMES)
     args = tuple(cu.ptr(w.parts[k]) for k in _PARTS[w.fmt]) + (

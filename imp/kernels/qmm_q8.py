@@ -29,7 +29,7 @@ import torch
 
 from imp.kernels import _cuda as cu
 from imp.kernels.q8act import Q8Act
-from imp.kernels.qweight import QWeight
+from imp.kernels.qweight import QWeight, check_parts, out_for
 
 FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 BM, BN, KC = 64, 64, 256
@@ -290,17 +290,11 @@ def qmm(w: QWeight, xa: Q8Act, out: torch.Tensor | None = None) -> torch.Tensor:
     M, K = xa.shape
     if K != w.cols:
         raise ValueError(f"x has {K} columns, weight {w.cols}")
-    if out is None:
-        out = torch.empty(M, w.rows, dtype=torch.float32, device=xa.xq.device)
-    cu.check(out, "out", torch.float32, 2)
-    if tuple(out.shape) != (M, w.rows):
-        raise ValueError(f"out shape {tuple(out.shape)}, expected {(M, w.rows)}")
+    out = out_for(w, M, out, xa.xq.device)
     if M == 0:
         return out
+    check_parts(w, _PARTS[w.fmt], xa.xq.device)
     parts = [w.parts[k] if k is not None else None for k in _PARTS[w.fmt]]
-    for t in parts:
-        if t is not None and (not t.is_contiguous() or t.device != xa.xq.device):
-            raise ValueError(f"weight parts must be contiguous on {xa.xq.device}")
     fn = cu.function(SRC, f"qmm_q8<{_FMT_ID[w.fmt]}>", _NAMES)
     cu.launch(fn, (-(-w.rows // BN), -(-M // BM)), (128,), tuple(cu.ptr(t) for t in parts) + (
         cu.ptr(xa.xq), cu.ptr(xa.xds), cu.ptr(out), cu.i32(out.stride(0)), cu.i32(M), cu.i32(w.rows), cu.i32(K)))

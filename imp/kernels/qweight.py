@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from imp.kernels import _cuda as cu
+
 FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "BF16")
 BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210), "BF16": (1, 2)}
 BITS = {f: 8.0 * BLOCK[f][1] / BLOCK[f][0] for f in FORMATS}
@@ -58,6 +60,24 @@ def cat_rows(ws: list[QWeight]) -> QWeight:
     assert all(w.fmt == f and w.cols == ws[0].cols for w in ws)
     parts = {k: torch.cat([w.parts[k] for w in ws]) for k in ws[0].parts}
     return QWeight(f, sum(w.rows for w in ws), ws[0].cols, parts)
+
+
+def out_for(w: QWeight, n: int, out: torch.Tensor | None, device) -> torch.Tensor:
+    """The launchers' output: `out` checked as [n, w.rows] fp32 (a column slice of a wider buffer is
+    fine), or a new one on `device`."""
+    if out is None:
+        return torch.empty(n, w.rows, dtype=torch.float32, device=device)
+    cu.check(out, "out", torch.float32, 2)
+    if tuple(out.shape) != (n, w.rows):
+        raise ValueError(f"out shape {tuple(out.shape)}, expected {(n, w.rows)}")
+    return out
+
+
+def check_parts(w: QWeight, names, device) -> None:
+    """The named parts (None: a format without it) contiguous on the activations' device."""
+    for k in names:
+        if k is not None and (not w.parts[k].is_contiguous() or w.parts[k].device != device):
+            raise ValueError(f"weight part {k} must be contiguous on {device}")
 
 
 # ------------------------------------------------------------------ repack (CPU, numpy)

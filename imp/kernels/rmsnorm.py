@@ -57,9 +57,9 @@ extern "C" __global__ void add_rmsnorm(float* __restrict__ x, int ldx, const flo
 """
 
 
-def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [N, d] fp32 (updated in place to x + delta), w [d] -> out [N, d] fp32."""
+def check_args(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor) -> tuple[int, int]:
+    """(N, d) of a row kernel's x [N, d] fp32, delta [N, d] or None, w [d] (float4 loads: multiples of 4);
+    shared with imp.kernels.q8act.add_rmsnorm_q8."""
     cu.check(x, "x", torch.float32, 2, align=16)
     N, d = x.shape
     if d % 4 or x.stride(0) % 4:
@@ -71,6 +71,13 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, ep
     cu.check(w, "w", torch.float32, 1, align=16)
     if w.shape[0] != d:
         raise ValueError("w must have d elements")
+    return N, d
+
+
+def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, d] fp32 (updated in place to x + delta), w [d] -> out [N, d] fp32."""
+    N, d = check_args(x, delta, w)
     if out is None:
         out = torch.empty(N, d, dtype=torch.float32, device=x.device)
     cu.check(out, "out", torch.float32, 2, align=16)

@@ -18,15 +18,20 @@ SRC = r"""
 __device__ __forceinline__ float2 rot2(float2 v, float c, float s) {
     return make_float2(__fmaf_rn(v.x, c, -__fmul_rn(v.y, s)), __fmaf_rn(v.y, c, __fmul_rn(v.x, s)));
 }
+// thread idx -> pair i of head h of row n (N rows of nh heads of 2 * half values); false past the end
+__device__ __forceinline__ bool pair_of(long long idx, int N, int nh, int half, int& n, int& h, int& i) {
+    if (idx >= (long long)N * nh * half) return false;
+    i = (int)(idx % half);
+    const long long t = idx / half;
+    h = (int)(t % nh);
+    n = (int)(t / nh);
+    return true;
+}
 extern "C" __global__ void rope(float* __restrict__ qk, int ld, const int* __restrict__ pos,
                                 const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                 int nh, int half, int N) {
-    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)N * nh * half) return;
-    const int i = (int)(idx % half);
-    const long long t = idx / half;
-    const int h = (int)(t % nh);
-    const int n = (int)(t / nh);
+    int n, h, i;
+    if (!pair_of((long long)blockIdx.x * blockDim.x + threadIdx.x, N, nh, half, n, h, i)) return;
     float2* p = (float2*)(qk + (size_t)n * ld + (size_t)h * 2 * half + 2 * i);
     const size_t ti = (size_t)pos[n] * half + i;
     const float c = cos_t[ti], s = sin_t[ti];
@@ -39,13 +44,8 @@ extern "C" __global__ void rope_kv(float* __restrict__ qkv, int ld, const int* _
                                    const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                    int H, int Hkv, int half, int N, void* kc, void* vc,
                                    const int* __restrict__ slots, int bf16) {
-    const int nh = H + 2 * Hkv;
-    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)N * nh * half) return;
-    const int i = (int)(idx % half);
-    const long long t = idx / half;
-    const int h = (int)(t % nh);
-    const int n = (int)(t / nh);
+    int n, h, i;
+    if (!pair_of((long long)blockIdx.x * blockDim.x + threadIdx.x, N, H + 2 * Hkv, half, n, h, i)) return;
     float2* p = (float2*)(qkv + (size_t)n * ld + (size_t)h * 2 * half + 2 * i);
     float2 v = *p;
     if (h < H + Hkv) {

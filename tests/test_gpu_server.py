@@ -37,13 +37,15 @@ def _get(url: str) -> dict:
         return json.loads(r.read())
 
 
-@pytest.fixture(scope="module")
-def gpu_server(tmp_path_factory, smollm2_path):
+@pytest.fixture(scope="module", params=["fp32", "int8"])
+def gpu_server(request, tmp_path_factory, smollm2_path):
+    """Both activation paths: fp32 (the default) and int8 (decode rows on the dp4a GEMVs, prompt rows on
+    the dense copy, mixed steps split in two forwards: concurrency must not change a request's tokens)."""
     from tests.serverproc import ServerProcess
 
     d = tmp_path_factory.mktemp("gpu_srv")
     srv = ServerProcess(smollm2_path, "--device", "cuda:0", "--event-log", str(d / "events.log"), "--kv-cache-tokens", "8192",
-                        log_path=d / "server.out")
+                        "--gpu-activations", request.param, log_path=d / "server.out")
     srv.event_log = d / "events.log"
     with srv:
         yield srv

@@ -222,6 +222,40 @@ def test_prefill_attention_fp32(T_, H, Hkv, D):
 
 
 @pytest.mark.gpu
+def test_penalize_segments_kernel_is_the_numpy_rule_bitwise():
+    """The one-launch penalty kernel against its numpy twin (which tests/test_pending_penalty.py holds to the
+    CPU reference): random penalties, histories with repeats and ids outside V, in-flight ids that the history
+    has or lacks, read from other slots of a device buffer."""
+    _skip_without_gpu()
+    import random
+
+    from imp.messages import SamplingParams, SeqWork
+    from imp.sampling.gpu import bias_and_penalties
+
+    rng = random.Random(3)
+    for R, V in ((1, 49152), (37, 1000), (256, 4096)):
+        works, rows, slots = [], [], []
+        for r in range(R):
+            p = SamplingParams(max_tokens=8, repetition_penalty=rng.choice([1.0, 1.05, 1.3, 0.8]),
+                               presence_penalty=rng.choice([0.0, 0.5]), frequency_penalty=rng.choice([0.0, 0.2, -0.1]))
+            h = tuple(rng.randrange(-2, V + 2) if rng.random() < 0.05 else rng.randrange(min(V, 60))
+                      for _ in range(rng.randrange(0, 300)))
+            works.append(SeqWork(seq_id=str(r), token_ids=(0,), start_pos=5, block_table=(0,), sample=True,
+                                 params=p, history=h))
+            if rng.random() < 0.7:
+                rows.append(r)
+                slots.append(rng.randrange(512))
+        src = torch.tensor([rng.randrange(min(V, 80)) for _ in range(512)], dtype=torch.int32)
+        logits = torch.randn(R, V) * 4
+        cpu = logits.clone()
+        bias_and_penalties(cpu, works, pending=(rows, src, slots))
+        gpu = logits.to(DEV)
+        bias_and_penalties(gpu, works, pending=(rows, src.to(DEV), slots))
+        assert torch.equal(gpu.cpu(), cpu), (R, V)
+        assert not torch.equal(cpu, logits)
+
+
+@pytest.mark.gpu
 def test_sampling_filters_and_penalties_match_cpu():
     _skip_without_gpu()
     from imp.kernels import sampling as kernels

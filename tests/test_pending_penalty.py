@@ -1,9 +1,11 @@
 """Penalties of a pipelined share whose last token is still on the device (issue 14: a
 penalized stream no longer waits for the previous step on the host).
 
-`imp.sampling.gpu._penalize_dense` counts the host-known history plus the in-flight
-token on the device; it must equal the CPU reference (`imp.sampling.cpu.apply_penalties`)
-over the complete history. The ops are plain torch, so this runs on the CPU."""
+`imp.sampling.gpu.bias_and_penalties` packs the host-known histories into segments and
+counts the in-flight token on the device (`imp.kernels.sampling.penalize_segments`, one
+launch); it must equal the CPU reference (`imp.sampling.cpu.apply_penalties`) over the
+complete history. On CPU tensors the same rule runs in numpy, so this runs on the CPU (the
+GPU lane checks the kernel against it: tests/test_gpu_kernels.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,12 @@ import torch
 
 from imp.messages import SamplingParams, SeqWork
 from imp.sampling.cpu import apply_penalties
-from imp.sampling.gpu import _penalize_dense
+from imp.sampling.gpu import bias_and_penalties
+
+
+def _penalize_dense(x, works, pending, params):
+    """The pending rows only, as the runner passes them (rows index works)."""
+    bias_and_penalties(x, works, pending=pending)
 
 
 def test_dense_pending_penalty_equals_the_reference_over_the_full_history():
@@ -34,13 +41,13 @@ def test_dense_pending_penalty_equals_the_reference_over_the_full_history():
             pend_rows.append(r)
             pend_ids.append(hist[0] if hist and r % 4 == 0 else rng.randrange(V))
     x = logits.clone()
-    _penalize_dense(x, [works[r] for r in pend_rows], (pend_rows, torch.tensor(pend_ids, dtype=torch.int32)), params)
-    for i, r in enumerate(pend_rows):
-        w = works[r]
-        want = apply_penalties(logits[r].clone(), [*w.history, pend_ids[i]], w.params)
-        assert torch.allclose(x[r], want, atol=1e-6), (r, w.params, w.history, pend_ids[i])
-    others = [r for r in range(R) if r not in pend_rows]
-    assert torch.equal(x[others], logits[others])  # rows without a pending token are left to the kernel
+    # the in-flight ids sit at other slots of a device buffer, as the runner's last-step ids do
+    src = torch.tensor([7] * 3 + pend_ids, dtype=torch.int32)
+    _penalize_dense(x, works, (pend_rows, src, [3 + i for i in range(len(pend_rows))]), params)
+    for r, w in enumerate(works):
+        full = [*w.history, pend_ids[pend_rows.index(r)]] if r in pend_rows else list(w.history)
+        want = apply_penalties(logits[r].clone(), full, w.params)
+        assert torch.allclose(x[r], want, atol=1e-6), (r, w.params, w.history, full)
 
 
 def test_dense_pending_penalty_ignores_ids_outside_the_vocabulary_and_empty_histories():
@@ -54,6 +61,9 @@ def test_dense_pending_penalty_ignores_ids_outside_the_vocabulary_and_empty_hist
     pend = [9, 3, 4]
     x = logits.clone()
     _penalize_dense(x, works, ([0, 1, 2], torch.tensor(pend, dtype=torch.int32)), params)
+    y = logits.clone()
+    _penalize_dense(y, works, ([0, 1, 2], torch.tensor(pend, dtype=torch.int64)), params)  # int64 ids as well
+    assert torch.equal(x, y)
     for r, h in enumerate(hists):
         want = apply_penalties(logits[r].clone(), [t for t in h if 0 <= t < V] + [pend[r]], p)
         assert torch.allclose(x[r], want, atol=1e-6), (r, h)
@@ -73,3 +83,20 @@ def test_history_counts_are_the_per_row_counters():
     want = {(row, t): float(c) for row, h in zip(rows, hists) for t, c in Counter(x for x in h if 0 <= x < V).items()}
     assert got == want and cnt.dtype == np.float32
     assert history_counts([(), ()], [0, 1], V)[0].size == 0
+
+
+def test_segments_skip_unpenalized_rows_and_rows_with_nothing_to_count():
+    from imp.sampling.gpu import penalty_segments
+
+    pen = SamplingParams(max_tokens=8, repetition_penalty=1.2, presence_penalty=0.5)
+    plain = SamplingParams(max_tokens=8)
+    works = [SeqWork(seq_id=str(r), token_ids=(0,), start_pos=5, block_table=(0,), sample=True, params=p, history=h)
+             for r, (p, h) in enumerate([(plain, (1, 2)), (pen, ()), (pen, (4, 4, 9)), (pen, ())])]
+    meta, S = penalty_segments(works, ([3], torch.tensor([5], dtype=torch.int32)), 20)
+    assert S == 2 and list(meta[:2]) == [2, 3]  # row 1: penalized but nothing to count; row 0: no penalty
+    assert list(meta[2:5]) == [0, 2, 2] and list(meta[5:7]) == [-1, 0]  # offsets, in-flight slots
+    assert list(meta[13:15]) == [4, 9] and list(meta[15:17]) == [2, 1]  # ids, counts
+    assert penalty_segments(works[:2], None, 20)[1] == 0
+    x = torch.zeros(4, 20)
+    bias_and_penalties(x, works, pending=([3], torch.tensor([5], dtype=torch.int32)))
+    assert x[0].eq(0).all() and x[1].eq(0).all() and int((x != 0).sum()) == 3  # 4, 9 and the in-flight 5

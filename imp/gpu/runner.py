@@ -113,8 +113,9 @@ class GpuModelRunner:
                                                            credit_us=credit.get(attr, 0.0),
                                                            q8_credit_us=q8_credit.get(attr, 0.0))
                 self.w.head.choose(n, q8_credit_us=FUSED_CREDIT_US)
-        # prompt rows dense, decode rows int8: mixed eager steps split in two (_eager_logits)
-        self._split_mixed = self.w.dense and any(m.q8 for L in self.w.layers for m in (L.wqkv, L.wo, L.w13, L.w2))
+        # prompt rows dense (or on the int8 GEMM), decode rows on the int8 GEMV: mixed eager steps split in two
+        # (_eager_logits)
+        self._split_mixed = any(m.q8 and (self.w.dense or m.mm) for L in self.w.layers for m in (L.wqkv, L.wo, L.w13, L.w2))
         if graphs and buckets:
             self._capture_or_fall_back()
 
@@ -298,8 +299,7 @@ class GpuModelRunner:
         if hist and not any(s.params.host_sampled for s in seqs) and all(seqs[i].params.constraint is None
                                                                          for i in hist):
             # penalties count the token in flight: it is on the device (last step's ids), counted there
-            slots = [self._prev_rows[seqs[i].seq_id] for i in hist]
-            dev_pending = (hist, self._sampled.index_select(0, _cuda.to_device(slots, torch.int64, self.device)))
+            dev_pending = (hist, self._sampled, [self._prev_rows[seqs[i].seq_id] for i in hist])
         elif hist:
             # a grammar's state follows the token in flight (and a host-sampled row reads it): on the host
             prev = dict(zip(self._prev.seq_ids, self._prev.ids()))

@@ -1,6 +1,8 @@
 """Sampling kernels: logit bias and penalties scattered into logits rows (Numba,
-with a torch fallback), temperature / top-k / top-p / min-p filtering (torch,
-batched) and a counter-based Gumbel draw (CuPy).
+with a torch fallback), the penalties of a step in one CuPy launch
+(`penalize_segments`: host-counted histories plus each row's token still in flight
+on the device), temperature / top-k / top-p / min-p filtering (torch, batched) and
+a counter-based Gumbel draw (CuPy).
 
 The Gumbel noise is hashed from (seed, gen_index, token id), so a row's draw
 depends only on its sequence, not on the batch it ran in. The sampler that
@@ -10,6 +12,8 @@ drives these over a step's sequences is `imp.sampling.gpu`.
 from __future__ import annotations
 
 import functools
+
+import numpy as np
 import torch
 
 from imp.kernels import _cuda as cu
@@ -37,6 +41,86 @@ extern "C" __global__ void gumbel(float* __restrict__ out, const long long* __re
     out[i] = -logf(-logf(u));
 }
 """
+
+
+# One block per penalized row ("segment"): its distinct history ids with their counts (host-counted, sorted),
+# and optionally the token the step in flight sampled for it, read on the device (src[psrc]). Each distinct id
+# is touched by one thread: repetition once, presence once, frequency per occurrence, in the order and
+# rounding of `penalize` (no contraction: __fmul_rn / __fsub_rn). The in-flight token adds one to its count
+# if the history has it, else it is penalized alone with count 1.
+# meta (int32): row[S] | off[S+1] | psrc[S] (-1: none) | params[3S] (float32 bits) | ids[E] | cnt[E]
+PENALIZE_SRC = r"""
+__device__ __forceinline__ float pen1(float x, float rep, float pres, float freq, float c) {
+    if (rep != 1.0f) x = x > 0.0f ? __fdiv_rn(x, rep) : __fmul_rn(x, rep);
+    x = __fsub_rn(x, pres);
+    return __fsub_rn(x, __fmul_rn(freq, c));
+}
+extern "C" __global__ void penalize_segments(float* __restrict__ logits, int V, const int* __restrict__ meta, int S,
+                                             const int* __restrict__ src) {
+    const int s = blockIdx.x;
+    if (s >= S) return;
+    const int* off = meta + S;
+    const int* psrc = off + S + 1;
+    const float* prm = (const float*)(psrc + S) + 3 * s;
+    const int* ids = psrc + 4 * S;
+    const int* cnt = ids + off[S];
+    const int r = meta[s], a = off[s], b = off[s + 1];
+    int pend = psrc[s] >= 0 ? src[psrc[s]] : -1;
+    if (pend >= V) pend = -1;
+    const float rep = prm[0], pres = prm[1], freq = prm[2];
+    float* L = logits + (size_t)r * V;
+    int found = 0;
+    for (int e = a + threadIdx.x; e < b; e += blockDim.x) {
+        const int t = ids[e];
+        const int hit = t == pend;
+        found |= hit;
+        L[t] = pen1(L[t], rep, pres, freq, (float)(cnt[e] + hit));
+    }
+    found = __syncthreads_or(found);
+    if (threadIdx.x == 0 && pend >= 0 && !found) L[pend] = pen1(L[pend], rep, pres, freq, 1.0f);
+}
+"""
+
+
+def penalize_segments(logits: torch.Tensor, meta: torch.Tensor, S: int, src: torch.Tensor | None) -> None:
+    """In place on logits [R, V] fp32: the penalties that `imp.sampling.gpu.penalty_segments` packed
+    into meta (int32, on logits' device); src: the device ids the segments' psrc index (int32), or None
+    when no segment has one in flight. CUDA: one launch; CPU tensors: the same rule in numpy (tests)."""
+    if not S:
+        return
+    V = logits.shape[1]
+    if logits.is_cuda:
+        cu.check(logits, "logits", torch.float32, 2)
+        cu.check(meta, "meta", torch.int32, 1)
+        if src is not None:
+            cu.check(src, "src", torch.int32, 1)
+        cu.launch(cu.function(PENALIZE_SRC, "penalize_segments"), (S,), (THREADS,),
+                  (cu.ptr(logits), cu.i32(V), cu.ptr(meta), cu.i32(S), cu.ptr(src)))
+        return
+    m = meta.numpy()
+    off = m[S:2 * S + 1]
+    psrc = m[2 * S + 1:3 * S + 1]
+    prm = m[3 * S + 1:6 * S + 1].view(np.float32).reshape(S, 3)
+    ids, cnt = m[6 * S + 1:6 * S + 1 + off[S]], m[6 * S + 1 + off[S]:]
+    L = logits.numpy()
+    srcn = src.numpy() if src is not None else None
+    f = np.float32
+
+    def pen1(x, rep, pres, freq, c):
+        if rep != f(1):
+            x = x / rep if x > 0 else x * rep
+        return f(f(x - pres) - f(freq * f(c)))
+
+    for s_ in range(S):
+        r, rep, pres, freq = m[s_], *prm[s_]
+        pend = int(srcn[psrc[s_]]) if psrc[s_] >= 0 else -1
+        pend = -1 if pend >= V else pend
+        seg = range(off[s_], off[s_ + 1])
+        for e in seg:
+            t = ids[e]
+            L[r, t] = pen1(L[r, t], rep, pres, freq, cnt[e] + (t == pend))
+        if pend >= 0 and not any(ids[e] == pend for e in seg):
+            L[r, pend] = pen1(L[r, pend], rep, pres, freq, 1)
 
 
 @functools.lru_cache(maxsize=None)

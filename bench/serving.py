@@ -11,7 +11,8 @@ runs --runs times (two runs agreeing is part of the result).
     .venv/bin/python bench/serving.py --device cuda:0 --llama-server /tmp/llama-cpp/build/bin/llama-server
     .venv/bin/python bench/serving.py --null --layouts 0,2 --streams 256 --client-procs 2   # control plane
 
---null starts imp with IMP_NULL_RUNNER=1: a runner that answers every step at once, so
+--null starts imp with IMP_NULL_RUNNER=1: a runner that answers every step at once (with
+--null-step-us T: T µs a step on a make-believe device, pipelined as a GPU is), so
 the figure is the server's own cost per token (HTTP, tokenization, actors, event log,
 process boundary, detokenization, SSE). The client spreads the streams over
 --client-procs processes so that it is not the bottleneck itself.
@@ -175,12 +176,17 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--null", action="store_true", help="IMP_NULL_RUNNER=1: the server's own cost")
+    ap.add_argument("--null-step-us", type=int, default=0,
+                    help="with --null: each step takes this long on a make-believe device, launched and "
+                         "collected as a GPU's (IMP_NULL_STEP_US; add --server-args '--pipeline-depth 2')")
     ap.add_argument("--client-procs", type=int, default=1)
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
     ap.add_argument("--server-args", default="", help="more imp flags, e.g. '--max-batch-size 256'")
     ap.add_argument("--logs", default="/tmp")
     a = ap.parse_args()
+    if a.null_step_us:
+        os.environ["IMP_NULL_STEP_US"] = str(a.null_step_us)
     from imp.fetch import resolve_model
 
     model = str(resolve_model(a.model))

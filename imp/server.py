@@ -123,8 +123,12 @@ def load_engine(cfg: ServerConfig, store=None, render: bool = True) -> tuple[Loc
     def loader(device: str):
         """The load call for one replica; suspend calls it again to reload what it released."""
         if null:
-            from imp.model.null_runner import NullRunner
+            from imp.model.null_runner import NullRunner, PacedNullRunner
 
+            step_us = int(os.environ.get("IMP_NULL_STEP_US", "0"))  # > 0: a paced make-believe device
+            if step_us > 0:
+                return lambda: PacedNullRunner.load(str(path), block_size=cfg.block_size,
+                                                    kv_tokens=cfg.kv_cache_tokens, step_us=step_us)
             return lambda: NullRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens)
         if device.startswith("cuda"):
             from imp.gpu.runner import GpuModelRunner

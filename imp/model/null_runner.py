@@ -7,10 +7,18 @@ tokenization, admission, scheduling, KV allocation, the event log, the process
 boundary, detokenization, SSE) runs for real, so what a benchmark measures with
 it is the server's own cost per token. Chosen at boot with IMP_NULL_RUNNER=1
 (never by a request); `bench/serving.py --null` uses it.
+
+`PacedNullRunner` (IMP_NULL_STEP_US=T as well) stands in for a GPU: it has the
+GpuModelRunner's launch/collect interface (so the executor pipelines, and with
+`--pipeline-depth 2` the scheduler plans step N+1 while N "runs"), and a step
+lands T µs after the previous one did, or after its launch if the "device" was
+idle, as a stream's kernels queue. So the question "does the host keep a T-µs
+device busy at one stream?" can be asked on a machine without one.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from imp.messages import SampledToken, SeqWork
@@ -45,3 +53,27 @@ class NullRunner:
 
     def forget(self, seq_ids) -> None:
         pass
+
+
+class PacedNullRunner(NullRunner):
+    """NullRunner whose steps take `step_us` of a make-believe device queued in launch order."""
+
+    def __init__(self, *a, step_us: int = 0, **kw):
+        super().__init__(*a, **kw)
+        self.step_ns = step_us * 1000
+        self._busy_until = 0  # monotonic ns at which the last launched step lands
+
+    @classmethod
+    def load(cls, path: str, block_size: int = 16, kv_tokens: int | None = None, step_us: int = 0) -> "PacedNullRunner":
+        r = NullRunner.load(path, block_size, kv_tokens)
+        return cls(r.config, r.metadata, r.fingerprint, r.num_blocks, r.block_size, r.token_id, step_us=step_us)
+
+    def launch(self, seqs: list[SeqWork], constraints=None, lora=None) -> tuple[int, list[SampledToken]]:
+        self._busy_until = max(time.monotonic_ns(), self._busy_until) + self.step_ns
+        return self._busy_until, self.step(seqs)
+
+    def collect(self, handle: tuple[int, list[SampledToken]]) -> list[SampledToken]:
+        at, tokens = handle
+        while (left := at - time.monotonic_ns()) > 0:
+            time.sleep(left / 1e9)
+        return tokens

@@ -146,7 +146,7 @@ def linear_table(runner, name: str, copy_Bps: float, res: dict) -> str:
     head = (f"{name}: per-matrix device time, µs (GB/s of the weight as stored), n = rows of x; * = chosen "
             "(fused variants have 2 µs per saved kernel taken off)")
     times_all = runner.w.tune_stats["times"]
-    order = ("gemv", "q8r1", "q8r2", "q8r4", "q8s1", "q8s2", "q8s4", "x4", "x8", "a4", "k4", "dense")
+    order = ("gemv", "q8r1", "q8r2", "q8r4", "q8s1", "q8s2", "q8s4", "qmm", "x4", "x8", "a4", "k4", "dense")
     seen = {c for t in times_all.values() for c in t}
     cands = [c for c in order if c in seen] + sorted(seen - set(order))
     out = [head, "", "| matrix | n | " + " | ".join(cands) + " |", "|---|---|" + "---|" * len(cands)]

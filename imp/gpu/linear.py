@@ -4,8 +4,10 @@ A `Linear` holds one logical weight (a row-concatenation of GGUF tensors:
 fused QKV, gate+up) in its quantized form (`imp.kernels.qgemv.QWeight`
 parts), plus optionally a dense fp16 copy (BF16 weights: the weight itself).
 Each call picks, per batch size, the quantized GEMV (fp32 activations), the
-int8-activation dp4a GEMV (`qgemv_q8`, R rows a warp), a `gemv_bf16x` variant
-(BF16, two rows a warp) or a dense cuBLAS GEMM: whichever `choose` timed
+int8-activation dp4a GEMV (`qgemv_q8`, R rows a warp), the int8 tensor-core
+GEMM (`qmm_q8`: prompt rows and batches past GEMV_MAX_ROWS when there is no
+dense copy), a `gemv_bf16x` variant (BF16, two rows a warp) or a dense cuBLAS
+GEMM: whichever `choose` timed
 fastest at load, replayed in a CUDA graph over every layer's copy of the
 matrix so that none is timed from L2.
 """
@@ -18,7 +20,7 @@ import numpy as np
 import torch
 
 from imp.kernels import qgemv
-from imp.kernels import q8act, qgemv_q8
+from imp.kernels import q8act, qgemv_q8, qmm_q8
 
 log = logging.getLogger("imp.gpu")
 
@@ -74,13 +76,17 @@ class Linear:
         # not the fp32-activation one as well, so the GEMV path has one numerics at every batch size (the CPU
         # runner's); the fp32 GEMV stays for BF16 and for int8_act=False
         self.q8 = int8_act and all(qgemv_q8.supports(p) for p in parts)
+        # without a dense copy, int8 rows past the GEMV's range (and prompt rows) go to the int8 GEMM
+        self.mm = self.q8 and dense is None and all(p.fmt in qmm_q8.FORMATS for p in parts)
 
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
     def candidates(self, n: int) -> list[str]:
-        if self.q8:  # one numerics per row kind: int8 decode batches up to GEMV_MAX_ROWS, dense above
+        if self.q8:  # one numerics per row kind: int8 decode batches up to GEMV_MAX_ROWS, dense (or qmm) above
+            if self.mm and n > GEMV_MAX_ROWS:
+                return ["qmm"]
             if n <= GEMV_MAX_ROWS or self.dense is None:
                 return list(qgemv_q8.VARIANTS) if n <= Q8_MAX_ROWS or self.dense is None else []
             return ["dense"]
@@ -93,10 +99,14 @@ class Linear:
 
     def mode(self, n: int, prompt: bool = False) -> str:
         """How n rows run. prompt: the rows are prompt tokens (a prefill forward), which take the dense
-        copy where there is one whatever n is, so that a prompt's numerics do not depend on how many
-        other prompts share its step (decode rows: int8 up to GEMV_MAX_ROWS, the dense copy above)."""
-        if self.q8 and self.dense is not None and (prompt or n > GEMV_MAX_ROWS):
-            return "dense"
+        copy where there is one whatever n is (else the int8 GEMM), so that a prompt's numerics do not
+        depend on how many other prompts share its step (decode rows: int8 GEMV up to GEMV_MAX_ROWS, the
+        dense copy or the int8 GEMM above)."""
+        if self.q8 and (prompt or n > GEMV_MAX_ROWS):
+            if self.dense is not None:
+                return "dense"
+            if self.mm:
+                return "qmm"
         m = self.tuner.get((self.key, n))
         if m is not None:
             return m
@@ -122,16 +132,27 @@ class Linear:
             qgemv_q8.gemv(p, xa, out[:, r0:r0 + p.rows], rows=rows, split=split)
         return out
 
+    def qmm(self, x: torch.Tensor | None, xa: q8act.Q8Act | None = None) -> torch.Tensor:
+        """The int8 tensor-core GEMM on every part (x quantized once, unless the producer did)."""
+        xa = xa if xa is not None else q8act.quantize(x)
+        out = torch.empty(xa.shape[0], self.rows, dtype=torch.float32, device=xa.xq.device)
+        for p, r0 in zip(self.parts, self.offsets):
+            qmm_q8.qmm(p, xa, out[:, r0:r0 + p.rows])
+        return out
+
     def dense_mm(self, x: torch.Tensor) -> torch.Tensor:
         return _mm_f32(x.to(self.dense.dtype), self.dense)
 
     def takes_q8(self, n: int, prompt: bool = False) -> bool:
         """Whether the call for n rows runs on int8 activations (the producer of x may then quantize it)."""
-        return self.mode(n, prompt) in qgemv_q8.VARIANTS
+        m = self.mode(n, prompt)
+        return m in qgemv_q8.VARIANTS or m == "qmm"
 
     def run(self, name: str, x: torch.Tensor | None, xa: q8act.Q8Act | None = None) -> torch.Tensor:
         if name in qgemv_q8.VARIANTS:
             return self.gemv_q8(x, name, xa)
+        if name == "qmm":
+            return self.qmm(x, xa)
         if name == "dense":
             return self.dense_mm(x)
         if name == "gemv":

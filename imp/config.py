@@ -32,9 +32,9 @@ class ServerConfig:
     device: str = "cpu"  # "cpu" or "cuda[:N]": which executor runs the model
     pipeline_depth: int = 0  # steps in flight: 2 plans step N+1 while N runs; 0 = auto (2 on a GPU, 1 on CPU)
     data_parallel: int = 1  # model replicas, one executor each (cuda:K, cuda:K+1, ... from --device)
-    # GPU GEMVs of quantized weights: "fp32" activations, or "int8" (llama.cpp's Q8_1: ~1.7x faster decode at
-    # batch 1 on an 8B Q4_K_M, numerics of the CPU runner's block kernels; imp.kernels.qgemv_q8)
-    gpu_activations: str = "fp32"
+    # GPU GEMVs of quantized weights: "int8" activations (llama.cpp's Q8_1: ~1.7x faster decode at batch 1 on
+    # an 8B Q4_K_M, numerics of the CPU runner's block kernels; imp.kernels.qgemv_q8), or "fp32" ones
+    gpu_activations: str = "int8"
     # API-server processes in front of one engine process (0 = HTTP in the engine's own
     # process; -1 = auto: 0 on CPU, where the cores are the model's, else from the cores)
     api_servers: int = -1
@@ -107,8 +107,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default=d.device, help="cpu (default) or cuda:N (GPU executor)")
     p.add_argument("--gpu-activations", choices=("fp32", "int8"), default=d.gpu_activations,
-                   help="GPU matmuls of quantized weights at decode: fp32 activations (default) or int8 ones "
-                        "(dp4a, as llama.cpp: faster at small batches, the CPU runner's numerics)")
+                   help="GPU matmuls of quantized weights at decode: int8 activations (default; dp4a, as "
+                        "llama.cpp: faster at small batches, the CPU runner's numerics) or fp32 ones")
     p.add_argument("--pipeline-depth", type=int, default=0,
                    help="steps in flight: 2 = plan step N+1 while step N runs (default: 2 on a GPU, 1 on CPU)")
     p.add_argument("--data-parallel", type=int, default=1,

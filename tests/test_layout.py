@@ -35,11 +35,11 @@ def test_gpu_activations_is_validated_and_reaches_the_cli():
 
     from imp.config import add_serve_args, config_from_args
 
-    assert ServerConfig().gpu_activations == "fp32"
+    assert ServerConfig().gpu_activations == "int8"
     with pytest.raises(ValueError, match="--gpu-activations"):
         ServerConfig(gpu_activations="int4")
     p = argparse.ArgumentParser()
     add_serve_args(p)
-    assert config_from_args(p.parse_args(["--gpu-activations", "int8"])).gpu_activations == "int8"
+    assert config_from_args(p.parse_args(["--gpu-activations", "fp32"])).gpu_activations == "fp32"
     with pytest.raises(SystemExit):
         p.parse_args(["--gpu-activations", "fp16"])

@@ -49,3 +49,29 @@ def test_qmm_matches_reference_and_the_gemv(fmt, rows, cols, M):
     assert torch.isnan(big[:, :8]).all() and torch.isnan(big[:, 8 + rows:]).all()
     gv = qgemv_q8.gemv(wd, xa, rows=1)
     assert float((out - gv).double().norm() / gv.double().norm()) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", list(FMT_T))
+@pytest.mark.parametrize("M", [1, 9, 64, 100, 300])
+def test_every_tile_is_correct_writes_its_slice_and_gives_the_same_bits(fmt, M):
+    """The launcher picks a tile by shape (`qmm_q8.pick_tile`): every tile must pass the reference and the
+    slice-only write, and all must give identical bits (so the pick never changes a token)."""
+    from imp.kernels import q8act, qgemv_q8, qmm_q8
+
+    for rows, cols in [(203, 576), (130, 1536), (64, 256)]:
+        if cols % BE[fmt]:
+            continue
+        rng = np.random.default_rng(rows + cols)
+        w = repack(random_blocks(FMT_T[fmt], rows * cols // BE[fmt], cols ** -0.5, rng), fmt, rows, cols)
+        x = torch.randn(M, cols, generator=torch.Generator().manual_seed(M)) * 2
+        ref = qgemv_q8.reference(w, x)
+        wd, xa = w.to("cuda"), q8act.quantize(x.to("cuda"))
+        outs = []
+        for t in qmm_q8.TILES:
+            big = torch.full((M, rows + 24), float("nan"), device="cuda")
+            o = qmm_q8.qmm(wd, xa, big[:, 8:8 + rows], tile=t)
+            rel = float((o.double().cpu() - ref).norm() / ref.norm())
+            assert rel < 1e-5, (rows, cols, t, rel)
+            assert torch.isnan(big[:, :8]).all() and torch.isnan(big[:, 8 + rows:]).all(), (rows, cols, t)
+            outs.append(o.clone())
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), (rows, cols)

@@ -36,6 +36,8 @@ from imp.messages import (  # noqa: E402
 
 
 PENALTY = 1.0
+HISTORY_ONCE = True  # --history every: the scheduler before history_once (each penalized share carries it all)
+LOG_BYTES: list[int] = []  # size of each "file" run's event log
 
 
 class FakeExecutor(Actor):
@@ -66,6 +68,8 @@ async def run(batch: int, steps: int, mode: str) -> tuple[float, int]:
     cfg = ServerConfig(max_batch_size=max(batch, 1), max_step_tokens=max(512, batch * prompt_len))
     num_blocks = batch * ((prompt_len + steps) // 16 + 2)
     adm, sch, kv = build_cores(cfg, num_blocks, 8192, "bench")
+    if not HISTORY_ONCE:
+        sch = type(sch)(msgspec.structs.replace(sch.config, history_once=False))
     path = None
     if mode == "file":
         path = Path(tempfile.mkdtemp()) / "bench.log"
@@ -88,6 +92,8 @@ async def run(batch: int, steps: int, mode: str) -> tuple[float, int]:
     for a in actors:
         await a.stop()
     log.close()
+    if path is not None:
+        LOG_BYTES.append(path.stat().st_size)
     return wall, nsteps
 
 
@@ -98,9 +104,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5, help="runs per cell; the median is reported")
     ap.add_argument("--repetition-penalty", type=float, default=1.0,
                     help="1.05 = what HTTP requests get by default: penalized shares carry their history")
+    ap.add_argument("--history", choices=("once", "every"), default="once",
+                    help="once: the scheduler's history_once (the server's); every: each share carries it all")
     ns = ap.parse_args()
-    global PENALTY
+    global PENALTY, HISTORY_ONCE
     PENALTY = ns.repetition_penalty
+    HISTORY_ONCE = ns.history == "once"
     import uvloop
 
     rows = []
@@ -114,7 +123,8 @@ def main() -> int:
             row.append((statistics.median(per_step), min(per_step)))
         rows.append((row, nsteps))
     print(f"\ncontrol-plane time per step (ms: median / min of {ns.repeats} runs), fake zero-cost executor, "
-          f"{ns.steps} decode steps per request")
+          f"{ns.steps} decode steps per request, repetition_penalty {PENALTY}, history {ns.history}; "
+          f"event log file {statistics.median(LOG_BYTES) / 1e6:.1f} MB (median)")
     print("| batch | steps | log off | log ring | log file |")
     print("|---|---|---|---|---|")
     for row, nsteps in rows:

@@ -129,7 +129,9 @@ class SamplingParams(Struct):
     @property
     def needs_history(self) -> bool:
         """The sampler needs the generated tokens (penalties count them; a grammar's state
-        is a function of them): the scheduler sends them with every share that samples."""
+        is a function of them): the scheduler sends them with a sequence's first share after
+        each admission, and the executor keeps them (SchedulerConfig.history_once; before it,
+        with every share that samples)."""
         return self.penalized or self.constraint is not None
 
     @property
@@ -187,7 +189,10 @@ class SeqWork(Struct):
     # batch-256 plan's bytes were repeated SamplingParams)
     params: SamplingParams | None
     gen_index: int = 0
-    history: tuple[int, ...] = ()  # generated tokens so far (params.needs_history: penalties, a grammar)
+    # generated tokens so far (params.needs_history: penalties, a grammar). With history_once the scheduler
+    # sends every known one with the first share after each admission and () after that: the executor
+    # (`attach_state`) fills a sampled share's history in from what it kept and sampled since
+    history: tuple[int, ...] = ()
     # >= 0: score the prompt tokens at start_pos+1 .. (top k each), i.e. return
     # the raw logprob rows of this chunk's positions; prompt_next is the prompt
     # token after the chunk (-1 when the chunk ends the prompt)

@@ -14,7 +14,7 @@ import collections
 import msgspec
 import pytest
 
-from imp.actors.executor import attach_params
+from imp.actors.executor import attach_state, record_samples
 from imp.sampling.pending import resolve_pending
 from imp.core.router import Router
 from imp.config import ServerConfig
@@ -67,13 +67,16 @@ class Harness:
         self.last: dict[str, int] = {}  # what the previous step sampled (pipelined plans feed it)
         self.pending_fed = 0
         self.kept: dict = {}
+        self.hists: dict = {}
+        self.penalty = 1.0
 
     @property
     def scheduler(self):
         return self.cores[1]
 
     def submit(self, req_id: str, prompt: list[int]) -> None:
-        p = SamplingParams(max_tokens=GEN, temperature=0.0, stop_token_ids=(), seed=1)
+        p = SamplingParams(max_tokens=GEN, temperature=0.0, stop_token_ids=(), seed=1,
+                           repetition_penalty=self.penalty, frequency_penalty=0.3 if self.penalty != 1.0 else 0.0)
         self.now += 1
         self._drain(self.router.send([("ingress", "admission", Submit(req_id, tuple(prompt), p, self.now))]))
 
@@ -81,8 +84,9 @@ class Harness:
         while self.inflight:
             plan = self.inflight.popleft()
             self.pending_fed += sum(w.pending for w in plan.seqs)
-            seqs = resolve_pending(attach_params(plan, self.kept), self.last)  # as the executor actor does
+            seqs = resolve_pending(attach_state(plan, self.kept, self.hists), self.last)  # as the executor actor does
             toks = self.runner.step(seqs) if seqs else []
+            record_samples(toks, self.hists)
             self.last = {t.seq_id: t.token_id for t in toks}
             self.now += 1
             self._drain(self.router.send([("executor", "scheduler", StepResult(plan.step, tuple(toks), self.now))]))
@@ -147,3 +151,34 @@ def test_alone_batch_preempted_and_cached_are_identical(runner, prompts):
     small.run()
     assert small.scheduler.preemptions > 0
     assert small.tokens == alone
+
+
+def test_penalized_requests_alone_batched_preempted_and_pipelined_are_identical(runner, prompts):
+    """Penalties read the generated tokens: the executor keeps them from a sequence's first share and appends
+    what it samples (the scheduler sends the history once per admission, `history_once`); preemption
+    (recompute re-sends it) and pipelining (a token in flight is not counted twice) keep the tokens."""
+    ps = prompts[:6]
+
+    def run(num_blocks, depth=1, reserve=None, only=None):
+        h = Harness(runner, num_blocks=num_blocks, depth=depth, reserve_decode=reserve)
+        h.penalty = 1.3
+        assert h.scheduler.config.history_once
+        for i, p in enumerate(ps):
+            if only is None or i == only:
+                h.submit(f"r{i}", p)
+        h.run()
+        return h
+
+    alone = {f"r{i}": run(400, only=i).tokens[f"r{i}"] for i in range(len(ps))}
+    plain = Harness(runner, num_blocks=400)
+    plain.submit("x", ps[0])
+    plain.run()
+    assert plain.tokens["x"] != alone["r0"]  # the penalty changes the greedy tokens: the history is used
+    assert run(400).tokens == alone
+    need = max(len(p) for p in ps) + GEN
+    for depth in (1, 2):
+        small = run(need // 16 + 3, depth=depth, reserve=1)
+        assert small.scheduler.preemptions > 0
+        assert small.tokens == alone
+    piped = run(400, depth=2)
+    assert piped.pending_fed > 0 and piped.tokens == alone

@@ -25,7 +25,7 @@ from hypothesis import event, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from imp.core.admission import AdmissionConfig, AdmissionCore
-from imp.actors.executor import attach_params
+from imp.actors.executor import attach_state, record_samples
 from imp.sampling.pending import fill
 from imp.core.kv import KvConfig, KvCore
 from imp.core.scheduler import SchedulerConfig, SchedulerCore
@@ -82,13 +82,14 @@ class HoldKv:
 class Sim:
     def __init__(self, num_blocks=16, block_size=4, max_context=64, max_batch_size=8, max_step_tokens=16,
                  request_timeout_ns=0, aging_ns=20 * MS, max_queued_tokens=0, decode_reserve=8, pipeline_depth=1,
-                 admit_tokens=0):
+                 admit_tokens=0, history_once=False):
         self.bs, self.num_blocks = block_size, num_blocks
         self.max_len = min(max_context, num_blocks * block_size)
         self.kv = KvCore(KvConfig(num_blocks, block_size, "fake"))
         self.sched = SchedulerCore(SchedulerConfig(num_blocks, block_size, max_context, max_batch_size,
                                                    max_step_tokens, request_timeout_ns, aging_ns,
-                                                   pipeline_depth=pipeline_depth, admit_tokens=admit_tokens))
+                                                   pipeline_depth=pipeline_depth, admit_tokens=admit_tokens,
+                                                   history_once=history_once))
         self.hold_kv = HoldKv(self.kv)
         self.adm = AdmissionCore(AdmissionConfig(num_blocks, block_size, max_context, max_queued_tokens,
                                                  admission_decode_tokens=decode_reserve))
@@ -99,6 +100,7 @@ class Sim:
         self.inflight: collections.deque[StepPlan] = collections.deque()
         self.prev_sampled: dict[str, int] = {}  # what the last executed plan sampled, by sequence
         self.kept_params: dict = {}  # SamplingParams by sequence, as the executor keeps them
+        self.kept_hists: dict = {}  # penalized sequences' generated tokens, as the executor keeps them
         self.submits: dict[str, Submit] = {}
         self.enqueued: dict[str, Enqueue] = {}
         self.finished: dict[str, FinishReason] = {}
@@ -151,7 +153,7 @@ class Sim:
         if fail:  # nothing of it ran: the next plan's pending tokens cannot be resolved
             msg = StepFailed(plan.step, "boom", self.now)
             self.prev_sampled = {}
-            attach_params(plan, self.kept_params)  # the executor saw the plan before it failed
+            attach_state(plan, self.kept_params, self.kept_hists)  # the executor saw the plan before it failed
         else:
             msg = StepResult(plan.step, tuple(self._execute(plan)), self.now, MS)
         self._collect(self.router.send([("executor", "scheduler", msg)]))
@@ -185,7 +187,8 @@ class Sim:
     def _execute(self, plan: StepPlan) -> list[SampledToken]:
         bs, writers, ends = self.bs, {}, []
         prev, self.prev_sampled = self.prev_sampled, {}
-        for w in attach_params(plan, self.kept_params):  # KeyError: a share came without params never sent
+        # KeyError: a share came without params never sent, or with less history kept than it needs
+        for w in attach_state(plan, self.kept_params, self.kept_hists):
             req, index = w.seq_id.rsplit("#", 1)
             m = self.submits[req]
             assert w.params.seed == m.params.seed + int(index)
@@ -226,6 +229,7 @@ class Sim:
                 assert w.history == (tuple(gen) if penalty else ()), (w.history, gen)
                 out.append(SampledToken(w.seq_id, fake_token(w.params.seed, w.gen_index, w.seq_id)))
                 self.prev_sampled[w.seq_id] = out[-1].token_id
+        record_samples(out, self.kept_hists)  # as the executor does before it sends the result
         return out
 
     # ------------------------------------------------------------- observation
@@ -413,8 +417,9 @@ def test_context_end_is_length():
     assert len(sim.output("a")) == 3 and sim.finish[("a", 0)].finish == FinishReason.LENGTH
 
 
-def test_penalty_history_and_prefix_cache_usage():
-    sim = Sim(num_blocks=32)
+@pytest.mark.parametrize("once", [False, True])
+def test_penalty_history_and_prefix_cache_usage(once):
+    sim = Sim(num_blocks=32, history_once=once)
     sim.submit("a", ids(9), params(max_tokens=3, repetition_penalty=1.2, ignore_eos=True))
     sim.drain()
     sim.submit("b", ids(9), params(max_tokens=3, ignore_eos=True))
@@ -550,15 +555,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                 max_batch_size=st.integers(1, 6), max_step_tokens=st.integers(1, 24),
                 timeout=st.sampled_from([0, 0, 40 * MS]), max_queued=st.sampled_from([0, 0, 60]),
                 reserve=st.sampled_from([1, 8]), depth=st.sampled_from([1, 2]),
-                admit=st.sampled_from([0, 0, 8]), first=st.lists(REQUEST, min_size=1, max_size=6))
+                admit=st.sampled_from([0, 0, 8]), once=st.booleans(), first=st.lists(REQUEST, min_size=1, max_size=6))
     def setup(self, num_blocks, block_size, max_batch_size, max_step_tokens, timeout, max_queued, reserve,
-              depth, admit, first):
+              depth, admit, once, first):
         self.max_step_tokens = max_step_tokens
         self.sim = Sim(num_blocks, block_size, max_context=48, max_batch_size=max_batch_size,
                        max_step_tokens=max_step_tokens, request_timeout_ns=timeout, aging_ns=5 * MS,
                        max_queued_tokens=max_queued, decode_reserve=reserve,  # 1: preempts often
-                       pipeline_depth=depth, admit_tokens=admit * max_step_tokens)
+                       pipeline_depth=depth, admit_tokens=admit * max_step_tokens, history_once=once)
         event(f"pipeline depth {depth}")
+        event(f"history once {once}")
         self.n = 0
         for r in first:  # every example has work, even when swarm testing turns `submit` off
             self.submit(r)

@@ -23,9 +23,10 @@ executor stops and reports a Fault, which ends every request.
 Suspend: an `Unload` drops the runner (its weights and KV pool) and hands the memory
 back; the next StepPlan, or a `Reload`, builds it again with `loader` (the boot's own
 load call), so an idle-unloaded server resumes inside the request that wakes it. Each
-answers ingress with a `MemoryState` carrying the bytes it measured. A sequence's SamplingParams come with its first share
-after each admission only; `attach_params` keeps them (until the plan that
-frees the sequence) and hands the runners complete SeqWorks.
+answers ingress with a `MemoryState` carrying the bytes it measured. A sequence's SamplingParams (and a penalized one's generated tokens) come with its
+first share after each admission only; `attach_state` keeps them (until the plan that
+frees the sequence), appends what this executor samples, and hands the runners
+complete SeqWorks.
 """
 
 from __future__ import annotations
@@ -44,20 +45,41 @@ from imp.messages import (LoraLoad, LoraState, LoraUnload, MemoryState, Msg, Rel
 from imp.sampling.pending import resolve_pending
 
 
-def attach_params(plan: StepPlan, kept: dict[str, SamplingParams]) -> list[SeqWork]:
-    """Forget the plan's freed sequences, keep the params it brings, and return its
-    shares with params filled in. A share without params for a sequence never seen
-    is the scheduler's bug: KeyError."""
+def attach_state(plan: StepPlan, kept: dict[str, SamplingParams], hists: dict[str, list[int]]) -> list[SeqWork]:
+    """Forget the plan's freed sequences, keep the params (and, for penalized or constrained ones, the
+    generated-token history) a first share brings, and return the shares complete: params filled in, and a
+    sampled share's history (when the scheduler sent none: `SchedulerConfig.history_once`) cut from the kept
+    one to `gen_index - pending` tokens (this executor may already hold the tokens still in flight for the
+    scheduler: they must not count twice). A share without params for a sequence never seen, or needing more
+    history than was kept, is the scheduler's bug: KeyError."""
     for sid in plan.freed:
         kept.pop(sid, None)
+        hists.pop(sid, None)
     out = []
     for w in plan.seqs:
         if w.params is None:
-            w = msgspec.structs.replace(w, params=kept[w.seq_id])
+            p = kept[w.seq_id]
+            w = msgspec.structs.replace(w, params=p)
         else:
-            kept[w.seq_id] = w.params
+            p = kept[w.seq_id] = w.params
+            if p.needs_history:
+                hists[w.seq_id] = list(w.history)
+        n = w.gen_index - w.pending
+        if w.sample and p.needs_history and not w.history and n > 0:
+            h = hists[w.seq_id]
+            if len(h) < n:
+                raise KeyError(f"{w.seq_id}: {n} tokens of history needed, {len(h)} kept")
+            w = msgspec.structs.replace(w, history=tuple(h[:n]))
         out.append(w)
     return out
+
+
+def record_samples(tokens, hists: dict[str, list[int]]) -> None:
+    """Append a step's sampled tokens to the histories kept for their sequences."""
+    for t in tokens:
+        h = hists.get(t.seq_id)
+        if h is not None:
+            h.append(t.token_id)
 
 
 class ExecutorActor(Actor):
@@ -89,6 +111,7 @@ class ExecutorActor(Actor):
         self._collector: asyncio.Task | None = None
         self._last: dict[str, int] = {}  # sync path: what the previous step sampled
         self._params: dict[str, SamplingParams] = {}  # by sequence, from its first share
+        self._hists: dict[str, list[int]] = {}  # generated tokens of penalized / constrained sequences
         self.steps = 0
         self.loras = loras
         self.lora_reader = lora_reader
@@ -136,7 +159,7 @@ class ExecutorActor(Actor):
         t0 = time.monotonic_ns()
         loop = asyncio.get_running_loop()
         try:
-            seqs, bad = attach_params(msg, self._params), None
+            seqs, bad = attach_state(msg, self._params, self._hists), None
         except KeyError as exc:  # a protocol bug: fail the step (in its turn), not the actor
             seqs, bad = [], RuntimeError(f"no sampling params for {exc}")
         if self.faults is not None and seqs and bad is None:
@@ -171,6 +194,7 @@ class ExecutorActor(Actor):
             return
         now = time.monotonic_ns()
         self.steps += 1
+        record_samples(tokens, self._hists)
         self.send(self.scheduler, StepResult(msg.step, tuple(tokens), now, now - t0))
 
     async def _lora_load(self, msg: LoraLoad) -> None:
@@ -211,6 +235,7 @@ class ExecutorActor(Actor):
         if self.book is not None:
             self.book.forget(list(self._params))
         self._params.clear()
+        self._hists.clear()
         await loop.run_in_executor(self._pool, memory.release, self.device)
         rss1, dev1 = await loop.run_in_executor(self._pool, self._measure)
         state = MemoryState(self.name, False, reason, time.monotonic() - t0, rss0, rss1, dev0, dev1)
@@ -253,6 +278,7 @@ class ExecutorActor(Actor):
                 self.send(self.scheduler, StepFailed(step, f"{type(exc).__name__}: {exc}", now))
                 continue
             self.steps += 1
+            record_samples(tokens, self._hists)
             self.send(self.scheduler, StepResult(step, tuple(tokens), now, now - t0))
 
     async def on_stop(self) -> None:

@@ -1,9 +1,11 @@
 """The executor's constraint book: one matcher per constrained sequence, masks per step.
 
 A sequence's grammar state is a pure function of (its Constraint, the tokens it
-has generated): the scheduler sends those tokens (`SeqWork.history`, complete
-once any pending token is filled in) with every constrained share that samples,
-and the book `sync`s the sequence's matcher to them before computing its mask.
+has generated): every constrained share that samples reaches the runner with
+those tokens (`SeqWork.history`, complete once any pending token is filled in:
+sent by the scheduler once per admission, kept and extended by the executor,
+`imp.actors.executor.attach_state`), and the book `sync`s the sequence's
+matcher to them before computing its mask.
 So preemption, recompute, a failed step or a replayed log need nothing special:
 the next mask is always the grammar's answer for exactly that history.
 

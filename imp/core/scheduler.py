@@ -72,6 +72,12 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     # shares are cut to what is left of it once their cached part is known, `_on_kv`). 0 = max_step_tokens
     # (the policy before this field: logs written then replay identically)
     admit_tokens: int = 0
+    # True: a penalized (or constrained) share carries its generated-token history only with the sequence's
+    # first share after each admission, as params do; the executor appends what it samples after that
+    # (`imp.actors.executor.attach_state`). A full history in every share made each step O(tokens generated)
+    # in the plan, its encoding and the event log (1,000-token outputs: the log grew quadratically).
+    # False: every share carries it (logs written before this field replay identically)
+    history_once: bool = False
 
     def __post_init__(self):
         if min(self.num_blocks, self.block_size, self.max_context, self.max_batch_size,
@@ -373,8 +379,13 @@ class SchedulerCore:
                 raise CoreError(f"{s.id}: {pending} unknown tokens in a {w.n}-token share")
             toks = (PENDING_TOKEN,)
         # s.table is a KvReply's tuple: shared, not copied
-        return SeqWork(s.id, toks, start, s.table, sample, sent, gen_index=n_gen,
-                       history=tuple(s.tokens[n_prompt:end]) if sample and p.needs_history else (), pending=pending)
+        if not p.needs_history:
+            hist = ()
+        elif self.config.history_once:  # with the first share only: every generated token known (the executor
+            hist = tuple(s.tokens[n_prompt:known]) if sent is not None else ()  # keeps it, appends its samples)
+        else:
+            hist = tuple(s.tokens[n_prompt:end]) if sample else ()
+        return SeqWork(s.id, toks, start, s.table, sample, sent, gen_index=n_gen, history=hist, pending=pending)
 
     # ------------------------------------------------------------------ requests
 
@@ -414,6 +425,7 @@ class SchedulerCore:
                 continue
             s.epoch, s.ahead, s.pending = s.epoch + 1, 0, 0  # work in flight fed the old context
             s.tokens.extend(ids)
+            s.send_params = True  # the executor's kept history has a dropped token and lacks ids: send it anew
             out.append(("detok", self._token_out(s, tuple(ids), FinishReason.NONE, ())))
 
     def _finish(self, s: Seq, reason: FinishReason, out: Out) -> None:

@@ -40,6 +40,7 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
             max_batch_size=cfg.max_batch_size,
             max_step_tokens=cfg.max_step_tokens,
             admit_tokens=ADMIT_FACTOR * cfg.max_step_tokens,
+            history_once=True,
             request_timeout_ns=int(cfg.request_timeout_s * 1e9),
             max_context=max_context,
             pipeline_depth=pipeline_depth(cfg),

@@ -246,6 +246,7 @@ class KvResult(Struct):
     ok: bool
     block_table: tuple[int, ...] = ()
     cached_tokens: int = 0  # alloc: prompt tokens found in the prefix cache
+    wait: bool = False  # alloc refused (ok False) because another sequence is computing its next prompt block
 
 
 class KvFigures(Struct):

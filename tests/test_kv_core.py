@@ -8,7 +8,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from imp.core.core import CoreError
 from imp.core.kv import KvConfig, KvCore
-from imp.messages import KvOp, KvRequest
+from imp.messages import KvForget, KvOp, KvRequest
 
 BS = 4
 
@@ -189,6 +189,69 @@ class KvMachine(RuleBasedStateMachine):
 
 TestKvMachine = KvMachine.TestCase
 TestKvMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class SharingKvMachine(KvMachine):
+    """The same, with allocs waiting for prompt blocks another sequence is computing (share_in_flight):
+    audit checks the promises after every op; a wait names a block some live sequence will write."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv = KvCore(KvConfig(num_blocks=10, block_size=BS, fingerprint="m", share_in_flight=True))
+
+    @rule(length=st.integers(1, 14), family=st.integers(0, 2), salt=st.sampled_from(["", "l"]))
+    def alloc(self, length, family, salt):
+        before = dict(self.kv.promised)
+        self.n += 1
+        name, tokens = f"s{self.n}", [family * 100 + i for i in range(length)]
+        r = run(self.kv, alloc(name, tokens, salt=salt)).results[0]
+        if r.wait:
+            assert not r.ok and before and self.kv.promised == before
+        elif r.ok:
+            self.seqs[name] = dict(tokens=tokens, written=r.cached_tokens, table=r.block_table, salt=salt)
+            assert r.cached_tokens < length
+
+
+TestSharingKvMachine = SharingKvMachine.TestCase
+TestSharingKvMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_an_alloc_waits_for_prompt_blocks_in_flight_and_then_hits_them():
+    kv = KvCore(KvConfig(16, BS, "m", share_in_flight=True))
+    prompt = list(range(10))  # two full blocks before the last token's
+    assert run(kv, alloc("a", prompt)).results[0].ok
+    r = run(kv, alloc("b", prompt), alloc("c", [50, 51, 52, 53, 54]))
+    assert r.results[0].wait and not r.results[0].ok  # a is computing those blocks
+    assert r.results[1].ok  # a wait is no shortage: the op behind it runs
+    assert kv.waits == 1
+    run(kv, KvOp("grow", "a", 11, tuple(prompt)))  # a's prompt is written: its blocks are cached
+    r = run(kv, alloc("b", prompt)).results[0]
+    assert r.ok and not r.wait and r.cached_tokens == 8
+    # a short prompt's own last block is never waited for, nor a different salt's
+    assert run(kv, alloc("d", prompt[:4])).results[0].ok
+    run(kv, alloc("e", list(range(100, 110))))
+    assert run(kv, alloc("f", list(range(100, 110)), salt="lora")).results[0].ok
+
+
+def test_a_freed_or_forgotten_promise_is_not_waited_for():
+    kv = KvCore(KvConfig(16, BS, "m", share_in_flight=True))
+    prompt = list(range(10))
+    run(kv, alloc("a", prompt))
+    run(kv, free("a"))  # preempted before it wrote anything
+    r = run(kv, alloc("b", prompt)).results[0]
+    assert r.ok and r.cached_tokens == 0  # b computes it now, and promises it
+    assert run(kv, alloc("c", prompt)).results[0].wait
+    kv.handle("scheduler", KvForget())
+    kv.audit()
+    assert run(kv, alloc("c", prompt)).results[0].ok  # after a suspend nothing in flight will be cached
+
+
+def test_without_share_in_flight_twins_compute_side_by_side():
+    kv = KvCore(KvConfig(16, BS, "m"))
+    prompt = list(range(10))
+    run(kv, alloc("a", prompt))
+    r = run(kv, alloc("b", prompt)).results[0]
+    assert r.ok and not r.wait and r.cached_tokens == 0 and not kv.promised
 
 
 def pin(key, tokens, salt=""):

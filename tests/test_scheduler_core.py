@@ -82,10 +82,10 @@ class HoldKv:
 class Sim:
     def __init__(self, num_blocks=16, block_size=4, max_context=64, max_batch_size=8, max_step_tokens=16,
                  request_timeout_ns=0, aging_ns=20 * MS, max_queued_tokens=0, decode_reserve=8, pipeline_depth=1,
-                 admit_tokens=0, history_once=False):
+                 admit_tokens=0, history_once=False, share_in_flight=False):
         self.bs, self.num_blocks = block_size, num_blocks
         self.max_len = min(max_context, num_blocks * block_size)
-        self.kv = KvCore(KvConfig(num_blocks, block_size, "fake"))
+        self.kv = KvCore(KvConfig(num_blocks, block_size, "fake", share_in_flight=share_in_flight))
         self.sched = SchedulerCore(SchedulerConfig(num_blocks, block_size, max_context, max_batch_size,
                                                    max_step_tokens, request_timeout_ns, aging_ns,
                                                    pipeline_depth=pipeline_depth, admit_tokens=admit_tokens,
@@ -555,16 +555,19 @@ class SchedulerMachine(RuleBasedStateMachine):
                 max_batch_size=st.integers(1, 6), max_step_tokens=st.integers(1, 24),
                 timeout=st.sampled_from([0, 0, 40 * MS]), max_queued=st.sampled_from([0, 0, 60]),
                 reserve=st.sampled_from([1, 8]), depth=st.sampled_from([1, 2]),
-                admit=st.sampled_from([0, 0, 8]), once=st.booleans(), first=st.lists(REQUEST, min_size=1, max_size=6))
+                admit=st.sampled_from([0, 0, 8]), once=st.booleans(), share=st.booleans(),
+                first=st.lists(REQUEST, min_size=1, max_size=6))
     def setup(self, num_blocks, block_size, max_batch_size, max_step_tokens, timeout, max_queued, reserve,
-              depth, admit, once, first):
+              depth, admit, once, share, first):
         self.max_step_tokens = max_step_tokens
         self.sim = Sim(num_blocks, block_size, max_context=48, max_batch_size=max_batch_size,
                        max_step_tokens=max_step_tokens, request_timeout_ns=timeout, aging_ns=5 * MS,
                        max_queued_tokens=max_queued, decode_reserve=reserve,  # 1: preempts often
-                       pipeline_depth=depth, admit_tokens=admit * max_step_tokens, history_once=once)
+                       pipeline_depth=depth, admit_tokens=admit * max_step_tokens, history_once=once,
+                       share_in_flight=share)
         event(f"pipeline depth {depth}")
         event(f"history once {once}")
+        event(f"share in flight {share}")
         self.n = 0
         for r in first:  # every example has work, even when swarm testing turns `submit` off
             self.submit(r)
@@ -689,3 +692,22 @@ def test_small_pool_tokens_equal_huge_pool(work, pool, steps_between):
         results.append(({k: v for k, v in sim.tokens.items()},
                         {k: f.finish for k, f in sim.finish.items()}))
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_a_burst_of_one_prompt_computes_it_once_with_share_in_flight(share):
+    """Four requests with one 17-token prompt arriving together (the first's prefill takes three 8-token
+    steps): with share_in_flight the first computes the prompt and the others wait for its blocks, then hit
+    them (only the last token's block is theirs); without it they compute it side by side. The outputs are
+    the same either way."""
+    sim = Sim(num_blocks=64, max_step_tokens=8, admit_tokens=64, share_in_flight=share)  # admit_tokens: as served
+    for r in "abcd":
+        sim.submit(r, ids(17), params(max_tokens=3, ignore_eos=True))
+    sim.drain()
+    prompt_rows = sum(sum(1 for i in range(len(w.token_ids)) if w.start_pos + i < 17) for p in sim.plans for w in p.seqs)
+    assert prompt_rows == 17 + 3 * 1 if share else prompt_rows > 17 + 3 * 1 + 8, prompt_rows
+    assert all(sim.output(r) == sim.expected(r, 0) for r in "abcd")
+    if share:
+        assert [sim.finish[(r, 0)].cached_tokens for r in "abcd"] == [0, 16, 16, 16] and sim.kv.waits >= 3
+    else:
+        assert sim.kv.waits == 0

@@ -15,6 +15,15 @@ being computed. Freed hashed blocks stay in the cache at refcount 0, in LRU
 order, and are evicted (oldest release first) only when no clean block is
 left. Free blocks, for the figures, include those evictable cached ones.
 
+Blocks in flight (`KvConfig.share_in_flight`): an alloc also hashes its prompt's
+full blocks past the cache hits and records them as promised by that sequence
+until it writes them (or is freed). A later alloc whose first missing block is
+promised by another live sequence is refused with `wait` (KvResult.wait): the
+scheduler keeps it waiting, and a later round finds those blocks cached, instead
+of computing the same prompt twice side by side (a burst of requests sharing a
+system prompt, or n identical ones, arriving together). A wait is no shortage:
+the ops behind it still run.
+
 Ops in one KvRequest apply in order. Once an op fails for want of blocks,
 every later op of the request that needs a new block fails too: the
 scheduler lists decodes before admissions and admissions in priority order,
@@ -44,6 +53,9 @@ class KvConfig(msgspec.Struct, frozen=True):
     num_blocks: int
     block_size: int = 16
     fingerprint: str = ""  # model identity: a cache entry never outlives its model
+    # an alloc waits for prompt blocks another sequence is computing (see the module doc); False = the
+    # allocator before this field (logs written then replay identically)
+    share_in_flight: bool = False
 
     def __post_init__(self):
         if self.num_blocks < 1 or self.block_size < 1:
@@ -53,7 +65,7 @@ class KvConfig(msgspec.Struct, frozen=True):
 class _Seq:
     """A sequence's table and the state of its hash chain."""
 
-    __slots__ = ("last_hash", "n_hashed", "pending", "salt", "table")
+    __slots__ = ("last_hash", "n_hashed", "pending", "promises", "salt", "table")
 
     def __init__(self, table: list[int], salt: str, n_hashed: int, last_hash: bytes):
         self.table = table
@@ -61,6 +73,7 @@ class _Seq:
         self.n_hashed = n_hashed  # leading blocks whose written content is hashed
         self.last_hash = last_hash  # chain hash of block n_hashed-1 (root if none)
         self.pending: list[int] = []  # written tokens of block n_hashed, not yet full
+        self.promises: list[bytes] = []  # chain hashes of its prompt blocks it will write (share_in_flight)
 
 
 class KvCore:
@@ -77,6 +90,8 @@ class KvCore:
         self.seqs: dict[str, _Seq] = {}
         self.evictions = 0
         self.pins: dict[str, list[int]] = {}  # key -> held blocks, oldest pin first
+        self.promised: dict[bytes, str] = {}  # chain hash -> the live sequence computing that block
+        self.waits = 0  # allocs refused because their next block was being computed
         self._dry = False  # an op of the current request failed for want of blocks
 
     # ------------------------------------------------------------------ core
@@ -126,6 +141,9 @@ class KvCore:
         assert sorted(b for b in range(len(holders)) if holders[b] == 0) == sorted(idle)
         assert all(self.block_hash[b] is None for b in self.clean)
         assert all(self.block_hash[b] is not None for b in self.lru)
+        promised = {h: sid for sid, s in self.seqs.items() for h in s.promises}
+        assert promised == self.promised, "promises differ from the sequences that hold them"
+        assert not (promised.keys() & self.cache.keys()), "a cached block is still promised"
         assert {self.cache[h]: h for h in self.cache} == {
             b: h for b, h in enumerate(self.block_hash) if h is not None
         }
@@ -146,13 +164,26 @@ class KvCore:
                 break
             hits.append(self.cache[h])
             last = h
+        promises: list[bytes] = []
+        if self.config.share_in_flight:
+            hp = last
+            for i in range(len(hits), (len(op.token_ids) - 1) // bs):  # the blocks it would compute
+                hp = self._chain(hp, op.token_ids[i * bs : (i + 1) * bs])
+                if not promises and self.promised.get(hp, op.seq_id) != op.seq_id:
+                    self.waits += 1
+                    return KvResult(op.seq_id, False, wait=True)  # another sequence is writing it now
+                if hp not in self.promised and hp not in self.cache:  # (a later block may be cached already)
+                    promises.append(hp)
         need = self._blocks(op.num_tokens) - len(hits)
         if not self._can_take(need, hits):
             return KvResult(op.seq_id, False)
         for b in hits:
             self._hold(b)
         table = hits + [self._take() for _ in range(need)]
-        self.seqs[op.seq_id] = _Seq(table, op.salt, len(hits), last)
+        s = self.seqs[op.seq_id] = _Seq(table, op.salt, len(hits), last)
+        s.promises = promises
+        for hp in promises:
+            self.promised[hp] = op.seq_id
         return KvResult(op.seq_id, True, tuple(table), cached_tokens=len(hits) * bs)
 
     def _fork(self, op: KvOp) -> KvResult:
@@ -189,6 +220,7 @@ class KvCore:
     def _free(self, op: KvOp) -> None:
         s = self._seq(op)
         self._written(s, op.token_ids)
+        self._unpromise(s, op.seq_id)
         del self.seqs[op.seq_id]
         for b in reversed(s.table):  # tail first: a prefix's head outlives its tail in the LRU
             self._release(b)
@@ -225,6 +257,8 @@ class KvCore:
         self.lru.clear()
         self.block_hash = [None] * self.config.num_blocks
         self.cache.clear()
+        for sid, s in self.seqs.items():  # what they write now is not worth waiting for: none will be cached
+            self._unpromise(s, sid)
 
     def _unpin(self, op: KvOp) -> None:
         for b in self.pins.pop(op.seq_id, []):
@@ -245,6 +279,15 @@ class KvCore:
                 self.cache[h] = b
                 self.block_hash[b] = h
             s.last_hash, s.n_hashed, s.pending = h, s.n_hashed + 1, s.pending[bs:]
+            owner = self.promised.pop(h, None)  # a promised block is written (by its promiser, or by a fork
+            if owner is not None:  # child sharing the chain): the cache has it now, nobody waits for it
+                self.seqs[owner].promises.remove(h)
+
+    def _unpromise(self, s: _Seq, seq_id: str) -> None:
+        for h in s.promises:
+            if self.promised.get(h) == seq_id:
+                del self.promised[h]
+        s.promises = []
 
     def _can_take(self, need: int, keep: list[int] | tuple = ()) -> bool:
         """Can `need` new blocks be taken, besides the blocks in `keep` (held next)?"""

@@ -263,8 +263,8 @@ class SchedulerCore:
         for w in self.batch:
             s, res = w.seq, next(results) if w.has_result else None
             if w.new:
-                if not res.ok:
-                    continue  # still waiting; the allocator refused all behind it too
+                if not res.ok:  # still waiting: no room (the allocator refused all behind it too), or
+                    continue  # res.wait: its next prompt block is being computed by another sequence
                 s.in_kv, s.table = True, res.block_table
                 s.num_computed = s.num_reported = res.cached_tokens
                 if s.status is Status.FINISHED:  # ended while the op was in flight

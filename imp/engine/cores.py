@@ -20,7 +20,8 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
     """admission, scheduler, kv (lists of `replicas` each when > 1, wrapped to talk to
     their own replica). Boot facts (pool size, context, fingerprint) go into each
     core's frozen config, and the configs into the event-log header."""
-    kv = KvCore(KvConfig(num_blocks=num_blocks, block_size=cfg.block_size, fingerprint=fingerprint))
+    kv = KvCore(KvConfig(num_blocks=num_blocks, block_size=cfg.block_size, fingerprint=fingerprint,
+                         share_in_flight=True))
     adm = AdmissionCore(
         AdmissionConfig(
             num_blocks=num_blocks,

@@ -35,6 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.cpu_serving import PROMPT  # noqa: E402
 
 
+PER_STREAM = {False: 640, True: 1536}  # context a stream needs (its prompt + new tokens): --kv-cache-tokens, -c
+
+
 def _pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -42,8 +45,13 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def _one(session, url: str, tokens: int, seed: int) -> dict:
-    body = {"model": "bench", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens,
+async def _one(session, url: str, tokens: int, seed: int, nonce: str = "") -> dict:
+    # nonce: the cold-shared case: one system prompt new to the server (the nonce leads it) that every
+    # stream of the burst shares, and a question of each stream's own
+    msgs = ([{"role": "system", "content": f"[{nonce}] {PROMPT} {PROMPT} {PROMPT}"},  # ~1,070 tokens: > a step
+             {"role": "user", "content": f"Question {seed}."}]
+            if nonce else [{"role": "user", "content": PROMPT}])
+    body = {"model": "bench", "messages": msgs, "max_tokens": tokens,
             "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
             "seed": seed}
     t0 = time.perf_counter()
@@ -65,7 +73,7 @@ async def _one(session, url: str, tokens: int, seed: int) -> dict:
     return {"t0": t0, "times": times, "tokens": n}
 
 
-async def _client(url: str, seeds: list[int], tokens: int, start_at: float) -> list[dict]:
+async def _client(url: str, seeds: list[int], tokens: int, start_at: float, nonce: str = "") -> list[dict]:
     import aiohttp
 
     conn = aiohttp.TCPConnector(limit=0, force_close=True)
@@ -73,29 +81,30 @@ async def _client(url: str, seeds: list[int], tokens: int, start_at: float) -> l
         delay = start_at - time.time()
         if delay > 0:
             await asyncio.sleep(delay)
-        return await asyncio.gather(*(_one(s, url, tokens, i) for i in seeds))
+        return await asyncio.gather(*(_one(s, url, tokens, i, nonce) for i in seeds))
 
 
 def _client_proc(args) -> list[dict]:
-    url, seeds, tokens, start_at = args
+    url, seeds, tokens, start_at, nonce = args
     try:
         import uvloop
 
-        return uvloop.run(_client(url, seeds, tokens, start_at))
+        return uvloop.run(_client(url, seeds, tokens, start_at, nonce))
     except ImportError:
-        return asyncio.run(_client(url, seeds, tokens, start_at))
+        return asyncio.run(_client(url, seeds, tokens, start_at, nonce))
 
 
-def measure(url: str, streams: int, tokens: int, procs: int) -> dict:
-    _client_proc((url, [0], 4, 0.0))  # warm-up (and the prompt into the prefix cache)
+def measure(url: str, streams: int, tokens: int, procs: int, cold_shared: bool = False) -> dict:
+    _client_proc((url, [0], 4, 0.0, ""))  # warm-up (and the prompt into the prefix cache)
+    nonce = f"session {time.time_ns()}" if cold_shared else ""
     procs = max(1, min(procs, streams))
     parts = [list(range(i, streams, procs)) for i in range(procs)]
     start_at = time.time() + 0.5
     if procs == 1:
-        results = [_client_proc((url, parts[0], tokens, start_at))]
+        results = [_client_proc((url, parts[0], tokens, start_at, nonce))]
     else:
         with mp.get_context("spawn").Pool(procs) as pool:
-            results = pool.map(_client_proc, [(url, p, tokens, start_at) for p in parts])
+            results = pool.map(_client_proc, [(url, p, tokens, start_at, nonce) for p in parts])
     rs = [r for part in results for r in part]
     t_start = min(r["t0"] for r in rs)
     t_end = max(r["times"][-1] if r["times"] else r["t0"] for r in rs)
@@ -139,12 +148,12 @@ def start_imp(model: str, layout: int, device: str, extra: list[str], null: bool
     return proc, url
 
 
-def start_llama(binary: str, model: str, streams: int, device: str, threads: int, log: Path):
+def start_llama(binary: str, model: str, streams: int, device: str, threads: int, log: Path, per_slot: int = 640):
     from tests.serverproc import free_port
 
     port = free_port()
     cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(streams),
-           "-c", str(640 * streams), "-t", str(threads)]
+           "-c", str(per_slot * streams), "-t", str(threads)]
     if device.startswith("cuda"):
         cmd += ["-ngl", "999"]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
@@ -180,6 +189,10 @@ def main() -> int:
                     help="with --null: each step takes this long on a make-believe device, launched and "
                          "collected as a GPU's (IMP_NULL_STEP_US; add --server-args '--pipeline-depth 2')")
     ap.add_argument("--client-procs", type=int, default=1)
+    ap.add_argument("--cold-shared", action="store_true",
+                    help="each run's streams share a ~1,070-token system prompt the server has not seen (a "
+                         "burst of one agent's requests; longer than a step's budget), each with its own "
+                         "question; default: one cached prompt")
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
     ap.add_argument("--server-args", default="", help="more imp flags, e.g. '--max-batch-size 256'")
@@ -195,7 +208,7 @@ def main() -> int:
     if not any(x == "--max-batch-size" for x in extra):
         extra += ["--max-batch-size", str(max(levels))]
     if not any(x == "--kv-cache-tokens" for x in extra):
-        extra += ["--kv-cache-tokens", str(max(levels) * 640)]
+        extra += ["--kv-cache-tokens", str(max(levels) * PER_STREAM[a.cold_shared])]
     print(f"model {Path(model).name}, device {a.device}, {a.tokens} tokens a stream, ignore_eos, "
           f"{'NULL runner, ' if a.null else ''}client processes {a.client_procs}, imp flags {' '.join(extra)}")
     print("\n| server | streams | run | agg tok/s | TTFT p50 / p99 ms | inter-chunk p50 / p99 ms | p99/p50 "
@@ -207,15 +220,17 @@ def main() -> int:
         try:
             for s in levels:
                 for run in range(1, a.runs + 1):
-                    print(row(name, run, measure(url, s, a.tokens, a.client_procs)), flush=True)
+                    print(row(name, run, measure(url, s, a.tokens, a.client_procs, a.cold_shared)), flush=True)
         finally:
             _stop(proc)
     if a.llama_server:
         for s in levels:
-            proc, url = start_llama(a.llama_server, model, s, a.device, a.threads, Path(a.logs) / "serving-llama.log")
+            proc, url = start_llama(a.llama_server, model, s, a.device, a.threads, Path(a.logs) / "serving-llama.log",
+                                    PER_STREAM[a.cold_shared])
             try:
                 for run in range(1, a.runs + 1):
-                    print(row(f"llama-server -np {s}", run, measure(url, s, a.tokens, a.client_procs)), flush=True)
+                    print(row(f"llama-server -np {s}", run, measure(url, s, a.tokens, a.client_procs, a.cold_shared)),
+                          flush=True)
             finally:
                 _stop(proc)
     return 0

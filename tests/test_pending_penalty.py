@@ -100,3 +100,37 @@ def test_segments_skip_unpenalized_rows_and_rows_with_nothing_to_count():
     x = torch.zeros(4, 20)
     bias_and_penalties(x, works, pending=([3], torch.tensor([5], dtype=torch.int32)))
     assert x[0].eq(0).all() and x[1].eq(0).all() and int((x != 0).sum()) == 3  # 4, 9 and the in-flight 5
+
+
+def test_history_counts_kept_across_steps_equal_counting_afresh():
+    """The runner's HistoryCounts: histories growing by one or several tokens a step (ids outside V too),
+    a sequence forgotten and seen again, one whose history comes back shorter: the packed segments equal
+    those of counting every history afresh, step after step."""
+    from imp.sampling.counts import HistoryCounts
+    from imp.sampling.gpu import penalty_segments
+
+    rng = random.Random(5)
+    V = 30
+    p = SamplingParams(max_tokens=8, repetition_penalty=1.2, frequency_penalty=0.1)
+    kept = HistoryCounts()
+    hists = {f"s{i}": [] for i in range(5)}
+    for step in range(60):
+        for sid, h in hists.items():
+            h.extend(rng.randrange(-1, V + 1) for _ in range(rng.choice([0, 1, 1, 1, 3])))
+        if step == 20:
+            kept.forget(["s1"])
+        if step == 30:
+            hists["s2"] = hists["s2"][:2]  # shorter than counted: counted afresh
+        works = [SeqWork(seq_id=sid, token_ids=(0,), start_pos=5, block_table=(0,), sample=True, params=p,
+                         history=tuple(h)) for sid, h in hists.items()]
+        pend = ([0, 3], torch.tensor([4, 9], dtype=torch.int32))
+        a, sa = penalty_segments(works, pend, V, kept)
+        b, sb = penalty_segments(works, pend, V)
+        assert sa == sb and np.array_equal(a, b), step
+    assert len(kept) == 5
+    # an id reused for another sequence without a forget: a history as long as the counted one, other tokens
+    w = [SeqWork(seq_id="s0", token_ids=(0,), start_pos=5, block_table=(0,), sample=True, params=p,
+                 history=tuple((t + 1) % V for t in hists["s0"]))]
+    assert np.array_equal(penalty_segments(w, None, V, kept)[0], penalty_segments(w, None, V)[0])
+    kept.forget(list(hists))
+    assert len(kept) == 0

@@ -58,6 +58,7 @@ from imp.model.rows import head_rows, with_prompt_logprobs
 from imp.model.runner import DEFAULT_KV_TOKENS
 from imp.sampling import gpu as sampler
 from imp.sampling import pending
+from imp.sampling.counts import HistoryCounts
 
 log = logging.getLogger("imp.gpu")
 
@@ -88,6 +89,7 @@ class GpuModelRunner:
         _cuda.use_device(self.device.index or 0)
         self._sampled = torch.zeros(MAX_SAMPLED, dtype=torch.int32, device=self.device)  # last step's ids
         self._prev_rows: dict[str, int] = {}  # seq id -> index in _sampled, for the next step's PENDING_TOKEN
+        self._counts = HistoryCounts()  # penalty counts kept across steps (imp.sampling.counts)
         self._prev: Landing | None = None
         self._dev_loras = None  # imp.gpu.lora.DeviceLoras, made at the first adapter step
         self._ring = [torch.zeros(MAX_SAMPLED, dtype=torch.int32).pin_memory() for _ in range(RING)]
@@ -178,6 +180,10 @@ class GpuModelRunner:
             return self.fwd(eager_meta(seqs, rows, self.block_size, self.device), lora=la).clone()
 
     supports_lora = True  # adapter rows run eagerly and unfused (imp.gpu.lora)
+
+    def forget(self, seq_ids) -> None:
+        """Freed sequences (the executor passes each plan's `freed`): their penalty counts go."""
+        self._counts.forget(seq_ids)
 
     def step(self, seqs: list[SeqWork], constraints=None, lora=None) -> list[SampledToken]:
         return self.collect(self.launch(seqs, constraints, lora))
@@ -306,7 +312,7 @@ class GpuModelRunner:
             seqs = [pending.fill(s, prev[s.seq_id]) if s.pending and s.params.needs_history else s for s in seqs]
         if constraints is not None:
             constraints.apply(logits, seqs)  # in place: masked tokens -inf, before bias and the rest
-        ids, tokens = sampler.draw_ids(logits, seqs, self.use_numba_sampling, dev_pending)
+        ids, tokens = sampler.draw_ids(logits, seqs, self.use_numba_sampling, dev_pending, self._counts)
         B = len(seqs)
         self._sampled[:B].copy_(ids)
         ring = self._ring[self._ring_i]

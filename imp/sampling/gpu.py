@@ -23,7 +23,7 @@ from imp.messages import SampledToken, SeqWork
 from imp.sampling.cpu import LOGPROB_FLOOR, sample_one
 
 
-def draw_ids(logits: torch.Tensor, seqs: list[SeqWork], use_numba: bool = True, pending=None
+def draw_ids(logits: torch.Tensor, seqs: list[SeqWork], use_numba: bool = True, pending=None, counts=None
              ) -> tuple[torch.Tensor, list[SampledToken] | None]:
     """A step's sampled ids [R] on the device, without a host sync where possible; the
     SampledTokens too when some row had to be sampled on the host (they are then final).
@@ -36,7 +36,7 @@ def draw_ids(logits: torch.Tensor, seqs: list[SeqWork], use_numba: bool = True, 
     if any(p.host_sampled for p in ps):
         tokens = sample_rows(logits, seqs, use_numba)
         return to_device([t.token_id for t in tokens], torch.int32, logits.device), tokens
-    return sample_ids(logits, seqs, use_numba, pending)[0], None
+    return sample_ids(logits, seqs, use_numba, pending, counts)[0], None
 
 
 def sample_rows(logits: torch.Tensor, seqs: list[SeqWork], use_numba: bool = True) -> list[SampledToken]:
@@ -57,7 +57,7 @@ def sample_rows(logits: torch.Tensor, seqs: list[SeqWork], use_numba: bool = Tru
 
 
 def bias_and_penalties(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = True,
-                       pending=None) -> torch.Tensor:
+                       pending=None, counts=None) -> torch.Tensor:
     """In place on logits [R, V] fp32 (contiguous): logit_bias, then repetition/presence/frequency.
     pending: see draw_ids; those rows' in-flight token is counted on the device. The penalties of the
     whole step are one host->device copy and one kernel (`k.penalize_segments`): a step's host cost
@@ -77,7 +77,7 @@ def bias_and_penalties(logits: torch.Tensor, works: list[SeqWork], use_numba: bo
     if b_ids:
         i32 = lambda v: to_device(v, torch.int32, dev)  # noqa: E731
         k.add_bias(logits, i32(b_rows), i32(b_ids), to_device(b_vals, torch.float32, dev), use_numba)
-    meta, S = penalty_segments(works, pending, V)
+    meta, S = penalty_segments(works, pending, V, counts)
     if S:
         src = pending[1] if pending is not None else None
         if src is not None and src.dtype != torch.int32:
@@ -86,11 +86,12 @@ def bias_and_penalties(logits: torch.Tensor, works: list[SeqWork], use_numba: bo
     return logits
 
 
-def penalty_segments(works: list[SeqWork], pending, V: int) -> tuple[np.ndarray, int]:
+def penalty_segments(works: list[SeqWork], pending, V: int, counts=None) -> tuple[np.ndarray, int]:
     """The step's penalties packed for `k.penalize_segments` (its layout): one segment per penalized row
     with a history or a token in flight, the history's distinct ids in 0..V-1 with their counts.
     pending: (rows, src ids on the device[, slots]): row rows[j]'s in-flight token is src[slots[j]]
-    (slots default: j). Returns (meta int32, S)."""
+    (slots default: j). counts (HistoryCounts): each row's ids and counts kept from its last step, else
+    every history counted now. Returns (meta int32, S)."""
     psrc_of: dict[int, int] = {}
     if pending is not None:
         slots = pending[2] if len(pending) > 2 else range(len(pending[0]))
@@ -99,8 +100,15 @@ def penalty_segments(works: list[SeqWork], pending, V: int) -> tuple[np.ndarray,
     S = len(seg)
     if not S:
         return np.zeros(0, np.int32), 0
-    srow, ids, cnt = history_counts([works[r].history for r in seg], range(S), V)
-    off = np.searchsorted(srow, np.arange(S + 1)).astype(np.int32)
+    if counts is not None:
+        per = [counts.get(works[r].seq_id, works[r].history, V) for r in seg]
+        off = np.zeros(S + 1, np.int32)
+        np.cumsum([a.size for a, _ in per], out=off[1:])
+        ids = np.concatenate([a for a, _ in per]) if S else np.zeros(0, np.int32)
+        cnt = np.concatenate([c for _, c in per]) if S else np.zeros(0, np.int32)
+    else:
+        srow, ids, cnt = history_counts([works[r].history for r in seg], range(S), V)
+        off = np.searchsorted(srow, np.arange(S + 1)).astype(np.int32)
     prm = np.array([(works[r].params.repetition_penalty, works[r].params.presence_penalty,
                      works[r].params.frequency_penalty) for r in seg], np.float32)
     meta = np.concatenate([np.asarray(seg, np.int32), off, np.array([psrc_of.get(r, -1) for r in seg], np.int32),
@@ -126,13 +134,13 @@ def sample(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = True) -
     return _to_sampled(tokens, processed, works)
 
 
-def sample_ids(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = True, pending=None
+def sample_ids(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = True, pending=None, counts=None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The drawn ids [R] int64 and the processed logits, left on the device (no host sync)."""
     R, V = logits.shape
     dev = logits.device
     x = logits.float().contiguous().clone()
-    bias_and_penalties(x, works, use_numba, pending)
+    bias_and_penalties(x, works, use_numba, pending, counts)
     ps = [w.params for w in works]
     greedy = [p.greedy for p in ps]
     tokens = torch.argmax(x, dim=-1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from imp.messages import SamplingParams, SeqWork
@@ -134,3 +135,21 @@ def test_history_counts_kept_across_steps_equal_counting_afresh():
     assert np.array_equal(penalty_segments(w, None, V, kept)[0], penalty_segments(w, None, V)[0])
     kept.forget(list(hists))
     assert len(kept) == 0
+
+
+def test_history_view_reads_the_first_n_kept_tokens_in_place():
+    from imp.actors.executor import HistoryView
+
+    kept = [5, 6, 7]
+    v = HistoryView(kept, 2)
+    kept.append(8)  # a later sample lands while a runner reads the view: it still sees 2 tokens
+    assert len(v) == 2 and list(v) == [5, 6] and v == (5, 6) and v == [5, 6] and v != (5, 6, 7)
+    assert v[-1] == 6 and v[0:] == (5, 6) and v[-4:] == (5, 6) and bool(v) and not HistoryView(kept, 0)
+    with pytest.raises(IndexError):
+        v[2]
+    assert (*v, 9) == (5, 6, 9)  # pending.fill's spelling
+    from imp.sampling.cpu import apply_penalties
+
+    p = SamplingParams(max_tokens=4, repetition_penalty=1.3, frequency_penalty=0.2)
+    x = torch.randn(10)
+    assert torch.equal(apply_penalties(x.clone(), v, p), apply_penalties(x.clone(), (5, 6), p))

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import time
+from collections.abc import Sequence
 
 import msgspec
 
@@ -43,6 +45,41 @@ from imp.actors import memory
 from imp.messages import (LoraLoad, LoraState, LoraUnload, MemoryState, Msg, Reload, SampledToken, SamplingParams,
                           SeqWork, StepFailed, StepPlan, StepResult, Unload)
 from imp.sampling.pending import resolve_pending
+
+
+class HistoryView(Sequence):
+    """The first n tokens of a kept history list, read in place: a share's `history` without copying
+    O(tokens generated) into a tuple every step. Tokens are only ever appended to the list (on the
+    event loop, `record_samples`) and the view never reads past n, so a runner thread reading it while a
+    later token lands sees the same n tokens (a slice of it is a tuple)."""
+
+    __slots__ = ("_l", "_n")
+
+    def __init__(self, tokens: list[int], n: int):
+        self._l, self._n = tokens, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self._l[slice(*i.indices(self._n))])
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        return self._l[i]
+
+    def __iter__(self):
+        return itertools.islice(self._l, self._n)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and len(other) == self._n and tuple(self) == tuple(other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"HistoryView({self._n} tokens)"
 
 
 def attach_state(plan: StepPlan, kept: dict[str, SamplingParams], hists: dict[str, list[int]]) -> list[SeqWork]:
@@ -69,7 +106,7 @@ def attach_state(plan: StepPlan, kept: dict[str, SamplingParams], hists: dict[st
             h = hists[w.seq_id]
             if len(h) < n:
                 raise KeyError(f"{w.seq_id}: {n} tokens of history needed, {len(h)} kept")
-            w = msgspec.structs.replace(w, history=tuple(h[:n]))
+            w = msgspec.structs.replace(w, history=HistoryView(h, n))
         out.append(w)
     return out
 

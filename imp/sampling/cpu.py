@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from imp.messages import SampledToken, SamplingParams, SeqWork
 
+import numpy as np
 import torch
 
 LOGPROB_FLOOR = -9999.0
@@ -49,7 +50,7 @@ def apply_penalties(logits: torch.Tensor, history: list[int], p: SamplingParams)
     if not history or not p.penalized:
         return logits
     V = logits.shape[-1]
-    ids = torch.tensor(history, dtype=torch.int64)
+    ids = torch.from_numpy(np.fromiter(history, np.int64, len(history)))  # a tuple, or the executor's view
     ids = ids[(ids >= 0) & (ids < V)]
     if ids.numel() == 0:
         return logits

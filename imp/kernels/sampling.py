@@ -1,8 +1,8 @@
-"""Sampling kernels: logit bias and penalties scattered into logits rows (Numba,
-with a torch fallback), the penalties of a step in one CuPy launch
-(`penalize_segments`: host-counted histories plus each row's token still in flight
-on the device), temperature / top-k / top-p / min-p filtering (torch, batched) and
-a counter-based Gumbel draw (CuPy).
+"""Sampling kernels: logit bias scattered into logits rows (Numba, with a torch
+fallback), the penalties of a step in one CuPy launch (`penalize_segments`:
+host-counted histories plus each row's token still in flight on the device),
+temperature / top-k / top-p / min-p filtering (torch, batched) and a
+counter-based Gumbel draw (CuPy).
 
 The Gumbel noise is hashed from (seed, gen_index, token id), so a row's draw
 depends only on its sequence, not on the batch it ran in. The sampler that
@@ -46,7 +46,7 @@ extern "C" __global__ void gumbel(float* __restrict__ out, const long long* __re
 # One block per penalized row ("segment"): its distinct history ids with their counts (host-counted, sorted),
 # and optionally the token the step in flight sampled for it, read on the device (src[psrc]). Each distinct id
 # is touched by one thread: repetition once, presence once, frequency per occurrence, in the order and
-# rounding of `penalize` (no contraction: __fmul_rn / __fsub_rn). The in-flight token adds one to its count
+# rounding of the CPU reference (imp.sampling.cpu.apply_penalties; no contraction: __fmul_rn / __fsub_rn). The in-flight token adds one to its count
 # if the history has it, else it is penalized alone with count 1.
 # meta (int32): row[S] | off[S+1] | psrc[S] (-1: none) | params[3S] (float32 bits) | ids[E] | cnt[E]
 PENALIZE_SRC = r"""
@@ -124,7 +124,7 @@ def penalize_segments(logits: torch.Tensor, meta: torch.Tensor, S: int, src: tor
 
 
 @functools.lru_cache(maxsize=None)
-def _nb_kernels():
+def _nb_add_bias():
     global cuda  # a module global, so the CUDA simulator can swap it in tests
     cuda = cu.numba_cuda()
 
@@ -134,20 +134,7 @@ def _nb_kernels():
         if e < ids.shape[0]:
             logits[rows[e], ids[e]] += vals[e]
 
-    @cuda.jit
-    def penalize(logits, rows, ids, counts, params):
-        e = cuda.grid(1)
-        if e < ids.shape[0]:
-            r = rows[e]
-            x = logits[r, ids[e]]
-            rep = params[r, 0]
-            if rep != 1.0:
-                x = x / rep if x > 0 else x * rep
-            x -= params[r, 1]
-            x -= params[r, 2] * counts[e]
-            logits[r, ids[e]] = x
-
-    return add_bias, penalize
+    return add_bias
 
 
 def gumbel_noise(seeds: torch.Tensor, gen_index: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -172,31 +159,10 @@ def add_bias(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, vals: 
     if not ids.shape[0]:
         return
     if use_numba:
-        kernel, _ = _nb_kernels()
+        kernel = _nb_add_bias()
         cu.nb_launch(kernel, (ids.shape[0] + THREADS - 1) // THREADS, THREADS, logits, rows, ids, vals)
     else:
         logits.index_put_((rows.long(), ids.long()), vals, accumulate=True)
-
-
-def penalize(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
-             params: torch.Tensor, use_numba: bool = True) -> None:
-    """In place, per seen (row, token) pair e with counts[e] occurrences: repetition
-    (params[row, 0]: divide a positive logit, multiply a negative one), then minus
-    presence (params[row, 1]) and frequency * count (params[row, 2])."""
-    cu.check(logits, "logits", torch.float32, 2)
-    cu.check(params, "params", torch.float32, 2)
-    cu.check(counts, "counts", torch.float32, 1)
-    if not ids.shape[0]:
-        return
-    if use_numba:
-        _, kernel = _nb_kernels()
-        cu.nb_launch(kernel, (ids.shape[0] + THREADS - 1) // THREADS, THREADS, logits, rows, ids, counts, params)
-    else:
-        r_, i_ = rows.long(), ids.long()
-        x = logits[r_, i_]
-        rep = params[r_, 0]
-        x = torch.where(rep != 1.0, torch.where(x > 0, x / rep, x * rep), x)
-        logits[r_, i_] = x - params[r_, 1] - params[r_, 2] * counts
 
 
 def filter_logits(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -104,8 +104,8 @@ def penalty_segments(works: list[SeqWork], pending, V: int, counts=None) -> tupl
         per = [counts.get(works[r].seq_id, works[r].history, V) for r in seg]
         off = np.zeros(S + 1, np.int32)
         np.cumsum([a.size for a, _ in per], out=off[1:])
-        ids = np.concatenate([a for a, _ in per]) if S else np.zeros(0, np.int32)
-        cnt = np.concatenate([c for _, c in per]) if S else np.zeros(0, np.int32)
+        ids = np.concatenate([a for a, _ in per])
+        cnt = np.concatenate([c for _, c in per])
     else:
         srow, ids, cnt = history_counts([works[r].history for r in seg], range(S), V)
         off = np.searchsorted(srow, np.arange(S + 1)).astype(np.int32)

@@ -258,6 +258,7 @@ class KvFigures(Struct):
     block_size: int
     evictions: int = 0
     pinned: int = 0  # blocks held by cache_prompt / session pins
+    inflight_waits: int = 0  # allocs that waited for prompt blocks another sequence was computing (running total)
 
 
 class QueueFigures(Struct):

@@ -17,6 +17,7 @@ COUNTERS = [
     # "Metrics for what the server decided"
     "imp_requests_timed_out_total", "imp_kv_pressure_rejections_total", "imp_kv_pool_growths_total",
     "imp_streaming_kv_auto_enables_total", "imp_prefix_cache_evictions_total", "imp_requests_cancelled_total",
+    "imp_prefix_cache_inflight_waits_total",
     "imp_kv_swaps_total",
     # request tracing
     "imp_otlp_spans_exported_total", "imp_otlp_export_failures_total", "imp_otlp_unsampled_requests_total",
@@ -48,8 +49,8 @@ def value(m: MetricsActor, name: str, **labels) -> float:
     return samples(m)[(name, tuple(sorted(labels.items())))]
 
 
-def kv(free=64, used=0, reserved=0, cached=0, evictions=0):
-    return KvFigures(64, free, used, reserved, cached, 16, evictions)
+def kv(free=64, used=0, reserved=0, cached=0, evictions=0, inflight_waits=0):
+    return KvFigures(64, free, used, reserved, cached, 16, evictions, inflight_waits=inflight_waits)
 
 
 def actor(**kw) -> MetricsActor:
@@ -91,7 +92,7 @@ async def test_messages_move_every_series():
     # a step of 3 rows, then a queue with work
     await m.on_message("scheduler", StepStats(1, 3, 40, 2, 20_000_000))
     await m.on_message("scheduler", StepStats(2, 2, 2, 2, 10_000_000))
-    await m.on_message("scheduler", Figures(kv(free=40, used=24, reserved=30, cached=8, evictions=3),
+    await m.on_message("scheduler", Figures(kv(free=40, used=24, reserved=30, cached=8, evictions=3, inflight_waits=2),
                                             QueueFigures(1, 2, 120, preemptions=1, cancellations=2, timeouts=1)))
     assert value(m, "imp_decode_batch_last_rows") == 2 and value(m, "imp_decode_batch_max") == 3
     assert value(m, "imp_decode_batch_steps_total") == 2 and value(m, "imp_decode_batch_rows_total") == 5
@@ -103,6 +104,7 @@ async def test_messages_move_every_series():
     # counters move by the difference of the scheduler's running totals
     await m.on_message("scheduler", Figures(kv(evictions=5), QueueFigures(0, 0, 0, 1, 3, 1)))
     assert value(m, "imp_prefix_cache_evictions_total") == 5 and value(m, "imp_requests_cancelled_total") == 3
+    assert value(m, "imp_prefix_cache_inflight_waits_total") == 2  # a figure without the field: no move
     assert value(m, "imp_decode_batch_last_rows") == 0  # idle: nothing running
     assert value(m, "imp_decode_batch_max") == 3  # never resets
 

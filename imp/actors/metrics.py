@@ -158,6 +158,8 @@ class MetricsActor(Actor):
         self.g_batch_last = g("imp_decode_batch_last_rows", "sequences in the most recent step; 0 while idle")
         self.g_max_batch = g("imp_decode_batch_max", "largest step so far (never resets)")
         self.c_evict = c("imp_prefix_cache_evictions", "cached prefix blocks reclaimed for a new allocation")
+        self.c_inflight = c("imp_prefix_cache_inflight_waits", "allocations that waited a round for prompt blocks "
+                            "another request was computing (then found them cached instead of computing them again)")
         self.c_preempt = c("imp_preemptions", "running requests preempted for KV (recomputed later)")
         self.c_cancel = c("imp_requests_cancelled", "requests cancelled by client disconnect")
         self.c_timeout = c("imp_requests_timed_out", "requests ended at --request-timeout (the client sees "
@@ -193,7 +195,7 @@ class MetricsActor(Actor):
                 hh.labels(ep)
         self._max_batch = 0
         self._last: QueueFigures = self.queue
-        self._evictions = 0
+        self._evictions = self._inflight = 0
         self.rates = Rates(boot_prefill_tok_s=boot_prefill_tok_s)
         self._apply_kv(kv)
 
@@ -203,6 +205,9 @@ class MetricsActor(Actor):
         if kv.evictions > self._evictions:
             self.c_evict.inc(kv.evictions - self._evictions)
             self._evictions = kv.evictions
+        if kv.inflight_waits > self._inflight:
+            self.c_inflight.inc(kv.inflight_waits - self._inflight)
+            self._inflight = kv.inflight_waits
         self.kv = kv
 
     def _figures(self, sender: str, msg: Figures) -> None:

@@ -119,7 +119,7 @@ class KvCore:
         n = self.config.num_blocks
         return KvFigures(
             total=n, free=free, used=n - free, reserved=0, cached=len(self.cache),
-            block_size=self.config.block_size, evictions=self.evictions,
+            block_size=self.config.block_size, evictions=self.evictions, inflight_waits=self.waits,
             pinned=len(set().union(*self.pins.values())) if self.pins else 0,  # distinct blocks
         )
 

@@ -10,7 +10,8 @@ OUT=${OUT:-/tmp}
 LAYOUTS=${2:-0,1,2}
 STREAMS=${3:-1,16,64,256}
 if [ "${1:-tests}" = tests ]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tail -15
+  # the whole lane takes ~320 s on an H200 (2026-12-01): a shorter limit reads as a hang
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu -o faulthandler_timeout=120 tests/ 2>&1 | tail -15
 fi
 LS=${LLAMA_DIR:-/tmp/llama-cpp}/build/bin/llama-server
 args=(--model "$MODEL" --device cuda:0 --layouts "$LAYOUTS" --streams "$STREAMS" --tokens 128 --runs 2

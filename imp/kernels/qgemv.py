@@ -20,14 +20,14 @@ from __future__ import annotations
 import torch
 
 from imp.kernels import _cuda as cu
-from imp.kernels.qweight import (BITS, BLOCK, FORMATS, TILES, QWeight, cat_rows, check_parts, gemv_reference, out_for,
-                                  reference, repack, tile_for)
+from imp.kernels.qweight import (BITS, BLOCK, FORMATS, Q4K_SCALE_MIN_SRC, TILES, QWeight, cat_rows, check_parts,
+                                  gemv_reference, out_for, reference, repack, tile_for)
 
 WARPS = 4
 
 # ------------------------------------------------------------------ CUDA
 
-SRC = r"""
+SRC = Q4K_SCALE_MIN_SRC + r"""
 #define WARPS 4
 __device__ __forceinline__ void unpack_nib(unsigned a, unsigned b, float (&lo)[8], float (&hi)[8]) {
     #pragma unroll
@@ -157,20 +157,6 @@ __global__ void __launch_bounds__(128) gemv_q8_0(const u8* __restrict__ qs, cons
     EPILOGUE
 }
 
-__device__ __forceinline__ unsigned kbyte(const uint4& h, int k) {  // byte k of scales[12] (h.y, h.z, h.w)
-    const unsigned wd = k < 4 ? h.y : (k < 8 ? h.z : h.w);
-    return (wd >> (8 * (k & 3))) & 0xffu;
-}
-__device__ __forceinline__ void scale_min_k4(int j, const uint4& h, float& sc, float& mn) {
-    if (j < 4) {
-        sc = (float)(kbyte(h, j) & 63u);
-        mn = (float)(kbyte(h, j + 4) & 63u);
-    } else {
-        sc = (float)((kbyte(h, j + 4) & 15u) | ((kbyte(h, j - 4) >> 6) << 4));
-        mn = (float)((kbyte(h, j + 4) >> 4) | ((kbyte(h, j) >> 6) << 4));
-    }
-}
-
 template <int BT>
 __global__ void __launch_bounds__(128) gemv_q4_k(const u8* __restrict__ blocks, ARGS) {
     PROLOGUE
@@ -186,8 +172,8 @@ __global__ void __launch_bounds__(128) gemv_q4_k(const u8* __restrict__ blocks, 
         const uint4 qb = __ldg((const uint4*)(blk + 32 + 32 * p));
         const float dd = h2f((u16)(h.x & 0xffffu)), dmin = h2f((u16)(h.x >> 16));
         float sc0, m0, sc1, m1;
-        scale_min_k4(2 * p, h, sc0, m0);
-        scale_min_k4(2 * p + 1, h, sc1, m1);
+        q4k_scale_min(2 * p, h, sc0, m0);
+        q4k_scale_min(2 * p + 1, h, sc1, m1);
         const float ds0 = dd * sc0, dm0 = dmin * m0, ds1 = dd * sc1, dm1 = dmin * m1;
         const int col = sb * 256 + 64 * p;
         float lo[8], hi[8], w[8];

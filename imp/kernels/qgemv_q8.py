@@ -34,7 +34,7 @@ import torch
 
 from imp.kernels import _cuda as cu
 from imp.kernels.q8act import Q8Act, dequant as dequant_act, quantize, reference as reference_quantize
-from imp.kernels.qweight import QWeight, TILES, check_parts, out_for, reference as dequant_reference, tile_for
+from imp.kernels.qweight import Q4K_SCALE_MIN_SRC, QWeight, TILES, check_parts, out_for, reference as dequant_reference, tile_for
 
 WARPS = 4
 FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
@@ -43,7 +43,7 @@ SPLITS = (1, WARPS)  # warps that split one row group's K
 # the tuner's names (imp.gpu.linear): q8r<R> a warp per R rows, q8s<R> a block's 4 warps per R rows
 VARIANTS = {**{f"q8r{r}": (r, 1) for r in ROWS}, **{f"q8s{r}": (r, WARPS) for r in ROWS}}
 
-SRC = r"""
+SRC = Q4K_SCALE_MIN_SRC + r"""
 #define WARPS 4
 typedef signed char i8;
 __device__ __forceinline__ int dp4a(int a, int b, int c) {
@@ -179,18 +179,6 @@ __global__ void __launch_bounds__(128) q8_q8_0(const u8* __restrict__ qs, const 
 // Q4_K super-block (144 bytes): d, dmin (f16), scales[12] (6-bit scale and min per sub-block of 32),
 // qs[128]: pair p's 32 bytes hold sub-block 2p in the low nibbles and 2p+1 in the high ones.
 // Chunk j = 2p + h (8 a super-block): qs bytes 32p + 16h .. +16 = elements 16h.. of both sub-blocks.
-__device__ __forceinline__ unsigned kb(const uint4& h, int k) {  // byte k of scales[12] (h.y, h.z, h.w)
-    const unsigned wd = k < 4 ? h.y : (k < 8 ? h.z : h.w);
-    return (wd >> (8 * (k & 3))) & 0xffu;
-}
-__device__ __forceinline__ void scmin(int j, const uint4& h, float& sc, float& mn) {
-    if (j < 4) {
-        sc = (float)(kb(h, j) & 63u); mn = (float)(kb(h, j + 4) & 63u);
-    } else {
-        sc = (float)((kb(h, j + 4) & 15u) | ((kb(h, j - 4) >> 6) << 4));
-        mn = (float)((kb(h, j + 4) >> 4) | ((kb(h, j) >> 6) << 4));
-    }
-}
 template <int BT, int R, int KS>
 __global__ void __launch_bounds__(128) q8_q4_k(const u8* __restrict__ blocks, ARGS) {
     PROLOGUE
@@ -206,7 +194,7 @@ __global__ void __launch_bounds__(128) q8_q4_k(const u8* __restrict__ blocks, AR
             q[r] = __ldg((const uint4*)(blk + 16 + 32 * p + 16 * h));
             const float dd = h2f((u16)(hd.x & 0xffffu)), dmin = h2f((u16)(hd.x >> 16));
             float a, b, e, f;
-            scmin(2 * p, hd, a, b); scmin(2 * p + 1, hd, e, f);
+            q4k_scale_min(2 * p, hd, a, b); q4k_scale_min(2 * p + 1, hd, e, f);
             s0[r] = dd * a; s1[r] = dd * e;
             m0[r] = h ? 0.f : dmin * b; m1[r] = h ? 0.f : dmin * f;  // the min term once per sub-block
         }

@@ -57,12 +57,12 @@ import torch
 
 from imp.kernels import _cuda as cu
 from imp.kernels.q8act import Q8Act
-from imp.kernels.qweight import QWeight, check_parts, out_for
+from imp.kernels.qweight import Q4K_SCALE_MIN_SRC, QWeight, check_parts, out_for
 
 FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 KC = 256
 
-SRC = r"""
+SRC = Q4K_SCALE_MIN_SRC + r"""
 typedef signed char i8;
 #define KC 256
 #define XS 272      // bytes a row of the x tile (256 + 16: ldmatrix rows on distinct banks)
@@ -117,18 +117,6 @@ __device__ __forceinline__ float mfloat(int c) { return __fsub_rn(__int_as_float
 __device__ __forceinline__ unsigned sub32(unsigned v) { return ((v | 0x80808080u) - 0x20202020u) ^ 0x80808080u; }
 __device__ __forceinline__ unsigned sub8(unsigned v) { return ((v | 0x80808080u) - 0x08080808u) ^ 0x80808080u; }
 
-__device__ __forceinline__ unsigned kbyte(const uint4& h, int k) {
-    const unsigned wd = k < 4 ? h.y : (k < 8 ? h.z : h.w);
-    return (wd >> (8 * (k & 3))) & 0xffu;
-}
-__device__ __forceinline__ void k4_scmin(int j, const uint4& h, float& sc, float& mn) {
-    if (j < 4) {
-        sc = (float)(kbyte(h, j) & 63u); mn = (float)(kbyte(h, j + 4) & 63u);
-    } else {
-        sc = (float)((kbyte(h, j + 4) & 15u) | ((kbyte(h, j - 4) >> 6) << 4));
-        mn = (float)((kbyte(h, j + 4) >> 4) | ((kbyte(h, j) >> 6) << 4));
-    }
-}
 
 // blocks an SM is meant to hold (the register budget ptxas gets): 256 threads 1 (at 2, i.e. 128 registers,
 // 64x128 spills), 128 threads 4 (warp tile 16x16) or 3
@@ -230,7 +218,7 @@ __global__ void __launch_bounds__(32 * WGM * WGN, QMM_MINB(MI, NJ, WGM, WGN)) qm
             for (int r = 0; r < NE; ++r) {
                 const int q = sq0 + SQS * r;
                 float sc, m;
-                k4_scmin(q, h, sc, m);
+                q4k_scale_min(q, h, sc, m);
                 Sc[q * BN + sn] = d * sc;
                 Mn[q * BN + sn] = -dmin * m;
             }

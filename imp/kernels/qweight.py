@@ -32,6 +32,25 @@ BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144
 BITS = {f: 8.0 * BLOCK[f][1] / BLOCK[f][0] for f in FORMATS}
 TILES = (1, 2, 4, 8)  # activation rows per kernel launch (grid.y tiles larger batches)
 
+# CUDA: the 6-bit scale and min of sub-block j (0..7) of a Q4_K super-block, from its first 16 bytes
+# (h.x: d, dmin; h.y..h.w: scales[12]) as ggml's get_scale_min_k4 packs them. One copy, prepended to
+# every kernel source that reads Q4_K blocks (qgemv, qgemv_q8, qmm_q8).
+Q4K_SCALE_MIN_SRC = r"""
+__device__ __forceinline__ unsigned q4k_byte(const uint4& h, int k) {  // byte k of scales[12]
+    const unsigned wd = k < 4 ? h.y : (k < 8 ? h.z : h.w);
+    return (wd >> (8 * (k & 3))) & 0xffu;
+}
+__device__ __forceinline__ void q4k_scale_min(int j, const uint4& h, float& sc, float& mn) {
+    if (j < 4) {
+        sc = (float)(q4k_byte(h, j) & 63u);
+        mn = (float)(q4k_byte(h, j + 4) & 63u);
+    } else {
+        sc = (float)((q4k_byte(h, j + 4) & 15u) | ((q4k_byte(h, j - 4) >> 6) << 4));
+        mn = (float)((q4k_byte(h, j + 4) >> 4) | ((q4k_byte(h, j) >> 6) << 4));
+    }
+}
+"""
+
 
 def tile_for(B: int) -> int:
     return 1 if B <= 1 else 2 if B == 2 else 4 if B <= 4 else 8

@@ -66,3 +66,40 @@ def test_no_split_for_steps_of_one_kind_or_adapters():
         rows, _, _ = head_rows(seqs)
         r._eager_logits(seqs, rows, {}, lora)
         assert len(r.fwd.calls) == 1
+
+
+def test_int8_paths_quantize_once_and_fill_each_part_s_columns(monkeypatch):
+    """Linear's GEMV and GEMM on int8 activations share one driver: x quantized once (unless the producer
+    did), each part's kernel writing its own column slice. Kernels replaced by fakes: runs on the CPU."""
+    import torch
+
+    from imp.gpu import linear as L
+    from imp.kernels.qweight import QWeight
+
+    parts = [QWeight("Q4_K", 3, 256, {}), QWeight("Q4_K", 5, 256, {})]
+    lin = L.Linear(parts, None, {}, int8_act=False)
+    quantized = []
+
+    class XA:
+        def __init__(self, n):
+            self.xq = torch.zeros(n, 256, dtype=torch.int8)
+            self.shape = (n, 256)
+
+    monkeypatch.setattr(L.q8act, "quantize", lambda x: quantized.append(x) or XA(x.shape[0]))
+    seen = []
+
+    def fake(p, xa, o, **kw):
+        seen.append((p.rows, tuple(o.shape), kw))
+        o.fill_(float(p.rows))
+
+    monkeypatch.setattr(L.qgemv_q8, "gemv", fake)
+    monkeypatch.setattr(L.qmm_q8, "qmm", fake)
+    name = next(iter(L.qgemv_q8.VARIANTS))
+    rows, split = L.qgemv_q8.VARIANTS[name]
+    out = lin.gemv_q8(torch.zeros(2, 256), name)
+    assert len(quantized) == 1 and out.shape == (2, 8)
+    assert out[:, :3].eq(3).all() and out[:, 3:].eq(5).all()
+    assert seen == [(3, (2, 3), {"rows": rows, "split": split}), (5, (2, 5), {"rows": rows, "split": split})]
+    seen.clear()
+    out = lin.qmm(None, XA(4))  # quantized by its producer: not again
+    assert len(quantized) == 1 and out.shape == (4, 8) and [s[:2] for s in seen] == [(3, (4, 3)), (5, (4, 5))]

@@ -126,18 +126,18 @@ class Linear:
         """The int8-activation GEMV `name` (qgemv_q8.VARIANTS); xa: x already quantized (by the norm or
         activation kernel that produced it), else x is quantized here, once for every part."""
         rows, split = qgemv_q8.VARIANTS[name]
-        xa = xa if xa is not None else q8act.quantize(x)
-        out = torch.empty(xa.shape[0], self.rows, dtype=torch.float32, device=xa.xq.device)
-        for p, r0 in zip(self.parts, self.offsets):
-            qgemv_q8.gemv(p, xa, out[:, r0:r0 + p.rows], rows=rows, split=split)
-        return out
+        return self._on_q8(x, xa, lambda p, a, o: qgemv_q8.gemv(p, a, o, rows=rows, split=split))
 
     def qmm(self, x: torch.Tensor | None, xa: q8act.Q8Act | None = None) -> torch.Tensor:
         """The int8 tensor-core GEMM on every part (x quantized once, unless the producer did)."""
+        return self._on_q8(x, xa, qmm_q8.qmm)
+
+    def _on_q8(self, x, xa, kernel) -> torch.Tensor:
+        """out [N, rows] fp32: kernel(part, xa, out's column slice) for each part, on x quantized once."""
         xa = xa if xa is not None else q8act.quantize(x)
         out = torch.empty(xa.shape[0], self.rows, dtype=torch.float32, device=xa.xq.device)
         for p, r0 in zip(self.parts, self.offsets):
-            qmm_q8.qmm(p, xa, out[:, r0:r0 + p.rows])
+            kernel(p, xa, out[:, r0:r0 + p.rows])
         return out
 
     def dense_mm(self, x: torch.Tensor) -> torch.Tensor:

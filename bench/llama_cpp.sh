@@ -15,7 +15,7 @@ set -euo pipefail
 
 LLAMA_DIR=${LLAMA_DIR:-/tmp/llama-cpp}
 JOBS=${JOBS:-$(nproc)}
-PY=${PY:-$(dirname "$0")/../.venv/bin/python}
+PY=${PY:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}  # absolute: the script cd-s below
 mkdir -p "$LLAMA_DIR"
 cd "$LLAMA_DIR"
 

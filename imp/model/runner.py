@@ -1,9 +1,10 @@
 """ModelRunner: one model, one paged KV cache, one step at a time.
 
-The executor calls `step()` from a worker thread (`asyncio.to_thread`); a
-lock makes concurrent calls queue rather than interleave (the cache is
-shared state). Torch and the Numba kernels (nogil) release the GIL while they
-compute, so the event loop keeps running during a step.
+The executor calls `step()` from a worker thread; the step itself runs on the
+process's one OpenMP-team thread (`imp.model.team`: two threads starting parallel
+regions halve the CPU forward's speed), and a lock makes concurrent calls queue
+rather than interleave (the cache is shared state). Torch and the Numba kernels
+(nogil) release the GIL while they compute, so the event loop keeps running.
 
 Weights: `"gguf"` (the default for a GGUF file) runs `fused.FusedModel`, the
 Numba kernels over the file's own blocks with an fp16 KV cache; a file with a
@@ -13,7 +14,7 @@ the torch forward explicitly (llama.py explains them; "f32" is the reference).
 
 Threads: `num_threads` (default: torch's count, which `--threads` sets at
 boot) for torch and for Numba. Numba's count is per calling thread, so it is
-set again on the thread that runs each step.
+set again on the thread that runs each step (the team's).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from imp.formats.gguf_loader import ModelConfig, open_gguf
 from imp.model.llama import KVCache, Llama, default_num_blocks, make_plan
 from imp.model.qwen2 import Qwen2
 from imp.model.qwen3 import Qwen3
+from imp.model import team
 from imp.model.rows import head_rows, with_prompt_logprobs
 from imp.sampling.cpu import sample
 
@@ -76,6 +78,12 @@ class ModelRunner:
         num_threads: int | None = None,
         compile: bool = False,
     ) -> ModelRunner:
+        """Open the file and build the model, on the team's thread: torch ops on large
+        tensors here (RoPE tables, dequantized fallbacks) start parallel regions too."""
+        return team.run(cls._load, path, num_blocks, block_size, kv_tokens, weights, kv_dtype, num_threads, compile)
+
+    @classmethod
+    def _load(cls, path, num_blocks, block_size, kv_tokens, weights, kv_dtype, num_threads, compile) -> ModelRunner:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         if Path(path).is_dir():  # HF layout: config.json + *.safetensors, same tensor names as a GGUF
@@ -131,6 +139,9 @@ class ModelRunner:
         """All new tokens of all seqs in one forward -> fp32 logits [B, vocab] at each last position."""
         tokens, plan = self._prepare(seqs)
         kw = self._lora_args(seqs, lora)
+        return team.run(self._forward, tokens, plan, kw)
+
+    def _forward(self, tokens, plan, kw):
         with self._lock:
             self._threads()
             return self.model.forward(tokens, plan, self.cache, **kw)
@@ -146,13 +157,14 @@ class ModelRunner:
         right before sampling. lora (imp.model.lora.LoraTable): the adapters that seqs'
         params.lora name.
         """
+        return team.run(self._step, seqs, constraints, lora)
+
+    def _step(self, seqs: list[SeqWork], constraints, lora) -> list[SampledToken]:
         tokens, plan = self._prepare(seqs)
         rows, sample_at, plp_at = head_rows(seqs)
         plan.last_rows = torch.tensor(rows, dtype=torch.int64)
         kw = self._lora_args(seqs, lora)
-        with self._lock:
-            self._threads()
-            logits = self.model.forward(tokens, plan, self.cache, **kw)  # [len(rows), vocab]
+        logits = self._forward(tokens, plan, kw)  # [len(rows), vocab]
         order = sorted(sample_at)
         drawn = {}
         if order:

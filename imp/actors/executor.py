@@ -141,8 +141,11 @@ class ExecutorActor(Actor):
         self.fingerprint = getattr(runner, "fingerprint", "")
         self.book = constraints
         self.pipelined = hasattr(runner, "launch") and hasattr(runner, "collect")
-        # one launch thread: torch's per-thread state (threads, grad mode, device) stays put
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+        # one launch thread: torch's per-thread state (threads, grad mode, device) stays put; a
+        # runner that has its own step thread (the CPU runner's OpenMP team) lends it instead
+        lent = getattr(runner, "step_pool", None)
+        self._own_pool = lent is None
+        self._pool = lent or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
         self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-wait")
         self._landing: asyncio.Queue | None = None
         self._collector: asyncio.Task | None = None
@@ -321,5 +324,6 @@ class ExecutorActor(Actor):
     async def on_stop(self) -> None:
         if self._collector is not None:
             self._collector.cancel()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._own_pool:  # a lent one outlives this actor
+            self._pool.shutdown(wait=False, cancel_futures=True)
         self._waiter.shutdown(wait=False, cancel_futures=True)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from imp.kernels.cpu_rowdot import rowdot
+from imp.kernels.cpu_rowdot import rowdot, rowsdot
 
 QK = 32  # activation block
 # GGML type ids (gguf.GGMLQuantizationType values; kernels import nothing from the formats layer)
@@ -142,6 +142,34 @@ def row_dot(w, qtype, base, nb, xq, xo, xd, xs, xb):
                       _q4_0_1, _q4_1_1, _q5_0_1, _q5_1_1, _q8_0_1, _q4_k_1, _q5_k_1, _q6_k_1)[0]
 
 
+ROWS = 4  # weight rows one decode call covers (rows_dot4)
+_RS = {qt: rowsdot(qt, ROWS) for qt in BLOCKS}
+_q4_0_r, _q4_1_r, _q5_0_r, _q5_1_r, _q8_0_r, _q4_k_r, _q5_k_r, _q6_k_r = (
+    _RS[qt] for qt in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))
+
+
+@njit(cache=True, nogil=True)
+def rows_dot4(w, qtype, base, rbytes, nb, xq, xo, xd, xs, xb):
+    """ROWS consecutive rows (row i at base + i * rbytes) . one token: each output the bits
+    row_dot gives it, the rows sharing the token's loads and one loop (decode's short rows
+    were mostly per-row overhead; measured in PERFORMANCE.md)."""
+    if qtype == 3:
+        return _q4_1_r(w, base, rbytes, nb, xq, xo, 0, xd, xs, xb, 0)
+    if qtype == 8:
+        return _q8_0_r(w, base, rbytes, nb, xq, xo, 0, xd, xs, xb, 0)
+    if qtype == 12:
+        return _q4_k_r(w, base, rbytes, nb // 8, xq, xo, 0, xd, xs, xb, 0)
+    if qtype == 14:
+        return _q6_k_r(w, base, rbytes, nb // 8, xq, xo, 0, xd, xs, xb, 0)
+    if qtype == 6:
+        return _q5_0_r(w, base, rbytes, nb, xq, xo, 0, xd, xs, xb, 0)
+    if qtype == 2:
+        return _q4_0_r(w, base, rbytes, nb, xq, xo, 0, xd, xs, xb, 0)
+    if qtype == 7:
+        return _q5_1_r(w, base, rbytes, nb, xq, xo, 0, xd, xs, xb, 0)
+    return _q5_k_r(w, base, rbytes, nb // 8, xq, xo, 0, xd, xs, xb, 0)
+
+
 @njit(cache=True, nogil=True)
 def row_dots(w, qtype, base, nb, N, xq, xd, xs, out, r, n0=0):
     """out[n, r] = row . token n for tokens n0..N-1 (xq/xd/xs flat): tiles of TILE, then one by one."""
@@ -187,8 +215,20 @@ def block_dots(w, qtype, base, rbytes, nrows, nb, N, xq, xd, xs, out, c0):
                 out[n + t, c0 + i] = y[t]
         n += TILE
     if n < N:
-        for i in range(nrows):
-            row_dots(w, qtype, base + i * rbytes, nb, N, xq, xd, xs, out, c0 + i, n)
+        m = n + (N - n) // HALF_TILE * HALF_TILE  # tokens the 8- and 4-tiles take
+        if m > n:
+            for i in range(nrows):
+                row_dots(w, qtype, base + i * rbytes, nb, m, xq, xd, xs, out, c0 + i, n)
+        for t in range(m, N):  # the last 1-3 tokens (all of a small decode batch): ROWS rows a call
+            i = 0
+            while i + ROWS <= nrows:
+                y = rows_dot4(w, qtype, base + i * rbytes, rbytes, nb, xq, t * K, xd, xs, t * nb)
+                for j in range(ROWS):
+                    out[t, c0 + i + j] = y[j]
+                i += ROWS
+            while i < nrows:
+                out[t, c0 + i] = row_dot(w, qtype, base + i * rbytes, nb, xq, t * K, xd, xs, t * nb)
+                i += 1
 
 
 # ---------------------------------------------------------------- GEMM

@@ -327,7 +327,11 @@ def _mins_step(b, tok: _Tok, minsv, first, mac):
     return b.call(fn, [minsv, xsv, mac])
 
 
-def _codegen(qtype: int, T: int):
+def _codegen(qtype: int, T: int, R: int = 1):
+    """The IR of R weight rows (row i at byte base + i * rstride) dotted with T tokens: R * T
+    independent chains in one loop, output (row i, token t) at index i * T + t. Each chain is
+    the same sequence of operations whatever R and T are (the token's loads are shared
+    between rows by LLVM, the arithmetic is not)."""
     subs = SUBS.get(qtype, 1)
     ubytes = UNIT_BYTES[qtype]
     # With VNNI two consecutive blocks share one zmm vpdpbusd: a loop step covers a pair of
@@ -336,16 +340,21 @@ def _codegen(qtype: int, T: int):
     has_min = qtype in (Q4_1, Q5_1, Q4_K, Q5_K)
     MW = subs * (2 if pair32 else 1)  # blocks a loop step covers: the lanes of the mins' sum
     MV = ir.VectorType(F32, MW)
+    C = R * T  # chains, row-major
 
     def codegen(context, builder, sig, args):
-        w, base, units, xq, xo, xstride, xd, xs, xb, xbstride = args
-        aty = sig.args
+        if R == 1:
+            w, base, units, xq, xo, xstride, xd, xs, xb, xbstride = args
+            rstride, aty = ir.Constant(I64, 0), sig.args
+        else:
+            w, base, rstride, units, xq, xo, xstride, xd, xs, xb, xbstride = args
+            aty = sig.args[:2] + sig.args[3:]
         wdata = context.make_array(aty[0])(context, builder, w).data
         qdata = context.make_array(aty[3])(context, builder, xq).data
         ddata = context.make_array(aty[6])(context, builder, xd).data
         sdata = context.make_array(aty[7])(context, builder, xs).data
         b = builder
-        e = _Emit(b, b.gep(wdata, [base]))
+        es = [_Emit(b, b.gep(wdata, [b.add(base, b.mul(rstride, ir.Constant(I64, i)))])) for i in range(R)]
         # an explicit fused multiply-add: one rounding, the same on every call (not a fast-math contraction)
         fma = b.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(V16F, [V16F] * 3))
         toks = [_Tok(b, qdata, ddata, sdata, xo, xstride, xb, xbstride, t) for t in range(T)]
@@ -358,54 +367,57 @@ def _codegen(qtype: int, T: int):
         b.cbranch(b.icmp_signed(">", steps, ir.Constant(I64, 0)), loop, after)
         b.position_at_end(loop)
         u = b.phi(I64)
-        accs = [b.phi(V16F) for _ in range(T)]
-        macs = [b.phi(MV) for _ in range(T)] if has_min else []
+        accs = [b.phi(V16F) for _ in range(C)]
+        macs = [b.phi(MV) for _ in range(C)] if has_min else []
         acc_v, mac_v = list(accs), list(macs)
         if pair32:
             o = b.mul(u, ir.Constant(I64, 2 * ubytes))
-            groups = _groups(e, qtype, o) + _groups(e, qtype, b.add(o, ir.Constant(I64, ubytes)))
             first = b.mul(u, ir.Constant(I64, 2))
         else:
             o = b.mul(u, ir.Constant(I64, ubytes))
-            groups = _groups(e, qtype, o)
             first = b.mul(u, ir.Constant(I64, subs))
-        _prefetch(b, e, o)
-        if VNNI:
-            for j in range(0, len(groups), 2):
-                blk = b.add(first, ir.Constant(I64, j))
-                prep = _pair_prep(b, e, groups[j], groups[j + 1])
+        for i, e in enumerate(es):
+            if pair32:
+                groups = _groups(e, qtype, o) + _groups(e, qtype, b.add(o, ir.Constant(I64, ubytes)))
+            else:
+                groups = _groups(e, qtype, o)
+            _prefetch(b, e, o)
+            if VNNI:
+                for j in range(0, len(groups), 2):
+                    blk = b.add(first, ir.Constant(I64, j))
+                    prep = _pair_prep(b, e, groups[j], groups[j + 1])
+                    for t in range(T):
+                        acc_v[i * T + t] = _pair_step(b, e, toks[t], prep, blk, acc_v[i * T + t], fma)
+            else:
+                for j, g in enumerate(groups):
+                    blk = b.add(first, ir.Constant(I64, j))
+                    for t in range(T):
+                        acc_v[i * T + t] = _single_step(b, e, toks[t], g, blk, acc_v[i * T + t], fma)
+            if has_min:  # the step's mins as one vector, once for the T tokens
+                minsv = ir.Constant(MV, ir.Undefined)
+                for j, g in enumerate(groups):
+                    minsv = b.insert_element(minsv, g[3], ir.Constant(I32, j))
                 for t in range(T):
-                    acc_v[t] = _pair_step(b, e, toks[t], prep, blk, acc_v[t], fma)
-        else:
-            for j, g in enumerate(groups):
-                blk = b.add(first, ir.Constant(I64, j))
-                for t in range(T):
-                    acc_v[t] = _single_step(b, e, toks[t], g, blk, acc_v[t], fma)
-        if has_min:  # the step's mins as one vector, once for the T tokens
-            minsv = ir.Constant(MV, ir.Undefined)
-            for j, g in enumerate(groups):
-                minsv = b.insert_element(minsv, g[3], ir.Constant(I32, j))
-            for t in range(T):
-                mac_v[t] = _mins_step(b, toks[t], minsv, first, mac_v[t])
+                    mac_v[i * T + t] = _mins_step(b, toks[t], minsv, first, mac_v[i * T + t])
         u1 = b.add(u, ir.Constant(I64, 1))
         u.add_incoming(ir.Constant(I64, 0), entry)
         u.add_incoming(u1, loop)
-        for t in range(T):
-            accs[t].add_incoming(zero_v, entry)
-            accs[t].add_incoming(acc_v[t], loop)
+        for c in range(C):
+            accs[c].add_incoming(zero_v, entry)
+            accs[c].add_incoming(acc_v[c], loop)
             if has_min:
-                macs[t].add_incoming(zero_m, entry)
-                macs[t].add_incoming(mac_v[t], loop)
+                macs[c].add_incoming(zero_m, entry)
+                macs[c].add_incoming(mac_v[c], loop)
         b.cbranch(b.icmp_signed("<", u1, steps), loop, after)
         b.position_at_end(after)
-        acc_p = [b.phi(V16F) for _ in range(T)]
-        mac_p = [b.phi(MV) for _ in range(T)] if has_min else []
-        for t in range(T):
-            acc_p[t].add_incoming(zero_v, entry)
-            acc_p[t].add_incoming(acc_v[t], loop)
+        acc_p = [b.phi(V16F) for _ in range(C)]
+        mac_p = [b.phi(MV) for _ in range(C)] if has_min else []
+        for c in range(C):
+            acc_p[c].add_incoming(zero_v, entry)
+            acc_p[c].add_incoming(acc_v[c], loop)
             if has_min:
-                mac_p[t].add_incoming(zero_m, entry)
-                mac_p[t].add_incoming(mac_v[t], loop)
+                mac_p[c].add_incoming(zero_m, entry)
+                mac_p[c].add_incoming(mac_v[c], loop)
         acc_f, mac_f = list(acc_p), list(mac_p)
         if pair32:  # the odd last block of a 32-type row
             tail = b.append_basic_block("rowdot_tail")
@@ -414,32 +426,34 @@ def _codegen(qtype: int, T: int):
             b.cbranch(b.icmp_signed("!=", b.and_(units, ir.Constant(I64, 1)), ir.Constant(I64, 0)), tail, done)
             b.position_at_end(tail)
             last = b.sub(units, ir.Constant(I64, 1))
-            (g,) = _groups(e, qtype, b.mul(last, ir.Constant(I64, ubytes)))
             tacc, tmac = list(acc_p), list(mac_p)
-            for t in range(T):
-                tacc[t] = _single_step(b, e, toks[t], g, last, tacc[t], fma)
-                if has_min:  # into lane 0 (the even blocks' lane)
-                    m0 = b.fmul(g[3], toks[t].xs(last))
-                    tmac[t] = b.fadd(tmac[t], b.insert_element(zero_m, m0, ir.Constant(I32, 0)))
+            for i, e in enumerate(es):
+                (g,) = _groups(e, qtype, b.mul(last, ir.Constant(I64, ubytes)))
+                for t in range(T):
+                    c = i * T + t
+                    tacc[c] = _single_step(b, e, toks[t], g, last, tacc[c], fma)
+                    if has_min:  # into lane 0 (the even blocks' lane)
+                        m0 = b.fmul(g[3], toks[t].xs(last))
+                        tmac[c] = b.fadd(tmac[c], b.insert_element(zero_m, m0, ir.Constant(I32, 0)))
             tail_end = b.block
             b.branch(done)
             b.position_at_end(done)
-            for t in range(T):
+            for c in range(C):
                 a_ = b.phi(V16F)
-                a_.add_incoming(acc_p[t], before)
-                a_.add_incoming(tacc[t], tail_end)
-                acc_f[t] = a_
+                a_.add_incoming(acc_p[c], before)
+                a_.add_incoming(tacc[c], tail_end)
+                acc_f[c] = a_
                 if has_min:
                     m_ = b.phi(MV)
-                    m_.add_incoming(mac_p[t], before)
-                    m_.add_incoming(tmac[t], tail_end)
-                    mac_f[t] = m_
+                    m_.add_incoming(mac_p[c], before)
+                    m_.add_incoming(tmac[c], tail_end)
+                    mac_f[c] = m_
         red = b.module.declare_intrinsic("llvm.vector.reduce.fadd.v16f32", fnty=ir.FunctionType(F32, [F32, V16F]))
-        outs = [b.call(red, [ir.Constant(F32, -0.0), acc_f[t]], fastmath=("reassoc",)) for t in range(T)]
+        outs = [b.call(red, [ir.Constant(F32, -0.0), acc_f[c]], fastmath=("reassoc",)) for c in range(C)]
         if has_min:
             mred = b.module.declare_intrinsic(f"llvm.vector.reduce.fadd.v{MW}f32", fnty=ir.FunctionType(F32, [F32, MV]))
-            outs = [b.fadd(outs[t], b.call(mred, [ir.Constant(F32, -0.0), mac_f[t]], fastmath=("reassoc",)))
-                    for t in range(T)]
+            outs = [b.fadd(outs[c], b.call(mred, [ir.Constant(F32, -0.0), mac_f[c]], fastmath=("reassoc",)))
+                    for c in range(C)]
         return context.make_tuple(b, sig.return_type, outs)
 
     return codegen
@@ -459,5 +473,23 @@ def rowdot(qtype: int, T: int):
             return types.UniTuple(types.float32, T)(w, ip, ip, xq, ip, ip, xd, xs, ip, ip), gen
 
         typer.__name__ = f"rowdot_q{qtype}_t{T}"
+        _CACHE[key] = intrinsic(typer)
+    return _CACHE[key]
+
+
+def rowsdot(qtype: int, R: int):
+    """The intrinsic for R consecutive rows . one token (decode): R independent chains in one
+    loop, each the same arithmetic as `rowdot(qtype, T)` gives that token, so the same bits
+    (the rows share the token's loads and the loop's overhead: a short row of a decode GEMV
+    was mostly overhead). Rows at byte base + i * rstride; returns UniTuple(float32, R)."""
+    key = ("rows", qtype, R)
+    if key not in _CACHE:
+        gen = _codegen(qtype, 1, R)
+
+        def typer(typingctx, w, base, rstride, units, xq, xo, xstride, xd, xs, xb, xbstride):
+            ip = types.intp
+            return types.UniTuple(types.float32, R)(w, ip, ip, ip, xq, ip, ip, xd, xs, ip, ip), gen
+
+        typer.__name__ = f"rowsdot_q{qtype}_r{R}"
         _CACHE[key] = intrinsic(typer)
     return _CACHE[key]

@@ -62,6 +62,11 @@ class ModelRunner:
         self._lock = threading.Lock()
         self.num_threads = min(num_threads or torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
 
+    @property
+    def step_pool(self):
+        """Where steps run (imp.model.team): the executor actor submits them here directly."""
+        return team.pool()
+
     def _threads(self) -> None:
         if numba.get_num_threads() != self.num_threads:
             numba.set_num_threads(self.num_threads)

@@ -36,12 +36,19 @@ def _inference(fn, args, kw):
         return fn(*args, **kw)
 
 
-def run(fn, *args, **kw):
-    """fn(*args, **kw) on the team's thread, in inference mode; its result or its exception."""
-    if threading.get_ident() == _ident:
-        return _inference(fn, args, kw)
+def pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The team's thread as an executor (never shut down: it lives as long as the process).
+    A caller that hops to a worker thread anyway (the executor actor) hops here instead and
+    saves a second hand-off (~0.1-0.3 ms a step on 2 busy cores)."""
     global _pool
     with _lock:
         if _pool is None:
             _pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omp-team", initializer=_mark)
-    return _pool.submit(_inference, fn, args, kw).result()
+    return _pool
+
+
+def run(fn, *args, **kw):
+    """fn(*args, **kw) on the team's thread, in inference mode; its result or its exception."""
+    if threading.get_ident() == _ident:
+        return _inference(fn, args, kw)
+    return pool().submit(_inference, fn, args, kw).result()

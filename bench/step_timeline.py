@@ -7,6 +7,8 @@ a stream feels per token), the executor's own time (StepResult.elapsed_ns: plan
 received -> tokens collected), and the host legs: StepResult -> the next KvRequest (scheduler),
 KvRequest -> KvReply (allocator), KvReply -> StepPlan (scheduler), and StepResult ->
 TokenBatch -> DeltaBatch (detok) -> ingress. Prints medians and p90s in microseconds.
+--gaps N: the N longest intervals between consecutive StepResults (the stalls a stream
+feels) with what the step held: shares, decode rows, prompt rows, the executor's own time.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("log")
     ap.add_argument("--skip", type=int, default=20, help="steps to skip at the start (prefill, warm-up)")
+    ap.add_argument("--gaps", type=int, default=0, help="list the N longest result -> result intervals")
     a = ap.parse_args()
     _, recs = read_log(a.log)
     by_step: dict[int, dict[str, int]] = defaultdict(dict)
     batch: dict[int, int] = {}
+    shape: dict[int, tuple[int, int, int]] = {}  # step -> (shares, decode rows, prompt rows)
     for env in recs:
         name = type(env.payload).__name__
         st = getattr(env.payload, "step", None)
@@ -38,6 +42,8 @@ def main() -> int:
         d.setdefault(f"{name}:{env.sender}>{env.receiver}", env.wall_ns)
         if name == "StepPlan":
             batch[key] = len(env.payload.seqs)
+            dec = sum(1 for w in env.payload.seqs if len(w.token_ids) == 1 and w.sample)
+            shape[key] = (len(env.payload.seqs), dec, sum(len(w.token_ids) for w in env.payload.seqs) - dec)
         if name == "StepResult":
             d["elapsed"] = env.payload.elapsed_ns
     all_steps = sorted(s for s in by_step if "StepResult:executor>scheduler" in by_step[s] and batch.get(s))
@@ -47,7 +53,22 @@ def main() -> int:
     for size, steps in sorted(sizes.items()):
         if len(steps) >= 20:
             _table(by_step, batch, steps)
+    if a.gaps:
+        _gaps(by_step, shape, all_steps, a.gaps)
     return 0
+
+
+def _gaps(by_step, shape, steps, n: int) -> None:
+    """The longest StepResult -> StepResult intervals: which steps stalled the streams, and with what."""
+    res = {s: by_step[s]["StepResult:executor>scheduler"] for s in steps}
+    gaps = sorted(((res[s] - res[s - 1], s) for s in steps if s - 1 in res), reverse=True)[:n]
+    print(f"\n{n} longest result -> result intervals")
+    print("| step | interval ms | shares | decode rows | prompt rows | executor ms | previous step's shares / prompt rows |")
+    print("|---|---|---|---|---|---|---|")
+    for g, s in gaps:
+        sh, pv = shape.get(s, (0, 0, 0)), shape.get(s - 1, (0, 0, 0))
+        print(f"| {s} | {g / 1e6:.1f} | {sh[0]} | {sh[1]} | {sh[2]} | {by_step[s].get('elapsed', 0) / 1e6:.1f} "
+              f"| {pv[0]} / {pv[2]} |")
 
 
 def _table(by_step, batch, steps) -> None:

@@ -109,3 +109,28 @@ def test_penalties_touch_only_the_history_and_match_the_dense_form():
         before = x.clone()
         assert torch.equal(apply_penalties(x, hist, p), dense(x, hist, p))
         assert torch.equal(x, before)  # the caller's row is not changed in place
+
+
+def test_argmax_is_torchs_first_maximum_ties_and_nan_included():
+    g = torch.Generator().manual_seed(3)
+    for x in (torch.randn(262144, generator=g), torch.tensor([1.0, 3.0, 3.0, 2.0]),
+              torch.tensor([1.0, float("nan"), 5.0, float("nan")]), torch.full((7,), -float("inf"))):
+        assert S.argmax(x) == int(torch.argmax(x))
+    rows = torch.randn(3, 1000, generator=g)
+    rows[1, 10] = rows[1, 20] = rows[1].max() + 1
+    w = SeqWork("s", (1,), 0, (0,), True, SamplingParams(max_tokens=1, temperature=0.0, repetition_penalty=1.0))
+    assert [t.token_id for t in S.sample(rows, [w] * 3)] == torch.argmax(rows, dim=-1).tolist()
+
+
+def test_owned_logits_are_penalized_in_place_and_others_never():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 5000, generator=g)
+    hist = tuple(int(i) for i in torch.topk(logits[0], 30).indices)  # the history holds the top tokens
+    w = SeqWork("s", (1,), 0, (0,), True, SamplingParams(max_tokens=1, temperature=0.0, repetition_penalty=1.8),
+                history=hist)
+    before = logits.clone()
+    want = [t.token_id for t in S.sample(logits, [w, w])]
+    assert torch.equal(logits, before)  # not owned: untouched
+    assert want[0] not in hist[:1]  # the penalty changed the choice
+    got = [t.token_id for t in S.sample(logits, [w, w], own=True)]
+    assert got == want and not torch.equal(logits, before)  # owned: same tokens, penalized in place

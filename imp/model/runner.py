@@ -173,8 +173,12 @@ class ModelRunner:
         order = sorted(sample_at)
         drawn = {}
         if order:
-            sel, works = logits[[sample_at[i] for i in order]], [seqs[i] for i in order]  # sel: a copy
+            idx, works = [sample_at[i] for i in order], [seqs[i] for i in order]
+            # the forward's logits are a fresh tensor: when every row is sampled in order and none is
+            # scored for prompt logprobs (read below), sample from it as it is instead of a copy
+            whole = not plp_at and idx == list(range(logits.shape[0]))
+            sel = logits if whole else logits[idx]
             if constraints is not None:
                 constraints.apply(sel, works)
-            drawn = dict(zip(order, sample(sel, works)))
+            drawn = dict(zip(order, sample(sel, works, own=True)))
         return with_prompt_logprobs(seqs, drawn, plp_at, logits)

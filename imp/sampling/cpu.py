@@ -32,6 +32,12 @@ def generator_for(seed: int, gen_index: int) -> torch.Generator:
     return g
 
 
+def argmax(x: torch.Tensor) -> int:
+    """The first index of the largest value of a CPU row (a NaN counts as largest, as in torch):
+    numpy's, ~10x faster than torch.argmax here (262k floats: 15 vs 163 µs, 2 threads)."""
+    return int(np.argmax(x.numpy()))
+
+
 def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
     if not bias:
         return logits
@@ -41,12 +47,14 @@ def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) 
     return logits.index_add(0, ids[keep], vals[keep])
 
 
-def apply_penalties(logits: torch.Tensor, history: list[int], p: SamplingParams) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, history: list[int], p: SamplingParams, own: bool = False) -> torch.Tensor:
     """Repetition (HF: divide positive logits, multiply negative ones), presence, frequency.
 
     Only the tokens of the history change, so only they are gathered, penalized and put back:
     O(history) instead of O(vocab) (Gemma's 262k vocabulary made the dense form ~2 ms a row).
-    The same operations in the same order as on the whole row, so the same bits."""
+    The same operations in the same order as on the whole row, so the same bits. own: the caller
+    owns `logits` (a fresh tensor nobody reads after): penalized in place, no copy of the row
+    (a 262k vocabulary's row is 1 MB, copied every step)."""
     if not history or not p.penalized:
         return logits
     V = logits.shape[-1]
@@ -63,7 +71,7 @@ def apply_penalties(logits: torch.Tensor, history: list[int], p: SamplingParams)
         v = v - p.presence_penalty * torch.ones_like(v)
     if p.frequency_penalty != 0.0:
         v = v - p.frequency_penalty * counts.to(v.dtype)
-    out = logits.clone()
+    out = logits if own else logits.clone()
     out[..., uniq] = v
     return out
 
@@ -109,12 +117,13 @@ def typical_filter(logits: torch.Tensor, typical_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def process(logits: torch.Tensor, work: SeqWork) -> torch.Tensor:
-    """Biased, penalized, tempered and filtered logits [vocab] for one sequence."""
+def process(logits: torch.Tensor, work: SeqWork, own: bool = False) -> torch.Tensor:
+    """Biased, penalized, tempered and filtered logits [vocab] for one sequence. own: the caller's
+    `logits` may be changed in place (see apply_penalties)."""
     p = work.params
     x = logits.float()
     x = apply_logit_bias(x, p.logit_bias)
-    x = apply_penalties(x, work.history, p)
+    x = apply_penalties(x, work.history, p, own=own or x is not logits)  # a fresh x is ours anyway
     if p.greedy:
         return x
     x = x / p.temperature
@@ -125,12 +134,12 @@ def process(logits: torch.Tensor, work: SeqWork) -> torch.Tensor:
     return x
 
 
-def sample_one(logits: torch.Tensor, work: SeqWork) -> SampledToken:
-    """logits [vocab] fp32 -> the sequence's next token (and logprobs if asked)."""
+def sample_one(logits: torch.Tensor, work: SeqWork, own: bool = False) -> SampledToken:
+    """logits [vocab] fp32 -> the sequence's next token (and logprobs if asked); own: see process."""
     p = work.params
-    x = process(logits, work)
+    x = process(logits, work, own)
     if p.greedy:
-        token = int(torch.argmax(x).item())
+        token = argmax(x)
     else:
         probs = torch.softmax(x, -1)
         token = int(torch.multinomial(probs, 1, generator=generator_for(p.seed, work.gen_index)).item())
@@ -144,10 +153,11 @@ def sample_one(logits: torch.Tensor, work: SeqWork) -> SampledToken:
     return SampledToken(seq_id=work.seq_id, token_id=token, logprob=float(logp[token]), top=top)
 
 
-def sample(logits: torch.Tensor, works: list[SeqWork]) -> list[SampledToken]:
-    """logits [B, vocab] for `works` (same order) -> one token per sequence."""
+def sample(logits: torch.Tensor, works: list[SeqWork], own: bool = False) -> list[SampledToken]:
+    """logits [B, vocab] for `works` (same order) -> one token per sequence. own: the caller's logits
+    are a fresh tensor it will not read again (its rows may be penalized in place)."""
     assert logits.shape[0] == len(works)
     if all(w.params.plain_greedy for w in works):
-        ids = torch.argmax(logits, dim=-1).tolist()  # all-greedy fast path, one op
+        ids = np.argmax(logits.numpy(), axis=-1).tolist()  # all-greedy fast path, one op (see argmax)
         return [SampledToken(seq_id=w.seq_id, token_id=t) for w, t in zip(works, ids)]
-    return [sample_one(logits[i], w) for i, w in enumerate(works)]
+    return [sample_one(logits[i], w, own) for i, w in enumerate(works)]

@@ -164,3 +164,27 @@ def test_attention_matches_float64_reference(N, H, Hkv, D, starts, window, kv_dt
         cpu_attn.attention(qkv[n:n + 1].copy(), H, Hkv, D, 1, kc, vc, nblocks, bs, pos[n:n + 1].copy(),
                            tables, row_tab[n:n + 1].copy(), window, scale, alone)
         np.testing.assert_array_equal(alone[0], out[n])
+
+
+# ---------------------------------------------------------------- exp (cpu_simd.exp_span)
+
+
+def test_exp_span_is_within_one_ulp_and_keeps_specials_and_tails():
+    from imp.kernels.cpu_simd import exp_span
+
+    x = np.concatenate([np.linspace(-87, 88, 100_003, dtype=np.float32),
+                        np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, -90.0, 89.0], np.float32)])
+    y = x.copy()
+    exp_span(y, 0, y.size)
+    ref = np.exp(x[:-7].astype(np.float64))
+    ulp = np.abs(y[:-7] - ref) / np.spacing(ref.astype(np.float32))
+    assert ulp.max() <= 1.0, ulp.max()
+    assert np.isnan(y[-7]) and y[-6] == np.inf and y[-5] == 0.0 and y[-4] == 1.0 and y[-3] == 1.0
+    assert y[-2] == 0.0 and y[-1] == np.inf
+    # a span's tail (< 16 lanes) and any offset: the same bits as the element gets anywhere
+    for off, n in ((3, 37), (0, 5), (17, 16)):
+        z = x.copy()
+        exp_span(z, off, n)
+        np.testing.assert_array_equal(z[off:off + n], y[off:off + n])
+        np.testing.assert_array_equal(z[:off], x[:off])
+        np.testing.assert_array_equal(z[off + n:], x[off + n:])

@@ -12,14 +12,14 @@ so a noisy box shows in the spread rather than in the ratio. --profile: cProfile
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.cpu_prefill import llama_bench  # noqa: E402
 
 
 def imp_decode(model: str, tokens: int, threads: int, profile: bool = False) -> float:
@@ -54,13 +54,6 @@ def imp_decode(model: str, tokens: int, threads: int, profile: bool = False) -> 
     return statistics.median(times[4:]) * 1e3
 
 
-def llama_tg(binary: str, model: str, tokens: int, threads: int) -> float | None:
-    out = subprocess.run([binary, "-m", model, "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "3"],
-                         capture_output=True, text=True, timeout=900).stdout
-    m = re.search(rf"tg{tokens}\s*\|\s*([\d.]+)", out)
-    return float(m.group(1)) if m else None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -73,7 +66,7 @@ def main() -> None:
     rows = []
     for _ in range(a.rounds):
         ms = imp_decode(a.model, a.tokens, a.threads, a.profile)
-        peer = llama_tg(a.llama_bench, a.model, a.tokens, a.threads) if a.llama_bench else None
+        peer = llama_bench(a.llama_bench, a.model, a.tokens, a.threads, 3, test="tg") if a.llama_bench else None
         rows.append((1e3 / ms, peer))
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}  {Path(a.model).name}  threads {a.threads}  tokens {a.tokens}\n")
     print(f"| round | imp tok/s (one stream, in process) | llama-bench tg{a.tokens} tok/s | ratio |")

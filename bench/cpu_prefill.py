@@ -44,10 +44,12 @@ def imp_prefill(model: str, n: int, threads: int, reps: int) -> float:
     return statistics.median(rates)
 
 
-def llama_bench(binary: str, model: str, n: int, threads: int, reps: int) -> float | None:
-    out = subprocess.run([binary, "-m", model, "-p", str(n), "-n", "0", "-t", str(threads), "-r", str(reps)],
+def llama_bench(binary: str, model: str, n: int, threads: int, reps: int, test: str = "pp") -> float | None:
+    """llama-bench's mean tok/s for ppN (prefill, the default) or tgN (decode, test="tg")."""
+    p, g = (n, 0) if test == "pp" else (0, n)
+    out = subprocess.run([binary, "-m", model, "-p", str(p), "-n", str(g), "-t", str(threads), "-r", str(reps)],
                          capture_output=True, text=True, timeout=900).stdout
-    m = re.search(rf"pp{n}\s*\|\s*([\d.]+)", out)
+    m = re.search(rf"{test}{n}\s*\|\s*([\d.]+)", out)
     return float(m.group(1)) if m else None
 
 

@@ -32,7 +32,12 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=37)
     ap.add_argument("--prefix", type=int, default=352, help="cached prefix tokens (a multiple of 16)")
     ap.add_argument("--activations", default="int8")
+    ap.add_argument("--sdpa", action="store_true", help="prompt rows through torch SDPA per chunk (the old path)")
     a = ap.parse_args()
+    if a.sdpa:
+        import imp.gpu.forward
+
+        imp.gpu.forward.PAGED_PREFILL = False
     r = GpuModelRunner.load(a.model, kv_tokens=65536, device="cuda:0", int8_act=a.activations == "int8")
     bs, p = r.block_size, SamplingParams(max_tokens=64, temperature=0.0, repetition_penalty=1.0)
     nbp = a.prefix // bs

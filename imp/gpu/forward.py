@@ -1,7 +1,7 @@
 """The llama forward on the device, over one step's rows (`imp.gpu.inputs.Meta`).
 
 Per layer: add+RMSNorm -> QKV GEMV -> RoPE + KV write (one kernel) -> paged
-attention -> O GEMV -> add+RMSNorm -> gate/up GEMV -> SiLU*up -> down GEMV; where the
+attention (decode rows: `paged_attention`; prompt rows, cached prefix or not: `paged_prefill`) -> O GEMV -> add+RMSNorm -> gate/up GEMV -> SiLU*up -> down GEMV; where the
 tuner picks a `gemv_bf16x` variant the QKV GEMV also applies RoPE and writes
 k/v into the cache, and the gate/up GEMV writes SiLU(gate)*up (7 kernels a
 layer instead of 10). The residual add is fused into the next RMSNorm
@@ -21,12 +21,17 @@ from imp.gpu.inputs import Meta
 from imp.gpu.weights import Weights
 from imp.kernels import act as k_act
 from imp.kernels import paged_attention as k_attn
+from imp.kernels import paged_prefill as k_pf
 from imp.kernels import pending as k_pending
 from imp.kernels import prefill_attention as k_prefill
 from imp.kernels import q8act
 from imp.kernels import qgemv
 from imp.kernels import rmsnorm as k_norm
 from imp.kernels import rope as k_rope
+
+
+# False: prompt rows through torch SDPA per chunk, as before paged_prefill (bench/eager_step.py --sdpa compares)
+PAGED_PREFILL = True
 
 
 class Forward:
@@ -111,7 +116,7 @@ class Forward:
         return None
 
     def attention(self, qkv, kn, vn, kc, vc, m: Meta, N: int) -> torch.Tensor:
-        """[N, H D] fp32: paged decode for one-token rows, prefill attention per chunk."""
+        """[N, H D] fp32: paged decode for one-token rows, paged prefill for the prompt rows."""
         H, D = self.cfg.n_heads, self.cfg.head_dim
         if m.all_decode:
             return k_attn.paged_decode(qkv, kc, vc, m.dec_bt, m.dec_lens, H)
@@ -119,6 +124,9 @@ class Forward:
         if m.dec_bt is not None:
             qd = qkv.index_select(0, m.dec_rows)
             out.index_copy_(0, m.dec_rows, k_attn.paged_decode(qd, kc, vc, m.dec_bt, m.dec_lens, H))
-        for r0, r1, ctx, start in m.prefill:
+        if m.pf_tiles is not None and PAGED_PREFILL and k_pf.supports(kc, H):  # every chunk in one launch, cached or not
+            k_pf.paged_prefill(qkv, kc, vc, m.pf_tiles, m.pf_bt, H, out)
+            return out
+        for r0, r1, ctx, start in m.prefill:  # fp32 caches: torch SDPA per chunk
             k_prefill.prefill_attention(qkv[r0:r1, :H * D], kn[r0:r1], vn[r0:r1], kc, vc, ctx, start, H, out[r0:r1])
         return out

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from imp.kernels import paged_prefill
 from imp.kernels._cuda import to_device
 from imp.messages import SampledToken, SeqWork
 
@@ -31,6 +32,8 @@ class Meta:
     prefill: list  # (row0, row1, ctx_blocks int64 | None, start)
     out_rows: torch.Tensor | None  # [R] int64 rows to compute logits for; None = all rows
     all_decode: bool = False
+    pf_tiles: torch.Tensor | None = None  # [T, 4] int32: every prefill chunk's rows for one paged_prefill launch
+    pf_bt: torch.Tensor | None = None  # [C, max_blocks] int32: those chunks' block tables
     pending: tuple | None = None  # (rows [k] int32, src [k] int32, k): tokens[rows] = previous step's sampled[src]
 
 
@@ -111,12 +114,18 @@ def eager_meta(seqs: list[SeqWork], rows: list[int], block_size: int, device: to
         m.dec_bt = to_device(torch.from_numpy(bt), torch.int32, device)
         m.dec_lens = to_device(torch.from_numpy(lens), torch.int32, device)
         m.dec_rows = to_device([rr for rr, _, _, _ in dec], torch.int64, device)
+    chunks = []
     for rr, s, n, table in pre:
         ctx = None
+        nb = (s.start_pos + n - 1) // bs + 1
         if s.start_pos > 0:
-            nb = (s.start_pos + n - 1) // bs + 1
             ctx = to_device(torch.from_numpy(np.ascontiguousarray(table[:nb])), torch.int64, device)
         m.prefill.append((rr, rr + n, ctx, s.start_pos))
+        chunks.append((rr, n, table[:nb], s.start_pos))
+    if chunks:  # one attention launch a layer for all of them (imp.kernels.paged_prefill)
+        tiles, pbt = paged_prefill.plan(chunks)
+        m.pf_tiles = to_device(torch.from_numpy(tiles), torch.int32, device)
+        m.pf_bt = to_device(torch.from_numpy(pbt), torch.int32, device)
     return m
 
 

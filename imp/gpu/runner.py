@@ -11,7 +11,8 @@ A step takes one of two paths:
       static device buffers in ONE host->device copy; the whole forward
       (embedding, 9 kernels a layer, head) replays as one CUDA graph.
   eager: anything else (prefill chunks, mixed steps, prompt logprobs): the
-      same kernels launched one by one; prefill attention through torch SDPA.
+      same kernels launched one by one; the prompt rows' attention in one
+      `paged_prefill` launch a layer (bf16 cache; torch SDPA per chunk for fp32).
 
 Per layer (decode): add+RMSNorm -> QKV GEMV -> RoPE -> KV write (Numba) ->
 paged attention -> O GEMV -> add+RMSNorm -> gate/up GEMV -> SiLU*up -> down

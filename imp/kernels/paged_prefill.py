@@ -1,0 +1,254 @@
+"""Prefill attention over the paged cache: every prompt row of a step in one launch a layer.
+
+Why: a step that admits new requests after a cached prefix used to run one torch
+SDPA call (plus gathers, a mask and GQA repeats) per chunk per layer: 12 two-row
+chunks on SmolLM2 were 360 calls and ~100 ms of host time, the 64-stream stalls of
+issue 14. Here the chunks' rows are cut into tiles of 16 rows of one chunk (a host
+table), and one launch runs every (tile, head) pair, reading K/V through each
+chunk's block table: the chunk's own rows are already in the cache (RoPE + KV
+write runs first), so a cached prefix and an uncached prompt are the same case.
+
+Numerics are a function of the row alone. A row at position p scores keys 0..p in
+tiles of 32 keys aligned to absolute positions, in order; each tile updates the
+row's online softmax (max, sum, accumulator). Keys past p get probability exactly
+0, and a tile entirely past p is an exact no-op (max unchanged, correction
+exp2(0) = 1), so the bits a row gets do not depend on which rows share its tile,
+on the chunk it arrived in, or on a cached prefix: a request answers the same
+alone, batched or on a cache hit.
+
+Math: tensor cores, mma.sync m16n8k16 bf16 -> fp32 (q and the probabilities
+rounded to bf16, as flash attention does; the cache is bf16 already). One warp a
+block: S = Q K^T over a 32-key tile (D/16 k-steps x 4 n-tiles), online softmax in
+the accumulator layout (a row lives in one lane quad), then O += P V (2 k-steps x
+D/8 n-tiles), with P taken straight from S's registers. K is staged row-major and
+V transposed in shared memory (padded: no bank conflicts on fragment reads).
+
+Shapes: q [N, >= H*D] fp32 (qkv rows), kc/vc [num_blocks, bs, Hkv, D] bf16,
+tiles [T, 4] int32 (row0, rows <= 16, chunk, position of row0), bt [C, max_blocks]
+int32, out [N, H*D] fp32 (only the tiles' rows are written).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from imp.kernels import _cuda as cu
+
+TILE_ROWS = 16
+KT = 32  # keys per tile
+
+SRC = r"""
+__device__ __forceinline__ unsigned pack_bf2(float lo, float hi) {
+    return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int D>
+__global__ void __launch_bounds__(32) paged_prefill(
+    const float* __restrict__ q, int ldq, const u16* __restrict__ kc, const u16* __restrict__ vc,
+    const int* __restrict__ tiles, const int* __restrict__ bt, int max_blocks,
+    float* __restrict__ out, int ldo, int H, int Hkv, int bs, float scale_log2) {
+    constexpr int KS = D / 16;        // k-steps of S = Q K^T
+    constexpr int NT = D / 8;         // n-tiles of O
+    constexpr int KP = D + 8;         // padded K row (bf16)
+    constexpr int VP = 32 + 8;        // padded V^T row (bf16)
+    __shared__ __align__(16) u16 Ks[32 * KP];
+    __shared__ __align__(16) u16 Vt[D * VP];
+    const int tile = blockIdx.x, h = blockIdx.y;
+    const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+    const int row0 = tiles[tile * 4], nrows = tiles[tile * 4 + 1];
+    const int chunk = tiles[tile * 4 + 2], pos0 = tiles[tile * 4 + 3];
+    const int kvh = h / (H / Hkv);
+    const int* btr = bt + (size_t)chunk * max_blocks;
+    const int last = pos0 + nrows - 1;  // the last key any row of the tile sees
+    const int pa = (g < nrows) ? pos0 + g : -1, pb = (g + 8 < nrows) ? pos0 + g + 8 : -1;
+
+    // Q fragments (rows g and g+8, columns 16 ks + 2t (+1) and + 8), bf16, kept for every key tile
+    unsigned qa[KS][4];
+    {
+        const float* ra = q + (size_t)(row0 + g) * ldq + (size_t)h * D;
+        const float* rb = q + (size_t)(row0 + g + 8) * ldq + (size_t)h * D;
+        #pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            const int c = ks * 16 + 2 * t;
+            const float2 a0 = (pa >= 0) ? *(const float2*)(ra + c) : make_float2(0.f, 0.f);
+            const float2 a2 = (pa >= 0) ? *(const float2*)(ra + c + 8) : make_float2(0.f, 0.f);
+            const float2 b0 = (pb >= 0) ? *(const float2*)(rb + c) : make_float2(0.f, 0.f);
+            const float2 b2 = (pb >= 0) ? *(const float2*)(rb + c + 8) : make_float2(0.f, 0.f);
+            qa[ks][0] = pack_bf2(a0.x, a0.y);
+            qa[ks][1] = pack_bf2(b0.x, b0.y);
+            qa[ks][2] = pack_bf2(a2.x, a2.y);
+            qa[ks][3] = pack_bf2(b2.x, b2.y);
+        }
+    }
+    float o[NT][4];
+    #pragma unroll
+    for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float ma = NEG_INF, mb = NEG_INF, la = 0.f, lb = 0.f;  // rows g, g+8: running max (log2 units), lane's sum
+    const size_t tok = (size_t)Hkv * D;
+    constexpr int CH = D / 8;  // 16-byte chunks per key row
+    for (int k0 = 0; k0 <= last; k0 += 32) {
+        __syncwarp();
+        // stage K (row-major) and V (transposed) of keys k0..k0+31; keys past `last` are zeros
+        #pragma unroll 4
+        for (int i = lane; i < 32 * CH; i += 32) {
+            const int kk = i / CH, c = i % CH, kp = k0 + kk;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+            if (kp <= last) {
+                const size_t off = ((size_t)btr[kp / bs] * bs + kp % bs) * tok + (size_t)kvh * D + c * 8;
+                kv = __ldg((const uint4*)(kc + off));
+                vv = __ldg((const uint4*)(vc + off));
+            }
+            *(uint4*)(Ks + kk * KP + c * 8) = kv;
+            const u16* ve = (const u16*)&vv;
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) Vt[(c * 8 + e) * VP + kk] = ve[e];
+        }
+        __syncwarp();
+        // S = Q K^T: 4 n-tiles of 8 keys
+        float s[4][4];
+        #pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            #pragma unroll
+            for (int ks = 0; ks < KS; ++ks) {
+                const u16* kr = Ks + (n * 8 + g) * KP + ks * 16 + 2 * t;
+                mma_bf16(s[n], qa[ks], *(const unsigned*)kr, *(const unsigned*)(kr + 8));
+            }
+        }
+        // mask, tile max per row (quad of lanes)
+        float mxa = NEG_INF, mxb = NEG_INF;
+        #pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            #pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int kp = k0 + n * 8 + 2 * t + j;
+                s[n][j] = (kp <= pa) ? s[n][j] * scale_log2 : NEG_INF;
+                s[n][2 + j] = (kp <= pb) ? s[n][2 + j] * scale_log2 : NEG_INF;
+                mxa = fmaxf(mxa, s[n][j]);
+                mxb = fmaxf(mxb, s[n][2 + j]);
+            }
+        }
+        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
+        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
+        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
+        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
+        const float na = fmaxf(ma, mxa), nb = fmaxf(mb, mxb);
+        // a row with nothing seen yet (max -inf) keeps p = 0 and scale 1: the tile is an exact no-op
+        const float ca = (na == NEG_INF) ? 1.f : exp2f(ma - na);
+        const float cb = (nb == NEG_INF) ? 1.f : exp2f(mb - nb);
+        ma = na; mb = nb;
+        la *= ca; lb *= cb;
+        #pragma unroll
+        for (int n = 0; n < NT; ++n) { o[n][0] *= ca; o[n][1] *= ca; o[n][2] *= cb; o[n][3] *= cb; }
+        unsigned pf[4][2];  // P in bf16 pairs: [n-tile][row g, row g+8]
+        #pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            const float p0 = (na == NEG_INF) ? 0.f : exp2f(s[n][0] - na);
+            const float p1 = (na == NEG_INF) ? 0.f : exp2f(s[n][1] - na);
+            const float p2 = (nb == NEG_INF) ? 0.f : exp2f(s[n][2] - nb);
+            const float p3 = (nb == NEG_INF) ? 0.f : exp2f(s[n][3] - nb);
+            pf[n][0] = pack_bf2(p0, p1);
+            pf[n][1] = pack_bf2(p2, p3);
+            // the sum takes the probabilities as the PV product sees them (bf16)
+            la += bf2f((u16)(pf[n][0] & 0xffffu)) + bf2f((u16)(pf[n][0] >> 16));
+            lb += bf2f((u16)(pf[n][1] & 0xffffu)) + bf2f((u16)(pf[n][1] >> 16));
+        }
+        // O += P V: two k-steps of 16 keys
+        #pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+            const unsigned a[4] = {pf[2 * kk][0], pf[2 * kk][1], pf[2 * kk + 1][0], pf[2 * kk + 1][1]};
+            #pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const u16* vr = Vt + (n * 8 + g) * VP + kk * 16 + 2 * t;
+                mma_bf16(o[n], a, *(const unsigned*)vr, *(const unsigned*)(vr + 8));
+            }
+        }
+    }
+    la += __shfl_xor_sync(0xffffffffu, la, 1);
+    la += __shfl_xor_sync(0xffffffffu, la, 2);
+    lb += __shfl_xor_sync(0xffffffffu, lb, 1);
+    lb += __shfl_xor_sync(0xffffffffu, lb, 2);
+    const float ia = (la > 0.f) ? 1.f / la : 0.f, ib = (lb > 0.f) ? 1.f / lb : 0.f;
+    #pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        const int c = h * D + n * 8 + 2 * t;
+        if (pa >= 0) *(float2*)(out + (size_t)(row0 + g) * ldo + c) = make_float2(o[n][0] * ia, o[n][1] * ia);
+        if (pb >= 0) *(float2*)(out + (size_t)(row0 + g + 8) * ldo + c) = make_float2(o[n][2] * ib, o[n][3] * ib);
+    }
+}
+"""
+
+_NAMES = ("paged_prefill<64>", "paged_prefill<128>")
+
+
+def supports(kc: torch.Tensor, n_heads: int) -> bool:
+    """bf16 caches with head dim 64 or 128 (every llama-family shape the GPU runner serves)."""
+    return kc.dtype == torch.bfloat16 and kc.shape[-1] in (64, 128) and n_heads % kc.shape[-2] == 0
+
+
+def plan(chunks: list[tuple[int, int, np.ndarray, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Host tables for `chunks` [(row0, rows, block ids covering every row's position, start)]:
+    tiles [T, 4] int32 (row0, rows <= 16, chunk index, position of row0) and bt [C, max_blocks] int32."""
+    tiles = []
+    nbmax = max(len(b) for _, _, b, _ in chunks)
+    bt = np.zeros((len(chunks), nbmax), np.int32)
+    for c, (r0, n, blocks, start) in enumerate(chunks):
+        bt[c, :len(blocks)] = blocks
+        for i in range(0, n, TILE_ROWS):
+            tiles.append((r0 + i, min(TILE_ROWS, n - i), c, start + i))
+    return np.asarray(tiles, np.int32).reshape(-1, 4), bt
+
+
+def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tiles: torch.Tensor, bt: torch.Tensor,
+                  n_heads: int, out: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Writes the attention of every tile's rows into out [N, H*D] fp32 (see the module docstring)."""
+    cu.check(q, "q", torch.float32, 2, align=16)
+    cu.check(kc, "kc", torch.bfloat16, 4, align=16)
+    cu.check(vc, "vc", torch.bfloat16, 4, align=16)
+    cu.check(tiles, "tiles", torch.int32, 2)
+    cu.check(bt, "bt", torch.int32, 2)
+    cu.check(out, "out", torch.float32, 2, align=8)
+    _, bs, Hkv, D = kc.shape
+    if not supports(kc, n_heads) or vc.shape != kc.shape or q.shape[1] < n_heads * D or q.stride(0) % 4:
+        raise ValueError(f"unsupported shape: D={D}, H={n_heads}, Hkv={Hkv}")
+    if not (kc.is_contiguous() and vc.is_contiguous() and tiles.is_contiguous() and bt.is_contiguous()):
+        raise ValueError("caches and tables must be contiguous")
+    if out.stride(0) % 2:
+        raise ValueError("out rows must be 8-byte aligned")
+    T = tiles.shape[0]
+    if T == 0:
+        return out
+    s = (1.0 / math.sqrt(D)) if scale is None else scale
+    fn = cu.function(SRC, f"paged_prefill<{D}>", _NAMES)
+    cu.launch(fn, (T, n_heads), (32,), (
+        cu.ptr(q), cu.i32(q.stride(0)), cu.ptr(kc), cu.ptr(vc), cu.ptr(tiles), cu.ptr(bt), cu.i32(bt.shape[1]),
+        cu.ptr(out), cu.i32(out.stride(0)), cu.i32(n_heads), cu.i32(Hkv), cu.i32(bs), cu.f32(s * math.log2(math.e))))
+    return out
+
+
+def reference(q, kc, vc, chunks, n_heads: int, scale: float | None = None) -> dict[int, torch.Tensor]:
+    """float64 causal attention of each chunk's rows over its block table: {row: [H*D]}."""
+    _, bs, Hkv, D = kc.shape
+    G = n_heads // Hkv
+    s = (1.0 / math.sqrt(D)) if scale is None else scale
+    res = {}
+    for r0, n, blocks, start in chunks:
+        b = torch.as_tensor(np.asarray(blocks), dtype=torch.int64, device=kc.device)
+        k = kc.index_select(0, b).reshape(-1, Hkv, D).double().repeat_interleave(G, dim=1)  # [L, H, D]
+        v = vc.index_select(0, b).reshape(-1, Hkv, D).double().repeat_interleave(G, dim=1)
+        for i in range(n):
+            p = start + i
+            qb = q[r0 + i, : n_heads * D].double().view(n_heads, D)
+            sc = torch.einsum("hd,lhd->hl", qb, k[: p + 1]) * s
+            res[r0 + i] = torch.einsum("hl,lhd->hd", torch.softmax(sc, -1), v[: p + 1]).reshape(-1)
+    return res

@@ -14,8 +14,26 @@ from imp.model.llama import Linear
 from imp.formats.quants import dequantize
 
 
-def rope_table(theta: float, dim: int, max_pos: int, linear_factor: float = 1.0):
-    """cos, sin [max_pos, dim/2]: pair i turns by (pos / linear_factor) * theta^(-2i/dim)."""
+def rope_table(theta: float, dim: int, max_pos: int, linear_factor: float = 1.0, ggml: bool = False):
+    """cos, sin [max_pos, dim/2]: pair i turns by (pos / linear_factor) * theta^(-2i/dim).
+
+    ggml: the angles as llama.cpp's CPU rope computes them, in float32: theta_i = pos * s^i by
+    repeated multiplication (s = powf(theta, -2/dim)), times 1/linear_factor, then cosf / sinf.
+    Up to ~1e-6 relative from the exact angles at long positions: the GGUF forward takes them so
+    that its greedy text follows llama.cpp's on near-ties (issue 15 §5)."""
+    if ggml:
+        import numpy as np
+
+        f32 = np.float32
+        ts = f32(np.power(f32(theta), f32(-2.0) / f32(dim), dtype=np.float32))
+        ang = np.empty((max_pos, dim // 2), np.float32)
+        ang[:, 0] = np.arange(max_pos, dtype=np.float32)
+        for i in range(1, dim // 2):
+            ang[:, i] = ang[:, i - 1] * ts  # float32 products, in ggml's order
+        if linear_factor != 1.0:
+            ang = ang * f32(1.0 / linear_factor)
+        a64 = ang.astype(np.float64)  # cos/sin of the float32 angle, correctly rounded
+        return torch.from_numpy(np.cos(a64).astype(np.float32)), torch.from_numpy(np.sin(a64).astype(np.float32))
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)) / linear_factor
     ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
     return torch.cos(ang).float(), torch.sin(ang).float()

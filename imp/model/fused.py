@@ -106,11 +106,11 @@ class FusedModel:
             self.scale = float(ex.get("attention.query_pre_attn_scalar", D)) ** -0.5
             scaling = ex.get("rope.scaling.type", "none")
             factor = float(ex.get("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
-            glob = rope_table(cfg.rope_theta, D, P, factor)
-            local = rope_table(float(ex.get("rope.freq_base_swa", LOCAL_THETA)), D, P)
+            glob = rope_table(cfg.rope_theta, D, P, factor, ggml=True)
+            local = rope_table(float(ex.get("rope.freq_base_swa", LOCAL_THETA)), D, P, ggml=True)
             flags = sliding_layers(cfg) if self.window else [False] * L
         else:
-            glob = local = rope_table(cfg.rope_theta, D, P)
+            glob = local = rope_table(cfg.rope_theta, D, P, ggml=True)
             flags = [False] * L
         self.sliding = np.array(flags, dtype=np.int64)
         self.cos_g, self.sin_g = (a.numpy() for a in glob)

@@ -31,14 +31,15 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=2, help="prompt rows each new share brings")
     ap.add_argument("--decode", type=int, default=37)
     ap.add_argument("--prefix", type=int, default=352, help="cached prefix tokens (a multiple of 16)")
-    ap.add_argument("--activations", default="int8")
+    ap.add_argument("--activations", default="int8", help="int8 | fp32 | invariant (int8, --batch-invariant)")
     ap.add_argument("--sdpa", action="store_true", help="prompt rows through torch SDPA per chunk (the old path)")
     a = ap.parse_args()
     if a.sdpa:
         import imp.gpu.forward
 
         imp.gpu.forward.PAGED_PREFILL = False
-    r = GpuModelRunner.load(a.model, kv_tokens=65536, device="cuda:0", int8_act=a.activations == "int8")
+    r = GpuModelRunner.load(a.model, kv_tokens=65536, device="cuda:0", int8_act=a.activations != "fp32",
+                                batch_invariant=a.activations == "invariant")
     bs, p = r.block_size, SamplingParams(max_tokens=64, temperature=0.0, repetition_penalty=1.0)
     nbp = a.prefix // bs
     pre = tuple(range(nbp))

@@ -394,7 +394,8 @@ def bench_model(name: str, path: str, copy_Bps: float, prefills: list[int], rows
     torch.cuda.empty_cache()
 
 
-CONFIGS = {"default": {}, "int8": {"int8_act": True}, "int8-nodense": {"int8_act": True, "dense": False}}
+CONFIGS = {"default": {}, "int8": {"int8_act": True}, "int8-nodense": {"int8_act": True, "dense": False},
+           "invariant": {"int8_act": True, "batch_invariant": True}}
 
 
 def table(rows: list, ceil: dict) -> str:
@@ -418,7 +419,8 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/imp_bench")
     ap.add_argument("--configs", default="default",
                     help="runner configurations per model, comma list of default (fp32 activations) | int8 (int8 "
-                         "activations, --gpu-activations int8) | int8-nodense (and no fp16 dense copies)")
+                         "activations, --gpu-activations int8) | int8-nodense (and no fp16 dense copies) | invariant "
+                         "(--batch-invariant: every matmul on the int8 GEMM)")
     ap.add_argument("--extras", default="", help="models (comma list) that also get the per-matrix table, "
                     "the batch-1 legacy/unfused/fused comparison and the decode / prefill-512 profiles. "
                     "torch.profiler leaves CUPTI attached: models measured after it in the same process "

@@ -35,6 +35,10 @@ class ServerConfig:
     # GPU GEMVs of quantized weights: "int8" activations (llama.cpp's Q8_1: ~1.7x faster decode at batch 1 on
     # an 8B Q4_K_M, numerics of the CPU runner's block kernels; imp.kernels.qgemv_q8), or "fp32" ones
     gpu_activations: str = "int8"
+    # GPU: every matmul row on the int8 tensor-core GEMM (no cuBLAS, no dense copy), so that a request's tokens
+    # do not depend on what shares its steps (vLLM's VLLM_BATCH_INVARIANT, SGLang's deterministic inference);
+    # the CPU runner is batch invariant always
+    batch_invariant: bool = False
     # API-server processes in front of one engine process (0 = HTTP in the engine's own
     # process; -1 = auto: 0 on CPU, where the cores are the model's, else from the cores)
     api_servers: int = -1
@@ -63,6 +67,8 @@ class ServerConfig:
             (self.shutdown_timeout_s >= 0, "--shutdown-timeout must be >= 0"),
             (self.device == "cpu" or self.device.startswith("cuda"), "--device must be cpu or cuda[:N]"),
             (self.gpu_activations in ("fp32", "int8"), "--gpu-activations must be fp32 or int8"),
+            (not self.batch_invariant or self.gpu_activations == "int8",
+             "--batch-invariant needs --gpu-activations int8 (the fp32 path's matmuls are cuBLAS's)"),
             (self.pipeline_depth in (0, 1, 2), "--pipeline-depth must be 1 or 2 (0 = auto)"),
             (1 <= self.data_parallel <= 64, "--data-parallel must be 1..64"),
             (-1 <= self.api_servers <= 64, "--api-servers must be 0..64 (0 = one process; default: auto)"),
@@ -109,6 +115,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-activations", choices=("fp32", "int8"), default=d.gpu_activations,
                    help="GPU matmuls of quantized weights at decode: int8 activations (default; dp4a, as "
                         "llama.cpp: faster at small batches, the CPU runner's numerics) or fp32 ones")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="GPU: every matmul on the int8 GEMM, so a request's tokens do not depend on the requests "
+                        "beside it (slower at one stream and in prefill; the CPU path is invariant always)")
     p.add_argument("--pipeline-depth", type=int, default=0,
                    help="steps in flight: 2 = plan step N+1 while step N runs (default: 2 on a GPU, 1 on CPU)")
     p.add_argument("--data-parallel", type=int, default=1,

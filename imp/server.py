@@ -135,7 +135,8 @@ def load_engine(cfg: ServerConfig, store=None, render: bool = True) -> tuple[Loc
 
             return lambda: GpuModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens,
                                                device=device, max_graph_batch=cfg.max_batch_size,
-                                               int8_act=cfg.gpu_activations == "int8")
+                                               int8_act=cfg.gpu_activations == "int8",
+                                               batch_invariant=cfg.batch_invariant)
         return lambda: ModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens,
                                         num_threads=cfg.threads)
 

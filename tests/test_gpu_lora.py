@@ -79,8 +79,9 @@ def test_lora_through_the_gpu_server(smollm2_path, tmp_path):
     # a milder adapter than the CPU test's: its text stays coherent, so no near-tie decides a
     # token, and batched rows must give exactly what they give alone
     write_peft(root / "style", factors(1, std=0.05), r=8, alpha=16)
+    # --batch-invariant: batched rows must give exactly what they give alone (cuBLAS picks by row count)
     with ServerProcess(smollm2_path, "--device", "cuda:0", "--kv-cache-tokens", "8192", "--lora-dir", str(root),
-                       log_path=tmp_path / "server.out") as srv:
+                       "--batch-invariant", log_path=tmp_path / "server.out") as srv:
         st, a = call(srv.url, "/admin/lora/load", {"path": "style"})
         assert st == 200 and a["id"] == 1, a
         body = {"model": "m", "messages": [{"role": "user", "content": "Write one sentence about the sea."}],
@@ -102,3 +103,25 @@ def test_lora_through_the_gpu_server(smollm2_path, tmp_path):
         assert st == 200 and u["unloaded"]
         assert call(srv.url, "/v1/chat/completions", {**body, "lora": "style"})[0] == 400
         assert chat() == base
+
+
+def test_gathered_mv_matches_float64_and_a_row_alone():
+    """The LoRA products: per row W[idx] @ x, within fp32 of the float64 reference, into a column slice,
+    and a row's bits the same alone as among 40 rows (torch's sum over the gathered product is not)."""
+    from imp.kernels.gathered_mv import gathered_mv, reference
+
+    g = torch.Generator().manual_seed(3)
+    for S, O, K, N in ((3, 8, 576, 40), (2, 960, 8, 40), (4, 5, 1536, 7)):
+        w = torch.randn(S, O, K, generator=g).cuda()
+        x = torch.randn(N, K + 4, generator=g).cuda()[:, 4:]  # strided rows
+        idx = torch.randint(0, S, (N,), generator=g).cuda()
+        y = gathered_mv(w, idx, x)
+        ref = reference(w, idx, x)
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+        for i in (0, N - 1):
+            assert torch.equal(gathered_mv(w, idx[i:i + 1], x[i:i + 1])[0], y[i])
+        wide = torch.full((N, O + 6), 2.0, device="cuda")
+        gathered_mv(w, idx, x, wide[:, 3:3 + O], accumulate=True)
+        assert torch.equal(wide[:, 3:3 + O], y + 2.0) and (wide[:, :3] == 2).all() and (wide[:, 3 + O:] == 2).all()
+    with pytest.raises(ValueError):
+        gathered_mv(w, idx[:2], x)

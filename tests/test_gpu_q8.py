@@ -267,3 +267,37 @@ def test_launcher_checks_shared_by_the_gemv_and_gemm_launchers():
         check_parts(w, ("blocks", None), torch.device("cpu"))
     check_parts(QWeight("Q4_K", 4, 256, {"blocks": torch.zeros(4, 144, dtype=torch.uint8)}), ("blocks",), torch.device("cpu"))
     assert tuple(out_for(w, 3, None, "cpu").shape) == (3, 4)
+
+
+@pytest.mark.gpu
+@gpu
+def test_batch_invariant_rows_do_not_depend_on_their_neighbours(tmp_path_factory):
+    """--batch-invariant: every matmul on the int8 GEMM, no dense copy; a prompt's last row and a decode row
+    give the same logits, bit for bit, alone and beside prompts or decodes of any count (the GEMV's 8-row
+    limit, the graph buckets and the GEMM's tile choice crossed)."""
+    from imp.gpu.runner import GpuModelRunner
+    from imp.messages import SamplingParams, SeqWork
+    from tests.test_gpu_runner import BS, _model
+
+    path = _model(tmp_path_factory, T.Q4_K)
+    g = GpuModelRunner.load(path, num_blocks=96, block_size=BS, kv_dtype=torch.bfloat16, max_graph_batch=16,
+                            int8_act=True, batch_invariant=True)
+    L = g.w.layers[0]
+    assert not g._split_mixed and all(m.dense is None for m in (L.wqkv, L.wo, L.w13, L.w2, g.w.head))
+    assert {m.mode(n, p) for m in (L.wqkv, L.wo, L.w13, L.w2, g.w.head) for n in (1, 8, 9, 300)
+            for p in (False, True)} == {"qmm"}
+    sp = SamplingParams(max_tokens=8)
+
+    def share(sid, toks, start, table):
+        return SeqWork(seq_id=sid, token_ids=toks, start_pos=start, block_table=table, sample=True, params=sp)
+
+    A = [5, 9, 200, 3, 17]
+    alone = g.forward([share("a", A, 0, [0])])[0]
+    for n in (3, 30, 100):  # prompt row beside another prompt of n rows
+        both = g.forward([share("o", list(range(40, 40 + n)), 0, list(range(1, 1 + -(-n // BS)))),
+                          share("a", A, 0, [0])])
+        assert torch.equal(both[1], alone), n
+    dec = g.forward([share("a", [7], len(A), [0])])[0]
+    for n in (1, 7, 8, 20, 40):  # decode row beside n one-token rows: 2 .. 41 rows
+        rows = g.forward([share(f"d{i}", [11 + i], 0, [10 + i]) for i in range(n)] + [share("a", [7], len(A), [0])])
+        assert torch.equal(rows[-1], dec), n

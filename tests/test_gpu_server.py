@@ -37,16 +37,21 @@ def _get(url: str) -> dict:
         return json.loads(r.read())
 
 
-@pytest.fixture(scope="module", params=["fp32", "int8"])
+MODES = {"fp32": ["--gpu-activations", "fp32"], "int8": [], "invariant": ["--batch-invariant"]}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
 def gpu_server(request, tmp_path_factory, smollm2_path):
-    """Both activation paths: fp32 (the default) and int8 (decode rows on the dp4a GEMVs, prompt rows on
-    the dense copy, mixed steps split in two forwards: concurrency must not change a request's tokens)."""
+    """The matmul paths: fp32 activations; int8 (the default: decode rows on the dp4a GEMVs, prompt rows
+    and batches past 8 on cuBLAS over a dense copy, mixed steps split in two forwards); and
+    --batch-invariant (every row on the int8 GEMM: concurrency must not change a request's tokens)."""
     from tests.serverproc import ServerProcess
 
     d = tmp_path_factory.mktemp("gpu_srv")
     srv = ServerProcess(smollm2_path, "--device", "cuda:0", "--event-log", str(d / "events.log"), "--kv-cache-tokens", "8192",
-                        "--gpu-activations", request.param, log_path=d / "server.out")
+                        *MODES[request.param], log_path=d / "server.out")
     srv.event_log = d / "events.log"
+    srv.mode = request.param
     with srv:
         yield srv
 
@@ -64,8 +69,11 @@ def test_concurrent_equals_alone_pipelined(gpu_server, penalty):
     alone = [_complete(url, p, repetition_penalty=penalty) for p in prompts]
     with concurrent.futures.ThreadPoolExecutor(8) as ex:
         together = list(ex.map(lambda p: _complete(url, p, repetition_penalty=penalty), prompts))
-    assert together == alone
-    assert all(n == 24 for _, n in alone)
+    if gpu_server.mode == "invariant":
+        assert together == alone
+    else:  # cuBLAS picks its kernel by the row count: a near-tie may go either way beside other requests
+        print(f"\n{gpu_server.mode}: {sum(a == b for a, b in zip(alone, together))} of 8 equal")
+    assert all(n == 24 for _, n in alone + together)
     h = _get(url + "/health")
     assert (h["kv_blocks_used"], h["kv_blocks_reserved"]) == (0, 0)
 

@@ -10,6 +10,13 @@ dense copy), a `gemv_bf16x` variant (BF16, two rows a warp) or a dense cuBLAS
 GEMM: whichever `choose` timed
 fastest at load, replayed in a CUDA graph over every layer's copy of the
 matrix so that none is timed from L2.
+
+Batch invariance (a row's bits independent of what shares its step): the int8 GEMV
+gives the same bits at any batch size for a given K split, so one split per matrix
+serves every decode count up to GEMV_MAX_ROWS (`choose`); cuBLAS picks its kernel by
+M, so dense prompt rows and decode batches past 8 are not invariant. With
+`invariant` (`--batch-invariant`) every row, prompt or decode, takes the int8 GEMM,
+whose bits do not depend on its tile.
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ class Linear:
     """y = x @ W.T for W the row-concatenation of `parts` (fused QKV, gate+up)."""
 
     def __init__(self, parts: list[qgemv.QWeight], dense: torch.Tensor | None, tuner: dict, stats: dict | None = None,
-                 int8_act: bool = False):
+                 int8_act: bool = False, invariant: bool = False):
         self.parts = parts
         self.rows = sum(p.rows for p in parts)
         self.cols = parts[0].cols
@@ -78,12 +85,20 @@ class Linear:
         self.q8 = int8_act and all(qgemv_q8.supports(p) for p in parts)
         # without a dense copy, int8 rows past the GEMV's range (and prompt rows) go to the int8 GEMM
         self.mm = self.q8 and dense is None and all(p.fmt in qmm_q8.FORMATS for p in parts)
+        # batch invariant (--batch-invariant): every row, prompt or decode, at any count, on the int8 GEMM, whose
+        # bits do not depend on its tile (so not on M): a row's numbers depend on the row alone
+        if invariant and not self.mm:
+            raise ValueError(f"batch-invariant matmuls need int8 activations, no dense copy and formats in "
+                             f"{qmm_q8.FORMATS}; this weight is {[p.fmt for p in parts]}")
+        self.invariant = invariant
 
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
     def candidates(self, n: int) -> list[str]:
+        if self.invariant:
+            return ["qmm"]
         if self.q8:  # one numerics per row kind: int8 decode batches up to GEMV_MAX_ROWS, dense (or qmm) above
             if self.mm and n > GEMV_MAX_ROWS:
                 return ["qmm"]
@@ -102,6 +117,8 @@ class Linear:
         copy where there is one whatever n is (else the int8 GEMM), so that a prompt's numerics do not
         depend on how many other prompts share its step (decode rows: int8 GEMV up to GEMV_MAX_ROWS, the
         dense copy or the int8 GEMM above)."""
+        if self.invariant:
+            return "qmm"
         if self.q8 and (prompt or n > GEMV_MAX_ROWS):
             if self.dense is not None:
                 return "dense"
@@ -110,8 +127,8 @@ class Linear:
         m = self.tuner.get((self.key, n))
         if m is not None:
             return m
-        if self.q8:
-            return Q8_DEFAULT
+        if self.q8:  # untimed count: the one-row choice (its K split, so its bits: see `choose`)
+            return self.tuner.get((self.key, 1), Q8_DEFAULT)
         if n <= GEMV_MAX_ROWS:
             return X_DEFAULT if self.xw is not None else "gemv"
         return "gemv" if self.dense is None else "dense"
@@ -203,6 +220,13 @@ class Linear:
         cands = self.candidates(n)
         if n > 64 and "dense" in cands:
             cands = ["dense"]
+        one = self.tuner.get((self.key, 1))
+        if n > 1 and one in qgemv_q8.VARIANTS:
+            # the int8 GEMV's bits depend on its K split, not on its rows a warp nor the batch: keep the one-row
+            # choice's split at every decode count it serves, so a request's tokens do not change with how many
+            # others decode beside it (up to GEMV_MAX_ROWS; the GEMM above)
+            split = qgemv_q8.VARIANTS[one][1]
+            cands = [c for c in cands if c not in qgemv_q8.VARIANTS or qgemv_q8.VARIANTS[c][1] == split]
         if not cands:
             cands = [self.mode(n)]
         if len(cands) == 1:

@@ -6,15 +6,18 @@ rows carry slots idx [N]:
     t = A[idx] x      [N, r]        A: [S+1, r, in], the table's A factors
     y += B[idx] t     [N, out]      B: [S+1, out, r], alpha/r already folded in
 Both are products over gathered factors, so rows of different adapters (and base rows)
-share one step. They are written as a multiply and a sum over the last axis rather than
-bmm: cuBLAS picks its algorithm by the batch count, which would make a row's numbers
-depend on how many rows share its step; a reduction over a fixed-length axis does not. Ranks below the largest are zero-padded. Such steps run
+share one step. They run as `imp.kernels.gathered_mv` (a thread per output, the sum in
+order), not bmm nor a torch sum: cuBLAS picks its algorithm by the batch count and torch's
+reduction its split by the shape, so either would make a row's numbers depend on how many
+rows share its step. Ranks below the largest are zero-padded. Such steps run
 eagerly (no CUDA graph) and unfused, so the delta lands before RoPE and the KV write.
 """
 
 from __future__ import annotations
 
 import torch
+
+from imp.kernels.gathered_mv import gathered_mv
 
 
 class DeviceLoras:
@@ -66,5 +69,5 @@ class DeviceLoras:
         if f is None:
             return
         a, b = f
-        t = (a.index_select(0, idx) * x.float().unsqueeze(1)).sum(-1)  # [N, r]
-        y += (b.index_select(0, idx) * t.unsqueeze(1)).sum(-1).to(y.dtype)  # [N, out]
+        t = gathered_mv(a, idx, x.float())  # [N, r]
+        gathered_mv(b, idx, t, y, accumulate=True)  # [N, out]

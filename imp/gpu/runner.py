@@ -72,7 +72,7 @@ RING = 4  # pinned buffers for sampled ids: a step's slot is reused 4 launches l
 class GpuModelRunner:
     def __init__(self, src: GGUFSource, num_blocks: int, block_size: int, device: str = "cuda:0",
                  kv_dtype=torch.bfloat16, dense: bool | None = None, graphs: bool = True, max_graph_batch: int = 64,
-                 tune: bool = True, int8_act: bool = False):
+                 tune: bool = True, int8_act: bool = False, batch_invariant: bool = False):
         cfg: ModelConfig = src.config
         self.config = cfg
         self.metadata = src.metadata
@@ -95,7 +95,10 @@ class GpuModelRunner:
         self._dev_loras = None  # imp.gpu.lora.DeviceLoras, made at the first adapter step
         self._ring = [torch.zeros(MAX_SAMPLED, dtype=torch.int32).pin_memory() for _ in range(RING)]
         self._ring_i = 0
-        self.w: Weights = load_weights(src, self.device, dense, int8_act)
+        if batch_invariant and not int8_act:
+            raise ValueError("batch_invariant needs int8 activations")
+        self.batch_invariant = batch_invariant
+        self.w: Weights = load_weights(src, self.device, dense, int8_act, batch_invariant)
         Hkv, D = cfg.n_kv_heads, cfg.head_dim
         shape = (cfg.n_layers, num_blocks, block_size, Hkv, D)
         self.k_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
@@ -118,7 +121,8 @@ class GpuModelRunner:
                 self.w.head.choose(n, q8_credit_us=FUSED_CREDIT_US)
         # prompt rows dense (or on the int8 GEMM), decode rows on the int8 GEMV: mixed eager steps split in two
         # (_eager_logits)
-        self._split_mixed = any(m.q8 and (self.w.dense or m.mm) for L in self.w.layers for m in (L.wqkv, L.wo, L.w13, L.w2))
+        # (batch invariant: every row on the GEMM already)
+        self._split_mixed = not batch_invariant and any(m.q8 and (self.w.dense or m.mm) for L in self.w.layers for m in (L.wqkv, L.wo, L.w13, L.w2))
         if graphs and buckets:
             self._capture_or_fall_back()
 

@@ -8,7 +8,8 @@ are dequantized to fp32. A dense fp16 copy of each quantized matrix is kept
 only when it fits comfortably (`dense=None`: at most 30 % of free memory),
 for the batch sizes where cuBLAS beats the quantized GEMV. `int8_act`: the
 quantized matrices' GEMVs take int8 activations (`qgemv_q8`, as llama.cpp and
-the CPU kernels) rather than fp32 ones (`qgemv.gemv`).
+the CPU kernels) rather than fp32 ones (`qgemv.gemv`). `invariant`: every
+matmul on the int8 GEMM (`Linear`), no dense copy.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def _merge(ws: list[qgemv.QWeight]) -> list[qgemv.QWeight]:
     return out
 
 
-def load_weights(src: GGUFSource, device: torch.device, dense: bool | None = None, int8_act: bool = False) -> Weights:
+def load_weights(src: GGUFSource, device: torch.device, dense: bool | None = None, int8_act: bool = False,
+                 invariant: bool = False) -> Weights:
     cfg = src.config
     tuner: dict = {}
     stats: dict = {"times": {}, "failed": []}
@@ -113,6 +115,8 @@ def load_weights(src: GGUFSource, device: torch.device, dense: bool | None = Non
     head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
     raw["head"] = [up(head_name)]
     total_dense = sum(w.rows * w.cols * 2 for v in raw.values() for w in v if w.fmt != "BF16")
+    if invariant:  # every row on the int8 GEMM (Linear): no cuBLAS, so no copy for it
+        dense = False
     if dense is None:  # dense fp16 copies for GEMM batches, when they fit comfortably
         free, _ = torch.cuda.mem_get_info(device)
         dense = total_dense <= 0.3 * free
@@ -124,7 +128,7 @@ def load_weights(src: GGUFSource, device: torch.device, dense: bool | None = Non
             d = parts[0].parts["w"]
         elif dense:
             d = torch.cat([qgemv.reference(p).to(torch.float16) for p in parts])
-        return Linear(parts, d, tuner, stats, int8_act=int8_act)
+        return Linear(parts, d, tuner, stats, int8_act=int8_act, invariant=invariant)
 
     layers = []
     for i in range(cfg.n_layers):

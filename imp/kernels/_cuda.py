@@ -72,9 +72,27 @@ def module(code: str, name_expressions: tuple[str, ...] = (), options: tuple[str
     return mod
 
 
+def _current_device() -> int:
+    """torch's current device, without torch.cuda.current_device()'s lazy-init and index checks (an eager
+    step launches ~1,000 kernels: each µs here is a millisecond of the step's host time)."""
+    try:
+        return torch._C._cuda_getDevice()
+    except AttributeError:  # a torch without the private binding
+        return torch.cuda.current_device()
+
+
+def _current_raw_stream(dev: int) -> int:
+    """The cudaStream_t of torch's current stream on dev (what torch.cuda.current_stream().cuda_stream
+    gives, without building a Stream object)."""
+    try:
+        return torch._C._cuda_getCurrentRawStream(dev)
+    except AttributeError:
+        return torch.cuda.current_stream(dev).cuda_stream
+
+
 def function(code: str, name: str, name_expressions: tuple[str, ...] = (), options: tuple[str, ...] = ()):
     """The kernel for torch's current device (data parallel: one runner per device, each on its own thread)."""
-    return _function(code, name, name_expressions, options, torch.cuda.current_device())
+    return _function(code, name, name_expressions, options, _current_device())
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,8 +107,8 @@ _streams: dict[tuple[int, int], object] = {}
 
 def torch_stream():
     """CuPy view of torch's current stream (captured when torch captures)."""
-    dev = torch.cuda.current_device()
-    ptr = torch.cuda.current_stream().cuda_stream
+    dev = _current_device()
+    ptr = _current_raw_stream(dev)
     s = _streams.get((dev, ptr))  # by device too: every device's default stream is 0
     if s is None:
         try:
@@ -101,7 +119,18 @@ def torch_stream():
     return s
 
 
+_direct: dict[int, object] = {}  # id(RawKernel) -> its cupy.cuda.Function (RawKernels live in _function's cache)
+
+
 def launch(fn, grid, block, args, shared_mem: int = 0) -> None:
+    """fn on torch's current stream. The RawKernel's underlying Function takes the stream as an
+    argument: no CuPy stream context to enter and leave around every launch."""
+    k = _direct.get(id(fn))
+    if k is None:
+        k = _direct[id(fn)] = getattr(fn, "kernel", False)
+    if k:
+        k(grid, block, args, shared_mem=shared_mem, stream=torch_stream())
+        return
     with torch_stream():
         fn(grid, block, args, shared_mem=shared_mem)
 

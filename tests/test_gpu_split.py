@@ -1,10 +1,12 @@
 """The mixed-step split of the GPU runner (`GpuModelRunner._eager_logits`), on the CPU: a fake
-forward that answers each head row with (token, position, pending slot) shows that the two
-forwards' rows come back in the order of the unsplit step's head rows, for prompt chunks,
-decodes, PENDING_TOKEN rows, prompt-logprob rows and shares that sample nothing."""
+forward that answers each head row with (token, position, pending slot) shows that the rows of
+the reordered step (prompt shares first, one forward with `Meta.split`; or, TWO_FORWARDS, two
+forwards) come back in the order of the unsplit step's head rows, for prompt chunks, decodes,
+PENDING_TOKEN rows, prompt-logprob rows and shares that sample nothing."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from imp.gpu.runner import GpuModelRunner
@@ -14,10 +16,11 @@ from imp.model.rows import head_rows
 
 class FakeForward:
     def __init__(self):
-        self.calls = []
+        self.calls, self.splits = [], []
 
     def __call__(self, m, lora=None):
         self.calls.append(int(m.tokens.shape[0]))
+        self.splits.append(m.split)
         pend = torch.full((m.tokens.shape[0],), -1.0)
         if m.pending is not None:
             rows, src, k = m.pending
@@ -32,7 +35,11 @@ def _runner(split: bool) -> GpuModelRunner:
     return r
 
 
-def test_split_rows_come_back_in_the_unsplit_order():
+@pytest.mark.parametrize("two", [False, True])
+def test_split_rows_come_back_in_the_unsplit_order(monkeypatch, two):
+    import imp.gpu.runner
+
+    monkeypatch.setattr(imp.gpu.runner, "TWO_FORWARDS", two)
     g = SamplingParams(max_tokens=8)
     seqs = [
         SeqWork(seq_id="d0", token_ids=(PENDING_TOKEN,), start_pos=20, block_table=(0, 1), sample=True, params=g,
@@ -51,7 +58,10 @@ def test_split_rows_come_back_in_the_unsplit_order():
     want = _runner(False)._eager_logits(seqs, rows, src, None)
     split = _runner(True)
     got = split._eager_logits(seqs, rows, src, None)
-    assert split.fwd.calls == [46, 3]  # the prompt chunks' 30 + 10 + 6 rows, then the three decodes
+    if two:
+        assert split.fwd.calls == [46, 3]  # the prompt chunks' 30 + 10 + 6 rows, then the three decodes
+    else:  # one forward: the prompt chunks' 46 rows first (their head rows: p0's, p2's 6 + 1), the decodes after
+        assert split.fwd.calls == [49] and split.fwd.splits == [(46, 8)]
     assert torch.equal(got, want) and got.shape[0] == len(rows) == 11  # p2: 6 prompt-logprob rows + its sample
     assert want[0].tolist() == [0.0, 20.0, 3.0] and want[-1].tolist() == [0.0, 9.0, 1.0]  # pending rows remapped
 
@@ -103,3 +113,26 @@ def test_int8_paths_quantize_once_and_fill_each_part_s_columns(monkeypatch):
     seen.clear()
     out = lin.qmm(None, XA(4))  # quantized by its producer: not again
     assert len(quantized) == 1 and out.shape == (4, 8) and [s[:2] for s in seen] == [(3, (4, 3)), (5, (4, 5))]
+
+
+def test_by_kind_runs_each_row_range_on_its_kind_s_kernel(monkeypatch):
+    """`Linear.by_kind`: prompt rows [0, P) on the dense copy, decode rows [P, N) on the int8 GEMV, each into
+    its own rows of one output (kernels faked: runs on the CPU)."""
+    from imp.gpu import linear as L
+    from imp.kernels.qweight import QWeight
+
+    lin = L.Linear([QWeight("Q4_1", 4, 64, {})], torch.ones(4, 64, dtype=torch.float16), {}, int8_act=True)
+    assert lin.mode(3, prompt=True) == "dense" and lin.mode(2) in L.qgemv_q8.VARIANTS
+    monkeypatch.setattr(lin, "dense_mm", lambda x: torch.full((x.shape[0], 4), 7.0))
+    got = []
+
+    def fake_gemv(p, xa, o, **kw):
+        got.append(tuple(xa.xq.shape))
+        o.fill_(-1.0)
+
+    monkeypatch.setattr(L.qgemv_q8, "gemv", fake_gemv)
+    monkeypatch.setattr(L.q8act, "quantize", lambda x: L.q8act.Q8Act(torch.zeros(x.shape, dtype=torch.int8),
+                                                                       torch.zeros(x.shape[0], x.shape[1] // 32, 2)))
+    out = lin.by_kind(3, torch.randn(5, 64))
+    assert out[:3].eq(7).all() and out[3:].eq(-1).all() and got == [(2, 64)]  # decode rows alone quantized
+    assert lin.by_kind(5, torch.randn(5, 64)).eq(7).all() and len(got) == 1  # no decode rows: no GEMV

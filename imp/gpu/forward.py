@@ -46,6 +46,8 @@ class Forward:
     def __call__(self, m: Meta, lora=None) -> torch.Tensor:
         """logits [R, V] fp32 for m.out_rows (every row when None). lora: (imp.gpu.lora.DeviceLoras,
         row slots [N]) for a step with adapter rows: unfused, each projection gets its delta."""
+        if m.split is not None and lora is None:
+            return self.mixed(m)
         cfg, w = self.cfg, self.w
         H, Hkv, D, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps
         N = m.tokens.shape[0]
@@ -106,6 +108,36 @@ class Forward:
             return w.head.run(w.head.mode(R, pr), None, q8act.add_rmsnorm_q8(x, delta, w.out_norm, eps))
         hf = k_norm.add_rmsnorm(x, delta, w.out_norm, eps)
         return w.head.run(w.head.mode(R, pr), hf)  # [R, V] fp32
+
+    def mixed(self, m: Meta) -> torch.Tensor:
+        """logits [R, V] of a step whose rows [0, P) are prompt rows and [P, N) one-token decodes
+        (m.split = (P, Rp), the first Rp head rows the prompts'), when the two kinds take different
+        matmul kernels (int8 decode GEMVs, prompts dense or on the int8 GEMM): every matmul runs per
+        kind (`Linear.by_kind`), everything else once for all rows. Unfused: the norms and SiLU*up
+        write fp32 and each int8 part is quantized from it, the same bits as the fused kernels
+        (tests/test_gpu_q8.py), so a row gets exactly what it gets in a step of its kind alone, for
+        one forward's launches instead of two."""
+        cfg, w = self.cfg, self.w
+        H, Hkv, D, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps
+        P, Rp = m.split
+        N = m.tokens.shape[0]
+        if m.pending is not None:
+            k_pending.fill_pending(m.tokens, m.pending[0], m.pending[1], self.sampled, m.pending[2])
+        x = w.tok_embd.index_select(0, m.tokens)  # [N, d]
+        delta = None
+        h = torch.empty_like(x)
+        for i, L in enumerate(w.layers):
+            k_norm.add_rmsnorm(x, delta, L.attn_norm, eps, out=h)
+            qkv = L.wqkv.by_kind(P, h)  # [N, (H + 2 Hkv) D]
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            kf, vf = kc.view(-1, Hkv * D), vc.view(-1, Hkv * D)
+            k_rope.rope_kv(qkv, m.positions, self.cos, self.sin, H, Hkv, kf, vf, m.slots)
+            kn, vn = qkv[:, H * D:(H + Hkv) * D], qkv[:, (H + Hkv) * D:]
+            delta = L.wo.by_kind(P, self.attention(qkv, kn, vn, kc, vc, m, N))
+            k_norm.add_rmsnorm(x, delta, L.ffn_norm, eps, out=h)
+            delta = L.w2.by_kind(P, k_act.gated_act(L.w13.by_kind(P, h), "silu"))
+        x, delta = x.index_select(0, m.out_rows), delta.index_select(0, m.out_rows)  # [R, d]
+        return w.head.by_kind(Rp, k_norm.add_rmsnorm(x, delta, w.out_norm, eps))  # [R, V]
 
     def norm(self, x, delta, weight, h, q8: bool) -> q8act.Q8Act | None:
         """x += delta; the normed x into h (fp32), or only quantized (returned) when the next GEMV is an

@@ -35,6 +35,9 @@ class Meta:
     pf_tiles: torch.Tensor | None = None  # [T, 4] int32: every prefill chunk's rows for one paged_prefill launch
     pf_bt: torch.Tensor | None = None  # [C, max_blocks] int32: those chunks' block tables
     pending: tuple | None = None  # (rows [k] int32, src [k] int32, k): tokens[rows] = previous step's sampled[src]
+    # (P, Rp): rows [0, P) are prompt rows, [P, N) one-token decode rows, and the first Rp of out_rows are the
+    # prompt rows': the matmuls run per kind (`Forward.mixed`)
+    split: tuple[int, int] | None = None
 
 
 class Landing:

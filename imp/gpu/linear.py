@@ -133,26 +133,28 @@ class Linear:
             return X_DEFAULT if self.xw is not None else "gemv"
         return "gemv" if self.dense is None else "dense"
 
-    def gemv(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(x.shape[0], self.rows, dtype=torch.float32, device=x.device)
+    def gemv(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.rows, dtype=torch.float32, device=x.device) if out is None else out
         for p, r0 in zip(self.parts, self.offsets):
             qgemv.gemv(p, x, out[:, r0:r0 + p.rows])
         return out
 
-    def gemv_q8(self, x: torch.Tensor | None, name: str, xa: q8act.Q8Act | None = None) -> torch.Tensor:
+    def gemv_q8(self, x: torch.Tensor | None, name: str, xa: q8act.Q8Act | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """The int8-activation GEMV `name` (qgemv_q8.VARIANTS); xa: x already quantized (by the norm or
         activation kernel that produced it), else x is quantized here, once for every part."""
         rows, split = qgemv_q8.VARIANTS[name]
-        return self._on_q8(x, xa, lambda p, a, o: qgemv_q8.gemv(p, a, o, rows=rows, split=split))
+        return self._on_q8(x, xa, lambda p, a, o: qgemv_q8.gemv(p, a, o, rows=rows, split=split), out)
 
-    def qmm(self, x: torch.Tensor | None, xa: q8act.Q8Act | None = None) -> torch.Tensor:
+    def qmm(self, x: torch.Tensor | None, xa: q8act.Q8Act | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The int8 tensor-core GEMM on every part (x quantized once, unless the producer did)."""
-        return self._on_q8(x, xa, qmm_q8.qmm)
+        return self._on_q8(x, xa, qmm_q8.qmm, out)
 
-    def _on_q8(self, x, xa, kernel) -> torch.Tensor:
+    def _on_q8(self, x, xa, kernel, out: torch.Tensor | None = None) -> torch.Tensor:
         """out [N, rows] fp32: kernel(part, xa, out's column slice) for each part, on x quantized once."""
         xa = xa if xa is not None else q8act.quantize(x)
-        out = torch.empty(xa.shape[0], self.rows, dtype=torch.float32, device=xa.xq.device)
+        if out is None:
+            out = torch.empty(xa.shape[0], self.rows, dtype=torch.float32, device=xa.xq.device)
         for p, r0 in zip(self.parts, self.offsets):
             kernel(p, xa, out[:, r0:r0 + p.rows])
         return out
@@ -165,16 +167,30 @@ class Linear:
         m = self.mode(n, prompt)
         return m in qgemv_q8.VARIANTS or m == "qmm"
 
-    def run(self, name: str, x: torch.Tensor | None, xa: q8act.Q8Act | None = None) -> torch.Tensor:
+    def run(self, name: str, x: torch.Tensor | None, xa: q8act.Q8Act | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """y for x (or xa) by kernel `name`; out: an [N, rows] fp32 view to write (a row range of a wider
+        step's output), else a new tensor."""
         if name in qgemv_q8.VARIANTS:
-            return self.gemv_q8(x, name, xa)
+            return self.gemv_q8(x, name, xa, out)
         if name == "qmm":
-            return self.qmm(x, xa)
-        if name == "dense":
-            return self.dense_mm(x)
+            return self.qmm(x, xa, out)
         if name == "gemv":
-            return self.gemv(x)
-        return qgemv.gemv_bf16x(self.xw, x, variant=name)
+            return self.gemv(x, out)
+        y = self.dense_mm(x) if name == "dense" else qgemv.gemv_bf16x(self.xw, x, variant=name)
+        return y if out is None else out.copy_(y)
+
+    def by_kind(self, P: int, x: torch.Tensor) -> torch.Tensor:
+        """y [N, rows] fp32 for x [N, cols] fp32 whose rows [0, P) are prompt rows and [P, N) one-token
+        decode rows: each part on the kernel its kind gets in a step of its own (`mode(P, prompt=True)`,
+        `mode(N - P)`), quantized per part where that kernel takes int8. A step that mixes the kinds
+        then gives every row the bits it gets without the other kind beside it, in one forward."""
+        N = x.shape[0]
+        out = torch.empty(N, self.rows, dtype=torch.float32, device=x.device)
+        for r0, r1, name in ((0, P, self.mode(P, prompt=True)), (P, N, self.mode(N - P))):
+            if r1 > r0:
+                self.run(name, x[r0:r1], out=out[r0:r1])
+        return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.run(self.mode(x.shape[0]), x)

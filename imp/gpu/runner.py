@@ -66,6 +66,9 @@ log = logging.getLogger("imp.gpu")
 SUPPORTED_ARCHS = ("llama",)  # the forward of imp.gpu.forward; the CPU runner runs more (imp.model.runner.ARCHS)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_SAMPLED = 4096  # sequences sampled in one step (the device buffer of sampled ids)
+# a step mixing prompt and decode rows (int8 decode, prompts dense or MMQ): False = one forward, matmuls per row
+# kind (Forward.mixed); True = two forwards, as before (bench/eager_step.py --two-forwards compares)
+TWO_FORWARDS = False
 RING = 4  # pinned buffers for sampled ids: a step's slot is reused 4 launches later (<= 2 are in flight)
 
 
@@ -276,17 +279,29 @@ class GpuModelRunner:
         return Landing([t.seq_id for t in out], None, None, out)
 
     def _eager_logits(self, seqs: list[SeqWork], rows: list[int], src: dict[int, int], la) -> torch.Tensor:
-        """The head's rows of an eager step. With int8 decode and a dense copy for prompts (`Linear.mode`),
-        a step that mixes prompt chunks and one-token shares runs as two forwards, prompts then the
-        rest, so that each row gets the numerics of its kind whoever shares the step (a request's
-        tokens then do not depend on the traffic beside it). Rows independent across sequences: the
-        split changes nothing else; it costs one more read of the weights in such a step."""
+        """The head's rows of an eager step. With int8 decode and prompts dense or on the int8 GEMM
+        (`Linear.mode`), a step that mixes prompt chunks and one-token shares runs its prompt shares first
+        and its matmuls per row kind (`Forward.mixed`), so that each row gets the numerics of its kind
+        whoever shares the step (a request's tokens then do not depend on the traffic beside it).
+        TWO_FORWARDS: the same as two forwards (prompts, then the rest), as before (bench/eager_step.py)."""
         bs, dev = self.block_size, self.device
         one = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
         if la is not None or not self._split_mixed or not one or len(one) == len(seqs):
             return self.fwd(eager_meta(seqs, rows, bs, dev, src), lora=la)
         one_set = set(one)
         parts = [[i for i in range(len(seqs)) if i not in one_set], one]
+        if not TWO_FORWARDS:
+            order = parts[0] + parts[1]
+            sub = [seqs[i] for i in order]
+            r, _, _ = head_rows(sub)
+            starts = _head_row_counts(sub)
+            m = eager_meta(sub, r, bs, dev, {j: src[i] for j, i in enumerate(order) if src and i in src})
+            k = len(parts[0])
+            m.split = (sum(len(s.token_ids) for s in sub[:k]), sum(c for _, c in starts[:k]))
+            out = self.fwd(m)
+            at = {i: starts[j] for j, i in enumerate(order)}
+            pieces = [out[a:a + c] for i in range(len(seqs)) for a, c in [at[i]] if c]
+            return torch.cat(pieces) if pieces else out[:0]
         where: dict[int, tuple[int, int, int]] = {}  # share -> (part, first head row in its logits, count)
         outs = []
         for k, idx in enumerate(parts):

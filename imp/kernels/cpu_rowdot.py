@@ -61,7 +61,12 @@ def _has_vnni() -> bool:
 
 
 VNNI = _has_vnni()
-PREFETCH = 1024  # bytes
+# bytes ahead of a row's read offset. A decode call reads 4 consecutive rows (a few KB) and a thread's
+# rows are consecutive, so the distance must clear the rows in flight: 1,024 (the first value) prefetched
+# inside the same call's rows and left one thread at 16 GB/s on the Gemma head (a pure stream: 42);
+# 8,192: 23-26 GB/s a thread, one-stream decode +22 % (Gemma) / +33 % (SmolLM2); 4,096 and 16,384 a
+# little less; prefill unchanged (PERFORMANCE.md, eighth session)
+PREFETCH = 8192
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 UNIT_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q5_K: 176, Q6_K: 210}
@@ -216,7 +221,7 @@ def _products(b, e, uv, offset: int, lanes, xv):
 
 def _prefetch(b, e, o):
     """Software prefetch PREFETCH bytes ahead in the weight stream (the hardware prefetcher
-    alone left a cold 96 MB step ~15 % slower, measured A/B on SmolLM2)."""
+    alone left a cold 96 MB step ~15 % slower, measured A/B on SmolLM2; the distance: see PREFETCH)."""
     pf = b.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [ir.PointerType(I8), I32, I32, I32]))
     b.call(pf, [b.gep(e.w, [b.add(o, ir.Constant(I64, PREFETCH))]), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 

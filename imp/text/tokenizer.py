@@ -148,11 +148,13 @@ class Tokenizer:
                 # gives different ids from the ones the model was trained on.
                 raise ValueError(f"unknown tokenizer.ggml.pre {pre!r}; known: {sorted(_PRE)}")
             regexes, ignore_merges, add_bos_default = _PRE[pre]
-            hf, self._piece_bytes = _byte_level(tokens, types, list(meta["tokenizer.ggml.merges"]), regexes, ignore_merges)
+            make, self._piece_bytes = _byte_level(tokens, types, list(meta["tokenizer.ggml.merges"]), regexes,
+                                                  ignore_merges)
         elif kind == "llama":
             add_bos_default = True
             scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * n)
-            hf, self._piece_bytes = _sentencepiece(tokens, types, scores, self.add_space_prefix, tid("unknown_token_id"))
+            make, self._piece_bytes = _sentencepiece(tokens, types, scores, self.add_space_prefix,
+                                                     tid("unknown_token_id"))
         else:
             raise ValueError(f"unsupported tokenizer.ggml.model {kind!r} (gpt2 and llama are)")
         self.add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)) and self.bos_id is not None
@@ -161,11 +163,17 @@ class Tokenizer:
         # Special = CONTROL; user-defined tokens are always matched whole
         # (llama.cpp does so even when specials are not parsed).
         self._special = frozenset(i for i, t in enumerate(types) if t == CONTROL)
-        hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in sorted(self._special)])
+        special = [AddedToken(tokens[i], special=True, normalized=False) for i in sorted(self._special)]
         user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == USER_DEFINED]
+        # One engine, special-token spellings kept as text; trusted text is cut at them first
+        # (`split_special`, as HF's added-token matcher does: leftmost-longest, every piece
+        # normalized on its own, and the specials made here have no strip flags). A second engine
+        # for trusted text, serialized to JSON and parsed back, was 1.4 s and ~100 MB of Gemma 3's load.
+        hf = make()
+        hf.add_special_tokens(special)
         if user:
             hf.add_tokens(user)
-        self._set_engines(hf, tokens)
+        self._set_engines(None, tokens, literal=hf)
 
         eog = {i for i in (self.eos_id, tid("eot_token_id"), tid("eom_token_id")) if i is not None}
         eog |= {self._special_by_text[t] for t in EOG_TEXTS if t in self._special_by_text}
@@ -181,12 +189,13 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ encode
 
-    def _set_engines(self, hf: _HFTokenizer, tokens: list[str]) -> None:
-        """Two engines (special-token literals parsed / kept as text) rather than toggling
-        `encode_special_tokens` per call, which would race between threads; and the
-        special-token matcher. Needs self._special (the special token ids)."""
+    def _set_engines(self, hf: _HFTokenizer | None, tokens: list[str], literal: _HFTokenizer | None = None) -> None:
+        """The engines: `hf` parses special-token spellings, the literal one keeps them as text (two
+        rather than toggling `encode_special_tokens` per call, which would race between threads; the
+        literal one a copy of hf through its JSON unless given); hf None: trusted text is cut at the
+        specials here instead (`encode`). And the special-token matcher. Needs self._special."""
         self._hf_special = hf
-        self._hf_literal = _HFTokenizer.from_str(hf.to_str())
+        self._hf_literal = literal if literal is not None else _HFTokenizer.from_str(hf.to_str())
         self._hf_literal.encode_special_tokens = True
         specials = sorted({tokens[i] for i in self._special if tokens[i]}, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
@@ -196,16 +205,23 @@ class Tokenizer:
         """Token ids of `text`. add_special adds BOS/EOS as the model asks;
         parse_special lets control-token spellings in `text` become those
         tokens (only for trusted text)."""
-        hf = self._hf_special if parse_special else self._hf_literal
-        if not text:
+        if parse_special and self._hf_special is None:
             ids = []
-        elif len(text) > _GIL_FREE_CHARS:
+            for piece in self.split_special(text):
+                ids.extend([piece] if isinstance(piece, int) else self._encode(self._hf_literal, piece))
+        else:
+            ids = self._encode(self._hf_special if parse_special else self._hf_literal, text)
+        return self._wrap(ids) if add_special else ids
+
+    @staticmethod
+    def _encode(hf: _HFTokenizer, text: str) -> list[int]:
+        if not text:
+            return []
+        if len(text) > _GIL_FREE_CHARS:
             # encode_batch releases the GIL while Rust works (encode holds it: a 1 MB text would
             # stall the event loop for a second even from a worker thread)
-            ids = hf.encode_batch([text], add_special_tokens=False)[0].ids
-        else:
-            ids = hf.encode(text, add_special_tokens=False).ids
-        return self._wrap(ids) if add_special else ids
+            return hf.encode_batch([text], add_special_tokens=False)[0].ids
+        return hf.encode(text, add_special_tokens=False).ids
 
     def _wrap(self, ids: list[int]) -> list[int]:
         if self.add_bos and not (ids and ids[0] == self.bos_id):
@@ -323,19 +339,22 @@ def _byte_level(tokens, types, merges, regexes, ignore_merges):
     u2b = {c: b for b, c in b2u.items()}
     vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # first id wins on duplicates
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    model = models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges)
-    hf = _HFTokenizer(model)
-    hf.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    )
+
+    def make() -> _HFTokenizer:
+        hf = _HFTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+        return hf
+
     piece_bytes = []
     for t, ty in zip(tokens, types):
         if ty in (CONTROL, USER_DEFINED) or not all(c in u2b for c in t):
             piece_bytes.append(t.encode("utf-8"))  # raw text, as llama.cpp prints it
         else:
             piece_bytes.append(bytes(u2b[c] for c in t))
-    return hf, piece_bytes
+    return make, piece_bytes
 
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -348,25 +367,22 @@ def _sentencepiece(tokens, types, scores, add_space_prefix, unk_id):
     # token into two vocabulary tokens, ranked by that token's score.
     ranked = []
     for i, t in enumerate(tokens):
-        if types[i] not in (NORMAL, USER_DEFINED) or len(t) < 2:
-            continue
-        for k in range(1, len(t)):
-            a, b = t[:k], t[k:]
-            if a in vocab and b in vocab:
-                ranked.append((-scores[i], i, vocab[a], a, b))
+        if len(t) > 1 and types[i] in (NORMAL, USER_DEFINED):
+            s = -scores[i]
+            ranked += [(s, i, vocab[t[:k]], t[:k], t[k:]) for k in range(1, len(t)) if t[:k] in vocab and t[k:] in vocab]
     ranked.sort()
-    model = models.BPE(
-        vocab=vocab,
-        merges=[(a, b) for *_, a, b in ranked],
-        byte_fallback=True,
-        unk_token=tokens[unk_id] if unk_id is not None else None,
-        fuse_unk=True,
-    )
-    hf = _HFTokenizer(model)
-    norm = [normalizers.Replace(" ", "\u2581")]
-    if add_space_prefix:
-        norm.insert(0, normalizers.Prepend("\u2581"))
-    hf.normalizer = normalizers.Sequence(norm)
+    merges = [(a, b) for *_, a, b in ranked]
+    del ranked
+
+    def make() -> _HFTokenizer:
+        hf = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True,
+                                     unk_token=tokens[unk_id] if unk_id is not None else None, fuse_unk=True))
+        norm = [normalizers.Replace(" ", "\u2581")]
+        if add_space_prefix:
+            norm.insert(0, normalizers.Prepend("\u2581"))
+        hf.normalizer = normalizers.Sequence(norm)
+        return hf
+
     piece_bytes = []
     for t, ty in zip(tokens, types):
         m = _BYTE_TOKEN.fullmatch(t) if ty == BYTE else None
@@ -376,4 +392,4 @@ def _sentencepiece(tokens, types, scores, add_space_prefix, unk_id):
             piece_bytes.append(t.encode("utf-8"))
         else:
             piece_bytes.append(t.replace("\u2581", " ").encode("utf-8"))
-    return hf, piece_bytes
+    return make, piece_bytes

@@ -55,7 +55,8 @@ def test_gemm_rows_are_batch_invariant(qtype):
     for i in (0, 5, 13, 16, 28):
         alone = qd.gemm(w, int(qtype), x[i:i + 1])
         np.testing.assert_array_equal(alone[0], together[i])
-    for a, b in ((3, 9), (2, 13), (1, 18)):  # 4 + 1 + 1, 8 + 1 + 1 + 1, 16 + 1
+    # 4 + 2, 8 + 3, 16 + 1, and small decode batches of 2 and 3 (their tokens in one call, the matrix read once)
+    for a, b in ((3, 9), (2, 13), (1, 18), (0, 2), (4, 7), (20, 27)):
         np.testing.assert_array_equal(qd.gemm(w, int(qtype), x[a:b]), together[a:b])
 
 

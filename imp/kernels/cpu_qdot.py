@@ -143,9 +143,35 @@ def row_dot(w, qtype, base, nb, xq, xo, xd, xs, xb):
 
 
 ROWS = 4  # weight rows one decode call covers (rows_dot4)
-_RS = {qt: rowsdot(qt, ROWS) for qt in BLOCKS}
+_RS = {(qt, t): rowsdot(qt, ROWS, t) for qt in BLOCKS for t in (1, 2, 3, 4)}
 _q4_0_r, _q4_1_r, _q5_0_r, _q5_1_r, _q8_0_r, _q4_k_r, _q5_k_r, _q6_k_r = (
-    _RS[qt] for qt in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))
+    _RS[qt, 1] for qt in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))
+_q4_0_r2, _q4_1_r2, _q5_0_r2, _q5_1_r2, _q8_0_r2, _q4_k_r2, _q5_k_r2, _q6_k_r2 = (
+    _RS[qt, 2] for qt in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))
+_q4_0_r3, _q4_1_r3, _q5_0_r3, _q5_1_r3, _q8_0_r3, _q4_k_r3, _q5_k_r3, _q6_k_r3 = (
+    _RS[qt, 3] for qt in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))
+_q4_0_r4, _q4_1_r4, _q5_0_r4, _q5_1_r4, _q8_0_r4, _q4_k_r4, _q5_k_r4, _q6_k_r4 = (
+    _RS[qt, 4] for qt in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _rows_dot_t(w, qtype, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride,
+                q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k):
+    if qtype == 3:
+        return q4_1(w, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 8:
+        return q8_0(w, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 12:
+        return q4_k(w, base, rbytes, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 14:
+        return q6_k(w, base, rbytes, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 6:
+        return q5_0(w, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 2:
+        return q4_0(w, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride)
+    if qtype == 7:
+        return q5_1(w, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride)
+    return q5_k(w, base, rbytes, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
 
 
 @njit(cache=True, nogil=True)
@@ -153,21 +179,30 @@ def rows_dot4(w, qtype, base, rbytes, nb, xq, xo, xd, xs, xb):
     """ROWS consecutive rows (row i at base + i * rbytes) . one token: each output the bits
     row_dot gives it, the rows sharing the token's loads and one loop (decode's short rows
     were mostly per-row overhead; measured in PERFORMANCE.md)."""
-    if qtype == 3:
-        return _q4_1_r(w, base, rbytes, nb, xq, xo, 0, xd, xs, xb, 0)
-    if qtype == 8:
-        return _q8_0_r(w, base, rbytes, nb, xq, xo, 0, xd, xs, xb, 0)
-    if qtype == 12:
-        return _q4_k_r(w, base, rbytes, nb // 8, xq, xo, 0, xd, xs, xb, 0)
-    if qtype == 14:
-        return _q6_k_r(w, base, rbytes, nb // 8, xq, xo, 0, xd, xs, xb, 0)
-    if qtype == 6:
-        return _q5_0_r(w, base, rbytes, nb, xq, xo, 0, xd, xs, xb, 0)
-    if qtype == 2:
-        return _q4_0_r(w, base, rbytes, nb, xq, xo, 0, xd, xs, xb, 0)
-    if qtype == 7:
-        return _q5_1_r(w, base, rbytes, nb, xq, xo, 0, xd, xs, xb, 0)
-    return _q5_k_r(w, base, rbytes, nb // 8, xq, xo, 0, xd, xs, xb, 0)
+    return _rows_dot_t(w, qtype, base, rbytes, nb, xq, xo, 0, xd, xs, xb, 0,
+                       _q4_0_r, _q4_1_r, _q5_0_r, _q5_1_r, _q8_0_r, _q4_k_r, _q5_k_r, _q6_k_r)
+
+
+@njit(cache=True, nogil=True)
+def rows_dot4x2(w, qtype, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride):
+    """ROWS rows . 2 consecutive tokens, (row i, token t) at i * 2 + t: the bits rows_dot4 gives
+    each token, the matrix read once for both."""
+    return _rows_dot_t(w, qtype, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride,
+                       _q4_0_r2, _q4_1_r2, _q5_0_r2, _q5_1_r2, _q8_0_r2, _q4_k_r2, _q5_k_r2, _q6_k_r2)
+
+
+@njit(cache=True, nogil=True)
+def rows_dot4x4(w, qtype, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride):
+    """ROWS rows . 4 consecutive tokens, (row i, token t) at i * 4 + t (see rows_dot4x2)."""
+    return _rows_dot_t(w, qtype, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride,
+                       _q4_0_r4, _q4_1_r4, _q5_0_r4, _q5_1_r4, _q8_0_r4, _q4_k_r4, _q5_k_r4, _q6_k_r4)
+
+
+@njit(cache=True, nogil=True)
+def rows_dot4x3(w, qtype, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride):
+    """ROWS rows . 3 consecutive tokens, (row i, token t) at i * 3 + t (see rows_dot4x2)."""
+    return _rows_dot_t(w, qtype, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride,
+                       _q4_0_r3, _q4_1_r3, _q5_0_r3, _q5_1_r3, _q8_0_r3, _q4_k_r3, _q5_k_r3, _q6_k_r3)
 
 
 @njit(cache=True, nogil=True)
@@ -214,21 +249,39 @@ def block_dots(w, qtype, base, rbytes, nrows, nb, N, xq, xd, xs, out, c0):
             for t in range(TILE):
                 out[n + t, c0 + i] = y[t]
         n += TILE
-    if n < N:
-        m = n + (N - n) // HALF_TILE * HALF_TILE  # tokens the 8- and 4-tiles take
-        if m > n:
-            for i in range(nrows):
-                row_dots(w, qtype, base + i * rbytes, nb, m, xq, xd, xs, out, c0 + i, n)
-        for t in range(m, N):  # the last 1-3 tokens (all of a small decode batch): ROWS rows a call
-            i = 0
-            while i + ROWS <= nrows:
-                y = rows_dot4(w, qtype, base + i * rbytes, rbytes, nb, xq, t * K, xd, xs, t * nb)
+    # the last 1-15 tokens (all of a decode batch below 16): ROWS rows a call with up to 4 tokens at once
+    # (the matrix read once a call, not once a token; the tokens share each weight load and decode),
+    # rows past a multiple of ROWS one by one
+    while n < N:
+        left = min(N - n, 4)
+        i = 0
+        while i + ROWS <= nrows:
+            rb0 = base + i * rbytes
+            if left == 4:
+                y4 = rows_dot4x4(w, qtype, rb0, rbytes, nb, xq, n * K, K, xd, xs, n * nb, nb)
                 for j in range(ROWS):
-                    out[t, c0 + i + j] = y[j]
-                i += ROWS
-            while i < nrows:
+                    for t in range(4):
+                        out[n + t, c0 + i + j] = y4[j * 4 + t]
+            elif left == 3:
+                y3 = rows_dot4x3(w, qtype, rb0, rbytes, nb, xq, n * K, K, xd, xs, n * nb, nb)
+                for j in range(ROWS):
+                    for t in range(3):
+                        out[n + t, c0 + i + j] = y3[j * 3 + t]
+            elif left == 2:
+                y2 = rows_dot4x2(w, qtype, rb0, rbytes, nb, xq, n * K, K, xd, xs, n * nb, nb)
+                for j in range(ROWS):
+                    for t in range(2):
+                        out[n + t, c0 + i + j] = y2[j * 2 + t]
+            else:
+                y = rows_dot4(w, qtype, rb0, rbytes, nb, xq, n * K, xd, xs, n * nb)
+                for j in range(ROWS):
+                    out[n, c0 + i + j] = y[j]
+            i += ROWS
+        while i < nrows:
+            for t in range(n, n + left):
                 out[t, c0 + i] = row_dot(w, qtype, base + i * rbytes, nb, xq, t * K, xd, xs, t * nb)
-                i += 1
+            i += 1
+        n += left
 
 
 # ---------------------------------------------------------------- GEMM

@@ -482,19 +482,21 @@ def rowdot(qtype: int, T: int):
     return _CACHE[key]
 
 
-def rowsdot(qtype: int, R: int):
-    """The intrinsic for R consecutive rows . one token (decode): R independent chains in one
-    loop, each the same arithmetic as `rowdot(qtype, T)` gives that token, so the same bits
-    (the rows share the token's loads and the loop's overhead: a short row of a decode GEMV
-    was mostly overhead). Rows at byte base + i * rstride; returns UniTuple(float32, R)."""
-    key = ("rows", qtype, R)
+def rowsdot(qtype: int, R: int, T: int = 1):
+    """The intrinsic for R consecutive rows . T tokens (small decode batches): R * T independent
+    chains in one loop, each the same arithmetic as `rowdot(qtype, T)` gives that token, so the
+    same bits (the rows share the tokens' loads and the loop's overhead: a short row of a decode
+    GEMV was mostly overhead; the tokens share the weights' loads: 2 or 3 tokens one at a time
+    read the matrix 2 or 3 times). Rows at byte base + i * rstride; returns UniTuple(float32,
+    R * T), (row i, token t) at i * T + t."""
+    key = ("rows", qtype, R, T)
     if key not in _CACHE:
-        gen = _codegen(qtype, 1, R)
+        gen = _codegen(qtype, T, R)
 
         def typer(typingctx, w, base, rstride, units, xq, xo, xstride, xd, xs, xb, xbstride):
             ip = types.intp
-            return types.UniTuple(types.float32, R)(w, ip, ip, ip, xq, ip, ip, xd, xs, ip, ip), gen
+            return types.UniTuple(types.float32, R * T)(w, ip, ip, ip, xq, ip, ip, xd, xs, ip, ip), gen
 
-        typer.__name__ = f"rowsdot_q{qtype}_r{R}"
+        typer.__name__ = f"rowsdot_q{qtype}_r{R}_t{T}"
         _CACHE[key] = intrinsic(typer)
     return _CACHE[key]

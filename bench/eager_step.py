@@ -33,12 +33,7 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=352, help="cached prefix tokens (a multiple of 16)")
     ap.add_argument("--activations", default="int8", help="int8 | fp32 | invariant (int8, --batch-invariant)")
     ap.add_argument("--sdpa", action="store_true", help="prompt rows through torch SDPA per chunk (the old path)")
-    ap.add_argument("--two-forwards", action="store_true", help="a mixed step as two forwards (the old path)")
     a = ap.parse_args()
-    if a.two_forwards:
-        import imp.gpu.runner
-
-        imp.gpu.runner.TWO_FORWARDS = True
     if a.sdpa:
         import imp.gpu.forward
 

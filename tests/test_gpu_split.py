@@ -1,12 +1,10 @@
 """The mixed-step split of the GPU runner (`GpuModelRunner._eager_logits`), on the CPU: a fake
 forward that answers each head row with (token, position, pending slot) shows that the rows of
-the reordered step (prompt shares first, one forward with `Meta.split`; or, TWO_FORWARDS, two
-forwards) come back in the order of the unsplit step's head rows, for prompt chunks, decodes,
+the reordered step (prompt shares first, one forward with `Meta.split`) come back in the order of the unsplit step's head rows, for prompt chunks, decodes,
 PENDING_TOKEN rows, prompt-logprob rows and shares that sample nothing."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from imp.gpu.runner import GpuModelRunner
@@ -35,11 +33,7 @@ def _runner(split: bool) -> GpuModelRunner:
     return r
 
 
-@pytest.mark.parametrize("two", [False, True])
-def test_split_rows_come_back_in_the_unsplit_order(monkeypatch, two):
-    import imp.gpu.runner
-
-    monkeypatch.setattr(imp.gpu.runner, "TWO_FORWARDS", two)
+def test_split_rows_come_back_in_the_unsplit_order():
     g = SamplingParams(max_tokens=8)
     seqs = [
         SeqWork(seq_id="d0", token_ids=(PENDING_TOKEN,), start_pos=20, block_table=(0, 1), sample=True, params=g,
@@ -58,10 +52,8 @@ def test_split_rows_come_back_in_the_unsplit_order(monkeypatch, two):
     want = _runner(False)._eager_logits(seqs, rows, src, None)
     split = _runner(True)
     got = split._eager_logits(seqs, rows, src, None)
-    if two:
-        assert split.fwd.calls == [46, 3]  # the prompt chunks' 30 + 10 + 6 rows, then the three decodes
-    else:  # one forward: the prompt chunks' 46 rows first (their head rows: p0's, p2's 6 + 1), the decodes after
-        assert split.fwd.calls == [49] and split.fwd.splits == [(46, 8)]
+    # one forward: the prompt chunks' 46 rows first (their head rows: p0's, p2's 6 + 1), the decodes after
+    assert split.fwd.calls == [49] and split.fwd.splits == [(46, 8)]
     assert torch.equal(got, want) and got.shape[0] == len(rows) == 11  # p2: 6 prompt-logprob rows + its sample
     assert want[0].tolist() == [0.0, 20.0, 3.0] and want[-1].tolist() == [0.0, 9.0, 1.0]  # pending rows remapped
 

@@ -66,9 +66,6 @@ log = logging.getLogger("imp.gpu")
 SUPPORTED_ARCHS = ("llama",)  # the forward of imp.gpu.forward; the CPU runner runs more (imp.model.runner.ARCHS)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_SAMPLED = 4096  # sequences sampled in one step (the device buffer of sampled ids)
-# a step mixing prompt and decode rows (int8 decode, prompts dense or MMQ): False = one forward, matmuls per row
-# kind (Forward.mixed); True = two forwards, as before (bench/eager_step.py --two-forwards compares)
-TWO_FORWARDS = False
 RING = 4  # pinned buffers for sampled ids: a step's slot is reused 4 launches later (<= 2 are in flight)
 
 
@@ -98,9 +95,7 @@ class GpuModelRunner:
         self._dev_loras = None  # imp.gpu.lora.DeviceLoras, made at the first adapter step
         self._ring = [torch.zeros(MAX_SAMPLED, dtype=torch.int32).pin_memory() for _ in range(RING)]
         self._ring_i = 0
-        if batch_invariant and not int8_act:
-            raise ValueError("batch_invariant needs int8 activations")
-        self.batch_invariant = batch_invariant
+        self.batch_invariant = batch_invariant  # Linear refuses it without int8 activations
         self.w: Weights = load_weights(src, self.device, dense, int8_act, batch_invariant)
         Hkv, D = cfg.n_kv_heads, cfg.head_dim
         shape = (cfg.n_layers, num_blocks, block_size, Hkv, D)
@@ -122,10 +117,10 @@ class GpuModelRunner:
                                                            credit_us=credit.get(attr, 0.0),
                                                            q8_credit_us=q8_credit.get(attr, 0.0))
                 self.w.head.choose(n, q8_credit_us=FUSED_CREDIT_US)
-        # prompt rows dense (or on the int8 GEMM), decode rows on the int8 GEMV: mixed eager steps split in two
-        # (_eager_logits)
-        # (batch invariant: every row on the GEMM already)
-        self._split_mixed = not batch_invariant and any(m.q8 and (self.w.dense or m.mm) for L in self.w.layers for m in (L.wqkv, L.wo, L.w13, L.w2))
+        # prompt rows dense (or on the int8 GEMM), decode rows on the int8 GEMV: a mixed eager step runs its
+        # matmuls per row kind (_eager_logits); batch invariant: every row is on the GEMM already
+        self._split_mixed = not batch_invariant and any(m.q8 and (self.w.dense or m.mm) for L in self.w.layers
+                                                        for m in (L.wqkv, L.wo, L.w13, L.w2))
         if graphs and buckets:
             self._capture_or_fall_back()
 
@@ -282,38 +277,24 @@ class GpuModelRunner:
         """The head's rows of an eager step. With int8 decode and prompts dense or on the int8 GEMM
         (`Linear.mode`), a step that mixes prompt chunks and one-token shares runs its prompt shares first
         and its matmuls per row kind (`Forward.mixed`), so that each row gets the numerics of its kind
-        whoever shares the step (a request's tokens then do not depend on the traffic beside it).
-        TWO_FORWARDS: the same as two forwards (prompts, then the rest), as before (bench/eager_step.py)."""
+        whoever shares the step (a request's tokens then do not depend on the traffic beside it): one
+        forward's launches, not two forwards' (bench/eager_step.py figures in PERFORMANCE.md)."""
         bs, dev = self.block_size, self.device
         one = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
         if la is not None or not self._split_mixed or not one or len(one) == len(seqs):
             return self.fwd(eager_meta(seqs, rows, bs, dev, src), lora=la)
         one_set = set(one)
-        parts = [[i for i in range(len(seqs)) if i not in one_set], one]
-        if not TWO_FORWARDS:
-            order = parts[0] + parts[1]
-            sub = [seqs[i] for i in order]
-            r, _, _ = head_rows(sub)
-            starts = _head_row_counts(sub)
-            m = eager_meta(sub, r, bs, dev, {j: src[i] for j, i in enumerate(order) if src and i in src})
-            k = len(parts[0])
-            m.split = (sum(len(s.token_ids) for s in sub[:k]), sum(c for _, c in starts[:k]))
-            out = self.fwd(m)
-            at = {i: starts[j] for j, i in enumerate(order)}
-            pieces = [out[a:a + c] for i in range(len(seqs)) for a, c in [at[i]] if c]
-            return torch.cat(pieces) if pieces else out[:0]
-        where: dict[int, tuple[int, int, int]] = {}  # share -> (part, first head row in its logits, count)
-        outs = []
-        for k, idx in enumerate(parts):
-            sub = [seqs[i] for i in idx]
-            r, _, _ = head_rows(sub)
-            starts = _head_row_counts(sub)
-            for j, i in enumerate(idx):
-                where[i] = (k, starts[j][0], starts[j][1])
-            sub_src = {j: src[i] for j, i in enumerate(idx) if src and i in src}
-            outs.append(self.fwd(eager_meta(sub, r, bs, dev, sub_src)))
-        pieces = [outs[k][a:a + c] for i in range(len(seqs)) for k, a, c in [where[i]] if c]
-        return torch.cat(pieces) if pieces else outs[0][:0]
+        order = [i for i in range(len(seqs)) if i not in one_set] + one
+        sub = [seqs[i] for i in order]
+        r, _, _ = head_rows(sub)
+        starts = _head_row_counts(sub)
+        m = eager_meta(sub, r, bs, dev, {j: src[i] for j, i in enumerate(order) if src and i in src})
+        k = len(seqs) - len(one)
+        m.split = (sum(len(s.token_ids) for s in sub[:k]), sum(c for _, c in starts[:k]))
+        out = self.fwd(m)
+        at = {i: starts[j] for j, i in enumerate(order)}
+        pieces = [out[a:a + c] for i in range(len(seqs)) for a, c in [at[i]] if c]
+        return torch.cat(pieces) if pieces else out[:0]
 
     def _sample_and_land(self, logits: torch.Tensor, seqs: list[SeqWork], constraints=None) -> Landing:
         """Sample rows of logits for seqs; keep the ids on the device for the next

@@ -233,6 +233,14 @@ def row_dots(w, qtype, base, nb, N, xq, xd, xs, out, r, n0=0):
 RB = 8  # weight rows a work item holds (see block_dots)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _put(out, y, n, c, T):
+    """out[n + t, c + j] = y[j * T + t]: a rows_dot4xT result, ROWS rows x T tokens, into place."""
+    for j in range(ROWS):
+        for t in range(T):
+            out[n + t, c + j] = y[j * T + t]
+
+
 @njit(cache=True, nogil=True)
 def block_dots(w, qtype, base, rbytes, nrows, nb, N, xq, xd, xs, out, c0):
     """out[n, c0 + i] = row i . token n for nrows consecutive rows (row i at base + i * rbytes).
@@ -266,24 +274,13 @@ def block_dots(w, qtype, base, rbytes, nrows, nb, N, xq, xd, xs, out, c0):
         while i + ROWS <= nrows:
             rb0 = base + i * rbytes
             if left == 4:
-                y4 = rows_dot4x4(w, qtype, rb0, rbytes, nb, xq, n * K, K, xd, xs, n * nb, nb)
-                for j in range(ROWS):
-                    for t in range(4):
-                        out[n + t, c0 + i + j] = y4[j * 4 + t]
+                _put(out, rows_dot4x4(w, qtype, rb0, rbytes, nb, xq, n * K, K, xd, xs, n * nb, nb), n, c0 + i, 4)
             elif left == 3:
-                y3 = rows_dot4x3(w, qtype, rb0, rbytes, nb, xq, n * K, K, xd, xs, n * nb, nb)
-                for j in range(ROWS):
-                    for t in range(3):
-                        out[n + t, c0 + i + j] = y3[j * 3 + t]
+                _put(out, rows_dot4x3(w, qtype, rb0, rbytes, nb, xq, n * K, K, xd, xs, n * nb, nb), n, c0 + i, 3)
             elif left == 2:
-                y2 = rows_dot4x2(w, qtype, rb0, rbytes, nb, xq, n * K, K, xd, xs, n * nb, nb)
-                for j in range(ROWS):
-                    for t in range(2):
-                        out[n + t, c0 + i + j] = y2[j * 2 + t]
+                _put(out, rows_dot4x2(w, qtype, rb0, rbytes, nb, xq, n * K, K, xd, xs, n * nb, nb), n, c0 + i, 2)
             else:
-                y = rows_dot4(w, qtype, rb0, rbytes, nb, xq, n * K, xd, xs, n * nb)
-                for j in range(ROWS):
-                    out[n, c0 + i + j] = y[j]
+                _put(out, rows_dot4(w, qtype, rb0, rbytes, nb, xq, n * K, xd, xs, n * nb), n, c0 + i, 1)
             i += ROWS
         while i < nrows:
             for t in range(n, n + left):

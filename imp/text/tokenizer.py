@@ -148,13 +148,13 @@ class Tokenizer:
                 # gives different ids from the ones the model was trained on.
                 raise ValueError(f"unknown tokenizer.ggml.pre {pre!r}; known: {sorted(_PRE)}")
             regexes, ignore_merges, add_bos_default = _PRE[pre]
-            make, self._piece_bytes = _byte_level(tokens, types, list(meta["tokenizer.ggml.merges"]), regexes,
-                                                  ignore_merges)
+            hf, self._piece_bytes = _byte_level(tokens, types, list(meta["tokenizer.ggml.merges"]), regexes,
+                                                ignore_merges)
         elif kind == "llama":
             add_bos_default = True
             scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * n)
-            make, self._piece_bytes = _sentencepiece(tokens, types, scores, self.add_space_prefix,
-                                                     tid("unknown_token_id"))
+            hf, self._piece_bytes = _sentencepiece(tokens, types, scores, self.add_space_prefix,
+                                                   tid("unknown_token_id"))
         else:
             raise ValueError(f"unsupported tokenizer.ggml.model {kind!r} (gpt2 and llama are)")
         self.add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)) and self.bos_id is not None
@@ -169,7 +169,6 @@ class Tokenizer:
         # (`split_special`, as HF's added-token matcher does: leftmost-longest, every piece
         # normalized on its own, and the specials made here have no strip flags). A second engine
         # for trusted text, serialized to JSON and parsed back, was 1.4 s and ~100 MB of Gemma 3's load.
-        hf = make()
         hf.add_special_tokens(special)
         if user:
             hf.add_tokens(user)
@@ -339,22 +338,18 @@ def _byte_level(tokens, types, merges, regexes, ignore_merges):
     u2b = {c: b for b, c in b2u.items()}
     vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # first id wins on duplicates
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-
-    def make() -> _HFTokenizer:
-        hf = _HFTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
-        hf.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
-        return hf
-
+    hf = _HFTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     piece_bytes = []
     for t, ty in zip(tokens, types):
         if ty in (CONTROL, USER_DEFINED) or not all(c in u2b for c in t):
             piece_bytes.append(t.encode("utf-8"))  # raw text, as llama.cpp prints it
         else:
             piece_bytes.append(bytes(u2b[c] for c in t))
-    return make, piece_bytes
+    return hf, piece_bytes
 
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -373,15 +368,12 @@ def _sentencepiece(tokens, types, scores, add_space_prefix, unk_id):
     ranked.sort()
     merges = [(a, b) for *_, a, b in ranked]
     del ranked
-
-    def make() -> _HFTokenizer:
-        hf = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True,
-                                     unk_token=tokens[unk_id] if unk_id is not None else None, fuse_unk=True))
-        norm = [normalizers.Replace(" ", "\u2581")]
-        if add_space_prefix:
-            norm.insert(0, normalizers.Prepend("\u2581"))
-        hf.normalizer = normalizers.Sequence(norm)
-        return hf
+    hf = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True,
+                                 unk_token=tokens[unk_id] if unk_id is not None else None, fuse_unk=True))
+    norm = [normalizers.Replace(" ", "\u2581")]
+    if add_space_prefix:
+        norm.insert(0, normalizers.Prepend("\u2581"))
+    hf.normalizer = normalizers.Sequence(norm)
 
     piece_bytes = []
     for t, ty in zip(tokens, types):
@@ -392,4 +384,4 @@ def _sentencepiece(tokens, types, scores, add_space_prefix, unk_id):
             piece_bytes.append(t.encode("utf-8"))
         else:
             piece_bytes.append(t.replace("\u2581", " ").encode("utf-8"))
-    return make, piece_bytes
+    return hf, piece_bytes

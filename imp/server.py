@@ -184,7 +184,9 @@ async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel, api_ke
     app = create_app(engine, text, cfg, grammars=engine.grammars, api_keys=api_keys)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
+    # backlog as the process layout's socket (procs.py): aiohttp's 128 drops the SYNs of a
+    # burst of clients while the loop is busy, and each dropped SYN costs its client 1 s
+    site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, backlog=1024)
     await site.start()
     _progress(f"serving on http://{cfg.host}:{cfg.port}")
     signals = asyncio.Queue()

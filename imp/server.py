@@ -46,9 +46,8 @@ def warm_up_prefill(runner, tokens: int = 128) -> float | None:
     """A short prefill at boot (before anything is admitted, into blocks the allocator has
     not handed out yet, sequence forgotten after): its rate is what /v1/estimate's
     est_ttft_s uses until real prefills are measured. Also warms the kernels."""
-    import torch
-
     from imp.messages import SamplingParams, SeqWork
+    from imp.model.team import inference_mode
 
     n = min(tokens, runner.num_blocks * runner.block_size - 1, int(runner.config.context_length) - 1)
     if n < 16:
@@ -56,7 +55,7 @@ def warm_up_prefill(runner, tokens: int = 128) -> float | None:
     table = tuple(range((n + runner.block_size - 1) // runner.block_size))
     work = [SeqWork("warm-up", tuple(range(1, n + 1)), 0, table, True, SamplingParams(max_tokens=1, temperature=0.0))]
     rate = None
-    with torch.inference_mode():
+    with inference_mode():
         for _ in range(2):  # the first may still compile
             t0 = time.perf_counter()
             runner.step(work)
@@ -103,14 +102,14 @@ def load_text(cfg: ServerConfig) -> tuple[TextModel, GrammarCache]:
 def load_engine(cfg: ServerConfig, store=None, render: bool = True) -> tuple[LocalEngine, TextModel]:
     """Everything that reads the disk or the environment happens here, once. render=False:
     the engine sends token ids only (API-server processes make the text)."""
-    import torch
-
     from imp.fetch import resolve_model
     from imp.formats.lora import LoraFiles
     from imp.model.lora import LoraTable
     from imp.model.runner import ModelRunner
 
-    if cfg.threads:
+    if cfg.threads and any(d.startswith("cuda") for d in replica_devices(cfg)):
+        import torch  # the GPU runner's host ops; the CPU runner sets its own (ModelRunner.load)
+
         torch.set_num_threads(cfg.threads)
     path = Path(resolve_model(cfg.model))
     t0 = time.monotonic()

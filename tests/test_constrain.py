@@ -75,8 +75,14 @@ def synth(tmp_path_factory) -> Tokenizer:
 # ---------------------------------------------------------------------------- the random walk
 
 
-def _bits(row: torch.Tensor, V: int) -> torch.Tensor:
+def _alloc(n_rows: int, vocab: int) -> torch.Tensor:
+    """alloc_bitmask's numpy rows as a torch tensor sharing them: the masks also take CPU tensors."""
+    return torch.from_numpy(alloc_bitmask(n_rows, vocab))
+
+
+def _bits(row, V: int) -> torch.Tensor:
     """Allowed-token booleans [V] of one bitmask row (the reference unpacking)."""
+    row = torch.as_tensor(row)
     shifts = torch.arange(32, dtype=torch.int32)
     return ((row.unsqueeze(-1) >> shifts) & 1).reshape(-1)[:V].bool()
 
@@ -86,7 +92,7 @@ def walk(m: SeqMatcher, eos_ids, V: int, seed: int, max_steps: int = 400, p_eos:
     """Sample until EOS; return the tokens before it. Asserts the mask invariants each step."""
     g = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
-    bm = alloc_bitmask(1, V)
+    bm = _alloc(1, V)
     eos = sorted(eos_ids)
     for step in range(max_steps):
         m.fill_mask(bm[0])
@@ -141,7 +147,7 @@ def test_special_tokens_are_not_produced_by_their_text(smol, cache):
     """A grammar that spells `<|im_end|>` as text gets it from byte tokens, never the special id."""
     im_end = next(i for i in range(smol.vocab_size) if smol.piece_bytes(i) == b"<|im_end|>")
     m = cache.compile_sync(Constraint("regex", r"<\|im_end\|> ok")).matcher()
-    bm = alloc_bitmask(1, smol.vocab_size)
+    bm = _alloc(1, smol.vocab_size)
     m.fill_mask(bm[0])
     allowed = _bits(bm[0], smol.vocab_size)
     assert not allowed[im_end]
@@ -173,7 +179,7 @@ def test_synthetic_vocabulary(synth):
             out = walk(m, synth.eos_ids, 300, seed=seed)
             assert re.fullmatch(r"(ta|t){2,4}!", text_of(synth, out))
         # specials (ids 0-2 in the synthetic vocab) are never in a text mask
-        bm = alloc_bitmask(1, 300)
+        bm = _alloc(1, 300)
         cache.compile_sync(Constraint("regex", r"<\|im_start\|>")).matcher().fill_mask(bm[0])
         assert not _bits(bm[0], 300)[:3].any()
     finally:
@@ -187,7 +193,7 @@ def test_padding_ids_never_allowed(smol):
     cache = GrammarCache(lt)
     try:
         m = cache.compile_sync(Constraint("regex", r"[a-z ]{1,40}")).matcher()
-        bm = alloc_bitmask(1, V)
+        bm = _alloc(1, V)
         assert bm.shape[1] == mask_words(V) == (V + 31) // 32
         m.fill_mask(bm[0])
         assert not _bits(bm[0], V)[smol.vocab_size:].any()
@@ -346,7 +352,7 @@ def test_unknown_kind(cache):
 
 def test_advance_refuses_a_disallowed_token_and_stays_usable(smol, cache):
     m = cache.compile_sync(Constraint("regex", r"[0-9]+")).matcher()
-    bm0, bm1 = alloc_bitmask(1, smol.vocab_size), alloc_bitmask(1, smol.vocab_size)
+    bm0, bm1 = _alloc(1, smol.vocab_size), _alloc(1, smol.vocab_size)
     m.fill_mask(bm0[0])
     with pytest.raises(ConstraintError, match="not allowed"):
         m.advance(smol.encode("x")[0])
@@ -365,7 +371,7 @@ def test_done_means_eos_only_and_eos_after_done(smol, cache):
         m.advance(t)
     assert m.done() and m.accepting()
     eos = sorted(smol.eos_ids)
-    bm = alloc_bitmask(1, smol.vocab_size)
+    bm = _alloc(1, smol.vocab_size)
     m.fill_mask(bm[0])
     assert torch.nonzero(_bits(bm[0], smol.vocab_size)).flatten().tolist() == eos
     with pytest.raises(ConstraintError):
@@ -387,7 +393,7 @@ def test_sync_rebuilds_the_same_masks_after_preemption(smol, cache):
     masks: list[torch.Tensor] = []
     out = walk(compiled.matcher(), smol.eos_ids, smol.vocab_size, seed=5, masks=masks)
     assert len(out) > 6
-    bm = alloc_bitmask(1, smol.vocab_size)
+    bm = _alloc(1, smol.vocab_size)
     # preempted after k tokens, recomputed: a fresh matcher synced to the output so far
     for k in (0, 1, len(out) // 2, len(out)):
         m = compiled.matcher()
@@ -420,7 +426,7 @@ def test_fork_is_independent(smol, cache):
     twin = m.fork()
     assert twin.tokens == m.tokens and twin.tokens is not m.tokens
     twin.advance(smol.encode("1")[0])
-    a, b = alloc_bitmask(1, smol.vocab_size), alloc_bitmask(1, smol.vocab_size)
+    a, b = _alloc(1, smol.vocab_size), _alloc(1, smol.vocab_size)
     m.fill_mask(a[0])
     fresh = cache.compile_sync(Constraint("regex", r"(ab|cd)[0-9]{2}")).matcher()
     fresh.sync(m.tokens)
@@ -444,10 +450,10 @@ def test_fill_masks_batched_equals_one_by_one(smol, cache):
     ms = [c.matcher() for c in compiled for _ in range(2)]
     for i, m in enumerate(ms):  # move them to different states
         m.sync(walk(compiled[i // 2].matcher(), smol.eos_ids, smol.vocab_size, seed=i)[: i + 1])
-    batch = alloc_bitmask(len(ms) + 2, smol.vocab_size)
+    batch = _alloc(len(ms) + 2, smol.vocab_size)
     rows = [(m, i + 1) for i, m in enumerate(ms)]  # rows 0 and -1 stay unconstrained (all ones)
     fill_masks(rows, batch, cache.executor)
-    one = alloc_bitmask(1, smol.vocab_size)
+    one = _alloc(1, smol.vocab_size)
     for m, i in rows:
         m.fill_mask(one[0])
         assert torch.equal(batch[i], one[0])

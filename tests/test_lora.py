@@ -136,10 +136,10 @@ def test_batched_with_base_rows_equals_alone_and_a_zero_adapter_is_the_base(tmp_
     table.add(1, check(Adapter(4, 2.0, fac), cfg, "llama"), cfg.n_layers)
     table.add(2, check(Adapter(4, 2.0, zero), cfg, "llama"), cfg.n_layers)
     toks = [5, 9, 11, 200, 7, 3]
-    base = r.forward([seq("a", toks, range(0, 2))])[0]
-    alone = r.forward([seq("b", toks, range(2, 4), lora=1)], lora=table)[0]
-    with_zero = r.forward([seq("c", toks, range(4, 6), lora=2)], lora=table)[0]
-    both = r.forward([seq("d", toks, range(6, 8)), seq("e", toks, range(8, 10), lora=1)], lora=table)
+    base = torch.from_numpy(r.forward([seq("a", toks, range(0, 2))]))[0]
+    alone = torch.from_numpy(r.forward([seq("b", toks, range(2, 4), lora=1)], lora=table))[0]
+    with_zero = torch.from_numpy(r.forward([seq("c", toks, range(4, 6), lora=2)], lora=table))[0]
+    both = torch.from_numpy(r.forward([seq("d", toks, range(6, 8)), seq("e", toks, range(8, 10), lora=1)], lora=table))
     assert (alone - base).abs().max() > 0.1  # the adapter changes the output
     assert torch.equal(with_zero, base)  # B = 0: exactly the base model
     assert torch.equal(both[0], base) and torch.equal(both[1], alone)  # batch invariance, both ways
@@ -173,8 +173,8 @@ def test_logits_match_hf_with_peft(smollm2_path, tmp_path):
     r = ModelRunner.load(str(smollm2_path), kv_tokens=2048)
     table = LoraTable()
     table.add(1, check(read_adapter(tmp_path / "ad"), r.config, "llama"), r.config.n_layers)
-    ours = r.forward([seq("a", ids, range(8), lora=1)], lora=table)[0]
-    ours_base = r.forward([seq("b", ids, range(8, 16))])[0]
+    ours = torch.from_numpy(r.forward([seq("a", ids, range(8), lora=1)], lora=table))[0]
+    ours_base = torch.from_numpy(r.forward([seq("b", ids, range(8, 16))]))[0]
     eff_ref, eff_ours = ref - ref_base, ours - ours_base  # what the adapter does (quantization cancels)
     effect = eff_ref.abs().max().item()
     err, base_err = (ours - ref).abs().max().item(), (ours_base - ref_base).abs().max().item()

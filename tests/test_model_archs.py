@@ -55,7 +55,7 @@ def hf_steps(hf, prompt: list[int], n: int = 4) -> list[tuple[list[int], torch.T
 def run_steps(runner, steps, bt) -> list[torch.Tensor]:
     got, start = [], 0
     for ctx, _ in steps:
-        got.append(runner.forward([SeqWork("s", ctx[start:], start, bt, True, P)])[0])
+        got.append(torch.from_numpy(runner.forward([SeqWork("s", ctx[start:], start, bt, True, P)]))[0])
         start = len(ctx)  # continue from the cached prefix: decode steps are single tokens
     return got
 
@@ -106,9 +106,9 @@ def test_gemma3_window_masks_old_positions(tmp_path):
 
     def last(toks, bt, one_by_one=False):
         if not one_by_one:
-            return r.forward([SeqWork("s", toks, 0, bt, True, P)])[0]
+            return torch.from_numpy(r.forward([SeqWork("s", toks, 0, bt, True, P)]))[0]
         for i, t in enumerate(toks):  # decode path: single tokens over the paged cache
-            out = r.forward([SeqWork("s", [t], i, bt, True, P)])[0]
+            out = torch.from_numpy(r.forward([SeqWork("s", [t], i, bt, True, P)]))[0]
         return out
 
     for one in (False, True):

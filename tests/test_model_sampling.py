@@ -4,6 +4,7 @@ import math
 from imp.messages import SamplingParams, SeqWork
 from imp.sampling import cpu as S
 
+import numpy as np
 import torch
 
 V = 100
@@ -107,7 +108,7 @@ def test_penalties_touch_only_the_history_and_match_the_dense_form():
         p = SamplingParams(max_tokens=1, repetition_penalty=rng.choice([1.0, 1.05, 1.3, 0.9]),
                            presence_penalty=rng.choice([0.0, 0.3, -1.2]), frequency_penalty=rng.choice([0.0, 0.7, -0.4]))
         before = x.clone()
-        assert torch.equal(apply_penalties(x, hist, p), dense(x, hist, p))
+        assert torch.equal(torch.from_numpy(apply_penalties(x, hist, p)), dense(x, hist, p))
         assert torch.equal(x, before)  # the caller's row is not changed in place
 
 
@@ -132,5 +133,62 @@ def test_owned_logits_are_penalized_in_place_and_others_never():
     want = [t.token_id for t in S.sample(logits, [w, w])]
     assert torch.equal(logits, before)  # not owned: untouched
     assert want[0] not in hist[:1]  # the penalty changed the choice
-    got = [t.token_id for t in S.sample(logits, [w, w], own=True)]
+    got = [t.token_id for t in S.sample(logits.numpy(), [w, w], own=True)]
     assert got == want and not torch.equal(logits, before)  # owned: same tokens, penalized in place
+
+
+def _torch_filters(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The filters as the torch sampler had them (temperature, top_k, top_p, min_p, typical_p)."""
+    x = x / p.temperature
+    if 0 < p.top_k < x.shape[-1]:
+        x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
+    if p.top_p < 1.0:
+        s, order = torch.sort(x, descending=True)
+        sm = torch.softmax(s, -1)
+        drop = torch.empty_like(s, dtype=torch.bool).scatter_(0, order, (sm.cumsum(-1) - sm) >= p.top_p)
+        x = x.masked_fill(drop, float("-inf"))
+    if p.min_p > 0.0:
+        pr = torch.softmax(x, -1)
+        x = x.masked_fill(pr < p.min_p * pr.max(), float("-inf"))
+    if p.typical_p < 1.0:
+        logp = torch.log_softmax(x, -1)
+        pr = logp.exp()
+        ent = -(torch.nan_to_num(pr * logp)).sum()
+        order = torch.argsort((-logp - ent).abs(), stable=True)
+        n_keep = int((pr[order].cumsum(-1) < p.typical_p).sum()) + 1
+        drop = torch.ones_like(x, dtype=torch.bool)
+        drop[order[:n_keep]] = False
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+def test_filters_keep_the_tokens_the_torch_sampler_kept():
+    """The numpy filters against the torch ones they replaced: the same tokens survive, with the
+    same values, over random rows and parameters."""
+    import random
+
+    rng = random.Random(1)
+    for _ in range(300):
+        n = rng.choice([50, 1000, 49152])
+        x = torch.randn(n, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))) * rng.choice([1, 4])
+        p = SamplingParams(max_tokens=1, temperature=rng.choice([0.5, 1.0, 1.7]), top_k=rng.choice([0, 1, 5, 40]),
+                           top_p=rng.choice([1.0, 0.9, 0.5]), min_p=rng.choice([0.0, 0.05, 0.3]),
+                           typical_p=rng.choice([1.0, 1.0, 0.8]))
+        w = SeqWork("s", (1,), 0, (0,), True, p)
+        got, want = S.process(x.numpy(), w), _torch_filters(x, p).numpy()
+        kept, kept_t = np.isfinite(got), np.isfinite(want)
+        assert (kept == kept_t).all(), (p, np.flatnonzero(kept != kept_t))
+        np.testing.assert_allclose(got[kept], want[kept], rtol=1e-6)
+
+
+def test_draws_follow_the_distribution_and_never_pick_a_filtered_token():
+    """Inverse-CDF draws over 20,000 (seed, gen_index) pairs: each kept token's frequency within
+    5 sigma of its probability; filtered (-inf) tokens never drawn."""
+    x = np.full(V, -np.inf, dtype=np.float32)
+    x[[3, 7, 50, 99]] = np.log(np.array([0.5, 0.25, 0.15, 0.10], dtype=np.float32))
+    n = 20000
+    drawn = np.array([S.draw(x, S.uniform(s, g)) for s in range(100) for g in range(n // 100)])
+    assert set(np.unique(drawn)) <= {3, 7, 50, 99}
+    for tok, pr in ((3, 0.5), (7, 0.25), (50, 0.15), (99, 0.10)):
+        freq = (drawn == tok).mean()
+        assert abs(freq - pr) < 5 * math.sqrt(pr * (1 - pr) / n), (tok, freq, pr)

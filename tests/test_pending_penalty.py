@@ -16,8 +16,13 @@ import pytest
 import torch
 
 from imp.messages import SamplingParams, SeqWork
-from imp.sampling.cpu import apply_penalties
+from imp.sampling.cpu import apply_penalties as _apply_penalties
 from imp.sampling.gpu import bias_and_penalties
+
+
+def apply_penalties(logits, history, p):
+    """The CPU reference (numpy) on a torch row, as a torch row."""
+    return torch.from_numpy(_apply_penalties(logits, history, p))
 
 
 def _penalize_dense(x, works, pending, params):
@@ -148,8 +153,6 @@ def test_history_view_reads_the_first_n_kept_tokens_in_place():
     with pytest.raises(IndexError):
         v[2]
     assert (*v, 9) == (5, 6, 9)  # pending.fill's spelling
-    from imp.sampling.cpu import apply_penalties
-
     p = SamplingParams(max_tokens=4, repetition_penalty=1.3, frequency_penalty=0.2)
     x = torch.randn(10)
     assert torch.equal(apply_penalties(x.clone(), v, p), apply_penalties(x.clone(), (5, 6), p))

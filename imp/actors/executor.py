@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
+import sys
 import time
 from collections.abc import Sequence
 
@@ -46,6 +48,14 @@ from imp.messages import (LoraLoad, LoraState, LoraUnload, MemoryState, Msg, Rel
                           SeqWork, StepFailed, StepPlan, StepResult, Unload)
 from imp.sampling.pending import resolve_pending
 
+
+
+def _inference_mode():
+    """torch's inference mode around a step where the process has torch (the GPU runner, the
+    torch CPU forwards); the fused CPU forward runs without torch. (imp.model.team does the
+    same for its thread; actors do not import imp.model.)"""
+    torch = sys.modules.get("torch")
+    return torch.inference_mode() if torch is not None else contextlib.nullcontext()
 
 class HistoryView(Sequence):
     """The first n tokens of a kept history list, read in place: a share's `history` without copying
@@ -159,18 +169,14 @@ class ExecutorActor(Actor):
         self._planned = 0  # steps started (the injection hook counts these)
 
     def _run_step(self, seqs: list[SeqWork]) -> list[SampledToken]:
-        import torch
-
         seqs = resolve_pending(seqs, self._last) if any(w.pending for w in seqs) else seqs
-        with torch.inference_mode():
+        with _inference_mode():
             tokens = self.runner.step(seqs, constraints=self.book, lora=self.loras) if seqs else []
         self._last = {t.seq_id: t.token_id for t in tokens}
         return tokens
 
     def _launch(self, seqs: list[SeqWork]):
-        import torch
-
-        with torch.inference_mode():
+        with _inference_mode():
             return self.runner.launch(seqs, constraints=self.book, lora=self.loras)
 
     async def on_message(self, sender: str, msg: Msg) -> None:

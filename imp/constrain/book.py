@@ -27,7 +27,7 @@ import logging
 import threading
 from collections.abc import Iterable, Sequence
 
-import torch
+import numpy as np
 
 from imp.constrain.compile import GrammarCache
 from imp.constrain.errors import ConstraintError
@@ -45,7 +45,7 @@ class ConstraintBook:
         self._matchers: dict[str, SeqMatcher] = {}
         self._lock = threading.Lock()  # launch and collect threads of a pipelined executor
         self._words = mask_words(cache.vocab_size)
-        self._buf = torch.zeros(0, self._words, dtype=torch.int32)
+        self._buf = np.zeros((0, self._words), dtype=np.int32)
         self.failures = 0  # sequences whose history left their grammar (EOS-only from then on)
 
     def forget(self, seq_ids: Iterable[str]) -> None:
@@ -68,8 +68,8 @@ class ConstraintBook:
             m = self._matchers[w.seq_id] = g.matcher()
         return m
 
-    def masks(self, works: Sequence[SeqWork]) -> tuple[list[int], torch.Tensor] | None:
-        """(rows, bitmask [len(rows), words] int32 CPU) for the constrained shares of a step
+    def masks(self, works: Sequence[SeqWork]) -> tuple[list[int], np.ndarray] | None:
+        """(rows, bitmask [len(rows), words] int32, numpy) for the constrained shares of a step
         that sample, in `works` order; None when there are none. The bitmask is a view of
         a buffer reused by the next call: copy it (or its device upload) before then."""
         rows = [i for i, w in enumerate(works) if w.sample and w.params is not None and w.params.constraint is not None]
@@ -77,7 +77,7 @@ class ConstraintBook:
             return None
         with self._lock:
             if self._buf.shape[0] < len(rows):
-                self._buf = torch.zeros(max(len(rows), 2 * self._buf.shape[0]), self._words, dtype=torch.int32)
+                self._buf = np.zeros((max(len(rows), 2 * self._buf.shape[0]), self._words), dtype=np.int32)
             bitmask = self._buf[:len(rows)]
             fill: list[tuple[SeqMatcher, int]] = []
             for j, i in enumerate(rows):
@@ -100,22 +100,20 @@ class ConstraintBook:
             fill_masks(fill, bitmask, self.cache.executor if len(fill) > 1 else None)
         return rows, bitmask
 
-    def apply(self, logits: torch.Tensor, works: Sequence[SeqWork]) -> bool:
-        """Mask logits [len(works), V] fp32 (CPU or CUDA) in place for the constrained shares:
-        what a runner calls right before it samples. False when nothing was constrained."""
+    def apply(self, logits, works: Sequence[SeqWork]) -> bool:
+        """Mask logits [len(works), V] fp32 (numpy, or a torch tensor on the CPU or a GPU) in
+        place for the constrained shares: what a runner calls right before it samples. False
+        when nothing was constrained."""
         got = self.masks(works)
         if got is None:
             return False
         rows, bitmask = got
-        if logits.is_cuda:
-            bm = bitmask.to(logits.device, non_blocking=False)
-            apply_mask(logits, bm, torch.tensor(rows, dtype=torch.int32).to(logits.device))
-        else:
-            apply_mask(logits, bitmask, rows)
+        apply_mask(logits, bitmask, rows)  # to a GPU: bitmask and rows copied over, synchronously
         return True
 
-    def _eos_only(self, row: torch.Tensor, w: SeqWork) -> None:
-        row.zero_()
+    def _eos_only(self, row: np.ndarray, w: SeqWork) -> None:
+        row[:] = 0
+        u = row.view(np.uint32)  # bit 31 too, without an int32 overflow
         for t in w.params.stop_token_ids:
             if 0 <= t < self._words * 32:
-                row[t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
+                u[t // 32] |= np.uint32(1 << (t % 32))

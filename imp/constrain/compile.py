@@ -31,7 +31,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
-import torch
+import numpy as np
 
 from imp.constrain.errors import ConstraintError
 from imp.constrain.limits import SchemaLimits
@@ -217,8 +217,8 @@ class GrammarCache:
         # The first mask, computed on the template itself: it catches grammars that fail on
         # their first step (lexer over its limits) or allow no token at all, and the lexer
         # states it builds are inherited by every deep copy, so sequences start warm.
-        row = torch.zeros(mask_words(self._vocab), dtype=torch.int32)
-        m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+        row = np.zeros(mask_words(self._vocab), dtype=np.int32)
+        m.unsafe_compute_mask_ptr(row.ctypes.data, row.size * 4)
         if m.is_error():
             raise ConstraintError(f"{spec.kind}: {m.get_error()}")
         if not bool(row.any()):

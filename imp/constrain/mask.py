@@ -8,8 +8,9 @@ constrained sequence only.
 
 CPU: numpy unpacks the bits (llguidance's little-endian words, so bit j of
 byte b is token 8b + j) and writes -inf into the masked entries through an
-int32 view of the logits (branch-free; see _apply_cpu). CUDA: the
-kernel in imp/kernels/token_mask.py, on torch's current stream.
+int32 view of the logits (branch-free; see _apply_cpu), on numpy arrays (or CPU torch
+tensors, read in place). CUDA: the kernel in imp/kernels/token_mask.py, on torch's current
+stream (torch is imported only there: the CPU server runs without it).
 """
 
 from __future__ import annotations
@@ -18,21 +19,18 @@ import sys
 from typing import Sequence
 
 import numpy as np
-import torch
 
 from imp.constrain.matcher import mask_words
-from imp.kernels import token_mask
 
 _NEG_INF_BITS = np.float32(-np.inf).view(np.int32)  # 0xff800000
 
 
-def alloc_bitmask(n_rows: int, vocab_size: int, pin: bool = False) -> torch.Tensor:
-    """A [n_rows, ceil(V/32)] int32 CPU bitmask, all tokens allowed. pin=True for a fast,
-    asynchronous copy to the GPU (allocate it once and reuse it every step)."""
-    return torch.full((n_rows, mask_words(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
+def alloc_bitmask(n_rows: int, vocab_size: int) -> np.ndarray:
+    """A [n_rows, ceil(V/32)] int32 host bitmask (numpy), all tokens allowed."""
+    return np.full((n_rows, mask_words(vocab_size)), -1, dtype=np.int32)
 
 
-def apply_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | torch.Tensor | None = None) -> None:
+def apply_mask(logits, bitmask, rows: Sequence[int] | None = None) -> None:
     """logits [R, V] fp32 (CPU or CUDA), bitmask [k, >= ceil(V/32)] int32; rows: the logits
     row of each bitmask row (k entries, < 0 skips one), or None for k == R.
 
@@ -42,8 +40,14 @@ def apply_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] 
     path is graph-capturable: copy the host bitmask in with `copy_(..., non_blocking=True)`
     from pinned memory, and do not refill the host buffer until that copy has run). A CPU
     bitmask or a list of rows is copied over here for convenience, synchronously."""
-    if logits.is_cuda:
+    if getattr(logits, "is_cuda", False):
+        import torch
+
+        from imp.kernels import token_mask
+
         dev = logits.device
+        if isinstance(bitmask, np.ndarray):
+            bitmask = torch.from_numpy(bitmask)
         bm = bitmask if bitmask.device == dev else bitmask.to(dev)
         if rows is not None and not (isinstance(rows, torch.Tensor) and rows.device == dev):
             rows = torch.as_tensor(rows, dtype=torch.int32).to(dev)
@@ -52,11 +56,14 @@ def apply_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] 
     _apply_cpu(logits, bitmask, rows)
 
 
-def _apply_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | torch.Tensor | None) -> None:
-    if logits.dtype != torch.float32 or logits.dim() != 2:
-        raise ValueError(f"logits must be [R, V] float32, got {logits.dtype} rank {logits.dim()}")
-    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.device.type != "cpu":
-        raise ValueError("bitmask must be a [k, words] int32 CPU tensor for CPU logits")
+def _apply_cpu(logits, bitmask, rows) -> None:
+    if getattr(bitmask, "is_cuda", False):
+        raise ValueError("bitmask must be in host memory for CPU logits")
+    logits, bitmask = np.asarray(logits), np.asarray(bitmask)  # CPU torch tensors: their memory, in place
+    if logits.dtype != np.float32 or logits.ndim != 2:
+        raise ValueError(f"logits must be [R, V] float32, got {logits.dtype} rank {logits.ndim}")
+    if bitmask.dtype != np.int32 or bitmask.ndim != 2:
+        raise ValueError("bitmask must be a [k, words] int32 array for CPU logits")
     R, V = logits.shape
     k = bitmask.shape[0]
     if bitmask.shape[1] * 32 < V:
@@ -70,11 +77,11 @@ def _apply_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] 
         raise ValueError(f"rows {targets} outside the {R} logits rows")
     if k == 0:
         return
-    words = np.ascontiguousarray(bitmask.numpy())
+    words = np.ascontiguousarray(bitmask)
     # unpackbits reads bytes; llguidance's words are little-endian u32, so on a little-endian
     # host byte order == token order. (Every platform torch ships for is little-endian.)
     assert sys.byteorder == "little"
-    rows_np = logits.numpy()  # shares memory with logits
+    rows_np = logits  # shares memory with the caller's logits
     for i, r in enumerate(targets):
         if r < 0:
             continue

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import llguidance
-import torch
+import numpy as np
 
 from imp.constrain.errors import ConstraintError
 
@@ -72,12 +72,11 @@ class SeqMatcher:
 
     # ------------------------------------------------------------------ masks
 
-    def fill_mask(self, row: torch.Tensor) -> None:
-        """Write the allowed-next-token bitmap into `row`: a contiguous CPU int32 tensor of
-        ceil(V / 32) words (one row of `mask.alloc_bitmask`). Releases the GIL while
-        llguidance computes (~20 us to ~1 ms a row, by grammar; bounded by its step fuel)."""
-        _check_rows(row, self._words, 1)
-        self._m.unsafe_compute_mask_ptr(row.data_ptr(), self._words * 4)
+    def fill_mask(self, row) -> None:
+        """Write the allowed-next-token bitmap into `row`: a contiguous int32 array (numpy, or a
+        CPU torch tensor) of ceil(V / 32) words (one row of `mask.alloc_bitmask`). Releases the
+        GIL while llguidance computes (~20 us to ~1 ms a row, by grammar; bounded by its step fuel)."""
+        self._m.unsafe_compute_mask_ptr(_check_rows(row, self._words, 1).ctypes.data, self._words * 4)
 
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next (fast-forward), without consuming them; [] when
@@ -150,27 +149,31 @@ class SeqMatcher:
             self.advance(tok)
 
 
-def fill_masks(rows: Sequence[tuple[SeqMatcher, int]], bitmask: torch.Tensor,
-               executor: llguidance.LLExecutor | None = None) -> None:
-    """Fill bitmask[i] for every (matcher, i) in `rows`; bitmask is a contiguous CPU int32
-    [R, ceil(V / 32)] tensor. With an executor (GrammarCache.executor) the rows are
-    computed in parallel on llguidance's Rust thread pool, without the GIL."""
+def fill_masks(rows: Sequence[tuple[SeqMatcher, int]], bitmask, executor: llguidance.LLExecutor | None = None) -> None:
+    """Fill bitmask[i] for every (matcher, i) in `rows`; bitmask is a contiguous int32
+    [R, ceil(V / 32)] array (numpy, or a CPU torch tensor). With an executor
+    (GrammarCache.executor) the rows are computed in parallel on llguidance's Rust thread
+    pool, without the GIL."""
     if not rows:
         return
     words = rows[0][0]._words
-    _check_rows(bitmask, words, 2)
+    arr = _check_rows(bitmask, words, 2)
     if executor is None or len(rows) == 1:
         for m, i in rows:
-            m.fill_mask(bitmask[i])
+            m.fill_mask(arr[i])
         return
-    executor.unsafe_compute_mask_ptr([(m._m, i) for m, i in rows], bitmask.data_ptr(), words * 4,
-                                     bitmask.shape[0])
+    executor.unsafe_compute_mask_ptr([(m._m, i) for m, i in rows], arr.ctypes.data, words * 4, arr.shape[0])
 
 
-def _check_rows(t: torch.Tensor, words: int, ndim: int) -> None:
-    # llguidance writes through a raw pointer: a wrong shape here is memory corruption
-    if t.dtype != torch.int32 or t.device.type != "cpu" or t.dim() != ndim or not t.is_contiguous():
-        raise ValueError(f"bitmask must be a contiguous CPU int32 tensor of rank {ndim}, got "
-                         f"{t.dtype} {t.device} rank {t.dim()} contiguous={t.is_contiguous()}")
-    if t.shape[-1] != words:
-        raise ValueError(f"bitmask rows have {t.shape[-1]} words, the vocabulary needs {words}")
+def _check_rows(t, words: int, ndim: int) -> np.ndarray:
+    """t as a numpy array sharing its memory, after the checks: llguidance writes through a raw
+    pointer, so a wrong shape here is memory corruption."""
+    if getattr(t, "is_cuda", False):
+        raise ValueError("bitmask must be in host memory, not on the GPU")
+    a = np.asarray(t)  # a CPU torch tensor shares its memory
+    if a.dtype != np.int32 or a.ndim != ndim or not a.flags.c_contiguous or not a.flags.writeable:
+        raise ValueError(f"bitmask must be a contiguous, writable int32 array of rank {ndim}, got "
+                         f"{a.dtype} rank {a.ndim} contiguous={a.flags.c_contiguous}")
+    if a.shape[-1] != words:
+        raise ValueError(f"bitmask rows have {a.shape[-1]} words, the vocabulary needs {words}")
+    return a

@@ -47,7 +47,8 @@ def kv_bytes_per_token(runner) -> int | None:
     t = getattr(cache, "k", None) if cache is not None else getattr(runner, "k_cache", None)
     if t is None:
         return None
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * t.element_size()
+    size = t.itemsize if hasattr(t, "itemsize") else t.element_size()  # numpy (the CPU pool) or torch
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * size
 
 
 class LocalEngine:

@@ -18,7 +18,6 @@ from imp.formats.quants import dequantize
 from typing import Any
 
 import numpy as np
-import torch
 from gguf import GGUFReader, GGUFValueType
 
 
@@ -49,7 +48,7 @@ class LoadedGGUF:
     arch: str
     config: ModelConfig
     metadata: dict[str, Any]  # every KV field as a plain python value
-    tensors: Mapping[str, torch.Tensor]  # GGUF tensor name -> dequantized, numpy shape order (lazy: GGUFTensors)
+    tensors: Mapping[str, "torch.Tensor"]  # GGUF tensor name -> dequantized, numpy shape order (lazy: GGUFTensors)
     fingerprint: str  # sha256 hex of header + KV + tensor infos
     qtypes: dict[str, str] = field(default_factory=dict)  # tensor name -> GGML type name
 
@@ -141,24 +140,32 @@ def fingerprint(path: str, reader: "GGUFReader | GGUFHeader") -> str:
 class GGUFTensors(Mapping):
     """name -> dequantized tensor, computed on each access from the memory map."""
 
-    def __init__(self, path: str, header: GGUFHeader, dtype: torch.dtype = torch.float32):
+    def __init__(self, path: str, header: GGUFHeader, dtype=None):
         self.infos = header.tensors
-        self.dtype = dtype
+        self.dtype = dtype  # of the torch tensors `[]` returns (None: float32)
         self._mm = np.memmap(path, dtype=np.uint8, mode="r")
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def __getitem__(self, name: str) -> "torch.Tensor":
+        import torch  # only the torch forwards index tensors; the fused CPU path reads `array`/`raw`
+
+        return torch.from_numpy(self.array(name)).to(self.dtype or torch.float32)
+
+    def array(self, name: str) -> np.ndarray:
+        """The tensor dequantized, numpy shape order, an array of its own (not a view of the map)."""
         info = self.infos[name]
         arr = dequantize(self.raw(name), info.qtype, info.shape, name=name)
         if not arr.flags.writeable:  # F32 data is a view of the read-only map: own a copy
             arr = arr.copy()
-        return torch.from_numpy(arr).to(self.dtype)
+        return arr
 
     def raw(self, name: str) -> np.ndarray:
         """[rows, bytes_per_row] uint8 view of the tensor's encoded bytes."""
         return tensor_bytes(self._mm, self.infos[name])
 
-    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+    def rows(self, name: str, start: int, stop: int) -> "torch.Tensor":
         """Rows start..stop-1 of a matrix, dequantized (rows hold whole blocks)."""
+        import torch
+
         info = self.infos[name]
         raw = self.raw(name)[start:stop]
         return torch.from_numpy(dequantize(raw, info.qtype, (raw.shape[0], info.shape[-1]), name=name).copy())
@@ -176,7 +183,7 @@ class GGUFTensors(Mapping):
         return name in self.infos
 
 
-def open_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedGGUF:
+def open_gguf(path: str, dtype=None) -> LoadedGGUF:
     """Metadata and config now; tensors dequantized lazily (see `GGUFTensors`)."""
     path = str(path)
     header = read_header(path)
@@ -191,7 +198,7 @@ def open_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedGGUF:
     )
 
 
-def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedGGUF:
+def load_gguf(path: str, dtype=None) -> LoadedGGUF:
     """`open_gguf` with every tensor dequantized up front (a plain dict)."""
     g = open_gguf(path, dtype)
     g.tensors = {name: g.tensors[name] for name in g.tensors}

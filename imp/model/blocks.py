@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from imp.model.llama import Linear
+from imp.model.paged import rope_table_ggml
 from imp.formats.quants import dequantize
 
 
@@ -22,18 +23,7 @@ def rope_table(theta: float, dim: int, max_pos: int, linear_factor: float = 1.0,
     Up to ~1e-6 relative from the exact angles at long positions: the GGUF forward takes them so
     that its greedy text follows llama.cpp's on near-ties (issue 15 §5)."""
     if ggml:
-        import numpy as np
-
-        f32 = np.float32
-        ts = f32(np.power(f32(theta), f32(-2.0) / f32(dim), dtype=np.float32))
-        ang = np.empty((max_pos, dim // 2), np.float32)
-        ang[:, 0] = np.arange(max_pos, dtype=np.float32)
-        for i in range(1, dim // 2):
-            ang[:, i] = ang[:, i - 1] * ts  # float32 products, in ggml's order
-        if linear_factor != 1.0:
-            ang = ang * f32(1.0 / linear_factor)
-        a64 = ang.astype(np.float64)  # cos/sin of the float32 angle, correctly rounded
-        return torch.from_numpy(np.cos(a64).astype(np.float32)), torch.from_numpy(np.sin(a64).astype(np.float32))
+        return tuple(torch.from_numpy(a) for a in rope_table_ggml(theta, dim, max_pos, linear_factor))
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)) / linear_factor
     ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
     return torch.cos(ang).float(), torch.sin(ang).float()

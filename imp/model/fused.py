@@ -16,7 +16,9 @@ readable reference (`weights="f32"`), which the tests hold this one against.
 
 KV cache: fp16 by default (half the bytes of fp32; what it costs in accuracy is
 measured in tests/test_model_logits.py against an fp32 cache, which this path
-also runs: `ModelRunner.load(..., kv_dtype=torch.float32)`).
+also runs: `ModelRunner.load(..., kv_dtype="float32")`).
+
+No torch here (imp/model/paged.py says why): numpy in, numpy out.
 """
 
 from __future__ import annotations
@@ -24,14 +26,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
 from imp.formats.gguf_loader import ModelConfig
+from imp.formats.quants import dequantize
 from imp.kernels import cpu_forward as cf
 from imp.kernels import cpu_qdot as qd
-from imp.model.blocks import Embedding, rope_table
-from imp.model.gemma3 import LOCAL_THETA, sliding_layers
-from imp.model.llama import AttnPlan, KVCache
+from imp.model.paged import LOCAL_THETA, RopeTables, sliding_layers
 
 MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 VECS = ("attn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")
@@ -75,17 +75,20 @@ class FusedModel:
             bias = [f"blk.{i}.attn_{x}.bias" for x in "qkv"]
             for j, name in enumerate(names):
                 if name is None:
-                    v = np.concatenate([t[b].float().numpy() for b in bias]) if bias[0] in t else None
+                    v = np.concatenate([t.array(b) for b in bias]) if bias[0] in t else None
                 else:
-                    v = t[name].float().numpy().reshape(-1) if name in t else None
+                    v = t.array(name).reshape(-1) if name in t else None
                 if v is not None:
                     fo[i, j] = n
                     vecs.append(v.astype(np.float32))
                     n += v.size
         self.fv = np.concatenate(vecs).astype(np.float32)
         self.fo = fo
-        self.tok_embd = Embedding.from_tensors(t, "token_embd.weight")
-        self.out_norm = t["output_norm.weight"].float().numpy()
+        # the token table stays the file's blocks: only a step's rows are dequantized (Gemma's
+        # 262144 x 640 table is 671 MB in fp32, 178 MB as Q8_0)
+        info = t.info("token_embd.weight")
+        self.tok_embd = (t.raw("token_embd.weight"), info.qtype, info.shape[-1])
+        self.out_norm = t.array("output_norm.weight").astype(np.float32)
         head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
         info = t.info(head)
         if int(info.qtype) not in qd.SUPPORTED:
@@ -106,52 +109,64 @@ class FusedModel:
             self.scale = float(ex.get("attention.query_pre_attn_scalar", D)) ** -0.5
             scaling = ex.get("rope.scaling.type", "none")
             factor = float(ex.get("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
-            glob = rope_table(cfg.rope_theta, D, P, factor, ggml=True)
-            local = rope_table(float(ex.get("rope.freq_base_swa", LOCAL_THETA)), D, P, ggml=True)
+            self.rope_g = RopeTables(cfg.rope_theta, D, P, factor)
+            self.rope_l = RopeTables(float(ex.get("rope.freq_base_swa", LOCAL_THETA)), D, P)
             flags = sliding_layers(cfg) if self.window else [False] * L
         else:
-            glob = local = rope_table(cfg.rope_theta, D, P, ggml=True)
+            self.rope_g = self.rope_l = RopeTables(cfg.rope_theta, D, P)
             flags = [False] * L
         self.sliding = np.array(flags, dtype=np.int64)
-        self.cos_g, self.sin_g = (a.numpy() for a in glob)
-        self.cos_l, self.sin_l = (a.numpy() for a in local)
         self._kv = None  # (cache id, k bits, v bits)
         self._no_lora = (np.zeros((0, L, 7, 3), np.int64), np.zeros(0, np.float32), np.zeros(0, np.float32),
                          np.zeros(0, np.float32))
 
-    def _cache_bits(self, cache: KVCache):
+    def _cache_bits(self, cache):
+        """The pool's k and v as flat numpy arrays: fp16 as its bits (Numba has no float16
+        arrays), fp32 as it is. cache: paged.HostKV, or a torch KVCache (the tests' fp32 runs)."""
         if self._kv is None or self._kv[0] is not cache:
-            assert cache.k.dtype in (torch.float16, torch.float32), cache.k.dtype
-            if cache.k.dtype == torch.float16:  # Numba has no fp16 arrays: the bits, as uint16
-                bits = [c.view(torch.int16).numpy().view(np.uint16).reshape(-1) for c in (cache.k, cache.v)]
-            else:
-                bits = [c.numpy().reshape(-1) for c in (cache.k, cache.v)]
+            bits = []
+            for c in (cache.k, cache.v):
+                a = np.asarray(c)  # a torch CPU tensor shares its memory
+                assert a.dtype in (np.float16, np.uint16, np.float32), a.dtype
+                bits.append((a.view(np.uint16) if a.dtype == np.float16 else a).reshape(-1))
             self._kv = (cache, *bits)
         return self._kv[1], self._kv[2]
 
-    def forward(self, tokens: torch.Tensor, plan: AttnPlan, cache: KVCache, lora=None) -> torch.Tensor:
-        """tokens [N] -> logits [B, vocab] fp32 at plan.last_rows. lora: (lo, la, lb, scale,
-        row slots [N]) from imp.model.lora, or None."""
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens [N] -> [N, d] fp32, a fresh array (per-block dequantization: the same bits as
+        dequantizing the whole table)."""
+        raw, qtype, dim = self.tok_embd
+        return np.array(dequantize(raw[tokens], qtype, (len(tokens), dim)), dtype=np.float32)
+
+    def forward(self, tokens, plan, cache, lora=None) -> np.ndarray:
+        """tokens [N] -> logits [B, vocab] fp32 at plan.last_rows. plan: paged.RowsPlan (or a
+        torch AttnPlan: its CPU tensors are read as numpy). lora: (lo, la, lb, scale, row slots
+        [N]) from imp.model.lora, or None."""
         cfg = self.cfg
-        x = self.tok_embd(tokens).numpy()  # [N, d] fp32, a fresh array
+        tokens, positions = np.asarray(tokens, dtype=np.int64), np.asarray(plan.positions, dtype=np.int64)
+        x = self.embed(tokens)  # [N, d] fp32
         if self.embed_scale != 1.0:
             x *= np.float32(self.embed_scale)
         kc, vc = self._cache_bits(cache)
+        top = int(positions.max()) if positions.size else 0
+        cos_g, sin_g = self.rope_g.upto(top)
+        cos_l, sin_l = self.rope_l.upto(top)
         cf.forward_layers(
             self.blob, self.mats, self.fv, self.fo, self.sliding, x,
-            plan.positions.numpy(), plan.slots.numpy(), plan.tables, plan.row_tab,
-            self.cos_g, self.sin_g, self.cos_l, self.sin_l, kc, vc, cache.num_blocks, cache.block_size,
+            positions, np.asarray(plan.slots, dtype=np.int64), plan.tables, plan.row_tab,
+            cos_g, sin_g, cos_l, sin_l, kc, vc, cache.num_blocks, cache.block_size,
             cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.window, self.neox, self.act,
             np.float32(cfg.rms_eps), np.float32(self.scale),
             *(lora if lora is not None else (*self._no_lora, np.full(x.shape[0], -1, np.int64))),
         )
-        rows = plan.last_rows.numpy()
+        rows = np.asarray(plan.last_rows, dtype=np.int64)
         if rows.size == 0:
-            return torch.empty(0, cfg.vocab_size)
+            return np.empty((0, cfg.vocab_size), np.float32)
         h = np.empty((rows.size, cfg.d_model), np.float32)
         cf._rms_norm_rows(np.ascontiguousarray(x[rows]), self.out_norm, 0, np.float32(cfg.rms_eps), h)
         w, qt = self.head
-        logits = torch.from_numpy(qd.gemm(w, qt, h))  # [B, vocab]
+        logits = qd.gemm(w, qt, h)  # [B, vocab]
         if self.final_softcap:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+            cap = np.float32(self.final_softcap)
+            logits = np.tanh(logits / cap) * cap
         return logits

@@ -37,9 +37,8 @@ from imp.model.attention import paged_attention, window_plan
 from imp.model.blocks import Embedding, apply_rope_neox, head_linear, rms_norm, rope_table, split_heads, write_kv
 from imp.formats.gguf_loader import ModelConfig
 from imp.model.llama import AttnPlan, KVCache, Linear
+from imp.model.paged import LOCAL_THETA, SWA_PERIOD, sliding_layers  # noqa: F401 (re-exported)
 
-SWA_PERIOD = 6  # llama.cpp: hparams.set_swa_pattern(6) for LLM_ARCH_GEMMA3
-LOCAL_THETA = 10000.0  # llama.cpp: rope_freq_base_train_swa; HF: rope_local_base_freq
 
 
 @dataclass
@@ -55,15 +54,6 @@ class GemmaLayer:
     w2: Linear  # [d, d_ff]
     post_ffn_norm: torch.Tensor  # [d]
     sliding: bool
-
-
-def sliding_layers(cfg: ModelConfig) -> list[bool]:
-    pattern = cfg.extras.get("attention.sliding_window_pattern")
-    if isinstance(pattern, list):
-        assert len(pattern) == cfg.n_layers, pattern
-        return [bool(p) for p in pattern]
-    period = int(pattern) if pattern else SWA_PERIOD
-    return [i % period < period - 1 for i in range(cfg.n_layers)]
 
 
 class Gemma3:

@@ -46,6 +46,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from imp.model.attention import paged_attention
+from imp.model import paged
+from imp.model.paged import default_num_blocks  # noqa: F401 (the GPU runner's import)
 from imp.formats.gguf_loader import ModelConfig
 
 import numpy as np
@@ -79,28 +81,8 @@ class KVCache:
 
 
 def lazy_zeros(shape, dtype) -> torch.Tensor:
-    """Zeros whose pages the OS commits only when first written.
-
-    torch.zeros memsets the whole pool at start-up (2.6 s and 720 MB of RSS
-    for SmolLM2's default 16k-token KV pool); numpy's zeros is calloc, which
-    maps untouched pages to the shared zero page. Zeros, not torch.empty:
-    unwritten slots are gathered (then masked), and 0 * NaN garbage would
-    still poison the attention output.
-
-    An anonymous mmap rather than np.zeros: numpy madvises its large arrays
-    for transparent huge pages, so the first write into a layer's slice
-    committed a whole 2 MB page (SmolLM2: 236 MB of RSS for 11 MB of K/V used);
-    here pages are 4 KB and MADV_NOHUGEPAGE keeps it so where THP is "always".
-    """
-    import mmap
-
-    import numpy as np
-
-    n = max(1, math.prod(shape) * torch.empty((), dtype=dtype).element_size())
-    mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):
-        mm.madvise(mmap.MADV_NOHUGEPAGE)
-    return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8)).view(dtype).view(shape)
+    """Zeros whose pages the OS commits only when first written (imp.model.paged.lazy_zeros)."""
+    return torch.from_numpy(paged.lazy_zeros(shape, torch.empty((), dtype=dtype).numpy().dtype))
 
 
 class Linear:
@@ -312,32 +294,14 @@ def make_plan(
     import numpy as np
 
     bs = block_size
-    B = len(starts)
-    slots, positions, last_rows = [], [], []
-    dec, pre = [], []
-    tabs, row_tab = [], []
-    row = toff = 0
+    rp = paged.rows_plan(starts, lens, block_tables, bs)
+    plan = AttnPlan(slots=torch.from_numpy(rp.slots), positions=torch.from_numpy(rp.positions),
+                    last_rows=torch.from_numpy(rp.last_rows), prefill=[], tables=rp.tables, row_tab=rp.row_tab)
+    dec, pre, row = [], [], 0
     for s, n, bt in zip(starts, lens, block_tables):
-        assert n >= 1, "a sequence in a step needs at least one new token"
-        assert (s + n - 1) // bs < len(bt), f"block table too short for position {s + n - 1}"
         table = np.asarray(bt, dtype=np.int64)
-        tabs.append(table)
-        row_tab.append(np.full(n, toff, dtype=np.int64))
-        toff += len(table)
-        pos = np.arange(s, s + n, dtype=np.int64)
-        slots.append(table[pos // bs] * bs + pos % bs)
-        positions.append(pos)
-        last_rows.append(row + n - 1)
         (dec if n == 1 else pre).append((row, s, n, table))
         row += n
-    plan = AttnPlan(
-        slots=torch.from_numpy(np.concatenate(slots)),
-        positions=torch.from_numpy(np.concatenate(positions)),
-        last_rows=torch.tensor(last_rows, dtype=torch.int64),
-        prefill=[],
-        tables=np.concatenate(tabs),
-        row_tab=np.concatenate(row_tab),
-    )
     if dec:
         nb = max(s // bs + 1 for _, s, _, _ in dec)  # blocks covering the longest context
         ctx = np.zeros((len(dec), nb), dtype=np.int64)  # padding gathers block 0, masked out
@@ -364,9 +328,6 @@ def make_plan(
         # new token i (position s+i) sees context positions j <= s+i (the rest of the last block too)
         mask = torch.from_numpy(np.arange(nb * bs)[None, :] <= (s + np.arange(n))[:, None])
         plan.prefill.append((r, r + n, ctx, mask))
-    assert len(plan.last_rows) == B
     return plan
 
 
-def default_num_blocks(kv_tokens: int, block_size: int) -> int:
-    return math.ceil(kv_tokens / block_size)

@@ -8,10 +8,15 @@ whose prompt tokens are scored (vLLM prompt_logprobs).
 from __future__ import annotations
 
 import msgspec
-import torch
+import numpy as np
 
 from imp.messages import PromptLogprob, SampledToken, SeqWork
-from imp.sampling.cpu import LOGPROB_FLOOR
+from imp.sampling.cpu import LOGPROB_FLOOR, topk
+
+
+def host(x) -> np.ndarray:
+    """fp32 rows on the host as numpy: a numpy array as it is, a torch tensor (any device) copied."""
+    return x if isinstance(x, np.ndarray) else x.float().cpu().numpy()
 
 
 def head_rows(seqs: list[SeqWork]) -> tuple[list[int], dict[int, int], dict[int, tuple[int, int]]]:
@@ -40,7 +45,7 @@ def head_rows(seqs: list[SeqWork]) -> tuple[list[int], dict[int, int], dict[int,
 
 
 def with_prompt_logprobs(seqs: list[SeqWork], drawn: dict[int, SampledToken], plp_at: dict[int, tuple[int, int]],
-                         logits: torch.Tensor) -> list[SampledToken]:
+                         logits) -> list[SampledToken]:
     """One SampledToken per seq that sampled or scored prompt tokens, in seq order;
     prompt rows scored from logits (any device) by `prompt_logprobs`. A seq that
     only scored gets token_id -1."""
@@ -49,28 +54,31 @@ def with_prompt_logprobs(seqs: list[SeqWork], drawn: dict[int, SampledToken], pl
         t = drawn.get(i)
         if i in plp_at:
             first, count = plp_at[i]
-            scored = prompt_logprobs(logits[first:first + count].float().cpu(), s)
+            scored = prompt_logprobs(host(logits[first:first + count]), s)
             t = msgspec.structs.replace(t or SampledToken(seq_id=s.seq_id, token_id=-1), prompt=scored)
         if t is not None:
             out.append(t)
     return out
 
 
-def prompt_logprobs(logits: torch.Tensor, s: SeqWork) -> tuple[PromptLogprob, ...]:
-    """Raw log-softmax scores of the prompt tokens after each row of the chunk."""
+def prompt_logprobs(logits: np.ndarray, s: SeqWork) -> tuple[PromptLogprob, ...]:
+    """Raw log-softmax scores of the prompt tokens after each row of the chunk (logits [T, vocab])."""
     if logits.shape[0] == 0:
         return ()
     targets = (list(s.token_ids[1:]) + ([s.prompt_next] if s.prompt_next >= 0 else []))[: logits.shape[0]]
-    logp = torch.log_softmax(logits.float(), -1).clamp(min=LOGPROB_FLOOR)  # [T, vocab]
-    tgt = torch.tensor(targets, dtype=torch.int64)
-    chosen = logp.gather(1, tgt[:, None])[:, 0]  # [T]
-    ranks = (logp > chosen[:, None]).sum(-1) + 1
+    x = host(logits).astype(np.float32, copy=False)
+    m = x.max(-1, keepdims=True)
+    logp = np.maximum((x - m) - np.log(np.exp(x - m).sum(-1, keepdims=True)), np.float32(LOGPROB_FLOOR))
+    tgt = np.asarray(targets, dtype=np.int64)
+    chosen = logp[np.arange(len(targets)), tgt]  # [T]
+    ranks = (logp[: len(targets)] > chosen[:, None]).sum(-1) + 1
     k = s.prompt_logprobs
+    tops = [()] * len(targets)
     if k > 0:
-        top_v, top_i = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
-        tops = [tuple(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
-    else:
-        tops = [()] * len(targets)
+        tops = []
+        for j in range(len(targets)):
+            v, i = topk(logp[j], k)
+            tops.append(tuple(zip(i.tolist(), v.tolist())))
     return tuple(
         PromptLogprob(position=s.start_pos + j + 1, token_id=t, logprob=lp, rank=r, top=tops[j])
         for j, (t, lp, r) in enumerate(zip(targets, chosen.tolist(), ranks.tolist()))

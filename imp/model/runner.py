@@ -12,9 +12,13 @@ matrix type those kernels lack, and an HF directory, fall back to the torch
 forward with `"int8"` weights. `"f32"` / `"bf16"` / `"int8"` / `"hybrid"` pick
 the torch forward explicitly (llama.py explains them; "f32" is the reference).
 
-Threads: `num_threads` (default: torch's count, which `--threads` sets at
-boot) for torch and for Numba. Numba's count is per calling thread, so it is
-set again on the thread that runs each step (the team's).
+Threads: `num_threads` (default: Numba's count, every CPU the process may use)
+for Numba and, where a torch forward runs, torch. Numba's count is per calling
+thread, so it is set again on the thread that runs each step (the team's).
+
+torch: only the fallback and reference forwards import it (imp/model/paged.py
+says why). The fused forward gets numpy tokens, a `paged.RowsPlan` and a
+`paged.HostKV` pool; every forward's logits reach the sampler as numpy.
 """
 
 from __future__ import annotations
@@ -23,33 +27,39 @@ import threading
 from pathlib import Path
 from imp.messages import SampledToken, SeqWork
 from imp.model.fused import FusedModel, Unsupported
-from imp.model.gemma3 import Gemma3
 from imp.formats.gguf_loader import ModelConfig, open_gguf
-from imp.model.llama import KVCache, Llama, default_num_blocks, make_plan
-from imp.model.qwen2 import Qwen2
-from imp.model.qwen3 import Qwen3
-from imp.model import team
-from imp.model.rows import head_rows, with_prompt_logprobs
+from imp.model import paged, team
+from imp.model.paged import default_num_blocks
+from imp.model.rows import head_rows, host, with_prompt_logprobs
 from imp.sampling.cpu import sample
 
 import numba
-import torch
+import numpy as np
 
 DEFAULT_KV_TOKENS = 16384
-# `general.architecture` (or config.json's model_type, see hf_dir.py) -> forward.
-# Each has Llama's interface: (cfg, tensors, weights, compile), .cfg, .forward(tokens, plan, cache).
-ARCHS = {"llama": Llama, "qwen2": Qwen2, "qwen3": Qwen3, "gemma3": Gemma3}
+# `general.architecture` (or config.json's model_type, see hf_dir.py) -> the torch forward's
+# module and class. Each has Llama's interface: (cfg, tensors, weights, compile), .cfg,
+# .forward(tokens, plan, cache).
+ARCHS = {"llama": ("llama", "Llama"), "qwen2": ("qwen2", "Qwen2"), "qwen3": ("qwen3", "Qwen3"),
+         "gemma3": ("gemma3", "Gemma3")}
+
+
+def torch_forward(arch: str):
+    import importlib
+
+    module, name = ARCHS[arch]
+    return getattr(importlib.import_module(f"imp.model.{module}"), name)
 
 
 class ModelRunner:
     def __init__(
         self,
-        model: Llama,
+        model,
         metadata: dict,
         fingerprint: str,
         num_blocks: int,
         block_size: int,
-        kv_dtype: torch.dtype = torch.float32,
+        kv_dtype="float32",
         num_threads: int | None = None,
     ):
         self.model = model
@@ -58,9 +68,18 @@ class ModelRunner:
         self.fingerprint = fingerprint
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.cache = KVCache.allocate(self.config, num_blocks, block_size, kv_dtype)
+        self.fused = isinstance(model, FusedModel)
+        if self.fused:
+            self.cache = paged.HostKV.allocate(self.config, num_blocks, block_size, kv_dtype)
+        else:
+            import torch
+
+            from imp.model.llama import KVCache
+
+            dt = kv_dtype if isinstance(kv_dtype, torch.dtype) else getattr(torch, paged.dtype_name(kv_dtype))
+            self.cache = KVCache.allocate(self.config, num_blocks, block_size, dt)
         self._lock = threading.Lock()
-        self.num_threads = min(num_threads or torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+        self.num_threads = min(num_threads or numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS)
 
     @property
     def step_pool(self):
@@ -79,18 +98,18 @@ class ModelRunner:
         block_size: int = 16,
         kv_tokens: int | None = None,
         weights: str = "gguf",
-        kv_dtype: torch.dtype | None = None,
+        kv_dtype=None,
         num_threads: int | None = None,
         compile: bool = False,
     ) -> ModelRunner:
         """Open the file and build the model, on the team's thread: torch ops on large
-        tensors here (RoPE tables, dequantized fallbacks) start parallel regions too."""
+        tensors here (RoPE tables, dequantized fallbacks) start parallel regions too.
+        kv_dtype: "float16" / "float32" (or the torch dtype); None: fp16 for the fused
+        forward, fp32 for the torch ones."""
         return team.run(cls._load, path, num_blocks, block_size, kv_tokens, weights, kv_dtype, num_threads, compile)
 
     @classmethod
     def _load(cls, path, num_blocks, block_size, kv_tokens, weights, kv_dtype, num_threads, compile) -> ModelRunner:
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
         if Path(path).is_dir():  # HF layout: config.json + *.safetensors, same tensor names as a GGUF
             from imp.formats.hf_dir import open_hf_dir
 
@@ -108,9 +127,13 @@ class ModelRunner:
             except Unsupported:
                 weights = "int8"
         if model is None:
-            model = ARCHS[g.arch](g.config, g.tensors, weights=weights, compile=compile)
+            import torch
+
+            if num_threads is not None:
+                torch.set_num_threads(num_threads)
+            model = torch_forward(g.arch)(g.config, g.tensors, weights=weights, compile=compile)
         if kv_dtype is None:
-            kv_dtype = torch.float16 if isinstance(model, FusedModel) else torch.float32
+            kv_dtype = "float16" if isinstance(model, FusedModel) else "float32"
         del g.tensors  # the torch models hold their own copies; the fused one its own view of the map
         return cls(model, g.metadata, g.fingerprint, num_blocks, block_size, kv_dtype, num_threads)
 
@@ -123,14 +146,16 @@ class ModelRunner:
                 raise ValueError(f"{s.seq_id}: position {end - 1} beyond context length {ctx}")
             if max(s.block_table[: (end - 1) // self.block_size + 1], default=0) >= self.num_blocks:
                 raise ValueError(f"{s.seq_id}: block id out of range (num_blocks={self.num_blocks})")
-        plan = make_plan(
-            [s.start_pos for s in seqs],
-            [len(s.token_ids) for s in seqs],
-            [s.block_table for s in seqs],
-            self.block_size,
-        )
-        tokens = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64)
-        return tokens, plan
+        args = ([s.start_pos for s in seqs], [len(s.token_ids) for s in seqs], [s.block_table for s in seqs],
+                self.block_size)
+        tokens = np.fromiter((t for s in seqs for t in s.token_ids), np.int64)
+        if self.fused:
+            return tokens, paged.rows_plan(*args)
+        import torch
+
+        from imp.model.llama import make_plan
+
+        return torch.from_numpy(tokens), make_plan(*args)
 
     def _lora_args(self, seqs: list[SeqWork], lora) -> dict:
         """The forward's lora argument for the seqs' adapters (none: no argument at all)."""
@@ -140,7 +165,7 @@ class ModelRunner:
             raise ValueError("LoRA needs the fused GGUF forward")
         return {"lora": (*lora.packed()[:4], lora.row_slots(seqs))}
 
-    def forward(self, seqs: list[SeqWork], lora=None) -> torch.Tensor:
+    def forward(self, seqs: list[SeqWork], lora=None) -> np.ndarray:
         """All new tokens of all seqs in one forward -> fp32 logits [B, vocab] at each last position."""
         tokens, plan = self._prepare(seqs)
         kw = self._lora_args(seqs, lora)
@@ -149,7 +174,7 @@ class ModelRunner:
     def _forward(self, tokens, plan, kw):
         with self._lock:
             self._threads()
-            return self.model.forward(tokens, plan, self.cache, **kw)
+            return host(self.model.forward(tokens, plan, self.cache, **kw))  # torch forwards: to numpy
 
     supports_lora = property(lambda self: isinstance(self.model, FusedModel))
 
@@ -167,7 +192,11 @@ class ModelRunner:
     def _step(self, seqs: list[SeqWork], constraints, lora) -> list[SampledToken]:
         tokens, plan = self._prepare(seqs)
         rows, sample_at, plp_at = head_rows(seqs)
-        plan.last_rows = torch.tensor(rows, dtype=torch.int64)
+        plan.last_rows = np.asarray(rows, dtype=np.int64)
+        if not self.fused:
+            import torch
+
+            plan.last_rows = torch.from_numpy(plan.last_rows)
         kw = self._lora_args(seqs, lora)
         logits = self._forward(tokens, plan, kw)  # [len(rows), vocab]
         order = sorted(sample_at)

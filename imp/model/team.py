@@ -11,15 +11,15 @@ HTTP one stream ran at 60 tok/s against 140 in process.
 
 So `ModelRunner` runs its step here, whoever calls it: one team for the life of the process.
 A call made on this thread runs inline (no hand-off). torch's inference mode is per thread,
-so it is entered here too.
+so it is entered here too, when the process has torch at all (`inference_mode`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import sys
 import threading
-
-import torch
 
 _lock = threading.Lock()
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -31,8 +31,15 @@ def _mark() -> None:
     _ident = threading.get_ident()
 
 
+def inference_mode():
+    """torch's inference mode where torch is loaded; nothing to do where it is not (the fused CPU
+    forward never imports it, and a process without torch has no autograd to turn off)."""
+    torch = sys.modules.get("torch")
+    return torch.inference_mode() if torch is not None else contextlib.nullcontext()
+
+
 def _inference(fn, args, kw):
-    with torch.inference_mode():
+    with inference_mode():
         return fn(*args, **kw)
 
 

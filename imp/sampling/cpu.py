@@ -1,4 +1,4 @@
-"""Sampling as plain functions over one sequence's logits row [vocab].
+"""Sampling as plain functions over one sequence's logits row [vocab], in numpy.
 
 Order of processing (as in HF / vLLM):
     logit_bias -> penalties (over SeqWork.history) -> temperature ->
@@ -6,12 +6,16 @@ Order of processing (as in HF / vLLM):
 Greedy (temperature 0) takes the argmax of the biased, penalized logits.
 
 Determinism: the draw for a sequence depends only on (params.seed, gen_index):
-each draw gets a fresh torch.Generator seeded from a hash of the pair, so a
-sequence recomputed after preemption, or run in another batch, draws the
-same token from the same distribution.
+its uniform number is a hash of the pair (`uniform`), drawn by inverse CDF over
+the processed distribution, so a sequence recomputed after preemption, or run
+in another batch, draws the same token from the same distribution.
 
 Logprobs are those of the processed distribution (what was sampled from),
 floored at LOGPROB_FLOOR so that JSON never sees -inf or NaN.
+
+numpy, not torch: the default CPU server imports no torch (imp/model/paged.py says why). A
+row may come in as a CPU torch tensor (the GPU sampler's host rows, tests): np.asarray reads
+it in place.
 """
 
 from __future__ import annotations
@@ -20,120 +24,138 @@ import hashlib
 from imp.messages import SampledToken, SamplingParams, SeqWork
 
 import numpy as np
-import torch
 
 LOGPROB_FLOOR = -9999.0
+_F = np.float32
+_NEG_INF = _F(-np.inf)
 
 
-def generator_for(seed: int, gen_index: int) -> torch.Generator:
+def uniform(seed: int, gen_index: int) -> float:
+    """A number in [0, 1) that depends only on (seed, gen_index): 53 bits of a keyed hash."""
     digest = hashlib.blake2b(f"{seed}:{gen_index}".encode(), digest_size=8).digest()
-    g = torch.Generator()
-    g.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
-    return g
+    return (int.from_bytes(digest, "little") >> 11) * 2.0 ** -53
 
 
-def argmax(x: torch.Tensor) -> int:
-    """The first index of the largest value of a CPU row (a NaN counts as largest, as in torch):
-    numpy's, ~10x faster than torch.argmax here (262k floats: 15 vs 163 µs, 2 threads)."""
-    return int(np.argmax(x.numpy()))
+def argmax(x) -> int:
+    """The first index of the largest value (a NaN counts as largest, as in torch)."""
+    return int(np.argmax(np.asarray(x)))
 
 
-def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+def softmax(x: np.ndarray) -> np.ndarray:
+    """float32 softmax of a row (max subtracted; -inf entries get 0)."""
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    m = x.max()
+    return (x - m) - np.log(np.exp(x - m).sum())
+
+
+def topk(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest of a row, largest first (ties: lower id first): (values, ids)."""
+    k = min(k, x.shape[-1])
+    part = np.argpartition(-x, k - 1)[:k] if k < x.shape[-1] else np.arange(x.shape[-1])
+    order = np.lexsort((part, -x[part]))
+    ids = part[order]
+    return x[ids], ids
+
+
+def apply_logit_bias(logits: np.ndarray, bias: tuple[tuple[int, float], ...]) -> np.ndarray:
+    """A new row with bias[id] added (ids past the vocabulary ignored; repeats add up)."""
     if not bias:
         return logits
-    ids = torch.tensor([t for t, _ in bias], dtype=torch.int64)
-    vals = torch.tensor([b for _, b in bias], dtype=logits.dtype)
+    ids = np.array([t for t, _ in bias], dtype=np.int64)
+    vals = np.array([b for _, b in bias], dtype=_F)
     keep = ids < logits.shape[-1]
-    return logits.index_add(0, ids[keep], vals[keep])
+    out = logits.copy()
+    np.add.at(out, ids[keep], vals[keep])
+    return out
 
 
-def apply_penalties(logits: torch.Tensor, history: list[int], p: SamplingParams, own: bool = False) -> torch.Tensor:
+def apply_penalties(logits, history, p: SamplingParams, own: bool = False) -> np.ndarray:
     """Repetition (HF: divide positive logits, multiply negative ones), presence, frequency.
 
     Only the tokens of the history change, so only they are gathered, penalized and put back:
     O(history) instead of O(vocab) (Gemma's 262k vocabulary made the dense form ~2 ms a row).
-    The same operations in the same order as on the whole row, so the same bits. own: the caller
-    owns `logits` (a fresh tensor nobody reads after): penalized in place, no copy of the row
-    (a 262k vocabulary's row is 1 MB, copied every step)."""
+    float32 throughout, in the order of the dense form (held to it bit for bit in
+    tests/test_model_sampling.py; the GPU kernel follows the same rounding). own: the caller
+    owns `logits` (a fresh row nobody reads after): penalized in place, no copy of the row."""
+    row = np.asarray(logits)
     if not history or not p.penalized:
-        return logits
-    V = logits.shape[-1]
+        return row
+    V = row.shape[-1]
     ids = np.fromiter(history, np.int64, len(history))  # a tuple, or the executor's view
     ids = ids[(ids >= 0) & (ids < V)]
     if ids.size == 0:
-        return logits
-    # numpy, float32 throughout: the same IEEE operations as torch's (a Python scalar meets an fp32
-    # tensor as fp32), in a handful of calls instead of ~8 torch ops a row (held to the dense torch
-    # form bit for bit in tests/test_model_sampling.py)
+        return row
     uniq, counts = np.unique(ids, return_counts=True)
-    if logits.dtype != torch.float32:
-        logits, own = logits.float(), True
-    out = logits if own else logits.clone()
-    row = out.numpy()
-    v = row[..., uniq]
-    f = np.float32
+    if row.dtype != _F:
+        row, own = row.astype(_F), True
+    out = row if own else row.copy()
+    v = out[..., uniq]
     if p.repetition_penalty != 1.0:
-        r = f(p.repetition_penalty)
+        r = _F(p.repetition_penalty)
         v = np.where(v > 0, v / r, v * r)
     if p.presence_penalty != 0.0:
-        v = v - f(p.presence_penalty) * np.ones_like(v)
+        v = v - _F(p.presence_penalty) * np.ones_like(v)
     if p.frequency_penalty != 0.0:
-        v = v - f(p.frequency_penalty) * counts.astype(f)
-    row[..., uniq] = v
+        v = v - _F(p.frequency_penalty) * counts.astype(_F)
+    out[..., uniq] = v
     return out
 
 
-def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    if k <= 0 or k >= logits.shape[-1]:
-        return logits
-    kth = torch.topk(logits, k).values[-1]
-    return logits.masked_fill(logits < kth, float("-inf"))
+def top_k_filter(x: np.ndarray, k: int) -> np.ndarray:
+    if k <= 0 or k >= x.shape[-1]:
+        return x
+    kth = np.partition(x, x.shape[-1] - k)[x.shape[-1] - k]  # the k-th largest
+    return np.where(x < kth, _NEG_INF, x)
 
 
-def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+def top_p_filter(x: np.ndarray, top_p: float) -> np.ndarray:
     if top_p >= 1.0:
-        return logits
-    sorted_logits, order = torch.sort(logits, descending=True)
-    cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-    # drop a token when the mass strictly before it already reaches top_p (keeps >= 1)
-    drop_sorted = (cum - torch.softmax(sorted_logits, -1)) >= top_p
-    drop = torch.empty_like(drop_sorted).scatter_(0, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+        return x
+    order = np.argsort(-x, kind="stable")
+    p = softmax(x[order]).astype(np.float64)
+    before = np.cumsum(p) - p  # mass strictly before each token, largest first
+    drop = np.empty(x.shape[-1], dtype=bool)
+    drop[order] = before >= top_p  # drop a token once the mass before it reaches top_p (keeps >= 1)
+    return np.where(drop, _NEG_INF, x)
 
 
-def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+def min_p_filter(x: np.ndarray, min_p: float) -> np.ndarray:
     if min_p <= 0.0:
-        return logits
-    probs = torch.softmax(logits, -1)
-    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+        return x
+    probs = softmax(x)
+    return np.where(probs < _F(min_p) * probs.max(), _NEG_INF, x)
 
 
-def typical_filter(logits: torch.Tensor, typical_p: float) -> torch.Tensor:
+def typical_filter(x: np.ndarray, typical_p: float) -> np.ndarray:
     """Locally typical sampling: keep tokens whose surprisal is closest to the entropy."""
     if typical_p >= 1.0:
-        return logits
-    logp = torch.log_softmax(logits, -1)
-    p = logp.exp()
-    ent = -(torch.nan_to_num(p * logp)).sum()
-    dist = (-logp - ent).abs()
-    order = torch.argsort(dist)
-    cum = p[order].cumsum(-1)
-    n_keep = int((cum < typical_p).sum().item()) + 1
-    drop = torch.ones_like(logits, dtype=torch.bool)
+        return x
+    logp = log_softmax(x)
+    p = np.exp(logp)
+    with np.errstate(invalid="ignore"):  # 0 * -inf of a filtered token: NaN, counted as 0
+        ent = -np.nan_to_num(p * logp).sum()
+    order = np.argsort(np.abs(-logp - ent), kind="stable")
+    n_keep = int((np.cumsum(p[order]) < typical_p).sum()) + 1
+    drop = np.ones(x.shape[-1], dtype=bool)
     drop[order[:n_keep]] = False
-    return logits.masked_fill(drop, float("-inf"))
+    return np.where(drop, _NEG_INF, x)
 
 
-def process(logits: torch.Tensor, work: SeqWork, own: bool = False) -> torch.Tensor:
-    """Biased, penalized, tempered and filtered logits [vocab] for one sequence. own: the caller's
-    `logits` may be changed in place (see apply_penalties)."""
+def process(logits, work: SeqWork, own: bool = False) -> np.ndarray:
+    """Biased, penalized, tempered and filtered logits [vocab] float32 for one sequence. own: the
+    caller's `logits` may be changed in place (see apply_penalties)."""
     p = work.params
-    x = logits.float()
+    row = np.asarray(logits)
+    x = row.astype(_F, copy=False)
     x = apply_logit_bias(x, p.logit_bias)
-    x = apply_penalties(x, work.history, p, own=own or x is not logits)  # a fresh x is ours anyway
+    x = apply_penalties(x, work.history, p, own=own or x is not row)  # a fresh x is ours anyway
     if p.greedy:
         return x
-    x = x / p.temperature
+    x = x / _F(p.temperature)
     x = top_k_filter(x, p.top_k)
     x = top_p_filter(x, p.top_p)
     x = min_p_filter(x, p.min_p)
@@ -141,30 +163,36 @@ def process(logits: torch.Tensor, work: SeqWork, own: bool = False) -> torch.Ten
     return x
 
 
-def sample_one(logits: torch.Tensor, work: SeqWork, own: bool = False) -> SampledToken:
+def draw(x: np.ndarray, u: float) -> int:
+    """The token at u in [0, 1) of softmax(x)'s cumulative distribution (float64). A token of
+    probability 0 (filtered, masked: -inf) is never drawn: the CDF does not rise at it."""
+    e = np.exp(x.astype(np.float64) - float(x.max()))
+    cdf = np.cumsum(e)
+    i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return min(i, x.shape[-1] - 1)
+
+
+def sample_one(logits, work: SeqWork, own: bool = False) -> SampledToken:
     """logits [vocab] fp32 -> the sequence's next token (and logprobs if asked); own: see process."""
     p = work.params
     x = process(logits, work, own)
-    if p.greedy:
-        token = argmax(x)
-    else:
-        probs = torch.softmax(x, -1)
-        token = int(torch.multinomial(probs, 1, generator=generator_for(p.seed, work.gen_index)).item())
+    token = argmax(x) if p.greedy else draw(x, uniform(p.seed, work.gen_index))
     if p.logprobs < 0:
         return SampledToken(seq_id=work.seq_id, token_id=token)
-    logp = torch.log_softmax(x, -1).nan_to_num(nan=LOGPROB_FLOOR).clamp(min=LOGPROB_FLOOR)
+    logp = np.maximum(np.nan_to_num(log_softmax(x), nan=LOGPROB_FLOOR), _F(LOGPROB_FLOOR))
     top: tuple[tuple[int, float], ...] = ()
     if p.logprobs > 0:
-        vals, ids = torch.topk(logp, min(p.logprobs, logp.shape[-1]))
+        vals, ids = topk(logp, p.logprobs)
         top = tuple(zip(ids.tolist(), vals.tolist()))
     return SampledToken(seq_id=work.seq_id, token_id=token, logprob=float(logp[token]), top=top)
 
 
-def sample(logits: torch.Tensor, works: list[SeqWork], own: bool = False) -> list[SampledToken]:
+def sample(logits, works: list[SeqWork], own: bool = False) -> list[SampledToken]:
     """logits [B, vocab] for `works` (same order) -> one token per sequence. own: the caller's logits
-    are a fresh tensor it will not read again (its rows may be penalized in place)."""
+    are a fresh array it will not read again (its rows may be penalized in place)."""
+    logits = np.asarray(logits)
     assert logits.shape[0] == len(works)
     if all(w.params.plain_greedy for w in works):
-        ids = np.argmax(logits.numpy(), axis=-1).tolist()  # all-greedy fast path, one op (see argmax)
+        ids = np.argmax(logits, axis=-1).tolist()  # all-greedy fast path, one op
         return [SampledToken(seq_id=w.seq_id, token_id=t) for w, t in zip(works, ids)]
     return [sample_one(logits[i], w, own) for i, w in enumerate(works)]

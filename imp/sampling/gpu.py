@@ -3,7 +3,7 @@
 Semantics follow `imp.sampling.cpu` (the reference): bias -> penalties ->
 (greedy: argmax) -> /temperature -> top_k -> top_p -> min_p -> draw. The draw
 is Gumbel-max with noise hashed from (seed, gen_index, token id), so it depends
-only on the sequence, like the CPU sampler's; the two draw *different* tokens
+only on the sequence, like the CPU sampler's inverse-CDF draw; the two draw *different* tokens
 from the same distribution (only greedy tokens compare across them). Rows that
 need the host (`SamplingParams.host_sampled`: logprobs, typical_p) go to the CPU
 sampler row by row. The kernels are `imp.kernels.sampling`.
@@ -186,4 +186,4 @@ def reference_processed(logits: torch.Tensor, works: list[SeqWork]) -> torch.Ten
     """CPU reference: imp.sampling.cpu.process row by row (float32)."""
     from imp.sampling.cpu import process
 
-    return torch.stack([process(logits[r].cpu(), w) for r, w in enumerate(works)])
+    return torch.stack([torch.from_numpy(process(logits[r].float().cpu().numpy(), w)) for r, w in enumerate(works)])

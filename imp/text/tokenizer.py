@@ -11,7 +11,9 @@ because llama.cpp is what the GGUF was made for:
   llama SentencePiece-style (Gemma, Llama 2): llama.cpp merges the adjacent
         pair whose concatenation is the best-scored token, falling back to
         `<0xNN>` byte tokens. That is BPE with merges ranked by the merged
-        token's score, spaces written as U+2581, and byte_fallback.
+        token's score, spaces written as U+2581, and byte_fallback; our own
+        Numba engine runs it (`imp/text/spm.py`: 160 MB less than
+        `tokenizers` for Gemma's 515 k merges).
 
 Decoding does not go through `tokenizers`: every id maps to its bytes once,
 at load, and text is `bytes.decode("utf-8", "replace")`. The incremental
@@ -31,7 +33,9 @@ import re
 from typing import Iterable, Sequence
 
 from tokenizers import AddedToken, Regex, Tokenizer as _HFTokenizer
-from tokenizers import models, normalizers, pre_tokenizers
+from tokenizers import models, pre_tokenizers
+
+from imp.text.spm import SpmEngine
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -153,8 +157,8 @@ class Tokenizer:
         elif kind == "llama":
             add_bos_default = True
             scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * n)
-            hf, self._piece_bytes = _sentencepiece(tokens, types, scores, self.add_space_prefix,
-                                                   tid("unknown_token_id"))
+            spm, self._piece_bytes = _sentencepiece(tokens, types, scores, self.add_space_prefix,
+                                                    tid("unknown_token_id"))
         else:
             raise ValueError(f"unsupported tokenizer.ggml.model {kind!r} (gpt2 and llama are)")
         self.add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)) and self.bos_id is not None
@@ -163,16 +167,16 @@ class Tokenizer:
         # Special = CONTROL; user-defined tokens are always matched whole
         # (llama.cpp does so even when specials are not parsed).
         self._special = frozenset(i for i, t in enumerate(types) if t == CONTROL)
-        special = [AddedToken(tokens[i], special=True, normalized=False) for i in sorted(self._special)]
-        user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == USER_DEFINED]
         # One engine, special-token spellings kept as text; trusted text is cut at them first
         # (`split_special`, as HF's added-token matcher does: leftmost-longest, every piece
         # normalized on its own, and the specials made here have no strip flags). A second engine
         # for trusted text, serialized to JSON and parsed back, was 1.4 s and ~100 MB of Gemma 3's load.
-        hf.add_special_tokens(special)
-        if user:
-            hf.add_tokens(user)
-        self._set_engines(None, tokens, literal=hf)
+        if kind == "gpt2":
+            hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in sorted(self._special)])
+            user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == USER_DEFINED]
+            if user:
+                hf.add_tokens(user)
+        self._set_engines(None, tokens, literal=hf if kind == "gpt2" else spm)
 
         eog = {i for i in (self.eos_id, tid("eot_token_id"), tid("eom_token_id")) if i is not None}
         eog |= {self._special_by_text[t] for t in EOG_TEXTS if t in self._special_by_text}
@@ -195,7 +199,8 @@ class Tokenizer:
         specials here instead (`encode`). And the special-token matcher. Needs self._special."""
         self._hf_special = hf
         self._hf_literal = literal if literal is not None else _HFTokenizer.from_str(hf.to_str())
-        self._hf_literal.encode_special_tokens = True
+        if isinstance(self._hf_literal, _HFTokenizer):  # SpmEngine never matches specials
+            self._hf_literal.encode_special_tokens = True
         specials = sorted({tokens[i] for i in self._special if tokens[i]}, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._special_by_text = {tokens[i]: i for i in sorted(self._special, reverse=True)}
@@ -213,9 +218,11 @@ class Tokenizer:
         return self._wrap(ids) if add_special else ids
 
     @staticmethod
-    def _encode(hf: _HFTokenizer, text: str) -> list[int]:
+    def _encode(hf: _HFTokenizer | SpmEngine, text: str) -> list[int]:
         if not text:
             return []
+        if isinstance(hf, SpmEngine):
+            return hf.encode(text)  # its merge loop runs without the GIL
         if len(text) > _GIL_FREE_CHARS:
             # encode_batch releases the GIL while Rust works (encode holds it: a 1 MB text would
             # stall the event loop for a second even from a worker thread)
@@ -356,24 +363,10 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _sentencepiece(tokens, types, scores, add_space_prefix, unk_id):
-    vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}
-    # llama.cpp merges the pair whose concatenation is the best-scored token
-    # (ties: leftmost). As BPE: one merge per way of cutting each mergeable
-    # token into two vocabulary tokens, ranked by that token's score.
-    ranked = []
-    for i, t in enumerate(tokens):
-        if len(t) > 1 and types[i] in (NORMAL, USER_DEFINED):
-            s = -scores[i]
-            ranked += [(s, i, vocab[t[:k]], t[:k], t[k:]) for k in range(1, len(t)) if t[:k] in vocab and t[k:] in vocab]
-    ranked.sort()
-    merges = [(a, b) for *_, a, b in ranked]
-    del ranked
-    hf = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True,
-                                 unk_token=tokens[unk_id] if unk_id is not None else None, fuse_unk=True))
-    norm = [normalizers.Replace(" ", "\u2581")]
-    if add_space_prefix:
-        norm.insert(0, normalizers.Prepend("\u2581"))
-    hf.normalizer = normalizers.Sequence(norm)
+    # llama.cpp merges the pair whose concatenation is the best-scored token (imp/text/spm.py)
+    mergeable = {i for i, t in enumerate(tokens) if len(t) > 1 and types[i] in (NORMAL, USER_DEFINED)}
+    engine = SpmEngine(tokens, scores, add_space_prefix, unk_id, mergeable,
+                       [i for i, t in enumerate(types) if t == USER_DEFINED])
 
     piece_bytes = []
     for t, ty in zip(tokens, types):
@@ -384,4 +377,4 @@ def _sentencepiece(tokens, types, scores, add_space_prefix, unk_id):
             piece_bytes.append(t.encode("utf-8"))
         else:
             piece_bytes.append(t.replace("\u2581", " ").encode("utf-8"))
-    return hf, piece_bytes
+    return engine, piece_bytes

@@ -52,3 +52,35 @@ def test_runner_loads_and_steps_on_the_team_thread(tmp_path):
         ex.submit(r.step, [SeqWork("b", (4, 5), 0, (1,), True, p)]).result()
     assert len(seen) == 2 and seen[0] == seen[1] == team.run(threading.get_ident)
     assert seen[0] != threading.get_ident()
+
+
+def test_default_threads_is_one_per_physical_core(monkeypatch):
+    """Hardware threads that share a core count once (torch's old default, llama.cpp's); no
+    topology to read: every CPU the process may use."""
+    import builtins
+    import io
+
+    from imp.model import team
+
+    siblings = {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}  # 2 cores x 2 threads
+    real_open = builtins.open
+
+    def fake_open(path, *a, **kw):
+        if str(path).startswith("/sys/devices/system/cpu/cpu"):
+            return io.StringIO(siblings[int(str(path).split("/cpu/cpu")[1].split("/")[0])] + "\n")
+        return real_open(path, *a, **kw)
+
+    monkeypatch.setattr(team.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(builtins, "open", fake_open)
+    assert team.default_threads() == 2
+    monkeypatch.setattr(team.os, "sched_getaffinity", lambda pid: {0, 2})  # pinned to one core's two threads
+    assert team.default_threads() == 1
+
+    def no_sys(path, *a, **kw):
+        if str(path).startswith("/sys/"):
+            raise OSError("no sysfs")
+        return real_open(path, *a, **kw)
+
+    monkeypatch.setattr(builtins, "open", no_sys)
+    monkeypatch.setattr(team.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert team.default_threads() == 3

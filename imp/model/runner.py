@@ -12,7 +12,7 @@ matrix type those kernels lack, and an HF directory, fall back to the torch
 forward with `"int8"` weights. `"f32"` / `"bf16"` / `"int8"` / `"hybrid"` pick
 the torch forward explicitly (llama.py explains them; "f32" is the reference).
 
-Threads: `num_threads` (default: Numba's count, every CPU the process may use)
+Threads: `num_threads` (default: one per physical core, `team.default_threads`)
 for Numba and, where a torch forward runs, torch. Numba's count is per calling
 thread, so it is set again on the thread that runs each step (the team's).
 
@@ -79,7 +79,7 @@ class ModelRunner:
             dt = kv_dtype if isinstance(kv_dtype, torch.dtype) else getattr(torch, paged.dtype_name(kv_dtype))
             self.cache = KVCache.allocate(self.config, num_blocks, block_size, dt)
         self._lock = threading.Lock()
-        self.num_threads = min(num_threads or numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS)
+        self.num_threads = min(num_threads or team.default_threads(), numba.config.NUMBA_NUM_THREADS)
 
     @property
     def step_pool(self):

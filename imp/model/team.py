@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
 import sys
 import threading
 
@@ -29,6 +30,22 @@ _ident: int | None = None
 def _mark() -> None:
     global _ident
     _ident = threading.get_ident()
+
+
+def default_threads() -> int:
+    """Threads for a CPU forward when --threads is not given: one per physical core this process
+    may run on (what torch's default was, and llama.cpp's): a GEMV streaming weights gains
+    nothing from a core's second hardware thread and loses to it sharing that core's caches.
+    Linux's CPU topology; without it, every CPU the process may use."""
+    cpus = os.sched_getaffinity(0)
+    cores = set()
+    for c in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list") as f:
+                cores.add(f.read().strip())
+        except OSError:
+            return len(cpus)
+    return max(1, len(cores))
 
 
 def inference_mode():

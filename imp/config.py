@@ -110,7 +110,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", default=None, help="file of accepted keys, one per line ('#' comments)")
     p.add_argument("--rate-limit", type=int, default=0,
                    help="requests per minute per key (per client address without keys); past it 429 + Retry-After")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU forward threads (default: one per physical core)")
     p.add_argument("--device", default=d.device, help="cpu (default) or cuda:N (GPU executor)")
     p.add_argument("--gpu-activations", choices=("fp32", "int8"), default=d.gpu_activations,
                    help="GPU matmuls of quantized weights at decode: int8 activations (default; dp4a, as "

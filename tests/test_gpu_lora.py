@@ -46,7 +46,7 @@ def test_gpu_adapter_effect_matches_the_cpu_path_and_batches(smollm2_path):
            for layer in range(30) for m, (o, i) in DIMS.items()}
     table = LoraTable()
     table.add(1, check(Adapter(8, 2.0, fac), cpu.config, "llama"), 30)
-    cb, cl = cpu.forward([seq("a", [0])])[0], cpu.forward([seq("b", [1], 1)], lora=table)[0]
+    cb, cl = torch.from_numpy(cpu.forward([seq("a", [0])]))[0], torch.from_numpy(cpu.forward([seq("b", [1], 1)], lora=table))[0]
     gb, gl = (t.float().cpu() for t in (gpu.forward([seq("a", [0])])[0], gpu.forward([seq("b", [1], 1)], lora=table)[0]))
     ce, ge = cl - cb, gl - gb
     cos = torch.nn.functional.cosine_similarity(ce, ge, dim=0).item()

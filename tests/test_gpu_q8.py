@@ -210,8 +210,8 @@ def test_runner_on_int8_activations_matches_the_cpu_block_path(tmp_path_factory,
     g = SamplingParams(max_tokens=64)
     seqs = [SeqWork(seq_id=str(i), token_ids=p, start_pos=0, block_table=list(range(4 * i, 4 * i + 4)),
                     sample=True, params=g) for i, p in enumerate(PROMPTS)]
-    ref = cpu.forward(seqs).double()
-    f32 = ModelRunner.load(path, num_blocks=64, block_size=BS, weights="f32").forward(seqs).double()
+    ref = torch.from_numpy(cpu.forward(seqs)).double()
+    f32 = torch.from_numpy(ModelRunner.load(path, num_blocks=64, block_size=BS, weights="f32").forward(seqs)).double()
     got = gpu_.forward(seqs).double().cpu()
     rel = float((got - ref).norm() / ref.norm())
     rel_f32 = float((got - f32).norm() / f32.norm())

@@ -90,10 +90,14 @@ def load_text(cfg: ServerConfig) -> tuple[TextModel, GrammarCache]:
     read from the file's header (the weights stay with the engine process)."""
     from imp.fetch import resolve_model
     from imp.formats.gguf_loader import open_gguf
-    from imp.formats.hf_dir import open_hf_dir
 
     path = Path(resolve_model(cfg.model))
-    g = open_hf_dir(path) if path.is_dir() else open_gguf(str(path))
+    if path.is_dir():
+        from imp.formats.hf_dir import open_hf_dir  # torch: only an HF directory needs it
+
+        g = open_hf_dir(path)
+    else:
+        g = open_gguf(str(path))
     tokenizer, template = text_parts(cfg, path, g.metadata)
     return (TextModel.build(tokenizer, template, g.metadata),
             GrammarCache(from_tokenizer(tokenizer, int(g.config.vocab_size))))

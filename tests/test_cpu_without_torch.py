@@ -54,3 +54,37 @@ def test_the_cpu_server_serves_every_sampler_path_without_torch(smollm2_path, tm
     plp = scored["choices"][0]["prompt_logprobs"]
     assert plp[0] is None and all(p for p in plp[1:])
     assert "libtorch" not in maps, "the CPU server mapped libtorch"
+
+
+def test_api_server_processes_hold_no_torch(smollm2_path, tmp_path):
+    """Under --api-servers 2 neither the engine nor an API-server process (tokenizer, templates,
+    grammars, SSE) maps libtorch: each would carry ~180 MB for nothing."""
+    from tests.serverproc import ServerProcess
+
+    with ServerProcess(smollm2_path, "--kv-cache-tokens", "2048", "--api-servers", "2",
+                       log_path=tmp_path / "p.out") as srv:
+        out = _post(srv.url, "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                      "max_tokens": 8, "response_format": {"type": "json_object"}})
+        procs = _tree(srv.proc.pid)
+        maps = {pid: Path(f"/proc/{pid}/maps").read_text() for pid in procs}
+    assert out["choices"][0]["message"]["content"].lstrip().startswith("{")
+    assert len(maps) >= 4, maps.keys()  # supervisor, engine, two API servers
+    assert not [pid for pid, m in maps.items() if "libtorch" in m]
+
+
+def _tree(root: int) -> list[int]:
+    """root and every process below it (from /proc/PID/stat's parent field)."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            parent[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += [c for c, p in parent.items() if p == pid]
+    return out

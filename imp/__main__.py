@@ -49,6 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(ns)
     except ValueError as exc:
         p.error(str(exc))
+    if cfg.embedding_model:  # fetched and checked once, here: every HTTP process loads it
+        from imp.fetch import FetchError, resolve_model
+        from imp.model.bert import check
+
+        try:
+            check(resolve_model(cfg.embedding_model))
+        except (FetchError, OSError, ValueError) as exc:
+            p.error(f"--embedding-model: {exc}")
     import os
 
     from imp.config import api_servers

@@ -24,6 +24,7 @@ class ServerConfig:
     idle_unload_s: float = 0.0  # release the model after this many idle seconds (0 = never)
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long admitted requests may run on
     chat_template: str | None = None
+    embedding_model: str | None = None  # /v1/embeddings and /v1/rerank (a sentence-transformers BERT)
     models_dir: str | None = None  # GGUFs listed by /v1/models besides the loaded one
     api_key: str | None = None
     api_key_file: str | None = None  # more keys, one per line (read once at boot)
@@ -104,6 +105,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=d.shutdown_timeout_s,
                    help="on SIGTERM, seconds the admitted requests may run on (new ones get 503 draining)")
     p.add_argument("--chat-template", default=None, help="jinja file overriding the model's template")
+    p.add_argument("--embedding-model", default=None,
+                   help="sentence-embedding model for /v1/embeddings and /v1/rerank: all-minilm-l6-v2 "
+                        "(fetched) or a sentence-transformers folder")
     p.add_argument("--models-dir", default=None, help="directory of GGUFs to list in /v1/models")
     p.add_argument("--api-key", default=None, help="require this key on every route but /health and /ready "
                    "(Authorization: Bearer KEY or x-api-key: KEY)")

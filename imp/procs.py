@@ -134,19 +134,22 @@ async def _engine(cfg: ServerConfig, engine, endpoint: str, ready_fd: int) -> No
 def api_main(argv: list[str]) -> int:
     """`python -m imp _api ...`: one HTTP front end on the shared socket."""
     from imp.http.access import load_api_keys
-    from imp.server import load_text, setup_logging
+    from imp.server import load_embedder, load_text, setup_logging
 
     cfg, args = _child_args(argv)
     setup_logging(cfg)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     api_keys = load_api_keys(cfg.api_key, cfg.api_key_file)
     text, grammars = load_text(cfg)
+    embedder = load_embedder(cfg)
     sock = socket.socket(fileno=int(args["sock"]))
-    _run(_api(cfg, text, grammars, api_keys, args["endpoint"], int(args["index"]), sock, int(args["ready"])))
+    _run(_api(cfg, text, grammars, api_keys, args["endpoint"], int(args["index"]), sock, int(args["ready"]),
+              embedder))
     return 0
 
 
-async def _api(cfg, text, grammars, api_keys, endpoint: str, index: int, sock, ready_fd: int) -> None:
+async def _api(cfg, text, grammars, api_keys, endpoint: str, index: int, sock, ready_fd: int,
+               embedder=None) -> None:
     from aiohttp import web
 
     from imp.engine.remote import RemoteEngine
@@ -154,7 +157,7 @@ async def _api(cfg, text, grammars, api_keys, endpoint: str, index: int, sock, r
 
     port = RemoteEngine(endpoint, text.tokenizer, api=index)
     await port.start()
-    app = create_app(port, text, cfg, grammars=grammars, api_keys=api_keys, rate=port.rate_take)
+    app = create_app(port, text, cfg, grammars=grammars, api_keys=api_keys, rate=port.rate_take, embedder=embedder)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=max(1.0, cfg.shutdown_timeout_s))
     await runner.setup()

@@ -85,6 +85,22 @@ def text_parts(cfg: ServerConfig, path: Path, metadata: dict):
     return tokenizer, template
 
 
+def load_embedder(cfg: ServerConfig):
+    """The --embedding-model encoder (imp.model.bert), or None. Loaded in every process that
+    answers HTTP: it is small (all-MiniLM-L6-v2: 87 MB of fp32) and runs on the CPU."""
+    if not cfg.embedding_model:
+        return None
+    from imp.fetch import resolve_model
+    from imp.model.bert import BertEncoder
+
+    t0 = time.monotonic()
+    enc = BertEncoder.load(resolve_model(cfg.embedding_model))
+    enc.embed(enc.tokenize(["warm up"]))  # Numba's GELU loads (or compiles) now, not at a request
+    _progress(f"embedding model {enc.name}: {enc.hidden} dimensions, inputs up to {enc.max_tokens} tokens, "
+              f"loaded in {time.monotonic() - t0:.1f}s")
+    return enc
+
+
 def load_text(cfg: ServerConfig) -> tuple[TextModel, GrammarCache]:
     """What an API-server process needs of the model: its text side and grammar vocabulary,
     read from the file's header (the weights stay with the engine process)."""
@@ -184,7 +200,7 @@ async def drain(engine, signals: asyncio.Queue, timeout_s: float) -> int | None:
 
 
 async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel, api_keys: tuple[str, ...]) -> None:
-    app = create_app(engine, text, cfg, grammars=engine.grammars, api_keys=api_keys)
+    app = create_app(engine, text, cfg, grammars=engine.grammars, api_keys=api_keys, embedder=load_embedder(cfg))
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     # backlog as the process layout's socket (procs.py): aiohttp's 128 drops the SYNs of a

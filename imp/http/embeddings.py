@@ -1,0 +1,126 @@
+"""POST /v1/embeddings (OpenAI) and POST /v1/rerank, /rerank (Cohere / Jina / vLLM shape).
+
+Both need the sentence-embedding model the server was started with (`--embedding-model`,
+injected as app[keys.EMBEDDER]: `name`, `hidden`, `max_tokens`, `tokenize(texts)`,
+`embed(id lists) -> [B, H] float32`). Without one they are a 400 that says how to load it.
+
+The encoder is a bi-encoder (all-MiniLM-L6-v2: mean pooling, unit vectors), so a rerank score
+is the cosine similarity of the query's and the document's embeddings, in [-1, 1]; it orders
+documents as that model ranks them, but it is not a cross-encoder's relevance probability.
+
+Every field is honoured or refused: `encoding_format` float | base64, `dimensions` only at the
+model's own width (it cannot be shortened honestly), text inputs only (token ids from another
+tokenizer mean nothing to this one), and an input longer than the model's `max_seq_length` is
+a 400 naming it, never a silent cut. The model runs on one worker thread, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import time
+import uuid
+
+import numpy as np
+from aiohttp import web
+
+from imp.http import body as B
+from imp.http import keys
+from imp.http.errors import bad
+
+MAX_INPUTS = 2048  # OpenAI's limit per request
+MAX_TOKENS = 300_000  # summed over a request's inputs (OpenAI's limit)
+_POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embed")  # one model run at a time
+
+
+def _embedder(request: web.Request):
+    e = request.app.get(keys.EMBEDDER)
+    if e is None:
+        raise bad("no embedding model is loaded: start the server with --embedding-model all-minilm-l6-v2 "
+                  "(or a sentence-transformers folder)", "model", "model_not_loaded")
+    return e
+
+
+def _texts(v, name: str) -> list[str]:
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not items:
+        raise bad(f"'{name}' must be a non-empty string or array of strings", name)
+    if len(items) > MAX_INPUTS:
+        raise bad(f"'{name}' has {len(items)} entries; at most {MAX_INPUTS} a request", name)
+    for i, t in enumerate(items):
+        if not isinstance(t, str):
+            what = "token ids" if isinstance(t, (int, list)) else type(t).__name__
+            raise bad(f"'{name}[{i}]': {what} are not accepted: this embedding model takes text (ids from "
+                      "another tokenizer mean nothing to its own)", f"{name}[{i}]")
+        if not t:
+            raise bad(f"'{name}[{i}]' is an empty string", f"{name}[{i}]")
+    return items
+
+
+async def _encode(e, texts: list[str], name: str, offset: int = 0) -> tuple[np.ndarray, int]:
+    """[len(texts), H] unit vectors and the tokens they took; an input over the model's length is a 400."""
+    loop = asyncio.get_running_loop()
+    ids = await loop.run_in_executor(_POOL, e.tokenize, texts)
+    total = 0
+    for i, x in enumerate(ids):
+        if len(x) > e.max_tokens:
+            where = f"{name}[{i + offset}]" if name != "query" else name
+            raise bad(f"'{where}' is {len(x)} tokens; {e.name} embeds at most {e.max_tokens} (split the text)",
+                      where, "input_too_long")
+        total += len(x)
+    if total > MAX_TOKENS:
+        raise bad(f"'{name}' totals {total} tokens; at most {MAX_TOKENS} a request", name)
+    return await loop.run_in_executor(_POOL, e.embed, ids), total
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    body = await B.read_json(request)
+    e = _embedder(request)
+    B.model_name(body)
+    texts = _texts(body.get("input"), "input")
+    fmt = B.string(body, "encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise bad("'encoding_format' must be 'float' or 'base64'", "encoding_format")
+    dims = B.num(body, "dimensions", 1, integer=True)
+    if dims is not None and dims != e.hidden:
+        raise bad(f"'dimensions': {e.name} gives {e.hidden}-dimensional vectors and cannot shorten them",
+                  "dimensions", "unsupported_parameter")
+    B.string(body, "user")  # OpenAI's end-user id: a string when given (nothing here depends on it)
+    vecs, tokens = await _encode(e, texts, "input")
+    data = []
+    for i, v in enumerate(vecs):
+        emb = base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else v.tolist()
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    return web.json_response({"object": "list", "data": data, "model": e.name,
+                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+async def rerank(request: web.Request) -> web.Response:
+    body = await B.read_json(request)
+    e = _embedder(request)
+    B.model_name(body)
+    query = body.get("query")
+    if not isinstance(query, str) or not query:
+        raise bad("'query' must be a non-empty string", "query")
+    docs = body.get("documents")
+    if isinstance(docs, list):  # Cohere and Jina also take {"text": ...} objects
+        docs = [d.get("text") if isinstance(d, dict) else d for d in docs]
+    texts = _texts(docs, "documents")
+    top_n = B.num(body, "top_n", 1, integer=True)
+    keep_docs = B.boolean(body, "return_documents", True)
+    q, qt = await _encode(e, [query], "query")
+    d, dt = await _encode(e, texts, "documents")
+    qv = q[0] / max(float(np.linalg.norm(q[0])), 1e-12)
+    dv = d / np.maximum(np.linalg.norm(d, axis=-1, keepdims=True), 1e-12)
+    scores = dv @ qv
+    order = sorted(range(len(texts)), key=lambda i: (-float(scores[i]), i))[:top_n or len(texts)]
+    results = []
+    for i in order:
+        r = {"index": i, "relevance_score": float(scores[i])}
+        if keep_docs:
+            r["document"] = {"text": texts[i]}
+        results.append(r)
+    return web.json_response({"id": f"rerank-{uuid.uuid4().hex[:24]}", "object": "rerank", "model": e.name,
+                              "created": int(time.time()), "results": results,
+                              "usage": {"prompt_tokens": qt + dt, "total_tokens": qt + dt}})

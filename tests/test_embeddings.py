@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -75,6 +76,14 @@ def test_embeddings_and_rerank_through_the_server(smollm2_path, minilm_path, tmp
         }.items()}
         chat = _post(srv.url, "/v1/chat/completions", {"model": "m", "max_tokens": 4,
                                                        "messages": [{"role": "user", "content": "hi"}]})
+        deadline = time.monotonic() + 10  # API servers report to the engine's metrics asynchronously
+        while True:
+            with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as m:
+                metrics = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in m.read().decode().splitlines()
+                           if ln.startswith("imp_endpoint_requests_total{")}
+            if metrics.get('imp_endpoint_requests_total{endpoint="rerank"}') == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     assert [d.index for d in r.data] == [0, 1, 2] and r.model == "all-MiniLM-L6-v2"
     assert r.usage.prompt_tokens == sum(len(x) for x in BertEncoder.load(minilm_path).tokenize(TEXTS[:3]))
     assert np.abs(got - want).max() < 1e-6 and np.abs(np.array([d.embedding for d in floats.data]) - want).max() < 1e-6
@@ -89,6 +98,8 @@ def test_embeddings_and_rerank_through_the_server(smollm2_path, minilm_path, tmp
     assert errors["input[1]"][1]["error"]["param"] == "input[1]"
     assert errors["long"][1]["error"]["code"] == "input_too_long"
     assert chat[0] == 200  # the chat model serves beside it
+    assert metrics['imp_endpoint_requests_total{endpoint="embeddings"}'] == 2 + len(errors)  # refusals counted
+    assert metrics['imp_endpoint_requests_total{endpoint="rerank"}'] == 2
 
 
 def test_without_an_embedding_model_the_routes_say_how_to_load_one(smollm2_path, tmp_path):

@@ -23,7 +23,7 @@ from imp.messages import Fault, Figures, KvFigures, MemoryState, Msg, QueueFigur
 
 # the generation routes (a series per route, at zero before traffic); embeddings / rerank
 # join when those routes exist
-ENDPOINTS = ("chat_completions", "completions", "messages", "infill", "responses")
+ENDPOINTS = ("chat_completions", "completions", "messages", "infill", "responses", "embeddings", "rerank")
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 

@@ -45,6 +45,8 @@ ENDPOINT_PATHS = {
     "messages": "/v1/messages",
     "infill": "/infill",
     "responses": "/v1/responses",
+    "embeddings": "/v1/embeddings",
+    "rerank": "/v1/rerank",
 }
 _SCOPE = InstrumentationScope("imp.server")
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)

@@ -27,7 +27,8 @@ from aiohttp import web
 
 from imp.http import body as B
 from imp.http import keys
-from imp.http.errors import bad
+from imp.http.errors import ApiError, bad
+from imp.messages import RequestStats
 
 MAX_INPUTS = 2048  # OpenAI's limit per request
 MAX_TOKENS = 300_000  # summed over a request's inputs (OpenAI's limit)
@@ -74,7 +75,38 @@ async def _encode(e, texts: list[str], name: str, offset: int = 0) -> tuple[np.n
     return await loop.run_in_executor(_POOL, e.embed, ids), total
 
 
-async def embeddings(request: web.Request) -> web.Response:
+def _reported(endpoint: str):
+    """The handler's request, counted by the metrics actor (endpoint label, duration, prompt tokens)
+    and traced, as the generation endpoints are: refusals with their status."""
+
+    def wrap(handler):
+        async def run(request: web.Request) -> web.Response:
+            t0, arrival_ns = time.monotonic(), time.time_ns()
+            status, tokens = 500, [0]
+            try:
+                resp = await handler(request, tokens)
+                status = resp.status
+                return resp
+            except ApiError as exc:
+                status = exc.status
+                raise
+            finally:
+                port = request.app[keys.PORT]
+                e = request.app.get(keys.EMBEDDER)
+                port.report(RequestStats(
+                    endpoint, status, tokens[0], duration_s=time.monotonic() - t0,
+                    finish="stop" if status == 200 else "", request_id=request.get("request_id", ""),
+                    client_request_id=request.get("client_request_id") or "",
+                    model=e.name if e is not None else "", traceparent=request.headers.get("traceparent", "")[:128],
+                    arrival_unix_ns=arrival_ns, end_unix_ns=time.time_ns()))
+
+        return run
+
+    return wrap
+
+
+@_reported("embeddings")
+async def embeddings(request: web.Request, tokens: list[int]) -> web.Response:
     body = await B.read_json(request)
     e = _embedder(request)
     B.model_name(body)
@@ -87,16 +119,17 @@ async def embeddings(request: web.Request) -> web.Response:
         raise bad(f"'dimensions': {e.name} gives {e.hidden}-dimensional vectors and cannot shorten them",
                   "dimensions", "unsupported_parameter")
     B.string(body, "user")  # OpenAI's end-user id: a string when given (nothing here depends on it)
-    vecs, tokens = await _encode(e, texts, "input")
+    vecs, tokens[0] = await _encode(e, texts, "input")
     data = []
     for i, v in enumerate(vecs):
         emb = base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else v.tolist()
         data.append({"object": "embedding", "index": i, "embedding": emb})
     return web.json_response({"object": "list", "data": data, "model": e.name,
-                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+                              "usage": {"prompt_tokens": tokens[0], "total_tokens": tokens[0]}})
 
 
-async def rerank(request: web.Request) -> web.Response:
+@_reported("rerank")
+async def rerank(request: web.Request, tokens: list[int]) -> web.Response:
     body = await B.read_json(request)
     e = _embedder(request)
     B.model_name(body)
@@ -111,6 +144,7 @@ async def rerank(request: web.Request) -> web.Response:
     keep_docs = B.boolean(body, "return_documents", True)
     q, qt = await _encode(e, [query], "query")
     d, dt = await _encode(e, texts, "documents")
+    tokens[0] = qt + dt
     qv = q[0] / max(float(np.linalg.norm(q[0])), 1e-12)
     dv = d / np.maximum(np.linalg.norm(d, axis=-1, keepdims=True), 1e-12)
     scores = dv @ qv

@@ -58,6 +58,7 @@ def test_embeddings_and_rerank_through_the_server(smollm2_path, minilm_path, tmp
     with ServerProcess(smollm2_path, "--kv-cache-tokens", "2048", "--embedding-model", str(minilm_path),
                        "--api-servers", layout, log_path=tmp_path / "e.out") as srv:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+        listed = {m.id: m for m in c.models.list().data}
         r = c.embeddings.create(model="all-MiniLM-L6-v2", input=TEXTS[:3])  # the SDK asks for base64
         got = np.array([d.embedding for d in r.data], dtype=np.float32)
         floats = c.embeddings.create(model="m", input=TEXTS[:3], encoding_format="float")
@@ -84,6 +85,7 @@ def test_embeddings_and_rerank_through_the_server(smollm2_path, minilm_path, tmp
             if metrics.get('imp_endpoint_requests_total{endpoint="rerank"}') == 2 or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
+    assert listed["all-MiniLM-L6-v2"].model_extra["task"] == "embedding" and len(listed) == 2
     assert [d.index for d in r.data] == [0, 1, 2] and r.model == "all-MiniLM-L6-v2"
     assert r.usage.prompt_tokens == sum(len(x) for x in BertEncoder.load(minilm_path).tokenize(TEXTS[:3]))
     assert np.abs(got - want).max() < 1e-6 and np.abs(np.array([d.embedding for d in floats.data]) - want).max() < 1e-6

@@ -145,6 +145,15 @@ def _model_entry(card) -> dict:
     }
 
 
+def _embedding(request: web.Request, card) -> list[dict]:
+    """The --embedding-model, when one is loaded (what /v1/embeddings and /v1/rerank serve)."""
+    e = request.app.get(keys.EMBEDDER)
+    if e is None:
+        return []
+    return [{"id": e.name, "object": "model", "created": card.created, "owned_by": "imp", "loaded": True,
+             "task": "embedding", "dimensions": e.hidden, "context_length": e.max_tokens}]
+
+
 def _directory(card, models_dir: str | None) -> list[dict]:
     """The other models of --models-dir, not loaded: GGUF files (one level down too)
     and HF directories (config.json + *.safetensors)."""
@@ -178,6 +187,7 @@ async def models(request: web.Request) -> web.Response:
     port = request.app[keys.PORT]
     card = port.card
     return web.json_response({"object": "list", "data": [_model_entry(card), *_adapters(port, card),
+                                                         *_embedding(request, card),
                                                          *_directory(card, request.app[keys.CONFIG].models_dir)]})
 
 
@@ -186,7 +196,8 @@ async def model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     if name == card.name:
         return web.json_response(_model_entry(card))
-    for m in [*_adapters(request.app[keys.PORT], card), *_directory(card, request.app[keys.CONFIG].models_dir)]:
+    for m in [*_adapters(request.app[keys.PORT], card), *_embedding(request, card),
+              *_directory(card, request.app[keys.CONFIG].models_dir)]:
         if m["id"] == name:
             return web.json_response(m)
     raise ApiError(404, f"model '{name[:128]}' not found", code="model_not_found")

@@ -74,6 +74,8 @@ def test_embeddings_and_rerank_through_the_server(smollm2_path, minilm_path, tmp
             "empty": {"model": "m", "input": ""},
             "format": {"model": "m", "input": "x", "encoding_format": "int8"},
             "model": {"input": "x"},
+            "truncate_prompt_tokens": {"model": "m", "input": "x", "truncate_prompt_tokens": 8},
+            "normalize": {"model": "m", "input": "x", "normalize": False},
         }.items()}
         chat = _post(srv.url, "/v1/chat/completions", {"model": "m", "max_tokens": 4,
                                                        "messages": [{"role": "user", "content": "hi"}]})

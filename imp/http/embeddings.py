@@ -43,6 +43,25 @@ def _embedder(request: web.Request):
     return e
 
 
+# fields other servers' embedding routes take that this one cannot honour: a 400, not a quiet no-op
+_REFUSED = {
+    "truncate_prompt_tokens": "inputs are never cut here: send at most the model's max_seq_length tokens",
+    "truncate": "inputs are never cut here: send at most the model's max_seq_length tokens",
+    "truncation_direction": "inputs are never cut here",
+    "prompt_name": "no prompt templates for the embedding model",
+    "instruction": "no instruction prefixes for the embedding model",
+}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, why in _REFUSED.items():
+        if body.get(name) is not None:
+            raise bad(f"'{name}' is not supported: {why}", name, "unsupported_parameter")
+    if body.get("normalize") is not None and body.get("normalize") is not True:
+        raise bad("'normalize': this model's vectors are unit-normalized (its Normalize module); only true", "normalize",
+                  "unsupported_parameter")
+
+
 def _texts(v, name: str) -> list[str]:
     items = [v] if isinstance(v, str) else v
     if not isinstance(items, list) or not items:
@@ -110,6 +129,7 @@ async def embeddings(request: web.Request, tokens: list[int]) -> web.Response:
     body = await B.read_json(request)
     e = _embedder(request)
     B.model_name(body)
+    _refuse_unsupported(body)
     texts = _texts(body.get("input"), "input")
     fmt = B.string(body, "encoding_format", "float")
     if fmt not in ("float", "base64"):
@@ -133,6 +153,7 @@ async def rerank(request: web.Request, tokens: list[int]) -> web.Response:
     body = await B.read_json(request)
     e = _embedder(request)
     B.model_name(body)
+    _refuse_unsupported(body)
     query = body.get("query")
     if not isinstance(query, str) or not query:
         raise bad("'query' must be a non-empty string", "query")

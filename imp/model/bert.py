@@ -115,13 +115,19 @@ class BertEncoder:
         """Ids with [CLS] and [SEP], as the model was trained (no truncation: see max_tokens)."""
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)]
 
-    def embed(self, batch: list[list[int]], chunk: int = 32) -> np.ndarray:
-        """[len(batch), H] float32; inputs are run in chunks of similar length (less padding)."""
+    def embed(self, batch: list[list[int]], rows: int = 32, tokens: int = 4096) -> np.ndarray:
+        """[len(batch), H] float32; inputs run in chunks of similar length (less padding), at most
+        `rows` inputs and `tokens` padded tokens a chunk (the attention scores are [rows, A, T, T])."""
         out = np.empty((len(batch), self.hidden), np.float32)
         order = sorted(range(len(batch)), key=lambda i: len(batch[i]))
-        for s in range(0, len(order), chunk):
-            idx = order[s:s + chunk]
+        s = 0
+        while s < len(order):
+            n = 1
+            while n < rows and s + n < len(order) and (n + 1) * len(batch[order[s + n]]) <= tokens:
+                n += 1
+            idx = order[s:s + n]
             out[idx] = self._forward([batch[i] for i in idx])
+            s += n
         return out
 
     def _forward(self, batch: list[list[int]]) -> np.ndarray:

@@ -9,7 +9,6 @@ characters outside the vocabulary run in every `make test`; Gemma 3's real one w
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from tokenizers import models, normalizers
 
 from imp.text.spm import SpmEngine
 from imp.text.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED
+from tests.test_tokenizer import _gemma_path
 
 
 def hf_reference(tokens, types, scores, add_space_prefix, unk_id) -> HF:
@@ -115,21 +115,13 @@ def test_long_text_and_empty():
     assert ours.encode("") == []
 
 
-def _gemma() -> Path | None:
-    from imp.fetch import PACKAGED, cache_dir
-
-    env = os.environ.get("IMP_TEST_GEMMA")
-    p = Path(env) if env else cache_dir() / PACKAGED["gemma-3-270m"].filename
-    return p if p.is_file() else None
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_gemma() is None, reason="Gemma 3 GGUF not in the cache")
+@pytest.mark.skipif(_gemma_path() is None, reason="Gemma 3 GGUF not in the cache")
 def test_gemma_vocabulary():
     from imp.formats.gguf_file import read_header
     from tests.test_tokenizer import CORPUS
 
-    md = read_header(_gemma()).metadata
+    md = read_header(_gemma_path()).metadata
     vocab = (md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"], md["tokenizer.ggml.scores"])
     prefix, unk = bool(md.get("tokenizer.ggml.add_space_prefix", True)), md.get("tokenizer.ggml.unknown_token_id")
     ref, ours = hf_reference(*vocab, prefix, unk), engine(*vocab, prefix, unk)

@@ -62,6 +62,15 @@ def _refuse_unsupported(body: dict) -> None:
                   "unsupported_parameter")
 
 
+async def _start(request: web.Request) -> tuple[dict, object]:
+    """Both routes' first checks: the body, a loaded embedder, `model`, the fields refused here."""
+    body = await B.read_json(request)
+    e = _embedder(request)
+    B.model_name(body)
+    _refuse_unsupported(body)
+    return body, e
+
+
 def _texts(v, name: str) -> list[str]:
     items = [v] if isinstance(v, str) else v
     if not isinstance(items, list) or not items:
@@ -126,10 +135,7 @@ def _reported(endpoint: str):
 
 @_reported("embeddings")
 async def embeddings(request: web.Request, tokens: list[int]) -> web.Response:
-    body = await B.read_json(request)
-    e = _embedder(request)
-    B.model_name(body)
-    _refuse_unsupported(body)
+    body, e = await _start(request)
     texts = _texts(body.get("input"), "input")
     fmt = B.string(body, "encoding_format", "float")
     if fmt not in ("float", "base64"):
@@ -150,10 +156,7 @@ async def embeddings(request: web.Request, tokens: list[int]) -> web.Response:
 
 @_reported("rerank")
 async def rerank(request: web.Request, tokens: list[int]) -> web.Response:
-    body = await B.read_json(request)
-    e = _embedder(request)
-    B.model_name(body)
-    _refuse_unsupported(body)
+    body, e = await _start(request)
     query = body.get("query")
     if not isinstance(query, str) or not query:
         raise bad("'query' must be a non-empty string", "query")

@@ -77,6 +77,8 @@ def test_embeddings_and_rerank_through_the_server(smollm2_path, minilm_path, tmp
             "truncate_prompt_tokens": {"model": "m", "input": "x", "truncate_prompt_tokens": 8},
             "normalize": {"model": "m", "input": "x", "normalize": False},
         }.items()}
+        rerank_errors = [_post(srv.url, "/v1/rerank", {"model": "m", "query": "q", "documents": d})
+                         for d in ("a single string", [{"title": "no text"}], [])]
         chat = _post(srv.url, "/v1/chat/completions", {"model": "m", "max_tokens": 4,
                                                        "messages": [{"role": "user", "content": "hi"}]})
         deadline = time.monotonic() + 10  # API servers report to the engine's metrics asynchronously
@@ -84,7 +86,7 @@ def test_embeddings_and_rerank_through_the_server(smollm2_path, minilm_path, tmp
             with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as m:
                 metrics = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in m.read().decode().splitlines()
                            if ln.startswith("imp_endpoint_requests_total{")}
-            if metrics.get('imp_endpoint_requests_total{endpoint="rerank"}') == 2 or time.monotonic() > deadline:
+            if metrics.get('imp_endpoint_requests_total{endpoint="rerank"}') == 5 or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
     assert listed["all-MiniLM-L6-v2"].model_extra["task"] == "embedding" and len(listed) == 2
@@ -101,9 +103,11 @@ def test_embeddings_and_rerank_through_the_server(smollm2_path, minilm_path, tmp
     assert errors["dimensions"][1]["error"]["param"] == "dimensions"
     assert errors["input[1]"][1]["error"]["param"] == "input[1]"
     assert errors["long"][1]["error"]["code"] == "input_too_long"
+    assert [(st, b["error"]["param"]) for st, b in rerank_errors] == [(400, "documents"), (400, "documents[0]"),
+                                                                      (400, "documents")]
     assert chat[0] == 200  # the chat model serves beside it
     assert metrics['imp_endpoint_requests_total{endpoint="embeddings"}'] == 2 + len(errors)  # refusals counted
-    assert metrics['imp_endpoint_requests_total{endpoint="rerank"}'] == 2
+    assert metrics['imp_endpoint_requests_total{endpoint="rerank"}'] == 2 + len(rerank_errors)
 
 
 def test_without_an_embedding_model_the_routes_say_how_to_load_one(smollm2_path, tmp_path):

@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from imp.actors.base import Bus
 from imp.actors.metrics import MetricsActor
+import imp.actors.otlp as otlp_actor
 from imp.actors.otlp import OtlpActor, OtlpConfig
 from imp.actors.request_log import mint_ids, parse_traceparent, timeline
 from imp.log.eventlog import EventLog
@@ -259,8 +260,16 @@ async def test_unsampled_exports_nothing_and_refusals_are_not_traced(receiver, t
     assert len(lines["quiet"]["span_id"]) == 16 and lines["refused"]["status"] == 429
 
 
-async def test_unreachable_collector_one_warning_counted_never_blocking(caplog, bad_endpoint):
+async def test_unreachable_collector_one_warning_counted_never_blocking(caplog, bad_endpoint, monkeypatch):
     kind, endpoint = bad_endpoint
+    exporting_threads = set()
+    real_export = otlp_actor.CountingExporter.export
+
+    def export(self, spans):  # records where the network is touched
+        exporting_threads.add(threading.get_ident())
+        return real_export(self, spans)
+
+    monkeypatch.setattr(otlp_actor.CountingExporter, "export", export)
     actor, metrics = make(endpoint, timeout_s=0.5)
     caplog.set_level(logging.INFO)
     handling = []
@@ -282,8 +291,12 @@ async def test_unreachable_collector_one_warning_counted_never_blocking(caplog, 
     # handling a message is building four spans and a deque append: no network on the loop
     print(f"\nhandling one RequestStats, collector {kind}: median "
           f"{statistics.median(handling) * 1e6:.0f} us, max {max(handling) * 1e3:.2f} ms")
-    # (a blocking export would cost a request the 0.5 s timeout)
-    assert statistics.median(handling) < 0.002 and max(handling) < 0.1, (statistics.median(handling), max(handling))
+    # the exports ran, and never on the loop's thread
+    assert exporting_threads and threading.get_ident() not in exporting_threads
+    # A blocking export would cost a request the 0.5 s timeout (retries included). The max
+    # bound sits below that, not at a tight figure: the batch thread encoding 200 spans holds
+    # the GIL, and on a loaded 2-core CI machine one handling once measured 115 ms.
+    assert statistics.median(handling) < 0.002 and max(handling) < 0.4, (statistics.median(handling), max(handling))
     assert stop_s < 6.0
 
 

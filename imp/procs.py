@@ -84,7 +84,7 @@ def _run(coro) -> None:
 
 def engine_main(argv: list[str]) -> int:
     """`python -m imp _engine ...`: load the model, run the actors, serve the API servers."""
-    from imp.server import load_engine, open_responses_store, setup_logging
+    from imp.server import load_engine, open_responses_store, setup_logging, settle_after_boot
     from imp.store.sqlite import StoreOpenError
 
     cfg, args = _child_args(argv)
@@ -96,6 +96,7 @@ def engine_main(argv: list[str]) -> int:
         _progress(f"cannot start: {exc}")
         return 2
     engine, _text = load_engine(cfg, store, render=False)
+    settle_after_boot()
     _run(_engine(cfg, engine, args["endpoint"], int(args["ready"])))
     return 0
 
@@ -134,7 +135,7 @@ async def _engine(cfg: ServerConfig, engine, endpoint: str, ready_fd: int) -> No
 def api_main(argv: list[str]) -> int:
     """`python -m imp _api ...`: one HTTP front end on the shared socket."""
     from imp.http.access import load_api_keys
-    from imp.server import load_embedder, load_text, setup_logging
+    from imp.server import load_embedder, load_text, setup_logging, settle_after_boot
 
     cfg, args = _child_args(argv)
     setup_logging(cfg)
@@ -142,6 +143,7 @@ def api_main(argv: list[str]) -> int:
     api_keys = load_api_keys(cfg.api_key, cfg.api_key_file)
     text, grammars = load_text(cfg)
     embedder = load_embedder(cfg)
+    settle_after_boot()
     sock = socket.socket(fileno=int(args["sock"]))
     _run(_api(cfg, text, grammars, api_keys, args["endpoint"], int(args["index"]), sock, int(args["ready"]),
               embedder))

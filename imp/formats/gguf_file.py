@@ -3,8 +3,9 @@ as numpy views of one memory map.
 
 Why not `gguf.GGUFReader`: it builds a numpy view per element of every array
 field, which takes ~5 s for SmolLM2's 49k-token vocabulary and ~20 s for
-Gemma's 262k on this box. Here string arrays are decoded in a loop over
-one mmap and numeric arrays are a single `np.frombuffer`: ~0.3 s for Gemma.
+Gemma's 262k on this box. Here string arrays are read in a loop over one
+mmap and numeric arrays are a single `np.frombuffer`: ~0.3 s for Gemma; long
+ones stay packed (PACK_FROM), so the metadata a runner keeps is ~5 MB, not ~40.
 
 Layout (GGUF v2/v3, little-endian):
     magic "GGUF" | version u32 | n_tensors u64 | n_kv u64
@@ -24,9 +25,15 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from imp.formats.packed import PackedStr
+
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 STRING, ARRAY = 8, 9
+# Arrays this long (vocabularies, merges, scores) are kept compact: a string array as a
+# PackedStr, a numeric one as a read-only numpy array. Shorter ones (per-layer values,
+# tags) stay lists, which is what the code reading them expects.
+PACK_FROM = 1024
 
 
 @dataclass(frozen=True)
@@ -59,17 +66,34 @@ class _Cursor:
         self.pos += n
         return self.buf[self.pos - n : self.pos].decode("utf-8", "replace")
 
+    def strings(self, n: int) -> PackedStr:
+        """n length-prefixed strings as one blob (the bytes between the prefixes, joined)."""
+        buf, pos = self.buf, self.pos
+        starts, lens = np.empty(n, np.int64), np.empty(n, np.int64)
+        for j in range(n):
+            (k,) = struct.unpack_from("<Q", buf, pos)
+            starts[j], lens[j] = pos + 8, k
+            pos += 8 + k
+        self.pos = pos
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        return PackedStr(b"".join([buf[a : a + k] for a, k in zip(starts.tolist(), lens.tolist())]), offsets)
+
     def value(self, t: int) -> Any:
         if t == STRING:
             return self.string()
         if t == ARRAY:
             et, n = self.unpack("<IQ")
+            if et == STRING and n >= PACK_FROM:
+                return self.strings(n)
             if et in (STRING, ARRAY):
                 return [self.value(et) for _ in range(n)]
             a = np.frombuffer(self.buf, dtype=_DTYPES[et], count=n, offset=self.pos)
             self.pos += a.nbytes
-            out = a.tolist()
+            out = a.tolist() if n < PACK_FROM else a.copy()  # a copy: the mmap closes after the parse
             del a  # drop the view, or the mmap cannot close
+            if isinstance(out, np.ndarray):
+                out.flags.writeable = False
             return out
         return self.unpack(_SCALARS[t])[0]
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from imp.formats.packed import PackedBytes
 from imp.text.tokenizer import CONTROL, EOG_TEXTS, NORMAL, USER_DEFINED, Tokenizer, bytes_to_unicode
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -84,7 +85,7 @@ class HFTokenizer(Tokenizer):
                 pieces.append(bytes([int(m[1], 16)]))
             else:
                 pieces.append(t.replace("\u2581", " ").encode("utf-8"))
-        self._piece_bytes = pieces
+        self._piece_bytes = PackedBytes.of(pieces)
         self.add_space_prefix = _strips_leading_space(spec.get("decoder"))
 
         def tid(text):

@@ -32,9 +32,11 @@ import codecs
 import re
 from typing import Iterable, Sequence
 
+import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer as _HFTokenizer
 from tokenizers import models, pre_tokenizers
 
+from imp.formats.packed import PackedBytes
 from imp.text.spm import SpmEngine
 
 # llama.cpp token types (tokenizer.ggml.token_type)
@@ -130,12 +132,14 @@ class Tokenizer:
 
     def __init__(self, meta: dict):
         kind = meta.get("tokenizer.ggml.model", "gpt2")
-        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        kept: Sequence[str] = meta["tokenizer.ggml.tokens"]  # a PackedStr for a real vocabulary: kept
+        tokens = list(kept)  # the builders walk it several times: decoded once, dropped after __init__
         n = len(tokens)
-        types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * n)
+        types = meta.get("tokenizer.ggml.token_type")
+        types = np.full(n, NORMAL, np.int32) if types is None or len(types) == 0 else np.asarray(types, np.int32)
         self.kind = kind
         self.vocab_size = n
-        self._tokens = tokens
+        self._tokens = kept
         self._types = types
 
         def tid(key):
@@ -156,7 +160,8 @@ class Tokenizer:
                                                 ignore_merges)
         elif kind == "llama":
             add_bos_default = True
-            scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * n)
+            scores = meta.get("tokenizer.ggml.scores")
+            scores = np.zeros(n) if scores is None or len(scores) == 0 else np.asarray(scores, np.float64)
             spm, self._piece_bytes = _sentencepiece(tokens, types, scores, self.add_space_prefix,
                                                     tid("unknown_token_id"))
         else:
@@ -166,14 +171,15 @@ class Tokenizer:
 
         # Special = CONTROL; user-defined tokens are always matched whole
         # (llama.cpp does so even when specials are not parsed).
-        self._special = frozenset(i for i, t in enumerate(types) if t == CONTROL)
+        self._special = frozenset(np.flatnonzero(types == CONTROL).tolist())
         # One engine, special-token spellings kept as text; trusted text is cut at them first
         # (`split_special`, as HF's added-token matcher does: leftmost-longest, every piece
         # normalized on its own, and the specials made here have no strip flags). A second engine
         # for trusted text, serialized to JSON and parsed back, was 1.4 s and ~100 MB of Gemma 3's load.
         if kind == "gpt2":
             hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in sorted(self._special)])
-            user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == USER_DEFINED]
+            user = [AddedToken(tokens[i], special=False, normalized=False)
+                    for i in np.flatnonzero(types == USER_DEFINED).tolist()]
             if user:
                 hf.add_tokens(user)
         self._set_engines(None, tokens, literal=hf if kind == "gpt2" else spm)
@@ -292,8 +298,8 @@ class Tokenizer:
         return i in self._special
 
     def decode_bytes(self, ids: Sequence[int], skip_special: bool = True, at_start: bool = True) -> bytes:
-        pb, n, sp = self._piece_bytes, self.vocab_size, self._special
-        out = b"".join(pb[i] for i in ids if 0 <= i < n and not (skip_special and i in sp))
+        n, sp = self.vocab_size, self._special
+        out = self._piece_bytes.join([i for i in ids if 0 <= i < n and not (skip_special and i in sp)])
         # SentencePiece with a prefix space: the leading "▁" the encoder added
         # is not part of the text (llama.cpp drops it too).
         if at_start and self.add_space_prefix and out.startswith(b" "):
@@ -351,12 +357,12 @@ def _byte_level(tokens, types, merges, regexes, ignore_merges):
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     piece_bytes = []
-    for t, ty in zip(tokens, types):
+    for t, ty in zip(tokens, types.tolist()):
         if ty in (CONTROL, USER_DEFINED) or not all(c in u2b for c in t):
             piece_bytes.append(t.encode("utf-8"))  # raw text, as llama.cpp prints it
         else:
             piece_bytes.append(bytes(u2b[c] for c in t))
-    return hf, piece_bytes
+    return hf, PackedBytes.of(piece_bytes)
 
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -364,12 +370,13 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 def _sentencepiece(tokens, types, scores, add_space_prefix, unk_id):
     # llama.cpp merges the pair whose concatenation is the best-scored token (imp/text/spm.py)
-    mergeable = {i for i, t in enumerate(tokens) if len(t) > 1 and types[i] in (NORMAL, USER_DEFINED)}
+    ty_list = types.tolist()
+    mergeable = {i for i, t in enumerate(tokens) if len(t) > 1 and ty_list[i] in (NORMAL, USER_DEFINED)}
     engine = SpmEngine(tokens, scores, add_space_prefix, unk_id, mergeable,
-                       [i for i, t in enumerate(types) if t == USER_DEFINED])
+                       np.flatnonzero(types == USER_DEFINED).tolist())
 
     piece_bytes = []
-    for t, ty in zip(tokens, types):
+    for t, ty in zip(tokens, ty_list):
         m = _BYTE_TOKEN.fullmatch(t) if ty == BYTE else None
         if m:
             piece_bytes.append(bytes([int(m.group(1), 16)]))
@@ -377,4 +384,4 @@ def _sentencepiece(tokens, types, scores, add_space_prefix, unk_id):
             piece_bytes.append(t.encode("utf-8"))
         else:
             piece_bytes.append(t.replace("\u2581", " ").encode("utf-8"))
-    return engine, piece_bytes
+    return engine, PackedBytes.of(piece_bytes)

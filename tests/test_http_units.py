@@ -74,6 +74,12 @@ def test_fim_tokens_from_metadata_or_vocabulary():
     assert fim_tokens(meta, vocab) == FimTokens(3, 4, 5)
     vocab[7], vocab[8], vocab[9], vocab[10] = "<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<file_sep>"
     assert fim_tokens({}, vocab) == FimTokens(7, 8, 9, None, 10)
+    # a GGUF's vocabulary is packed: found in its blob, the first of duplicates, never a part of one
+    from imp.formats.packed import PackedStr
+
+    vocab[20], vocab[30] = "<fim_prefix>", "x<file_sep>"
+    assert fim_tokens({}, PackedStr.of_str(vocab)) == fim_tokens({}, vocab) == FimTokens(7, 8, 9, None, 10)
+    assert fim_tokens({}, PackedStr.of_str(vocab[:9])) is None
 
 
 def test_fim_prompt_layout_like_llama_cpp():

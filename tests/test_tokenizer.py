@@ -94,6 +94,18 @@ def test_metadata_flags(tok):
     assert tok.encode("hi", add_special=True) == tok.encode("hi")
 
 
+def test_packed_tables_answer_as_the_lists_did(tok, meta):
+    """The vocabulary and decode table are packed (imp/formats/packed.py): every entry, the
+    longest piece and a long decode equal what per-id lists gave."""
+    texts = meta["tokenizer.ggml.tokens"]
+    assert len(texts) == tok.vocab_size and tok.vocabulary()[1] == "<|im_start|>"
+    assert [tok.id_to_piece(i) for i in range(0, tok.vocab_size, 97)] == list(texts)[::97]
+    pieces = [tok.piece_bytes(i) for i in range(tok.vocab_size)]
+    assert tok.longest_piece() == max(len(p) for i, p in enumerate(pieces) if not tok.is_special(i))
+    ids = list(range(tok.vocab_size))[::7] * 2
+    assert tok.decode_bytes(ids, skip_special=False, at_start=False) == b"".join(pieces[i] for i in ids)
+
+
 def test_digits_split_individually(tok):
     for s in ["12345", " 2024", "x١٢٣"]:
         pieces = [tok.decode([i]) for i in tok.encode(s)]

@@ -16,7 +16,10 @@ chunks separated by a snippet marker.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from imp.formats.packed import PackedStr
 
 # (pre, suf, mid) spellings, as llama.cpp's vocab loader looks for them
 _SPELLINGS = [
@@ -53,21 +56,36 @@ def fim_tokens(meta: dict, tokens: list[str]) -> FimTokens | None:
 
     pre, suf, mid = key("fim_pre_token_id", "prefix_token_id"), key("fim_suf_token_id", "suffix_token_id"), \
         key("fim_mid_token_id", "middle_token_id")
-    index = None
+    find = _finder(tokens)
     if None in (pre, suf, mid):
-        index = {t: i for i, t in enumerate(tokens)}
-        for p, s, m in _SPELLINGS:
-            if p in index and s in index and m in index:
-                pre, suf, mid = index[p], index[s], index[m]
+        for spelling in _SPELLINGS:
+            ids = [find(t) for t in spelling]
+            if None not in ids:
+                pre, suf, mid = ids
                 break
         else:
             return None
     rep, sep = key("fim_rep_token_id"), key("fim_sep_token_id")
-    if rep is None or sep is None:
-        index = index or {t: i for i, t in enumerate(tokens)}
-        rep = rep if rep is not None else next((index[t] for t in _REP if t in index), None)
-        sep = sep if sep is not None else next((index[t] for t in _SEP if t in index), None)
+    if rep is None:
+        rep = next((i for i in map(find, _REP) if i is not None), None)
+    if sep is None:
+        sep = next((i for i in map(find, _SEP) if i is not None), None)
     return FimTokens(pre, suf, mid, rep, sep)
+
+
+def _finder(tokens: Sequence[str]) -> Callable[[str], int | None]:
+    """text -> its first id, or None: a search of a PackedStr's blob, a dict over a list (built
+    once, only if asked)."""
+    if isinstance(tokens, PackedStr):
+        return lambda t: (lambda i: None if i < 0 else i)(tokens.index_of(t.encode("utf-8")))
+    index: dict[str, int] = {}
+
+    def find(t: str) -> int | None:
+        if not index:
+            index.update((s, i) for i, s in reversed(list(enumerate(tokens))))  # the first id wins
+        return index.get(t)
+
+    return find
 
 
 def build_infill(tok, fim: FimTokens, prefix: str, suffix: str, prompt: str = "",

@@ -47,16 +47,14 @@ class TextModel:
 
     @classmethod
     def build(cls, tokenizer, template: ChatTemplate, metadata: dict[str, Any]) -> "TextModel":
-        vocab = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
         return cls(
             tokenizer=tokenizer,
             template=template,
             defaults=SamplingDefaults.from_metadata(metadata),
-            fim=fim_tokens(metadata, vocab),
+            fim=fim_tokens(metadata, tokenizer.vocabulary()),
             # "\n\n" after the tag is how chat templates lay out the answer
             think_end=tuple(tokenizer.encode("</think>\n\n", parse_special=True)),
-            max_token_bytes=max(1, max((len(tokenizer.piece_bytes(i)) for i in range(tokenizer.vocab_size)
-                                        if not tokenizer.is_special(i)), default=1)),
+            max_token_bytes=tokenizer.longest_piece(),
         )
 
     @property

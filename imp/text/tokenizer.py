@@ -294,6 +294,18 @@ class Tokenizer:
         """The vocabulary entry as the GGUF spells it."""
         return self._tokens[i]
 
+    def vocabulary(self) -> Sequence[str]:
+        """Every entry as the GGUF spells it, id order (a PackedStr for a GGUF: `in` and
+        `index` search its blob)."""
+        return self._tokens
+
+    def longest_piece(self) -> int:
+        """The most bytes one non-special token decodes to (at least 1)."""
+        lens = np.diff(self._piece_bytes.offsets)
+        if self._special:
+            lens[np.fromiter(self._special, dtype=np.int64)] = 0
+        return max(1, int(lens.max(initial=0)))
+
     def is_special(self, i: int) -> bool:
         return i in self._special
 

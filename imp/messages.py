@@ -108,6 +108,9 @@ class SamplingParams(Struct):
     # the LoRA adapter the sequence runs with (its id from POST /admin/lora/load; 0 = the base
     # model). Carried with the params: the executor keeps them per sequence already.
     lora: int = 0
+    # /v1/score: the logprobs of these ids at each sampled position, in this order, in place of
+    # the top-k (SampledToken.top); asked with logprobs >= 0, so the host sampler answers
+    score_ids: tuple[int, ...] = ()
 
     # The sampling policy, decided here once: every runner, sampler and the
     # scheduler ask these instead of re-testing the fields.
@@ -142,8 +145,8 @@ class SamplingParams(Struct):
 
     @property
     def host_sampled(self) -> bool:
-        """Needs the CPU sampler even on a GPU (logprobs, typical_p)."""
-        return self.logprobs >= 0 or (self.typical_p < 1.0 and not self.greedy)
+        """Needs the CPU sampler even on a GPU (logprobs, typical_p, score_ids)."""
+        return self.logprobs >= 0 or (self.typical_p < 1.0 and not self.greedy) or bool(self.score_ids)
 
 
 class PromptLogprob(Struct):

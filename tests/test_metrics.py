@@ -76,7 +76,7 @@ def test_every_series_exists_at_zero_before_traffic():
     for h in HISTOGRAMS:
         assert s[(h + "_count", ())] == 0 and (h + "_bucket", (("le", "+Inf"),)) in s, h
     assert set(ENDPOINTS) == {"chat_completions", "completions", "messages", "infill", "responses", "embeddings",
-                              "rerank"}
+                              "rerank", "score"}
     for ep in ENDPOINTS:
         assert s[("imp_endpoint_requests_total", (("endpoint", ep),))] == 0, ep
         for h in ENDPOINT_HISTOGRAMS:

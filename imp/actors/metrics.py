@@ -21,9 +21,9 @@ from imp.actors.base import Actor, Bus
 from imp.actors.request_log import timeline
 from imp.messages import Fault, Figures, KvFigures, MemoryState, Msg, QueueFigures, RequestStats, StepStats
 
-# the generation routes (a series per route, at zero before traffic); embeddings / rerank
-# join when those routes exist
-ENDPOINTS = ("chat_completions", "completions", "messages", "infill", "responses", "embeddings", "rerank")
+# the generation routes (a series per route, at zero before traffic), embeddings / rerank,
+# and /v1/score's items (each one engine request)
+ENDPOINTS = ("chat_completions", "completions", "messages", "infill", "responses", "embeddings", "rerank", "score")
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 

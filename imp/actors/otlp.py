@@ -47,6 +47,7 @@ ENDPOINT_PATHS = {
     "responses": "/v1/responses",
     "embeddings": "/v1/embeddings",
     "rerank": "/v1/rerank",
+    "score": "/v1/score",
 }
 _SCOPE = InstrumentationScope("imp.server")
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)

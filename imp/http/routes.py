@@ -1,7 +1,7 @@
 """The routes table: one line per endpoint, one module per dialect."""
 
 from imp.http import (anthropic, capacity, control, embeddings, llama_cpp, lora, openai_chat, openai_completions,
-                      probes, responses)
+                      probes, responses, score)
 from imp.http import ui
 
 ROUTES = [
@@ -11,6 +11,7 @@ ROUTES = [
     ("POST", "/v1/embeddings", embeddings.embeddings),
     ("POST", "/v1/rerank", embeddings.rerank),
     ("POST", "/rerank", embeddings.rerank),
+    ("POST", "/v1/score", score.score),
     ("POST", "/tokenize", llama_cpp.tokenize),
     ("POST", "/detokenize", llama_cpp.detokenize),
     ("GET", "/props", llama_cpp.props),

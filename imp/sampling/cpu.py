@@ -181,7 +181,9 @@ def sample_one(logits, work: SeqWork, own: bool = False) -> SampledToken:
         return SampledToken(seq_id=work.seq_id, token_id=token)
     logp = np.maximum(np.nan_to_num(log_softmax(x), nan=LOGPROB_FLOOR), _F(LOGPROB_FLOOR))
     top: tuple[tuple[int, float], ...] = ()
-    if p.logprobs > 0:
+    if p.score_ids:  # the caller's candidates, in its order (/v1/score)
+        top = tuple((i, float(logp[i])) for i in p.score_ids)
+    elif p.logprobs > 0:
         vals, ids = topk(logp, p.logprobs)
         top = tuple(zip(ids.tolist(), vals.tolist()))
     return SampledToken(seq_id=work.seq_id, token_id=token, logprob=float(logp[token]), top=top)

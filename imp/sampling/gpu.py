@@ -44,14 +44,15 @@ def sample_rows(logits: torch.Tensor, seqs: list[SeqWork], use_numba: bool = Tru
     if all(s.params.plain_greedy for s in seqs):
         ids = torch.argmax(logits, dim=-1).tolist()
         return [SampledToken(seq_id=s.seq_id, token_id=t) for s, t in zip(seqs, ids)]
-    cpu = [i for i, s in enumerate(seqs) if s.params.typical_p < 1.0 and not s.params.greedy]
+    cpu = [i for i, s in enumerate(seqs)
+           if (s.params.typical_p < 1.0 and not s.params.greedy) or s.params.score_ids]  # score: the CPU sampler's
     dev = [i for i in range(len(seqs)) if i not in set(cpu)]
     out: dict[int, SampledToken] = {}
     if dev:
         sel = logits if len(dev) == len(seqs) else logits.index_select(0, to_device(dev, torch.int64, logits.device))
         for i, t in zip(dev, sample(sel, [seqs[i] for i in dev], use_numba)):
             out[i] = t
-    for i in cpu:  # typical_p: the CPU sampler, row by row
+    for i in cpu:  # typical_p, score_ids: the CPU sampler, row by row
         out[i] = sample_one(logits[i].float().cpu(), seqs[i])
     return [out[i] for i in range(len(seqs))]
 

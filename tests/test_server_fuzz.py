@@ -76,6 +76,14 @@ OTHER = {
                   "with_pieces": field(st.booleans())},
     "/detokenize": {"tokens": field(st.lists(st.integers(-2, 49200), max_size=10))},
     "/infill": dict(SAMPLING, input_prefix=field(st.text(max_size=10)), input_suffix=field(st.text(max_size=10))),
+    "/v1/score": {
+        "query": field(st.one_of(st.text(max_size=12), st.lists(st.integers(-2, 49200), max_size=6))),
+        "items": field(st.one_of(st.text(max_size=8), st.lists(st.text(max_size=8), max_size=3),
+                                 st.lists(st.lists(st.integers(-2, 49200), max_size=4), max_size=3))),
+        "label_token_ids": field(st.lists(st.integers(-2, 49200), max_size=4)),
+        "apply_softmax": field(st.booleans()),
+        "item_first": field(st.booleans()),
+    },
 }
 
 
@@ -92,6 +100,7 @@ REQUESTS = st.one_of(
     st.tuples(st.just("/tokenize"), body(OTHER["/tokenize"], "content")),
     st.tuples(st.just("/detokenize"), body(OTHER["/detokenize"], "tokens")),
     st.tuples(st.just("/infill"), body(OTHER["/infill"])),  # SmolLM2 has no FIM tokens: 400 by design
+    st.tuples(st.just("/v1/score"), body(OTHER["/v1/score"], "query", "items", "label_token_ids")),
 )
 
 
@@ -107,7 +116,7 @@ def test_fuzz_request_schema_no_5xx(imp_server):
     @given(REQUESTS)
     def one(req):
         path, b = req
-        if path.startswith("/v1/") and "max_tokens" not in b:
+        if path.startswith("/v1/") and path != "/v1/score" and "max_tokens" not in b:
             b["max_tokens"] = 2  # the default (rest of the context) would take minutes
         data = json.dumps(b).encode()
         r = urllib.request.Request(imp_server.url + path, data=data, method="POST",

@@ -107,3 +107,20 @@ def test_score_through_the_server_equals_the_next_token_distribution(smollm2_pat
         assert st == 400 and e["error"]["code"] == "context_length_exceeded"
         st, h = call(srv.url, "/health")
         assert st == 200 and h["kv_blocks_used"] == 0 and h["kv_blocks_reserved"] == 0, h
+
+
+def test_the_gpu_sampler_sends_score_rows_to_the_host_sampler():
+    """On a GPU a score row goes to the CPU sampler with the typical_p rows (imp.sampling.gpu.
+    sample_rows); its routing is device-independent, so CPU tensors check it here."""
+    torch = pytest.importorskip("torch")
+    from imp.sampling import gpu
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    ps = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, logprobs=0, score_ids=(4, 9)),
+          SamplingParams(max_tokens=1, logprobs=2)]
+    out = gpu.sample_rows(logits, [SeqWork(f"s{i}", (1,), 0, (0,), True, p) for i, p in enumerate(ps)],
+                          use_numba=False)
+    want = torch.log_softmax(logits[1].double(), -1)[[4, 9]].tolist()
+    assert [i for i, _ in out[1].top] == [4, 9] and np.allclose([v for _, v in out[1].top], want, atol=1e-5)
+    assert out[0].top == () and len(out[2].top) == 2  # the other rows as before
+    assert [t.token_id for t in out] == torch.argmax(logits, -1).tolist()

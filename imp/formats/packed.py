@@ -53,7 +53,7 @@ class PackedBytes(Sequence[bytes]):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        return self.raw(i)
+        return self._item(self.raw(i))
 
     def join(self, ids: Sequence[int]) -> bytes:
         """b"".join(self[i] for i in ids), gathered in one numpy pass when there are many
@@ -80,6 +80,7 @@ class PackedBytes(Sequence[bytes]):
             yield self._item(blob[a:b])
 
     def _item(self, b: bytes):
+        """An item as this sequence hands it out (bytes here, str in PackedStr)."""
         return b
 
     def __contains__(self, item) -> bool:
@@ -128,11 +129,6 @@ class PackedStr(PackedBytes):
 
     def _item(self, b: bytes) -> str:
         return b.decode("utf-8", "replace")
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        return self.raw(i).decode("utf-8", "replace")
 
     def __contains__(self, item) -> bool:
         return isinstance(item, str) and self.index_of(item.encode("utf-8")) >= 0

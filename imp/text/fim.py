@@ -44,7 +44,7 @@ class FimTokens:
     sep: int | None = None
 
 
-def fim_tokens(meta: dict, tokens: list[str]) -> FimTokens | None:
+def fim_tokens(meta: dict, tokens: Sequence[str]) -> FimTokens | None:
     n = len(tokens)
 
     def key(*names):
@@ -77,7 +77,11 @@ def _finder(tokens: Sequence[str]) -> Callable[[str], int | None]:
     """text -> its first id, or None: a search of a PackedStr's blob, a dict over a list (built
     once, only if asked)."""
     if isinstance(tokens, PackedStr):
-        return lambda t: (lambda i: None if i < 0 else i)(tokens.index_of(t.encode("utf-8")))
+        def search(t: str) -> int | None:
+            i = tokens.index_of(t.encode("utf-8"))
+            return i if i >= 0 else None
+
+        return search
     index: dict[str, int] = {}
 
     def find(t: str) -> int | None:

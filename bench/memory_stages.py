@@ -41,6 +41,7 @@ def main() -> None:
 
     mark("numpy, numba imported")
     import imp.server as S
+    from imp.settle import settle_after_boot
     from imp.constrain.compile import GrammarCache
     from imp.constrain.vocab import from_tokenizer
     from imp.fetch import resolve_model
@@ -57,8 +58,8 @@ def main() -> None:
     mark("warm-up prefill (the weights' pages)")
     grammars = GrammarCache(from_tokenizer(tok, int(r.config.vocab_size)))
     mark("llguidance's vocabulary")
-    S.settle_after_boot()
-    mark("settle_after_boot (collect, freeze, malloc_trim)")
+    freed = settle_after_boot()
+    mark(f"settle_after_boot (collect, freeze, malloc_trim, {freed // 1024} MB of LLVM's pages)")
     print(f"model: {path}\n")
     print("| stage | s | RSS MB | anonymous | file-backed |\n|---|---|---|---|---|")
     for stage, t, (total, anon, file) in rows:

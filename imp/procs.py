@@ -84,7 +84,8 @@ def _run(coro) -> None:
 
 def engine_main(argv: list[str]) -> int:
     """`python -m imp _engine ...`: load the model, run the actors, serve the API servers."""
-    from imp.server import load_engine, open_responses_store, setup_logging, settle_after_boot
+    from imp.server import load_engine, open_responses_store, setup_logging
+    from imp.settle import settle_after_boot
     from imp.store.sqlite import StoreOpenError
 
     cfg, args = _child_args(argv)
@@ -135,7 +136,8 @@ async def _engine(cfg: ServerConfig, engine, endpoint: str, ready_fd: int) -> No
 def api_main(argv: list[str]) -> int:
     """`python -m imp _api ...`: one HTTP front end on the shared socket."""
     from imp.http.access import load_api_keys
-    from imp.server import load_embedder, load_text, setup_logging, settle_after_boot
+    from imp.server import load_embedder, load_text, setup_logging
+    from imp.settle import settle_after_boot
 
     cfg, args = _child_args(argv)
     setup_logging(cfg)

@@ -15,10 +15,11 @@ from aiohttp import web
 from imp.config import ServerConfig, replica_devices
 from imp.constrain.compile import GrammarCache
 from imp.actors.faults import FaultPlan
-from imp.actors.otlp import OtlpConfig
+from imp.actors.otlp_config import OtlpConfig
 from imp.constrain.vocab import from_tokenizer
 from imp.engine.local import LocalEngine
 from imp.http.app import create_app
+from imp.settle import settle_after_boot
 from imp.text.model import TextModel
 
 log = logging.getLogger("imp")
@@ -63,25 +64,6 @@ def warm_up_prefill(runner, tokens: int = 128) -> float | None:
     if hasattr(runner, "forget"):
         runner.forget(("warm-up",))
     return rate
-
-
-def settle_after_boot() -> None:
-    """Once everything is loaded, before serving:
-    - collect, then freeze what survived (gc.freeze): the vocabulary, templates, grammars and
-      modules are never garbage, and a full collection walking them cost a request hundreds of
-      milliseconds at random;
-    - give the heap the boot freed back to the OS (glibc's malloc_trim; elsewhere a no-op):
-      the tokenizer, grammar vocabulary and warm-up peak at ~100 MB of short-lived objects for
-      Gemma 3, and glibc kept those pages mapped for the server's life (issue 15)."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    gc.freeze()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def model_name(path: Path) -> str:
@@ -220,7 +202,9 @@ async def drain(engine, signals: asyncio.Queue, timeout_s: float) -> int | None:
 
 async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel, api_keys: tuple[str, ...]) -> None:
     app = create_app(engine, text, cfg, grammars=engine.grammars, api_keys=api_keys, embedder=load_embedder(cfg))
-    settle_after_boot()
+    freed = settle_after_boot()
+    if freed:
+        _progress(f"released {freed // 1024} MB of LLVM's code pages (only compiling runs them)")
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     # backlog as the process layout's socket (procs.py): aiohttp's 128 drops the SYNs of a

@@ -22,6 +22,7 @@ RULES: dict[str, set[str]] = {
     "imp.kernels": set(),
     "imp.formats": set(),
     "imp.fetch": set(),
+    "imp.settle": set(),  # boot's last step: what a process gives back before serving
     "imp.text": {"imp.formats"},
     "imp.log": {"imp.messages"},
     "imp.core": {"imp.messages", "imp.log"},

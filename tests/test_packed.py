@@ -71,7 +71,7 @@ def test_join_equals_joining_the_items():
 def test_settle_after_boot_freezes_survivors_and_keeps_running():
     import gc
 
-    from imp.server import settle_after_boot
+    from imp.settle import settle_after_boot
 
     kept = [object() for _ in range(1000)]
     before = gc.get_freeze_count()

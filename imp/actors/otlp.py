@@ -20,8 +20,7 @@ import asyncio
 import logging
 import secrets
 import threading
-from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
@@ -31,13 +30,13 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 
 from imp.actors.base import Actor, Bus
 from imp.actors.metrics import OtlpCounters, refused
+from imp.actors.otlp_config import DEFAULT_SERVICE_NAME, OtlpConfig  # noqa: F401  (OtlpConfig: re-exported)
 from imp.actors.request_log import (RequestLogWriter, Timeline, TraceIds, finish_reasons, log_record, mint_ids,
                                     nonzero_bits, timeline)
 from imp.messages import Msg, RequestStats
 
 log = logging.getLogger("imp.otlp")
 
-DEFAULT_SERVICE_NAME = "imp-server"
 # the span's name is the route the request came in on (RequestStats.endpoint is the metrics label)
 ENDPOINT_PATHS = {
     "chat_completions": "/v1/chat/completions",
@@ -51,42 +50,6 @@ ENDPOINT_PATHS = {
 }
 _SCOPE = InstrumentationScope("imp.server")
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-
-
-@dataclass(frozen=True)
-class OtlpConfig:
-    """Read once at boot (`resolve`), then frozen."""
-
-    endpoint: str = ""  # full OTLP/HTTP traces URL; "" = export nothing
-    service_name: str = DEFAULT_SERVICE_NAME
-    log_requests: str = ""  # JSONL path; "" = no request log
-    timeout_s: float = 10.0  # one export request, retries included
-    schedule_delay_ms: float = 1000.0  # batch period
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.endpoint or self.log_requests)
-
-    @classmethod
-    def resolve(cls, otlp_endpoint: str | None, log_requests: str | None, environ: Mapping[str, str]) -> "OtlpConfig":
-        """--otlp-endpoint, else OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (a full URL), else
-        OTEL_EXPORTER_OTLP_ENDPOINT + /v1/traces (the spec's base-URL form); the service
-        name from OTEL_SERVICE_NAME; the export timeout from OTEL_EXPORTER_OTLP_TRACES_TIMEOUT
-        (seconds, as the Python SDK reads it)."""
-        endpoint = otlp_endpoint or environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "")
-        if not endpoint and environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-            endpoint = environ["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/") + "/v1/traces"
-        endpoint = endpoint.strip()
-        if endpoint and not endpoint.startswith(("http://", "https://")):
-            raise ValueError(f"--otlp-endpoint must be an http(s):// URL of an OTLP/HTTP traces receiver, "
-                             f"got {endpoint!r}")
-        timeout = environ.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT") or environ.get("OTEL_EXPORTER_OTLP_TIMEOUT")
-        try:
-            timeout_s = float(timeout) if timeout else cls.timeout_s
-        except ValueError as exc:
-            raise ValueError(f"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT must be a number of seconds, got {timeout!r}") from exc
-        return cls(endpoint=endpoint, service_name=environ.get("OTEL_SERVICE_NAME", "").strip() or DEFAULT_SERVICE_NAME,
-                   log_requests=log_requests or "", timeout_s=timeout_s)
 
 
 def traced(m: RequestStats) -> bool:

@@ -25,7 +25,6 @@ from imp.actors.detok import DetokActor, merge, mergeable
 from imp.actors.executor import ExecutorActor
 from imp.actors.ingress import IngressActor
 from imp.actors.metrics import MetricsActor
-from imp.actors.otlp import OtlpActor
 from imp.config import ServerConfig
 from imp.constrain.book import ConstraintBook
 from imp.core.replicas import replica_name
@@ -62,7 +61,7 @@ class LocalEngine:
         self.cfg = cfg
         self.grammars = grammars
         self.store_db = store  # an opened imp.store StoreDB, or None (no Responses store)
-        self.otlp_cfg = otlp  # imp.actors.otlp.OtlpConfig (resolved at boot), or None
+        self.otlp_cfg = otlp  # imp.actors.otlp_config.OtlpConfig (resolved at boot), or None
         self.faults = faults  # imp.actors.faults.FaultPlan from IMP_FAULT_INJECT (tests), or None
         # () -> runner per replica: how suspend loads a released model again (None: cannot release)
         self.loaders = list(loaders) if loaders is not None else [None] * len(runners)
@@ -129,6 +128,8 @@ class LocalEngine:
         ]
         self.otlp = None
         if self.otlp_cfg is not None and self.otlp_cfg.enabled:
+            from imp.actors.otlp import OtlpActor  # the OpenTelemetry SDK only when something is exported
+
             self.otlp = OtlpActor(bus, self.otlp_cfg, self.metrics.otlp)
             self.actors.append(self.otlp)
         self.executors = [a.name for a in self.actors if isinstance(a, ExecutorActor)]

@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import codecs
 import re
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
-from tokenizers import AddedToken, Regex, Tokenizer as _HFTokenizer
-from tokenizers import models, pre_tokenizers
 
 from imp.formats.packed import PackedBytes
 from imp.text.spm import SpmEngine
+
+if TYPE_CHECKING:  # HF `tokenizers` is imported where a byte-level BPE is built: a SentencePiece
+    from tokenizers import Tokenizer as _HFTokenizer  # model's server never maps its 6 MB library
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -177,6 +178,8 @@ class Tokenizer:
         # normalized on its own, and the specials made here have no strip flags). A second engine
         # for trusted text, serialized to JSON and parsed back, was 1.4 s and ~100 MB of Gemma 3's load.
         if kind == "gpt2":
+            from tokenizers import AddedToken
+
             hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in sorted(self._special)])
             user = [AddedToken(tokens[i], special=False, normalized=False)
                     for i in np.flatnonzero(types == USER_DEFINED).tolist()]
@@ -204,8 +207,12 @@ class Tokenizer:
         literal one a copy of hf through its JSON unless given); hf None: trusted text is cut at the
         specials here instead (`encode`). And the special-token matcher. Needs self._special."""
         self._hf_special = hf
-        self._hf_literal = literal if literal is not None else _HFTokenizer.from_str(hf.to_str())
-        if isinstance(self._hf_literal, _HFTokenizer):  # SpmEngine never matches specials
+        if literal is None:
+            from tokenizers import Tokenizer as _HFTokenizer
+
+            literal = _HFTokenizer.from_str(hf.to_str())
+        self._hf_literal = literal
+        if not isinstance(literal, SpmEngine):  # SpmEngine never matches specials
             self._hf_literal.encode_special_tokens = True
         specials = sorted({tokens[i] for i in self._special if tokens[i]}, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
@@ -359,6 +366,8 @@ class IncrementalDetokenizer:
 
 
 def _byte_level(tokens, types, merges, regexes, ignore_merges):
+    from tokenizers import Regex, Tokenizer as _HFTokenizer, models, pre_tokenizers
+
     b2u = bytes_to_unicode()
     u2b = {c: b for b, c in b2u.items()}
     vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # first id wins on duplicates

@@ -37,13 +37,15 @@ def main() -> None:
         return t
 
     @njit(nogil=True)
-    def gemv(n, blob, rb, R, K, xq, xd, xs, out):
+    def gemv(n, blob, rb, R, K, xq, xu, xd, xs, out):
         for _ in range(n):
-            qd.gemm_into(blob, 0, qd.Q8_0, rb, R, K, xq, xd, xs, out, 0)
+            qd.gemm_into(blob, 0, qd.Q8_0, rb, R, K, xq, xu, xd, xs, out, 0)
 
     K, rng = a.cols, np.random.default_rng(0)
     rb = qd.row_bytes(qd.Q8_0, K)
     xq, xd, xs = qd.quantize(rng.standard_normal((1, K)).astype(np.float32))
+    xu = np.empty_like(xq)
+    qd.widen_rows(xq, xu)
     print(f"PREFETCH {cpu_rowdot.PREFETCH} bytes\n\n| what | MB | 1 thread GB/s | 2 threads GB/s |\n|---|---|---|---|")
     for R in (1024, a.rows):
         blob = rng.integers(0, 255, R * rb, dtype=np.uint8)
@@ -53,8 +55,8 @@ def main() -> None:
         for th in (1, 2):
             numba.set_num_threads(th)
             n = max(3, int(2e9 / (R * rb)))
-            gemv(2, blob, rb, R, K, xq, xd, xs, out)
-            best = min(_timed(lambda: gemv(n, blob, rb, R, K, xq, xd, xs, out)) / n for _ in range(3))
+            gemv(2, blob, rb, R, K, xq, xu, xd, xs, out)
+            best = min(_timed(lambda: gemv(n, blob, rb, R, K, xq, xu, xd, xs, out)) / n for _ in range(3))
             cells.append(f"{R * rb / best / 1e9:.1f}")
             words = blob[: R * rb // 8 * 8].view(np.uint64)
             stream(words)

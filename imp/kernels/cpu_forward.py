@@ -41,7 +41,7 @@ import numpy as np
 from numba import njit, prange
 
 from imp.kernels.cpu_attn import attention
-from imp.kernels.cpu_qdot import RB, block_dots, quantize_rows
+from imp.kernels.cpu_qdot import RB, acts_for, block_dots, quantize_rows, widen_rows
 from imp.kernels.cpu_simd import exp_span, fdot, store16
 
 NORM, QNORM, KNORM, POST_ATTN, FFN_NORM, POST_FFN, BIAS = range(7)
@@ -134,15 +134,16 @@ def _qkv_post_par(qkv, fv, fo, l, H, Hkv, D, eps, c, s, pos, neox, kc, vc, nbloc
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _gemm_multi(blob, mats, l, m0, m1, xq, xd, xs, out):
+def _gemm_multi(blob, mats, l, m0, m1, xq, xu, xd, xs, out):
     """out[n, :] = concatenation over matrices m0..m1-1 of layer l of W_m x[n] (one prange over
-    blocks of RB rows, a block never straddling two matrices)."""
+    blocks of RB rows, a block never straddling two matrices); x as _quantize gives it, each
+    matrix reading the bytes its type takes (cpu_qdot.acts_for)."""
     N, K = xq.shape
     nb = K // 32
     nblk = 0
     for m in range(m0, m1):
         nblk += (mats[l, m, 1] + RB - 1) // RB
-    xqf, xdf, xsf = xq.reshape(-1), xd.reshape(-1), xs.reshape(-1)
+    xqf, xuf, xdf, xsf = xq.reshape(-1), xu.reshape(-1), xd.reshape(-1), xs.reshape(-1)
     for bi in prange(nblk):
         m, b, col = m0, np.int64(bi), np.int64(0)
         while b >= (mats[l, m, 1] + RB - 1) // RB:  # which matrix, which block of it
@@ -151,7 +152,7 @@ def _gemm_multi(blob, mats, l, m0, m1, xq, xd, xs, out):
             m += 1
         r0 = b * RB
         block_dots(blob, mats[l, m, 3], mats[l, m, 0] + r0 * mats[l, m, 2], mats[l, m, 2],
-                   min(RB, mats[l, m, 1] - r0), nb, N, xqf, xdf, xsf, out, col + r0)
+                   min(RB, mats[l, m, 1] - r0), nb, N, acts_for(mats[l, m, 3], xqf, xuf), xdf, xsf, out, col + r0)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -186,23 +187,27 @@ def _lora_add(inp, out, mats, l, m0, m1, lo, la, lb, lscale, row_slot):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _quantize_par(h, xq, xd, xs):
+def _quantize_par(h, xq, xu, xd, xs):
     N = h.shape[0]
     for n in prange(N):
         quantize_rows(h[n:n + 1], xq[n:n + 1], xd[n:n + 1], xs[n:n + 1])
+        widen_rows(xq[n:n + 1], xu[n:n + 1])
 
 
 @njit(cache=True, nogil=True)
 def _quantize(h):
+    """h [N, K] -> (xq, xu, xd, xs): cpu_qdot.quantize_rows, then widen_rows."""
     N, K = h.shape
     xq = np.empty((N, K), np.int8)
+    xu = np.empty((N, K), np.int8)
     xd = np.empty((N, K // 32), np.float32)
     xs = np.empty((N, K // 32), np.float32)
     if N >= PAR_ROWS:
-        _quantize_par(h, xq, xd, xs)
+        _quantize_par(h, xq, xu, xd, xs)
     else:
         quantize_rows(h, xq, xd, xs)
-    return xq, xd, xs
+        widen_rows(xq, xu)
+    return xq, xu, xd, xs
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -282,8 +287,8 @@ def forward_layers(blob, mats, fv, fo, sliding, x, pos, slots, tables, row_tab,
     a = np.empty((N, dff), np.float32)
     for l in range(L):
         _norm_rows(x, fv, fo[l, NORM], eps, h)
-        xq, xd, xs = _quantize(h)
-        _gemm_multi(blob, mats, l, 0, 3, xq, xd, xs, qkv)
+        xq, xu, xd, xs = _quantize(h)
+        _gemm_multi(blob, mats, l, 0, 3, xq, xu, xd, xs, qkv)
         if lora:
             _lora_add(h, qkv, mats, l, 0, 3, lo, la, lb, lscale, row_slot)
         c, s = (cos_l, sin_l) if sliding[l] else (cos_g, sin_g)
@@ -294,19 +299,19 @@ def forward_layers(blob, mats, fv, fo, sliding, x, pos, slots, tables, row_tab,
                 _qkv_post_row(qkv, fv, fo, l, H, Hkv, D, eps, c, s, pos, neox, kc, vc, nblocks, bs, slots, n)
         attention(qkv, H, Hkv, D, l, kc, vc, nblocks, bs, pos, tables, row_tab,
                    window if sliding[l] else 0, scale, attn)
-        xq, xd, xs = _quantize(attn)
-        _gemm_multi(blob, mats, l, 3, 4, xq, xd, xs, y)
+        xq, xu, xd, xs = _quantize(attn)
+        _gemm_multi(blob, mats, l, 3, 4, xq, xu, xd, xs, y)
         if lora:
             _lora_add(attn, y, mats, l, 3, 4, lo, la, lb, lscale, row_slot)
         _post_norm_add(x, y, fv, fo, l, POST_ATTN, eps)
         _norm_rows(x, fv, fo[l, FFN_NORM], eps, h)
-        xq, xd, xs = _quantize(h)
-        _gemm_multi(blob, mats, l, 4, 6, xq, xd, xs, gu)
+        xq, xu, xd, xs = _quantize(h)
+        _gemm_multi(blob, mats, l, 4, 6, xq, xu, xd, xs, gu)
         if lora:
             _lora_add(h, gu, mats, l, 4, 6, lo, la, lb, lscale, row_slot)
         _act_rows(gu, a, dff, act)
-        xq, xd, xs = _quantize(a)
-        _gemm_multi(blob, mats, l, 6, 7, xq, xd, xs, y)
+        xq, xu, xd, xs = _quantize(a)
+        _gemm_multi(blob, mats, l, 6, 7, xq, xu, xd, xs, y)
         if lora:
             _lora_add(a, y, mats, l, 6, 7, lo, la, lb, lscale, row_slot)
         _post_norm_add(x, y, fv, fo, l, POST_FFN, eps)

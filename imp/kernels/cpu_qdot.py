@@ -22,13 +22,20 @@ Threads: `prange` over output rows (Numba's thread pool, `numba.set_num_threads`
 
 Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32), Q4_K, Q5_K, Q6_K (256).
 `reference_gemm` is the float64 reference the tests compare against.
+
+`gemm` (a whole matrix: the models' output heads) takes Q8_0 to AMX tiles
+(cpu_amx.py) where the CPU and kernel allow: a different, equally batch-invariant
+sum, so a matrix takes one route for every batch on a machine. The layers'
+matrices (`gemm_into`, cpu_forward's `_gemm_multi`) stay on the VNNI loops.
 """
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import njit, prange
 
+from imp.kernels import cpu_amx
 from imp.kernels.cpu_rowdot import UNSIGNED_X, rowdot, rowsdot
 
 QK = 32  # activation block
@@ -343,13 +350,20 @@ def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return xq, xd, xs
 
 
-def gemm(w: np.ndarray, qtype: int, x: np.ndarray) -> np.ndarray:
-    """y [N, R] = W x^T for W the [R, row_bytes] uint8 blocks of a GGUF matrix, x [N, K] fp32."""
+def gemm(w: np.ndarray, qtype: int, x: np.ndarray, amx: bool | None = None) -> np.ndarray:
+    """y [N, R] = W x^T for W the [R, row_bytes] uint8 blocks of a GGUF matrix, x [N, K] fp32.
+    amx: Q8_0 on AMX tiles (default: where cpu_amx.AMX holds; False: the VNNI loop)."""
     assert qtype in SUPPORTED, qtype
     assert w.dtype == np.uint8 and w.ndim == 2 and w.flags.c_contiguous, (w.dtype, w.shape)
     R, K = w.shape[0], x.shape[1]
     assert w.shape[1] == row_bytes(qtype, K), (w.shape, qtype, K)
+    amx = cpu_amx.AMX if amx is None else amx
+    assert not amx or cpu_amx.AMX, "AMX is not available here"
     xq, xd, xs = quantize(x)
+    if amx and qtype == Q8_0:
+        out = np.empty((x.shape[0], R), np.float32)
+        cpu_amx.gemm_q8_0(w.reshape(-1), 0, w.shape[1], R, K, xq, xd, out, 0, numba.get_num_threads())
+        return out
     xu = np.empty_like(xq)
     widen_rows(xq, xu)
     out = np.empty((x.shape[0], R), np.float32)

@@ -4,8 +4,9 @@
 
 One `tdpbssd` multiplies a 16-row x 32-byte tile of weights (A: each row's int8
 quants of block b, loaded straight from the file with the row stride; no repacking)
-by 16 tokens' 32 activations (B: the activations in AMX's VNNI layout, four
-consecutive k of a token in one dword, rearranged once per call) into 16 x 16
+by m tokens' 32 activations (B: the activations in AMX's VNNI layout, four
+consecutive k of a token in one dword, rearranged once per call; m = 2, 4, 8 or 16,
+the narrowest that holds the batch; one token is a B tile as it lies) into 16 x m
 exact int32 block sums (C). Those are stored, converted and scaled per block:
 
     acc[r, t] = fma(float(C[r, t]), d_w[r, b] * xd[t, b], acc[r, t])     b = 0, 1, 2, ...
@@ -15,13 +16,14 @@ with nothing else touching acc[r, t]: the bits of y[n, r] do not depend on N, on
 the tile a token lands in or on the rows beside it (batch invariance), whatever
 vector width the loop compiles to. (They differ from cpu_rowdot's VNNI loop, whose
 lanes sum four products each; a matrix always takes one route on a machine, see
-`gemm_into` in cpu_qdot.)
+`gemm` in cpu_qdot.)
 
 Why: the Gemma 3 and SmolLM2 heads are Q8_0 (262,144 x 640 and 49,152 x 576).
 At a decode batch of 8 the VNNI loop spent 13.5 of a ~35 ms Gemma step in the head,
 compute-bound; a tile does 16 x 16 x 32 multiply-adds in one instruction. Measured
-(2 threads, this box, PERFORMANCE.md): the head 13.3 -> ~6 ms at 8 tokens, 4.6 -> ~4.7
-at one; 2-4 tokens pay the full 16-token tile (~6.5 vs 5-6.4 ms).
+(`bench/cpu_head.py`, 2 threads, PERFORMANCE.md twelfth session): the Gemma head 13.5
+-> 6.7 ms at 8 tokens, 4.8 -> 4.8 at one, 5.1 -> 5.7 at two (a tile costs about the
+same for 2 tokens as for 4).
 
 AMX needs the kernel's permission (Linux `arch_prctl(ARCH_REQ_XCOMP_PERM,
 XTILEDATA)`, asked once per process, here at import) and the CPU's amx-int8;
@@ -44,7 +46,7 @@ from numba.extending import intrinsic
 
 from imp.kernels import cpu_simd  # noqa: F401 - sets the kernels' Numba cache directory first
 
-I8, I16, I64, F32, HALF = ir.IntType(8), ir.IntType(16), ir.IntType(64), ir.FloatType(), ir.HalfType()
+I8, I64, F32, HALF = ir.IntType(8), ir.IntType(64), ir.FloatType(), ir.HalfType()
 QK = 32
 Q8_0_BYTES = 34  # fp16 d, then 32 int8
 TM = 16  # rows and tokens of a tile
@@ -140,18 +142,19 @@ MS = (1, 2, 4, 8, 16)  # token-tile widths: a batch of N takes the narrowest tha
 
 @intrinsic
 def _panel(typingctx, w, base, rbytes, nb, xv, xo, xdt, xdo, c, acc, nxt, nl, m):
-    """One panel (16 rows) x one tile of m tokens (m = 16, or 1: see _config), all nb blocks:
+    """One panel (16 rows) x one tile of m tokens (m in MS, see _config), all nb blocks:
 
-        for b in 0 .. nb-1:  C = A_b . B_b (tiles, exact int32);  acc[r, t] = fma(float(C[r, t]), d_w[r, b] * xd[t, b], acc[r, t])
+        for b in 0 .. nb-1:  C = A_b . B_b (tiles, exact int32)
+                             acc[r, t] = fma(float(C[r, t]), d_w[r, b] * xd[t, b], acc[r, t])
 
-    then acc (float32 [16 * m]) stored. One IR loop, so acc lives in zmm registers across the tile asm (its memory
-    clobber cannot reach an alloca whose address never escapes) and only C goes through memory
-    (AMX has no tile -> vector move). A at w[base + 34 b + 2] (row stride rbytes), B_b at
-    xv[xo + 512 b] (m = 16: VNNI rows of 64 bytes) or xv[xo + 32 b] (m = 1: the token's quants,
-    rows of 4), xd at xdt[xdo + 16 b] (m = 16) or xdt[xdo + b] (m = 1); c holds two sets of four
-    C tiles. Group g + 1's tiles are issued before group g's epilogue (two C sets), and the next
-    panel's nl lines at w[nxt] are prefetched a share a group: the tile loads alone left the
-    weight stream latency-bound (~12 GB/s a thread, with the prefetch ~17)."""
+    then acc (float32 [16 * m], row-major) stored. One IR loop, so acc lives in vector registers
+    across the tile asm (its memory clobber cannot reach an alloca whose address never escapes)
+    and only C goes through memory (AMX has no tile -> vector move). A at w[base + 34 b + 2] (row
+    stride rbytes), B_b at xv[xo + 32 m b] (rows of 4m bytes: vnni_acts's layout, or for m = 1
+    the token's quants as they lie), xd at xdt[xdo + m b]; c holds two sets of four C tiles.
+    Group g + 1's tiles are issued before group g's epilogue, and the next panel's nl lines at
+    w[nxt] are prefetched a share a group: the tile loads alone left the weight stream
+    latency-bound (~12 GB/s a thread; with the prefetch ~17)."""
     mv = m.literal_value if isinstance(m, types.IntegerLiteral) else None
     if mv not in MS:
         return None

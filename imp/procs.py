@@ -136,15 +136,16 @@ async def _engine(cfg: ServerConfig, engine, endpoint: str, ready_fd: int) -> No
 def api_main(argv: list[str]) -> int:
     """`python -m imp _api ...`: one HTTP front end on the shared socket."""
     from imp.http.access import load_api_keys
-    from imp.server import load_embedder, load_text, setup_logging
+    from imp.precompile import boot_warm
+    from imp.server import cpu_boot, load_embedder, load_text, setup_logging
     from imp.settle import settle_after_boot
 
     cfg, args = _child_args(argv)
     setup_logging(cfg)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     api_keys = load_api_keys(cfg.api_key, cfg.api_key_file)
-    text, grammars = load_text(cfg)
-    embedder = load_embedder(cfg)
+    (text, grammars), embedder = boot_warm(lambda: (load_text(cfg), load_embedder(cfg)), cfg, _progress,
+                                           enabled=cpu_boot(cfg), part="text")
     settle_after_boot()
     sock = socket.socket(fileno=int(args["sock"]))
     _run(_api(cfg, text, grammars, api_keys, args["endpoint"], int(args["index"]), sock, int(args["ready"]),

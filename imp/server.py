@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from aiohttp import web
 
@@ -19,6 +20,7 @@ from imp.actors.otlp_config import OtlpConfig
 from imp.constrain.vocab import from_tokenizer
 from imp.engine.local import LocalEngine
 from imp.http.app import create_app
+from imp.precompile import boot_warm
 from imp.settle import settle_after_boot
 from imp.text.model import TextModel
 
@@ -120,12 +122,21 @@ def load_text(cfg: ServerConfig) -> tuple[TextModel, GrammarCache]:
             GrammarCache(from_tokenizer(tokenizer, int(g.config.vocab_size))))
 
 
-def load_engine(cfg: ServerConfig, store=None, render: bool = True) -> tuple[LocalEngine, TextModel]:
-    """Everything that reads the disk or the environment happens here, once. render=False:
-    the engine sends token ids only (API-server processes make the text)."""
+class _Models(NamedTuple):
+    path: Path
+    loaders: list
+    runners: list
+    tokenizer: object
+    name: str
+    text: TextModel
+    boot_rate: float | None
+    grammars: GrammarCache
+
+
+def _load_models(cfg: ServerConfig) -> _Models:
+    """The model's parts: every replica's runner (and its reload call), the text side, the
+    warm-up prefill, the grammar vocabulary; all a boot compiles (imp.precompile)."""
     from imp.fetch import resolve_model
-    from imp.formats.lora import LoraFiles
-    from imp.model.lora import LoraTable
     from imp.model.runner import ModelRunner
 
     if cfg.threads and any(d.startswith("cuda") for d in replica_devices(cfg)):
@@ -177,14 +188,48 @@ def load_engine(cfg: ServerConfig, store=None, render: bool = True) -> tuple[Loc
     t1 = time.monotonic()
     grammars = GrammarCache(from_tokenizer(tokenizer, int(runner.config.vocab_size)))
     _progress(f"grammar engine ready for {tokenizer.vocab_size} tokens in {time.monotonic() - t1:.1f}s")
+    return _Models(path, loaders, runners, tokenizer, name, text, boot_rate, grammars)
+
+
+def cpu_boot(cfg: ServerConfig) -> bool:
+    """A boot whose kernels are all CPU Numba ones (imp.precompile's case)."""
+    return (not any(d.startswith("cuda") for d in replica_devices(cfg))
+            and os.environ.get("IMP_NULL_RUNNER") != "1")
+
+
+def compile_steps(cfg: ServerConfig, text_only: bool = False) -> None:
+    """What `python -m imp _precompile` runs: a boot's steps that compile (the model's parts or,
+    text_only, an API server's text side; the embedder), nothing that writes (no event log, no
+    store)."""
+    if text_only:
+        load_text(cfg)
+    else:
+        _load_models(cfg)
+    load_embedder(cfg)
+
+
+def load_engine(cfg: ServerConfig, store=None, render: bool = True, embedder: bool = False):
+    """Everything that reads the disk or the environment happens here, once. render=False:
+    the engine sends token ids only (API-server processes make the text). embedder: also load
+    the --embedding-model encoder (one process serving both) and return it third."""
+    from imp.formats.lora import LoraFiles
+    from imp.model.lora import LoraTable
+
+    def steps():
+        return _load_models(cfg), (load_embedder(cfg) if embedder else None)
+
+    (path, loaders, runners, tokenizer, name, text, boot_rate, grammars), enc = boot_warm(
+        steps, cfg, _progress, enabled=cpu_boot(cfg))
+
     otlp = OtlpConfig.resolve(cfg.otlp_endpoint, cfg.log_requests, os.environ)  # the environment, read once
     faults = FaultPlan.parse(os.environ.get("IMP_FAULT_INJECT"))
     if faults is not None:
         _progress(f"fault injection armed: {faults.kind} fault at step {faults.at_step} (IMP_FAULT_INJECT)")
-    return (LocalEngine(cfg, runners, tokenizer, name, str(path), grammars=grammars, store=store, otlp=otlp,
-                        faults=faults, loaders=loaders, boot_prefill_tok_s=boot_rate,
-                        lora_files=LoraFiles(cfg.lora_dir), lora_tables=[LoraTable() for _ in loaders],
-                        render=render), text)
+    engine = LocalEngine(cfg, runners, tokenizer, name, str(path), grammars=grammars, store=store, otlp=otlp,
+                         faults=faults, loaders=loaders, boot_prefill_tok_s=boot_rate,
+                         lora_files=LoraFiles(cfg.lora_dir), lora_tables=[LoraTable() for _ in loaders],
+                         render=render)
+    return (engine, text, enc) if embedder else (engine, text)
 
 
 async def drain(engine, signals: asyncio.Queue, timeout_s: float) -> int | None:
@@ -200,8 +245,9 @@ async def drain(engine, signals: asyncio.Queue, timeout_s: float) -> int | None:
     return drained.result()
 
 
-async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel, api_keys: tuple[str, ...]) -> None:
-    app = create_app(engine, text, cfg, grammars=engine.grammars, api_keys=api_keys, embedder=load_embedder(cfg))
+async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel, api_keys: tuple[str, ...],
+                 embedder=None) -> None:
+    app = create_app(engine, text, cfg, grammars=engine.grammars, api_keys=api_keys, embedder=embedder)
     freed = settle_after_boot()
     if freed:
         _progress(f"released {freed // 1024} MB of LLVM's code pages (only compiling runs them)")
@@ -252,10 +298,10 @@ def serve(cfg: ServerConfig) -> None:
     except (StoreOpenError, ValueError) as exc:
         _progress(f"cannot start: {exc}")
         sys.exit(2)
-    engine, text = load_engine(cfg, store)
+    engine, text, embedder = load_engine(cfg, store, embedder=True)
     try:
         import uvloop
 
-        uvloop.run(_serve(cfg, engine, text, api_keys))
+        uvloop.run(_serve(cfg, engine, text, api_keys, embedder))
     except ImportError:  # pragma: no cover
-        asyncio.run(_serve(cfg, engine, text, api_keys))
+        asyncio.run(_serve(cfg, engine, text, api_keys, embedder))

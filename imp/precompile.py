@@ -1,0 +1,84 @@
+"""A boot that finds the kernels missing from Numba's disk cache compiles them in a child.
+
+Why: Numba keeps what it compiled in the process that compiled it (each function's LLVM
+module and the compiler's arenas). A CPU server booted on a cold cache (a fresh clone's
+`make serve`, or the first boot after an upgrade) held ~900 MB of RSS for the 94 MB SmolLM2
+file, against ~270 MB on every later boot, which loads the same kernels from the cache
+(measured, PERFORMANCE.md twelfth session). So the boot's model steps (load, tokenizer,
+warm-up prefill, the embedder) first run with compiling forbidden: the first compile
+Numba would start raises `ColdCache` instead, before any compile work. Then
+`python -m imp _precompile` (the same configuration on stdin) runs the same steps in a
+child process, which compiles and saves everything to the cache and exits, and the
+steps run again here, now loading from the cache. A compile still needed on the second
+run (a cache that cannot be written, say) simply happens here, as before.
+
+Only CPU boots: a GPU runner's CUDA kernels are not on Numba's disk cache path, and a
+second process would load the model onto the device again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+class ColdCache(BaseException):
+    """Raised from Numba's compile event: BaseException, so no `except Exception` on the way
+    (a loader's fallback, a thread pool's future) takes it for a failure of its own."""
+
+
+@contextlib.contextmanager
+def _no_compiles():
+    from numba.core import event
+
+    class Forbid(event.Listener):
+        def on_start(self, ev):
+            raise ColdCache(getattr(ev.data.get("dispatcher"), "__qualname__", "a kernel") if ev.data else "a kernel")
+
+        def on_end(self, ev):
+            pass
+
+    listener = Forbid()
+    event.register("numba:compile", listener)
+    try:
+        yield
+    finally:
+        event.unregister("numba:compile", listener)
+
+
+def boot_warm(steps: Callable[[], T], cfg, progress: Callable[[str], None], enabled: bool = True,
+              part: str = "engine") -> T:
+    """steps() with its kernels loaded from Numba's disk cache, compiling them first in a
+    child process (`_precompile PART`, given cfg) when the cache lacks any. part: "engine" (the
+    model, its text side, the embedder) or "text" (an API server's: text side and embedder)."""
+    if not enabled:
+        return steps()
+    try:
+        with _no_compiles():
+            return steps()
+    except ColdCache as cold:
+        progress(f"kernels not in Numba's disk cache yet (first: {cold}): compiling them in a child process "
+                 "(once; this process then loads them and keeps none of the compiler's memory)")
+    import msgspec
+
+    child = subprocess.run([sys.executable, "-m", "imp", "_precompile", part], input=msgspec.json.encode(cfg))
+    if child.returncode != 0:
+        progress(f"the compile child exited {child.returncode}: compiling in this process instead")
+    return steps()
+
+
+def main(argv: list[str]) -> int:
+    """`python -m imp _precompile engine|text` (a ServerConfig as JSON on stdin): run a CPU boot's
+    steps (the same calls the server makes) so that everything they compile lands in the cache."""
+    import msgspec
+
+    from imp.config import ServerConfig
+    from imp.server import compile_steps
+
+    cfg = msgspec.json.decode(sys.stdin.buffer.read(), type=ServerConfig)
+    compile_steps(cfg, text_only=argv[:1] == ["text"])
+    return 0

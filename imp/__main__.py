@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return (procs.engine_main if argv[0] == "_engine" else procs.api_main)(argv[1:])
     if argv and argv[0] == "_precompile":  # a cold boot's compile child (imp.precompile)
-        from imp.precompile import main as precompile_main
+        from imp.server import precompile_main
 
         return precompile_main(argv[1:])
     if argv and argv[0] == "pull":

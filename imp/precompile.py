@@ -7,8 +7,8 @@ file, against ~270 MB on every later boot, which loads the same kernels from the
 (measured, PERFORMANCE.md twelfth session). So the boot's model steps (load, tokenizer,
 warm-up prefill, the embedder) first run with compiling forbidden: the first compile
 Numba would start raises `ColdCache` instead, before any compile work. Then
-`python -m imp _precompile` (the same configuration on stdin) runs the same steps in a
-child process, which compiles and saves everything to the cache and exits, and the
+`python -m imp _precompile` (the same configuration on stdin; `imp.server.precompile_main`)
+runs the same steps in a child process, which compiles and saves everything to the cache and exits, and the
 steps run again here, now loading from the cache. A compile still needed on the second
 run (a cache that cannot be written, say) simply happens here, as before.
 
@@ -69,16 +69,3 @@ def boot_warm(steps: Callable[[], T], cfg, progress: Callable[[str], None], enab
     if child.returncode != 0:
         progress(f"the compile child exited {child.returncode}: compiling in this process instead")
     return steps()
-
-
-def main(argv: list[str]) -> int:
-    """`python -m imp _precompile engine|text` (a ServerConfig as JSON on stdin): run a CPU boot's
-    steps (the same calls the server makes) so that everything they compile lands in the cache."""
-    import msgspec
-
-    from imp.config import ServerConfig
-    from imp.server import compile_steps
-
-    cfg = msgspec.json.decode(sys.stdin.buffer.read(), type=ServerConfig)
-    compile_steps(cfg, text_only=argv[:1] == ["text"])
-    return 0

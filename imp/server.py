@@ -208,6 +208,15 @@ def compile_steps(cfg: ServerConfig, text_only: bool = False) -> None:
     load_embedder(cfg)
 
 
+def precompile_main(argv: list[str]) -> int:
+    """`python -m imp _precompile engine|text` (a ServerConfig as JSON on stdin): run a CPU boot's
+    steps (the same calls the server makes) so that everything they compile lands in the cache."""
+    import msgspec
+
+    compile_steps(msgspec.json.decode(sys.stdin.buffer.read(), type=ServerConfig), text_only=argv[:1] == ["text"])
+    return 0
+
+
 def load_engine(cfg: ServerConfig, store=None, render: bool = True, embedder: bool = False):
     """Everything that reads the disk or the environment happens here, once. render=False:
     the engine sends token ids only (API-server processes make the text). embedder: also load

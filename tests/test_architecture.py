@@ -23,6 +23,7 @@ RULES: dict[str, set[str]] = {
     "imp.formats": set(),
     "imp.fetch": set(),
     "imp.settle": set(),  # boot's last step: what a process gives back before serving
+    "imp.precompile": set(),  # a cold Numba cache compiled in a child (its steps are passed in)
     "imp.text": {"imp.formats"},
     "imp.log": {"imp.messages"},
     "imp.core": {"imp.messages", "imp.log"},

@@ -21,9 +21,8 @@ lanes sum four products each; a matrix always takes one route on a machine, see
 Why: the Gemma 3 and SmolLM2 heads are Q8_0 (262,144 x 640 and 49,152 x 576).
 At a decode batch of 8 the VNNI loop spent 13.5 of a ~35 ms Gemma step in the head,
 compute-bound; a tile does 16 x 16 x 32 multiply-adds in one instruction. Measured
-(`bench/cpu_head.py`, 2 threads, PERFORMANCE.md twelfth session): the Gemma head 13.5
--> 6.7 ms at 8 tokens, 4.8 -> 4.8 at one, 5.1 -> 5.7 at two (a tile costs about the
-same for 2 tokens as for 4).
+(`bench/cpu_head.py`, 2 threads, PERFORMANCE.md twelfth session): the Gemma head 13.8
+-> 7.2 ms at 8 tokens, 21.8 -> 9.4 at 16, 4.8 at one and 5.3 at two on both routes.
 
 AMX needs the kernel's permission (Linux `arch_prctl(ARCH_REQ_XCOMP_PERM,
 XTILEDATA)`, asked once per process, here at import) and the CPU's amx-int8;
@@ -138,6 +137,7 @@ def _splat(builder, val, n):
 
 V16F, V16I = ir.VectorType(F32, 16), ir.VectorType(ir.IntType(32), 16)
 MS = (1, 2, 4, 8, 16)  # token-tile widths: a batch of N takes the narrowest that holds it (16: tiles of 16)
+ROWVEC = (1, 2, 4)  # widths whose epilogue runs vectors of the 16 rows (d_w gathered once for all tokens)
 
 
 @intrinsic
@@ -149,7 +149,10 @@ def _panel(typingctx, w, base, rbytes, nb, xv, xo, xdt, xdo, c, acc, nxt, nl, m)
 
     then acc (float32 [16 * m], row-major) stored. One IR loop, so acc lives in vector registers
     across the tile asm (its memory clobber cannot reach an alloca whose address never escapes)
-    and only C goes through memory (AMX has no tile -> vector move). A at w[base + 34 b + 2] (row
+    and only C goes through memory (AMX has no tile -> vector move). Widths in ROWVEC run vectors
+    of the 16 rows, one a token (d_w gathered once a block for all), the others vectors of the m
+    tokens, one a row (d_w broadcast); the same operations an element either way. A at
+    w[base + 34 b + 2] (row
     stride rbytes), B_b at xv[xo + 32 m b] (rows of 4m bytes: vnni_acts's layout, or for m = 1
     the token's quants as they lie), xd at xdt[xdo + m b]; c holds two sets of four C tiles.
     Group g + 1's tiles are issued before group g's epilogue, and the next panel's nl lines at
@@ -170,10 +173,11 @@ def _panel(typingctx, w, base, rbytes, nb, xv, xo, xdt, xdo, c, acc, nxt, nl, m)
         pf = builder.module.declare_intrinsic(
             "llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [ir.PointerType(I8), i32, i32, i32]))
         fma = builder.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(V16F, [V16F] * 3))
-        VF, VI = (V16F, V16I) if mv == 1 else (ir.VectorType(F32, mv), ir.VectorType(i32, mv))
-        fmav = fma if mv in (1, TM) else builder.module.declare_intrinsic(
+        rowvec = mv in ROWVEC  # vectors of the 16 rows, one a token; else of the m tokens, one a row
+        VF, VI = (V16F, V16I) if rowvec else (ir.VectorType(F32, mv), ir.VectorType(i32, mv))
+        fmav = fma if VF.count == 16 else builder.module.declare_intrinsic(
             f"llvm.fma.v{mv}f32", fnty=ir.FunctionType(VF, [VF] * 3))
-        nacc = 1 if mv == 1 else TM
+        nacc = mv if rowvec else TM
         accs = cgutils.alloca_once(builder, VF, size=nacc)
         for r in range(nacc):
             builder.store(ir.Constant(VF, [0.0] * VF.count), builder.gep(accs, [_c(r)]))
@@ -188,22 +192,26 @@ def _panel(typingctx, w, base, rbytes, nb, xv, xo, xdt, xdo, c, acc, nxt, nl, m)
             return h
 
         def epilogue(b, Cj):
-            if mv > 1:  # a vector of m tokens a row
+            if not rowvec:  # a vector of m tokens a row
                 xd = _vload(builder, builder.gep(XD, [builder.mul(b, xdstep)]), VF)
                 for r in range(TM):
                     sc = builder.fmul(builder.fpext(_splat(builder, dwat(r, b), mv), VF), xd)
                     cv = builder.sitofp(_vload(builder, builder.gep(Cj, [_c(4 * mv * r)]), VI), VF)
                     ap = builder.gep(accs, [_c(r)])
                     builder.store(builder.call(fmav, [cv, sc, builder.load(ap)]), ap)
-            else:  # one token: a vector of the 16 rows
+            else:  # 1 or 2 tokens: the 16 rows' d_w gathered once, a vector of the rows a token
                 dw = ir.Constant(ir.VectorType(HALF, TM), ir.Undefined)
                 for r in range(TM):
                     dw = builder.insert_element(dw, dwat(r, b), ir.Constant(i32, r))
-                xd = builder.load(builder.gep(XD, [builder.mul(b, xdstep)]))
-                sc = builder.fmul(builder.fpext(dw, V16F), _splat(builder, xd, TM))
-                cv = builder.sitofp(_vload(builder, Cj, V16I), V16F)
-                ap = builder.gep(accs, [_c(0)])
-                builder.store(builder.call(fma, [cv, sc, builder.load(ap)]), ap)
+                dwf = builder.fpext(dw, V16F)
+                cm = _vload(builder, Cj, ir.VectorType(i32, TM * mv))  # C row-major: [row][token]
+                for t in range(mv):
+                    ct = cm if mv == 1 else builder.shuffle_vector(
+                        cm, cm, ir.Constant(ir.VectorType(i32, TM), [mv * r + t for r in range(TM)]))
+                    xd = builder.load(builder.gep(XD, [builder.add(builder.mul(b, xdstep), _c(t))]))
+                    sc = builder.fmul(dwf, _splat(builder, xd, TM))
+                    ap = builder.gep(accs, [_c(t)])
+                    builder.store(builder.call(fma, [builder.sitofp(ct, V16F), sc, builder.load(ap)]), ap)
 
         def prefetch(b, nblk):
             lo = builder.sdiv(builder.mul(b, nl_), nb_)
@@ -238,9 +246,15 @@ def _panel(typingctx, w, base, rbytes, nb, xv, xo, xdt, xdo, c, acc, nxt, nl, m)
             _asm(builder, _DP1, [builder.gep(A0, [builder.mul(b, _c(Q8_0_BYTES))]), rb,
                                  builder.gep(XV, [builder.mul(b, bstep)]), cst, C])
             epilogue(b, C)
-        for r in range(nacc):
-            dst = builder.bitcast(builder.gep(ACC, [_c(4 * VF.count * r)]), ir.PointerType(VF))
-            builder.store(builder.load(builder.gep(accs, [_c(r)])), dst).align = 4
+        if rowvec and mv > 1:  # back to row-major [row][token], as every width leaves acc
+            for r in range(TM):
+                for t in range(mv):
+                    e = builder.extract_element(builder.load(builder.gep(accs, [_c(t)])), ir.Constant(i32, r))
+                    builder.store(e, builder.bitcast(builder.gep(ACC, [_c(4 * (mv * r + t))]), ir.PointerType(F32)))
+        else:
+            for r in range(nacc):
+                dst = builder.bitcast(builder.gep(ACC, [_c(4 * VF.count * r)]), ir.PointerType(VF))
+                builder.store(builder.load(builder.gep(accs, [_c(r)])), dst).align = 4
         return context.get_dummy_value()
     return types.void(w, base, rbytes, nb, xv, xo, xdt, xdo, c, acc, nxt, nl, m), cg
 

@@ -43,9 +43,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from imp.kernels import cpu_simd  # noqa: F401 - sets the kernels' Numba cache directory first
+# cpu_simd first: it sets the kernels' Numba cache directory
+from imp.kernels.cpu_simd import F32, HALF, I8, _splat
 
-I8, I64, F32, HALF = ir.IntType(8), ir.IntType(64), ir.FloatType(), ir.HalfType()
+I64 = ir.IntType(64)
 QK = 32
 Q8_0_BYTES = 34  # fp16 d, then 32 int8
 TM = 16  # rows and tokens of a tile
@@ -127,12 +128,6 @@ def _vload(builder, p, ty):
     v = builder.load(builder.bitcast(p, ir.PointerType(ty)))
     v.align = 4
     return v
-
-
-def _splat(builder, val, n):
-    vt = ir.VectorType(val.type, n)
-    v = builder.insert_element(ir.Constant(vt, ir.Undefined), val, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
 
 
 V16F, V16I = ir.VectorType(F32, 16), ir.VectorType(ir.IntType(32), 16)

@@ -36,8 +36,17 @@ RULES: dict[str, set[str]] = {
     "imp.store": {"imp.messages", "imp.actors"},
     "imp.engine": {"imp.messages", "imp.config", "imp.core", "imp.log", "imp.actors", "imp.store",
                    "imp.sampling", "imp.constrain"},
-    # HTTP sees the engine only through its port (imp.engine.port), never the actors or the model
+    # HTTP sees the engine only through its port (imp.engine.port), never the actors or the model.
+    # Inside it, bottom first: the request pipeline every dialect shares; the dialects (parse and
+    # render only); the other endpoints; the shell (app, routes, access) over all of them.
     "imp.http": {"imp.messages", "imp.config", "imp.text", "imp.engine.port", "imp.tools", "imp.constrain"},
+    "imp.http.pipeline": {"imp.messages", "imp.config", "imp.text", "imp.engine.port", "imp.tools",
+                          "imp.constrain", "imp.http.errors", "imp.http.keys"},
+    "imp.http.dialects": {"imp.messages", "imp.text", "imp.engine.port", "imp.tools", "imp.constrain",
+                          "imp.http.errors", "imp.http.keys", "imp.http.pipeline"},
+    "imp.http.endpoints": {"imp.messages", "imp.config", "imp.text", "imp.engine.port", "imp.tools",
+                           "imp.constrain", "imp.http.errors", "imp.http.keys", "imp.http.pipeline",
+                           "imp.http.dialects"},
     # boot: builds everything
     "imp.server": {"*"},
     "imp.procs": {"*"},
@@ -160,6 +169,23 @@ def test_no_import_cycles():
         if m not in index:
             visit(m)
     assert not comps, f"import cycles: {comps}"
+
+
+def test_a_dialect_is_its_own_room():
+    """A dialect imports the pipeline and the OpenAI family's shared pieces, never another dialect:
+    adding one is a parser, a renderer and a line in the routes table."""
+    bad = []
+    for p in sorted((PKG / "http" / "dialects").rglob("*.py")):
+        src = _module(p)
+        parts = src.split(".")
+        if len(parts) < 4:  # imp.http.dialects itself
+            continue
+        own = ".".join(parts[:4])
+        for line, target in _imports(p):
+            if target.startswith("imp.http.dialects.") and not (
+                    target.startswith(own + ".") or target == own or target.startswith("imp.http.dialects.openai")):
+                bad.append(f"{p.relative_to(ROOT)}:{line}: {src} imports {target}")
+    assert not bad, "a dialect reaches into another:\n" + "\n".join(bad)
 
 
 def test_rules_table_matches_the_architecture_doc():

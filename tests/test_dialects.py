@@ -402,7 +402,7 @@ async def test_a_silent_prefill_keeps_the_stream_alive_and_a_refusal_stays_a_sta
     up after 300 s without an event): Anthropic message_start + ping, Responses created +
     in_progress (again), OpenAI SSE comments; the stream then ends as usual. A refusal, which
     admission answers at once, is still an HTTP status, never an event."""
-    from imp.http import driver
+    from imp.http.pipeline import driver
 
     monkeypatch.setattr(driver, "KEEPALIVE_FIRST_S", 0.05)
     monkeypatch.setattr(driver, "KEEPALIVE_EVERY_S", 0.05)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from imp.text.fim import FimTokens, build_infill, fim_tokens
-from imp.http.reasoning import ThinkSplitter, prompt_opens_think
+from imp.http.pipeline.reasoning import ThinkSplitter, prompt_opens_think
 from imp.messages import SamplingParams, SeqWork
 from imp.model.rows import prompt_logprobs as score_prompt
 

@@ -9,7 +9,9 @@ import types
 import pytest
 
 from imp.engine.port import ModelCard
-from imp.http import chat_request, openai_completions, resolve
+from imp.http.dialects.chat import parse as chat_request
+from imp.http.dialects.completions import parse as openai_completions
+from imp.http.pipeline import resolve
 from imp.http.errors import ApiError
 from imp.text.model import SamplingDefaults
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from imp.http.errors import ApiError
-from imp.http.score import parse, probabilities
+from imp.http.endpoints.score import parse, probabilities
 from imp.messages import SamplingParams, SeqWork
 from imp.sampling.cpu import sample_one
 

@@ -12,7 +12,8 @@ import threading
 import time
 import urllib.request
 from imp.actors.metrics import Rates
-from imp.http.capacity import band_of, estimate, plan, prometheus, snapshot
+from imp.http.endpoints.capacity import band_of, plan, prometheus, snapshot
+from imp.http.pipeline.estimate import estimate
 from imp.messages import (
     Delta,
     FinishReason,
@@ -285,7 +286,8 @@ def test_suspend_drains_refuses_and_resumes(imp_server):
 
 def test_plan_and_estimate_with_replicas():
     """Two data-parallel replicas of 100 blocks: a stream lives in one pool."""
-    from imp.http.capacity import estimate, plan
+    from imp.http.endpoints.capacity import plan
+    from imp.http.pipeline.estimate import estimate
 
     total = kv(200, used=0)
     p = plan(3, 16 * 60, kv=total, queue=QueueFigures(0, 0, 0), max_context=4096, decode_batch=16, model="m",

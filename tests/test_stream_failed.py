@@ -1,10 +1,11 @@
-"""How every dialect ends a stream that failed (imp.http.driver.stream_failed)."""
+"""How every dialect ends a stream that failed (imp.http.pipeline.sse.stream_failed)."""
 
 import asyncio
 
 import pytest
 
-from imp.http.driver import StreamFault, stream_failed
+from imp.http.pipeline.driver import StreamFault
+from imp.http.pipeline.sse import stream_failed
 
 
 class FakeResp:

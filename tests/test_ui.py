@@ -33,7 +33,7 @@ if not CHROMIUM.exists():
     pytest.skip(f"no Chromium at {CHROMIUM}: apt-get install -y chromium (make test-ui does it as root)",
                 allow_module_level=True)
 
-from imp.http.ui import UI_DIR, resolve_static  # noqa: E402
+from imp.http.endpoints.ui import UI_DIR, resolve_static  # noqa: E402
 from tests.serverproc import ServerProcess  # noqa: E402
 
 pytestmark = [pytest.mark.ui, pytest.mark.slow]  # slow: the real model, as the e2e lanes

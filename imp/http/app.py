@@ -18,7 +18,8 @@ from aiohttp import web
 
 from imp.http import keys
 from imp.http.access import RateLimiter, key_matches, presented_key, retry_after
-from imp.http.control import LiveRequests, serve_peers
+from imp.http.endpoints.control import serve_peers
+from imp.http.pipeline.live import LiveRequests
 from imp.http.errors import ApiError, error_response
 from imp.http.routes import ROUTES
 

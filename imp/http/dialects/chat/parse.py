@@ -1,17 +1,20 @@
 """The OpenAI chat-completions body -> the typed request (every field checked here, once).
 
 Shared by POST /v1/chat/completions and POST /v1/estimate (which parses the
-same body and runs nothing).
+same body and runs nothing). Message content parts are read by
+`imp.http.pipeline.content`, as every dialect reads them.
 """
 
 from __future__ import annotations
 
 import logging
 
-from imp.http import body as B
-from imp.http import openai_fields, structured, tool_use
+from imp.http.dialects.openai import fields as openai_fields
 from imp.http.errors import bad
-from imp.http.request import GenerateRequest, Message
+from imp.http.pipeline import fields as B
+from imp.http.pipeline import structured, tool_use
+from imp.http.pipeline.content import Parts, text_of
+from imp.http.pipeline.request import GenerateRequest, Message
 from imp.tools import ToolSpecError, from_openai
 
 log = logging.getLogger("imp.http")
@@ -28,7 +31,8 @@ _REFUSED = {
 NO_OPS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_retention")
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
-_MEDIA = {"image_url", "input_image", "image", "input_audio", "audio", "video", "video_url", "file"}
+_PARTS = Parts(text=frozenset({"text", "input_text"}),
+               media=frozenset({"image_url", "input_image", "image", "input_audio", "audio", "video", "video_url", "file"}))
 # template variables a request's chat_template_kwargs may not override
 _RESERVED_KW = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"}
 
@@ -53,26 +57,8 @@ def parse_messages(raw) -> tuple[Message, ...]:
                 if role != "assistant":
                     raise bad(f"{where}.content is required", f"{where}.content")
             text = ""
-        elif isinstance(content, str):
-            text = content
-        elif isinstance(content, list):
-            parts = []
-            for j, p in enumerate(content):
-                pw = f"{where}.content[{j}]"
-                if not isinstance(p, dict) or not isinstance(p.get("type"), str):
-                    raise bad(f"{pw} must be an object with a 'type'", pw)
-                if p["type"] in ("text", "input_text"):
-                    if not isinstance(p.get("text"), str):
-                        raise bad(f"{pw}.text must be a string", pw)
-                    parts.append(p["text"])
-                elif p["type"] in _MEDIA:
-                    raise bad(f"{pw}: this model is text-only and cannot take '{p['type']}' content", pw,
-                              "unsupported_content_type")
-                else:
-                    raise bad(f"{pw}: unknown content part type '{p['type']}'", pw)
-            text = "".join(parts)
         else:
-            raise bad(f"{where}.content must be a string or an array of content parts", f"{where}.content")
+            text = text_of(content, f"{where}.content", _PARTS)
         calls = m.get("tool_calls")
         if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
             raise bad(f"{where}.tool_calls must be an array of objects", f"{where}.tool_calls")

@@ -25,7 +25,7 @@ import uuid
 import numpy as np
 from aiohttp import web
 
-from imp.http import body as B
+from imp.http.pipeline import fields as B
 from imp.http import keys
 from imp.http.errors import ApiError, bad
 from imp.messages import RequestStats

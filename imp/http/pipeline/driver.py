@@ -1,4 +1,4 @@
-"""The per-token driver every generation dialect shares.
+"""The per-token driver: one request through the engine port, its Deltas as they arrive.
 
 `generate` submits a resolved request through the engine port and yields
 its Deltas as they arrive; a refusal before the first delta becomes an
@@ -15,14 +15,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 import msgspec
 from aiohttp import web
 
 from imp.engine.port import EnginePort, LoraRefused, Submission
 from imp.http.errors import ApiError
-from imp.http.request import GenerateRequest
+from imp.http.pipeline.request import GenerateRequest
 from imp.messages import Delta, Fault, FinishReason, Reject, RequestStats, SamplingParams
 
 log = logging.getLogger("imp.http")
@@ -47,7 +47,6 @@ def finish_label(reason: FinishReason) -> str:
 # (admission answers in milliseconds) is still an HTTP status, then one every few seconds.
 KEEPALIVE_FIRST_S = 2.0
 KEEPALIVE_EVERY_S = 10.0
-KEEPALIVE_COMMENT = b": keep-alive\n\n"  # the OpenAI dialects' (SSE comments: every client skips them)
 
 
 async def _with_keepalive(stream: AsyncIterator, first_s: float, every_s: float) -> AsyncIterator:
@@ -172,45 +171,3 @@ async def generate(port: EnginePort, req_id: str, prompt: list[int], params: Sam
             arrival_unix_ns=arrival_ns, first_token_unix_ns=first_ns, end_unix_ns=time.time_ns(),
             finish_reasons=tuple(f for f in finishes if f), reject_code=reject_code,
         ))
-
-
-def sse_headers(request: web.Request, response_id: str, **extra: str) -> dict[str, str]:
-    return {
-        "Content-Type": "text/event-stream; charset=utf-8",
-        "Cache-Control": "no-cache",
-        "X-Request-Id": request.get("client_request_id") or response_id,
-        "X-Accel-Buffering": "no",
-        **extra,
-    }
-
-
-async def sse_start(request: web.Request, response_id: str, **extra: str) -> web.StreamResponse:
-    # the middleware cannot add headers to a prepared response: set them all here
-    resp = web.StreamResponse(headers=sse_headers(request, response_id, **extra))
-    await resp.prepare(request)
-    return resp
-
-
-async def stream_failed(exc: Exception, resp: web.StreamResponse | None,
-                        render: Callable[[str, str], bytes], what: str) -> None:
-    """End a started stream that failed, in the dialect's own error event.
-
-    Every dialect's stream ends the same way: an engine fault or our own bug
-    becomes an error event (never a silent close), a client that went away
-    needs nothing (generate()'s cleanup already cancelled the request), and a
-    failure before the response started is re-raised for the middleware to
-    answer with a status.
-    """
-    if resp is None:
-        raise exc
-    if isinstance(exc, ConnectionError):
-        return
-    if isinstance(exc, StreamFault):
-        message, code = f"engine fault: {exc}", "engine_faulted"
-    elif isinstance(exc, ApiError):  # a refusal after a keep-alive had started the stream
-        message, code = exc.message, exc.code or "invalid_request_error"
-    else:
-        log.exception("%s failed", what, exc_info=exc)
-        message, code = f"internal error: {type(exc).__name__}", "internal_error"
-    with contextlib.suppress(ConnectionError):
-        await resp.write(render(message, code))

@@ -22,8 +22,10 @@ import msgspec
 from aiohttp import web
 
 from imp.engine.port import ModelCard, Snapshot
-from imp.http import body as B
-from imp.http import chat_request, keys, resolve
+from imp.http import keys
+from imp.http.dialects.chat.parse import parse as parse_chat
+from imp.http.pipeline import fields as B
+from imp.http.pipeline.estimate import blocks_for, estimate, estimate_for
 from imp.http.errors import bad
 from imp.messages import KvFigures, QueueFigures
 
@@ -43,10 +45,6 @@ def kv_pressure(kv: KvFigures) -> float:
 def band_of(kv: KvFigures) -> str:
     p = kv_pressure(kv)
     return next((name for name, bound in BANDS if p < bound), "red")
-
-
-def blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
 
 
 def plan(width: int, depth: int, *, kv: KvFigures, queue: QueueFigures, max_context: int,
@@ -80,36 +78,6 @@ def plan(width: int, depth: int, *, kv: KvFigures, queue: QueueFigures, max_cont
         "model": model, "band": band, "decode_batch": decode_batch,
         "in_flight": queue.running, "waiting": queue.waiting, "slots": slots,
         "admit_now": reason == "ok", "reason": reason,
-    }
-
-
-def estimate(prompt_tokens: int, *, max_tokens: int | None, n: int, kv: KvFigures, bytes_per_token: int | None,
-             max_context: int, prefill_tok_s: float | None, queued_prompt_tokens: int, model: str,
-             replica_kv: list[KvFigures] | None = None) -> dict:
-    """Whether one request fits, without running it. KV only: imp's prefill
-    scratch is transient and not counted. With data-parallel replicas
-    (replica_kv) it must fit one replica's pool: the emptiest, for fits_now."""
-    warm = 0  # the prefix cache is the kv core's; it is not asked
-    tokens = prompt_tokens + n * (max_tokens or 0)
-    need_blocks = blocks_for(tokens, kv.block_size)
-    pools = replica_kv or [kv]
-    free_now = max(r.total - max(r.used, r.reserved) for r in pools)
-    pool_total = max(r.total for r in pools)
-    todo = queued_prompt_tokens + prompt_tokens - warm
-    return {
-        "model": model,
-        "prompt_tokens": prompt_tokens,
-        "warm_tokens": warm,
-        "cache_tier": "miss",
-        "max_tokens": max_tokens,
-        "need_blocks": need_blocks,
-        "need_bytes": need_blocks * kv.block_size * bytes_per_token if bytes_per_token else None,
-        "fits_now": need_blocks <= free_now,
-        "fits_drained": need_blocks <= pool_total,
-        "context_ok": prompt_tokens + 1 <= max_context,
-        "context_limit": max_context,
-        "est_ttft_s": round(todo / prefill_tok_s, 3) if prefill_tok_s else None,
-        "resident": True,
     }
 
 
@@ -272,23 +240,13 @@ async def capacity_plan(request: web.Request) -> web.Response:
                                   replicas=card.replicas))
 
 
-async def estimate_for(request: web.Request, body: dict) -> dict:
-    """A chat-completions body -> the estimate (shared with "dry_run": true): parsed as the
-    chat route parses it, rendered, never run."""
-    port, tm = request.app[keys.PORT], request.app[keys.TEXT]
-    card = port.card
-    B.boolean(body, "dry_run")  # the estimate route takes it too: a non-boolean is a 400 there as well
-    req = chat_request.parse(body, tm.tokenizer.vocab_size)
-    prompt = await resolve.render_off_loop(req, tm, card)
-    snap = await port.snapshot()
-    return estimate(len(prompt.ids), max_tokens=req.max_tokens, n=req.n, kv=snap.kv,
-                    bytes_per_token=card.kv_bytes_per_token, max_context=card.context_length,
-                    prefill_tok_s=snap.rates.prefill_tok_s_recent, queued_prompt_tokens=snap.queue.queued_prompt_tokens,
-                    model=card.name, replica_kv=list(snap.replica_kv) if card.replicas > 1 else None)
-
-
 async def estimate_route(request: web.Request) -> web.Response:
-    return web.json_response(await estimate_for(request, await B.read_json(request)))
+    """POST /v1/estimate: a chat-completions body, parsed as the chat route parses it, rendered,
+    never run (the same answer as "dry_run": true on a generation route)."""
+    body = await B.read_json(request)
+    B.boolean(body, "dry_run")  # a non-boolean is a 400 here as well
+    tm = request.app[keys.TEXT]
+    return web.json_response(await estimate_for(request, parse_chat(body, tm.tokenizer.vocab_size)))
 
 
 async def metrics_json(request: web.Request) -> web.Response:

@@ -1,7 +1,7 @@
 """Control of running requests: POST /v1/requests/{id}/end_thinking.
 
-Generation handlers register each live request under its completion id and
-the client's X-Request-Id; the control route finds it there. Ending a think
+The pipeline registers each live request under its completion id and the
+client's X-Request-Id (`imp.http.pipeline.live`); the control route finds it there. Ending a think
 block is the scheduler's job (EndThinking: the model's `</think>` appended
 as forced tokens, the answer continues on the same KV); this module only
 says which request and whether it is still in a think block.
@@ -9,46 +9,10 @@ says which request and whether it is still in a think block.
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
-from typing import Callable
-
 from aiohttp import web
 
 from imp.http import keys
 from imp.http.errors import ApiError
-
-
-@dataclass
-class Live:
-    req_id: str
-    thinking: Callable[[], bool]  # is the reply (still) inside a think block?
-    ended: bool = False
-
-
-class LiveRequests:
-    def __init__(self):
-        self._by_id: dict[str, Live] = {}
-
-    @contextlib.contextmanager
-    def track(self, req_id: str, client_id: str | None, thinking: Callable[[], bool]):
-        live = Live(req_id, thinking)
-        ids = [req_id] + ([client_id] if client_id and client_id not in self._by_id else [])
-        for i in ids:
-            self._by_id[i] = live
-        try:
-            yield live
-        finally:
-            for i in ids:
-                if self._by_id.get(i) is live:
-                    del self._by_id[i]
-
-    def get(self, some_id: str) -> Live | None:
-        return self._by_id.get(some_id)
-
-
-def live_requests(request: web.Request) -> LiveRequests:
-    return request.app[keys.LIVE]
 
 
 def _end_thinking_here(app: web.Application, rid: str) -> tuple[int, dict] | None:

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from imp.engine.port import ModelCard
 from imp.http.errors import bad
-from imp.http.reasoning import prompt_opens_think
-from imp.http.request import GenerateRequest
-from imp.http.structured import compile_checked
+from imp.http.pipeline.reasoning import prompt_opens_think
+from imp.http.pipeline.request import GenerateRequest
+from imp.http.pipeline.structured import compile_checked
 from imp.messages import SamplingParams
 from imp.text.chat_template import TemplateError
 from imp.text.fim import build_infill
@@ -154,6 +154,8 @@ def sampling_params(req: GenerateRequest, prompt_len: int, card: ModelCard, tm: 
     top_k = 50 if top_k == 0 else (0 if top_k < 0 or top_k >= card.vocab_size else top_k)
     seed = secrets.randbits(63) if s.seed is None else s.seed & ((1 << 63) - 1)
     logprobs = req.top_logprobs if req.logprobs else -1
+    # an echoed prompt's logprobs (completions' echo + logprobs) come from the same prompt scoring
+    prompt_lp = max(req.top_logprobs, req.prompt_logprobs) if req.echo and req.logprobs else req.prompt_logprobs
     return SamplingParams(
         max_tokens=max_tokens(req, prompt_len, card, fixed_max_tokens, cap),
         temperature=float(d.temperature if s.temperature is None else s.temperature),
@@ -169,7 +171,7 @@ def sampling_params(req: GenerateRequest, prompt_len: int, card: ModelCard, tm: 
         ignore_eos=s.ignore_eos,
         logit_bias=s.logit_bias,
         logprobs=logprobs,
-        prompt_logprobs=req.prompt_logprobs,
+        prompt_logprobs=prompt_lp,
         constraint=req.effective_constraint[0],
     )
 

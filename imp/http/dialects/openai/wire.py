@@ -1,13 +1,12 @@
-"""Pieces of the OpenAI wire format shared by chat, completions and the llama.cpp routes."""
+"""Pieces of the OpenAI wire format shared by chat, completions and /infill."""
 
 from __future__ import annotations
 
 import msgspec
-from aiohttp import web
-
-from imp.http.driver import sse_start
 
 _enc = msgspec.json.Encoder()
+
+KEEPALIVE_COMMENT = b": keep-alive\n\n"  # a stream's keep-alive: an SSE comment (every client skips them)
 
 
 def usage_json(prompt: int, completion: int, cached: int) -> dict:
@@ -26,18 +25,6 @@ def sse_data(obj) -> bytes:
 
 def error_event(message: str, code: str = "engine_faulted") -> bytes:
     return sse_data({"error": {"message": message, "type": "server_error", "param": None, "code": code}})
-
-
-async def sse_end(request: web.Request, resp: web.StreamResponse | None, usage_chunk: bytes | None
-                  ) -> web.StreamResponse:
-    """Close an OpenAI-dialect stream: the usage chunk when asked for, then [DONE]
-    (a stream that got no delta at all is started first)."""
-    if resp is None:
-        resp = await sse_start(request, request["response_id"])
-    if usage_chunk is not None:
-        await resp.write(usage_chunk)
-    await resp.write(b"data: [DONE]\n\n")
-    return resp
 
 
 def fingerprint(card) -> str:

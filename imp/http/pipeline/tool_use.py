@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 
 from imp.http.errors import ApiError, bad
-from imp.http.request import Message
+from imp.http.pipeline.request import Message
 from imp.messages import Constraint
 from imp.tools import (
     ArgsDelta, CallEnd, CallStart, Parsed, Text, Tool, ToolCall, ToolChoice, ToolStreamParser, call_grammar,

@@ -28,11 +28,12 @@ import uuid
 
 from aiohttp import web
 
-from imp.http import body as B
-from imp.http import keys, resolve
-from imp.http.driver import StreamFault, generate
+from imp.http.pipeline import fields as B
+from imp.http import keys
+from imp.http.pipeline import resolve
+from imp.http.pipeline.driver import StreamFault, generate
 from imp.http.errors import ApiError, bad
-from imp.http.request import GenerateRequest
+from imp.http.pipeline.request import GenerateRequest
 from imp.messages import SamplingParams
 
 FIELDS = ("model", "query", "items", "label_token_ids", "apply_softmax", "item_first")

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from imp.engine.port import LoraRefused
 from imp.http import keys
-from imp.http.body import read_json
+from imp.http.pipeline.fields import read_json
 from imp.http.errors import ApiError, bad
 
 

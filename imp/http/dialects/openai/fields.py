@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from imp.http import body as B
 from imp.http.errors import bad
-from imp.http.request import Sampling
+from imp.http.pipeline import fields as B
+from imp.http.pipeline.request import Sampling
 
 
 def sampling(body: dict, vocab_size: int) -> Sampling:

@@ -21,10 +21,11 @@ import json
 import logging
 from dataclasses import dataclass, field
 
-from imp.http import body as B
-from imp.http import structured, tool_use
-from imp.http.errors import bad
-from imp.http.request import GenerateRequest, Message, Sampling
+from imp.http.errors import ApiError, bad
+from imp.http.pipeline import fields as B
+from imp.http.pipeline import structured, tool_use
+from imp.http.pipeline.content import Parts, text_of
+from imp.http.pipeline.request import GenerateRequest, Message, Sampling
 from imp.messages import Constraint
 from imp.tools import Tool, ToolChoice
 
@@ -33,7 +34,8 @@ log = logging.getLogger("imp.http")
 HOSTED = {"web_search", "web_search_preview", "web_search_2025_08_26", "file_search", "code_interpreter",
           "image_generation", "computer_use_preview", "computer_use", "mcp", "tool_search", "local_shell"}
 _logged: set[str] = set()
-_TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+_PARTS = Parts(text=frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"}),
+               media=frozenset({"input_image", "input_file", "input_audio"}), refusal=True)
 
 
 @dataclass(frozen=True)
@@ -68,29 +70,7 @@ class ResponsesExtras:
 
 
 def _text_of(content, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad(f"'{where}' must be a string or an array of content parts", where)
-    out = []
-    for j, p in enumerate(content):
-        pw = f"{where}[{j}]"
-        if not isinstance(p, dict) or not isinstance(p.get("type"), str):
-            raise bad(f"'{pw}' must be an object with a 'type'", pw)
-        if p["type"] in _TEXT_PARTS:
-            if not isinstance(p.get("text"), str):
-                raise bad(f"'{pw}.text' must be a string", pw)
-            out.append(p["text"])
-        elif p["type"] in ("input_image", "input_file", "input_audio"):
-            raise bad(f"'{pw}': this model is text-only and cannot take '{p['type']}' content", pw,
-                      "unsupported_content_type")
-        elif p["type"] == "refusal":
-            out.append(p.get("refusal") or "")
-        else:
-            raise bad(f"'{pw}': unknown content part type '{p['type']}'", pw)
-    return "".join(out)
+    return text_of(content, where, _PARTS)
 
 
 def normalize_input(raw) -> list[dict]:
@@ -369,3 +349,27 @@ def parse(body: dict, vocab_size: int, template_source: str = "",
         constraint=constraint, constraint_field=cfield, lora=B.lora_name(body),
         tool_plan=plan,
     ), ex
+
+
+async def history(store, prev: str | None) -> list[Message]:
+    """The conversation behind previous_response_id, as template messages (oldest first)."""
+    if not prev:
+        return []
+    if store is None:
+        raise bad("'previous_response_id' needs the responses store, which this server runs without",
+                  "previous_response_id")
+    reply = await store.chain(prev)
+    if not reply.ok:
+        if reply.status == 404:
+            raise ApiError(400, f"Previous response with id '{prev[:128]}' not found.", param="previous_response_id",
+                           code="previous_response_not_found")
+        raise ApiError(503 if reply.status == 503 else 500, f"responses store: {reply.error}",
+                       code="store_unavailable")
+    if reply.missing:
+        raise ApiError(400, f"Previous response with id '{reply.missing[:128]}' (in the chain of '{prev[:128]}') "
+                            "is no longer stored.", param="previous_response_id", code="previous_response_not_found")
+    items: list[dict] = []
+    for link in reply.chain:
+        items += [json.loads(i.json) for i in link.input_items]
+        items += [it for it in json.loads(link.response_json).get("output", []) if it.get("type") != "reasoning"]
+    return items_to_messages(items, where="previous_response_id")

@@ -8,7 +8,7 @@ from pathlib import Path
 from aiohttp import web
 
 from imp.http import keys
-from imp.http.capacity import band_of
+from imp.http.endpoints.capacity import band_of
 from imp.http.errors import ApiError, bad
 
 

@@ -1,0 +1,62 @@
+"""Whether one request fits, without running it: POST /v1/estimate and "dry_run": true.
+
+A generation route's body with `"dry_run": true` is parsed and rendered by the pipeline as
+usual and answered with this estimate instead of being run (`imp.http.pipeline.run`);
+`/v1/estimate` takes a chat-completions body. The figures come from the engine port's
+`ModelCard` and a `Snapshot`; nothing here asks a core anything.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from imp.http import keys
+from imp.http.pipeline import resolve
+from imp.http.pipeline.request import GenerateRequest
+from imp.messages import KvFigures
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def estimate(prompt_tokens: int, *, max_tokens: int | None, n: int, kv: KvFigures, bytes_per_token: int | None,
+             max_context: int, prefill_tok_s: float | None, queued_prompt_tokens: int, model: str,
+             replica_kv: list[KvFigures] | None = None) -> dict:
+    """Whether one request fits, without running it. KV only: imp's prefill
+    scratch is transient and not counted. With data-parallel replicas
+    (replica_kv) it must fit one replica's pool: the emptiest, for fits_now."""
+    warm = 0  # the prefix cache is the kv core's; it is not asked
+    tokens = prompt_tokens + n * (max_tokens or 0)
+    need_blocks = blocks_for(tokens, kv.block_size)
+    pools = replica_kv or [kv]
+    free_now = max(r.total - max(r.used, r.reserved) for r in pools)
+    pool_total = max(r.total for r in pools)
+    todo = queued_prompt_tokens + prompt_tokens - warm
+    return {
+        "model": model,
+        "prompt_tokens": prompt_tokens,
+        "warm_tokens": warm,
+        "cache_tier": "miss",
+        "max_tokens": max_tokens,
+        "need_blocks": need_blocks,
+        "need_bytes": need_blocks * kv.block_size * bytes_per_token if bytes_per_token else None,
+        "fits_now": need_blocks <= free_now,
+        "fits_drained": need_blocks <= pool_total,
+        "context_ok": prompt_tokens + 1 <= max_context,
+        "context_limit": max_context,
+        "est_ttft_s": round(todo / prefill_tok_s, 3) if prefill_tok_s else None,
+        "resident": True,
+    }
+
+
+async def estimate_for(request: web.Request, req: GenerateRequest) -> dict:
+    """A parsed request -> the estimate: rendered and tokenized as the run would be, never run."""
+    port, tm = request.app[keys.PORT], request.app[keys.TEXT]
+    card = port.card
+    prompt = await resolve.render_off_loop(req, tm, card)
+    snap = await port.snapshot()
+    return estimate(len(prompt.ids), max_tokens=req.max_tokens, n=req.n, kv=snap.kv,
+                    bytes_per_token=card.kv_bytes_per_token, max_context=card.context_length,
+                    prefill_tok_s=snap.rates.prefill_tok_s_recent, queued_prompt_tokens=snap.queue.queued_prompt_tokens,
+                    model=card.name, replica_kv=list(snap.replica_kv) if card.replicas > 1 else None)

@@ -1,0 +1,119 @@
+"""The one request pipeline every generation dialect runs through.
+
+    body ─ dialect.parse ─> GenerateRequest ─ compile constraint ─ render + tokenize
+         ─ sampling params ─ engine port (driver) ─ Deltas ─ dialect.renderer ─> JSON | SSE
+
+`handler(dialect)` is the aiohttp handler of a generation route: the routes table
+holds one line per dialect. A dialect only parses and renders
+(`imp.http.pipeline.dialect`); each step between is written here once, in order:
+
+1. read the body (a 400 for anything that is not a JSON object);
+2. `dialect.parse` -> the typed request (`"dry_run": true` stops here with the
+   capacity estimate, on the dialects that take it);
+3. the request's grammar compiled under its deadline (a 400 before anything runs);
+4. the prompt rendered and tokenized off the event loop, after a size check;
+5. sampling defaults and the reply's token budget resolved (`resolve.sampling_params`);
+6. the request registered as live (end_thinking finds it), submitted through the
+   engine port, its Deltas rendered as they come: one JSON body, or SSE with the
+   dialect's keep-alives while nothing comes and its error event if the engine
+   fails after the stream started. Leaving early (the client went away) cancels the
+   request upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from typing import AsyncIterator
+
+from aiohttp import web
+
+from imp.http import keys
+from imp.http.errors import ApiError, error_response
+from imp.http.pipeline import fields, resolve
+from imp.http.pipeline.dialect import Dialect, Job, ParseContext, Renderer
+from imp.http.pipeline.driver import StreamFault, generate
+from imp.http.pipeline.estimate import estimate_for
+from imp.http.pipeline.live import live_requests
+from imp.http.pipeline.sse import sse_start, stream_failed
+from imp.messages import Delta
+
+
+def handler(dialect: Dialect):
+    """The aiohttp handler of a dialect's generation route."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        headers = dialect.headers(request)
+        try:
+            resp = await run(request, dialect, headers)
+        except ApiError as err:  # rendered here so the error carries the dialect's headers too
+            resp = error_response(request, err, request["request_id"])
+        if not resp.prepared:
+            resp.headers.update(headers)
+        return resp
+
+    handle.__name__ = f"{dialect.endpoint}_handler"
+    return handle
+
+
+async def run(request: web.Request, dialect: Dialect, headers: dict[str, str]) -> web.StreamResponse:
+    port, tm, cfg = request.app[keys.PORT], request.app[keys.TEXT], request.app[keys.CONFIG]
+    body = await fields.read_json(request)
+    dry = dialect.dry_run and fields.boolean(body, "dry_run")
+    req, extra = await dialect.parse(body, ParseContext(tm, port))
+    if dry:  # the capacity estimate; nothing runs
+        return web.json_response(await estimate_for(request, req))
+    await resolve.compile_constraint(req, request.app[keys.GRAMMARS])
+    resolve.check_size(req, tm, port.card)
+    # on a worker thread: templating and tokenizing a large prompt never stall other streams
+    prompt = await asyncio.to_thread(dialect.render_prompt, req, tm)
+    params = resolve.sampling_params(req, len(prompt.ids), port.card, tm, cfg.max_tokens, cfg.max_output_tokens)
+    rid = f"{dialect.id_prefix}{uuid.uuid4().hex[:24]}"
+    client_id = request.get("client_request_id")
+    request["response_id"] = client_id or rid
+    job = Job(req=req, extra=extra, prompt=prompt, params=params, rid=rid, created=int(time.time()),
+              card=port.card, text=tm, port=port, request_id=request["request_id"], path=request.path)
+    out = dialect.renderer(job)
+    with live_requests(request).track(rid, client_id, lambda: out.thinking):
+        deltas = generate(port, rid, prompt.ids, params, req, request=request,
+                          keepalive=req.stream and dialect.keepalive)
+        async with contextlib.aclosing(deltas):
+            if req.stream:
+                return await _stream(request, dialect, out, deltas, headers, rid)
+            return await _complete(request, out, deltas, headers)
+
+
+async def _complete(request: web.Request, out: Renderer, deltas: AsyncIterator[Delta],
+                    headers: dict[str, str]) -> web.Response:
+    try:
+        async for d in deltas:
+            out.take(d)
+    except StreamFault as exc:  # nothing was sent yet: a plain 500
+        raise ApiError(500, f"engine step failed: {exc}", code="engine_step_failed") from None
+    return web.json_response(await out.body(), headers={"X-Request-Id": request["response_id"], **headers})
+
+
+async def _stream(request: web.Request, dialect: Dialect, out: Renderer, deltas: AsyncIterator[Delta | None],
+                  headers: dict[str, str], rid: str) -> web.StreamResponse:
+    """SSE. The response starts at the first item (a refusal before it is still an HTTP
+    status); None items are the driver's keep-alive ticks."""
+    resp = None
+    try:
+        async for d in deltas:
+            chunk = b""
+            if resp is None:
+                resp = await sse_start(request, request["response_id"], **headers)
+                chunk = out.start(d)
+            chunk += out.keepalive() if d is None else out.delta(d)
+            if chunk:
+                await resp.write(chunk)
+        tail = b""
+        if resp is None:  # nothing at all came back (cannot normally happen)
+            resp = await sse_start(request, request["response_id"], **headers)
+            tail = out.start(None)
+        await resp.write(tail + await out.end())
+    except Exception as exc:  # noqa: BLE001 - fault, disconnect or our bug: see stream_failed
+        await stream_failed(exc, resp, out.error, f"{dialect.endpoint} stream {rid}")
+    return resp

@@ -96,7 +96,7 @@ def engine_main(argv: list[str]) -> int:
     except (StoreOpenError, ValueError) as exc:
         _progress(f"cannot start: {exc}")
         return 2
-    engine, _text = load_engine(cfg, store, render=False)
+    engine, _text = load_engine(cfg, store)
     settle_after_boot()
     _run(_engine(cfg, engine, args["endpoint"], int(args["ready"])))
     return 0

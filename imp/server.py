@@ -217,9 +217,9 @@ def precompile_main(argv: list[str]) -> int:
     return 0
 
 
-def load_engine(cfg: ServerConfig, store=None, render: bool = True, embedder: bool = False):
-    """Everything that reads the disk or the environment happens here, once. render=False:
-    the engine sends token ids only (API-server processes make the text). embedder: also load
+def load_engine(cfg: ServerConfig, store=None, embedder: bool = False):
+    """Everything that reads the disk or the environment happens here, once. The engine sends
+    token ids; the port's stream makes the text where it is sent (imp.engine.render). embedder: also load
     the --embedding-model encoder (one process serving both) and return it third."""
     from imp.formats.lora import LoraFiles
     from imp.model.lora import LoraTable
@@ -236,8 +236,7 @@ def load_engine(cfg: ServerConfig, store=None, render: bool = True, embedder: bo
         _progress(f"fault injection armed: {faults.kind} fault at step {faults.at_step} (IMP_FAULT_INJECT)")
     engine = LocalEngine(cfg, runners, tokenizer, name, str(path), grammars=grammars, store=store, otlp=otlp,
                          faults=faults, loaders=loaders, boot_prefill_tok_s=boot_rate,
-                         lora_files=LoraFiles(cfg.lora_dir), lora_tables=[LoraTable() for _ in loaders],
-                         render=render)
+                         lora_files=LoraFiles(cfg.lora_dir), lora_tables=[LoraTable() for _ in loaders])
     return (engine, text, enc) if embedder else (engine, text)
 
 

@@ -3,8 +3,8 @@
 It implements `imp.engine.port.EnginePort` with no model: each submitted
 request plays a `Script` — text pieces (tokenized with the test tokenizer so
 token counts are real), a finish reason, optional delays, a refusal before
-the first delta, or a fault after k deltas. Stop strings are applied the way
-the detok actor applies them. Everything the dialects send is recorded
+the first delta, or a fault after k deltas. Stop strings are applied as the
+port's stream applies them (imp.engine.render), simplified. Everything the dialects send is recorded
 (`submissions`, `cancelled`, `reports`, `end_thinking_calls`) so a test can
 assert on what crossed the port.
 

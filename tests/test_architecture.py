@@ -35,7 +35,7 @@ RULES: dict[str, set[str]] = {
     "imp.actors": {"imp.messages", "imp.core", "imp.log", "imp.text", "imp.sampling", "imp.constrain"},
     "imp.store": {"imp.messages", "imp.actors"},
     "imp.engine": {"imp.messages", "imp.config", "imp.core", "imp.log", "imp.actors", "imp.store",
-                   "imp.sampling", "imp.constrain"},
+                   "imp.sampling", "imp.constrain", "imp.text"},
     # HTTP sees the engine only through its port (imp.engine.port), never the actors or the model.
     # Inside it, bottom first: the request pipeline every dialect shares; the dialects (parse and
     # render only); the other endpoints; the shell (app, routes, access) over all of them.

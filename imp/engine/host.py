@@ -58,7 +58,7 @@ class _Sink:
 
 
 class EngineHost:
-    """Serves `engine` (an imp.engine.local.LocalEngine started with render=False) to the
+    """Serves `engine` (an imp.engine.local.LocalEngine: its handles carry token ids) to the
     API servers connecting to `endpoint` (an ipc:// or tcp:// ZMQ address)."""
 
     def __init__(self, engine, endpoint: str, grammars=None, watch_s: float = 0.25, rate_take=None):

@@ -15,13 +15,12 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import AsyncIterator
 
 import msgspec
 
 from imp.actors.base import Bus, CoreActor
 from imp.actors.clock import ClockActor
-from imp.actors.detok import DetokActor, merge, mergeable
+from imp.actors.detok import DetokActor
 from imp.actors.executor import ExecutorActor
 from imp.actors.ingress import IngressActor
 from imp.actors.metrics import MetricsActor
@@ -29,11 +28,12 @@ from imp.config import ServerConfig
 from imp.constrain.book import ConstraintBook
 from imp.core.replicas import replica_name
 from imp.engine.cores import build_cores
-from imp.engine.port import (LiveRow, LoraInfo, LoraRefused, ModelCard, Rates, ResumeResult, Snapshot, StreamItem,
-                              Submission, SuspendResult)
+from imp.engine.port import (LiveRow, LoraInfo, LoraRefused, ModelCard, Rates, ResumeResult, Snapshot, Submission,
+                              SuspendResult)
+from imp.engine.render import RenderedStream
 from imp.log.eventlog import EventLog, LogHeader
 from imp.store.actor import StoreActor
-from imp.messages import (SCHEMA_VERSION, Cancel, Delta, FinishReason, KvFigures, KvForget, LoraLoad, LoraUnload,
+from imp.messages import (SCHEMA_VERSION, Cancel, FinishReason, KvFigures, KvForget, LoraLoad, LoraUnload,
                           Reload, RequestStats, Unload)
 
 log = logging.getLogger("imp.engine")
@@ -55,7 +55,7 @@ class LocalEngine:
 
     def __init__(self, cfg: ServerConfig, runners: list, detok_tokenizer, name: str, path: str = "",
                  grammars=None, store=None, otlp=None, faults=None, loaders=None,
-                 boot_prefill_tok_s: float | None = None, lora_files=None, lora_tables=None, render: bool = True):
+                 boot_prefill_tok_s: float | None = None, lora_files=None, lora_tables=None):
         """grammars: the imp.constrain GrammarCache shared with HTTP (which compiles a request's
         grammar at admission, under its deadline); each executor keeps its sequences' matchers."""
         self.cfg = cfg
@@ -77,8 +77,7 @@ class LocalEngine:
         self._lora_next = 1
         self._lora_users: dict[int, int] = {}  # adapter id -> requests running with it
         self.runners = list(runners)
-        self.tokenizer = detok_tokenizer  # the detok actor renders text with it
-        self.render = render  # False: Deltas carry token ids only (an API-server process renders them)
+        self.tokenizer = detok_tokenizer  # submit's stream renders text with it (imp.engine.render)
         r = self.runners[0]
         self.max_context = int(r.config.context_length)
         self.started_at = time.time()
@@ -122,7 +121,7 @@ class LocalEngine:
                             faults=self.faults, loader=self.loaders[i], loras=self.lora_tables[i],
                             lora_reader=self.lora_files.read if self.lora_files is not None else None)
               for i, run in enumerate(self.runners)),
-            DetokActor(bus, self.tokenizer, raw=not self.render),
+            DetokActor(bus),
             self.metrics,
             ClockActor(bus, to=[c.name for c in self.schs]),
         ]
@@ -153,8 +152,12 @@ class LocalEngine:
     def fault(self) -> str | None:
         return self.ingress.fault or (next(iter(self.bus.dead.values())) if self.bus.dead else None)
 
-    def submit(self, sub: Submission) -> AsyncIterator[StreamItem]:
-        return self._items(self.open(sub), sub.params.lora)
+    def submit(self, sub: Submission) -> RenderedStream:
+        """The request's output, rendered on this side of the port as an API-server process
+        renders it (imp.engine.render): stop strings and text in one place whatever the layout."""
+        handle = self.open(sub)
+        return RenderedStream(self.tokenizer, sub, handle.queue, lambda i: self.stop_choice(sub.req_id, i),
+                              lambda: self.close(handle, sub.params.lora))
 
     def open(self, sub: Submission):
         """Queue a request now (not at the first iteration) and return its ingress handle;
@@ -185,18 +188,6 @@ class LocalEngine:
         else:
             self.ingress.cancel(handle.req_id)
 
-    async def _items(self, handle, lora_id: int = 0) -> AsyncIterator[StreamItem]:
-        q = handle.queue
-        try:
-            while not (handle.done and q.empty()):
-                item = await q.get()
-                if type(item) is Delta:  # the tokens that are already here go out as one chunk
-                    while not q.empty() and mergeable(item, q._queue[0]):
-                        item = merge(item, q.get_nowait())
-                yield item
-        finally:
-            self.close(handle, lora_id)
-
     def end_thinking(self, req_id: str, token_ids: tuple[int, ...]) -> bool:
         return self.ingress.end_thinking(req_id, list(token_ids))
 
@@ -207,7 +198,7 @@ class LocalEngine:
         return None  # every request of this engine is in this process's HTTP app
 
     def stop_choice(self, req_id: str, index: int) -> None:
-        """A stop string ended one choice where the text is made (an API server): free its KV."""
+        """A stop string ended one choice where the text is made (imp.engine.render): free its KV."""
         self.ingress.send("admission", Cancel(req_id, FinishReason.STOP, index))
 
     def close_session(self, session_id: str) -> None:

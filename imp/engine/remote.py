@@ -4,8 +4,8 @@ Implements `imp.engine.port.EnginePort` for HTTP exactly as the in-process
 engine does, so handlers cannot tell. A request's token ids arrive batched
 (`wire.Items`, one frame per engine loop turn) and are rendered here: the
 incremental detokenizer and the stop strings run in this process
-(`imp.actors.detok.Renderer`), and a stop string that ends a choice is sent
-back as `StopChoice` so its KV is freed at once. Awaited calls (suspend,
+(`imp.engine.render.RenderedStream`, as in one process), and a stop string that
+ends a choice is sent back as `StopChoice` so its KV is freed at once. Awaited calls (suspend,
 resume, LoRA, the snapshot, /metrics, the store) are `Call` frames answered by
 `Answer` frames. Facts a handler reads synchronously (a fault, the LoRA table)
 arrive as `State` frames whenever they change.
@@ -26,12 +26,12 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from imp.actors.detok import Renderer, merge, mergeable
 from imp.actors.store_client import StoreClient
 from imp.engine import wire
-from imp.engine.port import (LoraInfo, LoraRefused, ModelCard, Rates, ResumeResult, Snapshot, StreamItem,
+from imp.engine.render import RenderedStream
+from imp.engine.port import (LoraInfo, LoraRefused, ModelCard, Rates, ResumeResult, Snapshot,
                              Submission, SuspendResult)
-from imp.messages import Delta, DetokOpen, Fault, KvFigures, QueueFigures, Reject, RequestStats, StoreReply
+from imp.messages import Fault, KvFigures, QueueFigures, Reject, RequestStats, StoreReply
 
 log = logging.getLogger("imp.engine.remote")
 
@@ -42,61 +42,6 @@ class EngineGone(Exception):
 
 # calls that wait on a drain or a model load: the engine answers them when done
 _SLOW_CALLS = {"suspend": 3600.0, "resume": 600.0, "lora_load": 600.0, "lora_unload": 600.0, "ask_peers": 10.0}
-
-
-class _Stream:
-    """One submitted request's output, rendered here. Ends once every choice has its last
-    delta (or a Reject / Fault); closing it early cancels the request in the engine."""
-
-    def __init__(self, eng: "RemoteEngine", sub: Submission, skip_special: bool = True):
-        self.eng = eng
-        self.req_id = sub.req_id
-        self.n = sub.n
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.renderer = Renderer(eng.tokenizer, DetokOpen(sub.req_id, sub.n, sub.stop, skip_special,
-                                                          sub.prompt[-4:]))
-        self.ended = False
-
-    def __aiter__(self):
-        return self
-
-    def _all_done(self) -> bool:
-        chs = self.renderer.choices
-        return len(chs) >= self.n and all(c.done for c in chs.values())
-
-    def _render(self, item: Delta) -> Delta | None:
-        d, stopped = self.renderer.render(item.out)
-        if stopped:
-            self.eng._send(wire.StopChoice(self.req_id, item.out.index))
-        return d
-
-    async def __anext__(self) -> StreamItem:
-        q = self.queue
-        while not self.ended:
-            item = await q.get()
-            if type(item) is not Delta:
-                self._end()  # Reject or Fault: the last item
-                return item
-            d = self._render(item)
-            if d is None:
-                continue
-            # the tokens that are already here go out as one chunk (this stream is behind)
-            while not q.empty() and mergeable(d, q._queue[0]):  # asyncio.Queue's deque: a peek
-                nd = self._render(q.get_nowait())
-                if nd is not None:
-                    d = merge(d, nd)
-            if self._all_done():
-                self._end()
-            return d
-        raise StopAsyncIteration
-
-    def _end(self) -> None:
-        if not self.ended:
-            self.ended = True
-            self.eng._forget(self.req_id)
-
-    async def aclose(self) -> None:
-        self._end()
 
 
 class RemoteEngine:
@@ -111,7 +56,7 @@ class RemoteEngine:
         self.watch_s = watch_s
         self.card: ModelCard | None = None
         self.engine_pid = 0
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, RenderedStream] = {}
         self._fault = ""
         self._loras: tuple[LoraInfo, ...] = ()
         self._calls: dict[int, asyncio.Future] = {}
@@ -271,10 +216,13 @@ class RemoteEngine:
     def fault(self) -> str | None:
         return self._fault or None
 
-    def submit(self, sub: Submission) -> _Stream:
+    def submit(self, sub: Submission) -> RenderedStream:
         if sub.req_id in self.streams:
             raise ValueError(f"duplicate request id {sub.req_id}")
-        s = self.streams[sub.req_id] = _Stream(self, sub)
+        rid = sub.req_id
+        s = self.streams[rid] = RenderedStream(self.tokenizer, sub, asyncio.Queue(),
+                                               lambda i: self._send(wire.StopChoice(rid, i)),
+                                               lambda: self._forget(rid))
         if self._fault:
             s.queue.put_nowait(Fault("engine", self._fault))
         else:  # stop strings stay here: the engine sends token ids, this process makes the text

@@ -4,7 +4,7 @@ The engine port (`imp.engine.port`) cut in two. Each frame is a tagged msgspec
 Struct encoded with msgpack; a ZMQ message carries a batch of them (`Frames`),
 one per event-loop turn and direction, so a step's tokens for a hundred streams
 are one send. Token ids travel, never text per token: the engine's detok actor
-runs raw and the API server renders (`imp.actors.detok.Renderer`). Everything a
+runs raw and the API server renders (`imp.engine.render.RenderedStream`). Everything a
 frame asks of the engine becomes messages on the engine's bus, so the engine
 process's event log still holds every decision input.
 

@@ -25,7 +25,7 @@ from imp.engine.port import ModelCard, Snapshot
 from imp.http import keys
 from imp.http.dialects.chat.parse import parse as parse_chat
 from imp.http.pipeline import fields as B
-from imp.http.pipeline.estimate import blocks_for, estimate, estimate_for
+from imp.http.pipeline.estimate import blocks_for, estimate_for
 from imp.http.errors import bad
 from imp.messages import KvFigures, QueueFigures
 

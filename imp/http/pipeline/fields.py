@@ -167,3 +167,65 @@ def logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
             raise bad(f"'logit_bias' value for {k} must be a number in [-100, 100]", "logit_bias")
         out.append((tid, float(v)))
     return tuple(out)
+
+
+# --------------------------------------------------------------------------- field tables
+# A dialect lists the fields it takes as a table (name -> how it is read) and reads them in
+# one pass: the table is its request schema, in one place, and each value is checked by the
+# same readers as above (same ranges, same 400s naming the field).
+
+
+class Field:
+    def read(self, body: dict, name: str):
+        raise NotImplementedError
+
+
+class Num(Field):
+    def __init__(self, lo=None, hi=None, *, integer=False, default=None, lo_open=False, hi_open=False):
+        self.lo, self.hi, self.integer, self.default, self.lo_open, self.hi_open = \
+            lo, hi, integer, default, lo_open, hi_open
+
+    def read(self, body: dict, name: str):
+        return num(body, name, self.lo, self.hi, integer=self.integer, default=self.default,
+                   lo_open=self.lo_open, hi_open=self.hi_open)
+
+
+class Bool(Field):
+    def __init__(self, default: bool = False):
+        self.default = default
+
+    def read(self, body: dict, name: str):
+        return boolean(body, name, self.default)
+
+
+class Str(Field):
+    def __init__(self, default: str | None = None, *, required: bool = False):
+        self.default, self.required = default, required
+
+    def read(self, body: dict, name: str):
+        return string(body, name, self.default, required=self.required)
+
+
+class Obj(Field):
+    def read(self, body: dict, name: str):
+        return obj(body, name)
+
+
+class Read(Field):
+    """A field with a reader of its own: fn(body) -> value (it names the field in its 400s)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def read(self, body: dict, name: str):
+        return self.fn(body)
+
+
+PRIORITY = Num(-(2**31), 2**31 - 1, integer=True, default=0)
+# imp's own scheduling fields, the same on every dialect
+SCHEDULING = {"priority": PRIORITY, "cache_prompt": Bool(), "session_id": Read(session_id), "lora": Read(lora_name)}
+
+
+def read(body: dict, table: dict[str, Field]) -> dict:
+    """Every field of the table, read and checked, in the table's order."""
+    return {name: f.read(body, name) for name, f in table.items()}

@@ -176,17 +176,21 @@ def _messages(body: dict) -> list[dict]:
     return msgs
 
 
-def _sampling(body: dict) -> Sampling:
-    """Anthropic's ranges (temperature 0..1, top_k >= 0) and imp's own fields."""
-    return Sampling(
-        temperature=B.num(body, "temperature", 0, 1),
-        top_p=B.num(body, "top_p", 0, 1, lo_open=True),
-        top_k=B.num(body, "top_k", 0, integer=True),
-        min_p=B.num(body, "min_p", 0, 1),
-        repetition_penalty=B.num(body, "repetition_penalty", 0, lo_open=True),
-        seed=B.num(body, "seed", integer=True),
-        ignore_eos=B.boolean(body, "ignore_eos"),
-    )
+# the scalar fields and their ranges (Anthropic's: temperature 0..1, top_k >= 0), imp's own
+# sampling and scheduling fields beside them, read in one pass
+FIELDS = {
+    "max_tokens": B.Num(1, integer=True),
+    "temperature": B.Num(0, 1),
+    "top_p": B.Num(0, 1, lo_open=True),
+    "top_k": B.Num(0, integer=True),
+    "min_p": B.Num(0, 1),
+    "repetition_penalty": B.Num(0, lo_open=True),
+    "seed": B.Num(integer=True),
+    "ignore_eos": B.Bool(),
+    "stream": B.Bool(),
+    **B.SCHEDULING,
+}
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "ignore_eos")
 
 
 def parse(body: dict, template_source: str = "", *, count_only: bool = False) -> GenerateRequest:
@@ -211,7 +215,7 @@ def parse(body: dict, template_source: str = "", *, count_only: bool = False) ->
         msgs = [_calls_as_text(m) for m in msgs]  # the template would drop them silently
     if body.get("max_tokens") is None and not count_only:
         raise bad("'max_tokens' is required", "max_tokens")
-    max_tokens = B.num(body, "max_tokens", 1, integer=True)
+    f = B.read(body, FIELDS)
     stops = body.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
@@ -225,10 +229,9 @@ def parse(body: dict, template_source: str = "", *, count_only: bool = False) ->
         endpoint="messages", model=model, messages=messages, tools=plan.template_tools() if plan else (),
         continue_final_message=prefill, add_generation_prompt=not prefill, template_kwargs=kw,
         constraint=constraint, constraint_field=field, tool_plan=plan,
-        sampling=_sampling(body), max_tokens=max_tokens, stop=tuple(s for s in stops or () if s),
-        stream=B.boolean(body, "stream"),
-        priority=B.num(body, "priority", -(2**31), 2**31 - 1, integer=True, default=0),
-        cache_prompt=B.boolean(body, "cache_prompt"), session_id=B.session_id(body), lora=B.lora_name(body),
+        sampling=Sampling(**{k: f[k] for k in _SAMPLING}), max_tokens=f["max_tokens"],
+        stop=tuple(s for s in stops or () if s), stream=f["stream"], priority=f["priority"],
+        cache_prompt=f["cache_prompt"], session_id=f["session_id"], lora=f["lora"],
     )
 
 

@@ -33,6 +33,9 @@ NO_OPS = ("user", "metadata", "store", "service_tier", "safety_identifier", "pro
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 _PARTS = Parts(text=frozenset({"text", "input_text"}),
                media=frozenset({"image_url", "input_image", "image", "input_audio", "audio", "video", "video_url", "file"}))
+# the scalar fields, read in one pass (messages, tools, response_format and the template's
+# options have readers of their own above and in imp.http.pipeline)
+FIELDS = {**openai_fields.COMMON, **openai_fields.SAMPLING, **openai_fields.LOGPROBS}
 # template variables a request's chat_template_kwargs may not override
 _RESERVED_KW = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"}
 
@@ -138,11 +141,11 @@ def parse(body: dict, vocab_size: int, template_source: str = "") -> GenerateReq
         if last.role != "assistant" or last.tool_calls or not last.content.strip():
             raise bad("'continue_final_message' needs the last message to be an assistant turn with text "
                       "and no tool_calls", "messages")
-    c = openai_fields.common(body)
-    sampling = openai_fields.sampling(body, vocab_size)
-    plp = openai_fields.prompt_logprobs(body, allowed=False, stream=c.stream)
-    logprobs = B.boolean(body, "logprobs")
-    top = B.num(body, "top_logprobs", 0, 20, integer=True)
+    f = B.read(body, FIELDS)
+    c = openai_fields.common_of(f)
+    sampling = openai_fields.sampling_of(f, B.logit_bias(body, vocab_size))
+    plp = openai_fields.prompt_logprobs(f["prompt_logprobs"], allowed=False, stream=c.stream)
+    logprobs, top = f["logprobs"], f["top_logprobs"]
     if top is not None and not logprobs:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return GenerateRequest(

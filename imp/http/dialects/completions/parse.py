@@ -39,22 +39,27 @@ def prompt_field(raw) -> tuple[tuple[int, ...] | None, str | None]:
     return None, raw
 
 
+# the scalar fields, read in one pass (completions' logprobs is a count, not chat's boolean)
+FIELDS = {"suffix": B.Str(), "echo": B.Bool(), **openai_fields.COMMON, **openai_fields.SAMPLING,
+          "logprobs": B.Num(0, 20, integer=True), "prompt_logprobs": B.Num(0, 20, integer=True)}
+
+
 def parse(body: dict, vocab_size: int) -> GenerateRequest:
     model = B.model_name(body)
     B.refuse_request_template(body)
     ids, text = prompt_field(body.get("prompt"))
-    suffix = B.string(body, "suffix")
-    echo = B.boolean(body, "echo")
+    f = B.read(body, FIELDS)
+    suffix, echo = f["suffix"], f["echo"]
     infill = None
     if suffix:  # "" is no suffix, as in OpenAI's API
         if echo:
             raise bad("'echo' cannot be combined with 'suffix'", "echo")
         infill = Infill(prompt=text or "", prompt_ids=ids, suffix=suffix)
-    c = openai_fields.common(body)
-    sampling = openai_fields.sampling(body, vocab_size)
-    plp = openai_fields.prompt_logprobs(body, allowed=True, stream=c.stream)
+    c = openai_fields.common_of(f)
+    sampling = openai_fields.sampling_of(f, B.logit_bias(body, vocab_size))
+    plp = openai_fields.prompt_logprobs(f["prompt_logprobs"], allowed=True, stream=c.stream)
     constraint, field = structured.parse(body, dialect="openai")
-    lp = B.num(body, "logprobs", 0, 20, integer=True)
+    lp = f["logprobs"]
     if echo and lp is not None and c.stream:
         raise bad("'echo' with 'logprobs' cannot be used with 'stream': true", "echo")
     return GenerateRequest(

@@ -13,22 +13,43 @@ from imp.http.pipeline import fields as B
 from imp.http.pipeline.request import Sampling
 
 
-def sampling(body: dict, vocab_size: int) -> Sampling:
-    top_k = B.num(body, "top_k", -1, integer=True)
-    seed = B.num(body, "seed", integer=True)
+# the OpenAI family's sampling fields and their ranges (the API reference's)
+SAMPLING = {
+    "temperature": B.Num(0, 2),
+    "top_p": B.Num(0, 1, lo_open=True),
+    "top_k": B.Num(-1, integer=True),
+    "min_p": B.Num(0, 1),
+    "typical_p": B.Num(0, 1, lo_open=True),
+    "repetition_penalty": B.Num(0, lo_open=True),
+    "presence_penalty": B.Num(-2, 2, default=0.0),
+    "frequency_penalty": B.Num(-2, 2, default=0.0),
+    "seed": B.Num(integer=True),
+    "ignore_eos": B.Bool(),
+}
+# what every OpenAI-family generation route takes besides its prompt and sampling
+COMMON = {
+    "n": B.Num(1, 4, integer=True, default=1),
+    "best_of": B.Num(1, integer=True),
+    "stream": B.Bool(),
+    "stream_options": B.Obj(),
+    "max_completion_tokens": B.Num(1, integer=True),
+    "max_tokens": B.Num(1, integer=True),
+    "stop": B.Read(B.stop_list),
+    **B.SCHEDULING,
+}
+
+
+def sampling_of(f: dict, logit_bias: tuple) -> Sampling:
+    """The sampling fields of a read table -> Sampling (None = the model's default)."""
     return Sampling(
-        temperature=B.num(body, "temperature", 0, 2),
-        top_p=B.num(body, "top_p", 0, 1, lo_open=True),
-        top_k=top_k,
-        min_p=B.num(body, "min_p", 0, 1),
-        typical_p=B.num(body, "typical_p", 0, 1, lo_open=True),
-        repetition_penalty=B.num(body, "repetition_penalty", 0, lo_open=True),
-        presence_penalty=float(B.num(body, "presence_penalty", -2, 2, default=0.0)),
-        frequency_penalty=float(B.num(body, "frequency_penalty", -2, 2, default=0.0)),
-        seed=seed,
-        logit_bias=B.logit_bias(body, vocab_size),
-        ignore_eos=B.boolean(body, "ignore_eos"),
-    )
+        temperature=f["temperature"], top_p=f["top_p"], top_k=f["top_k"], min_p=f["min_p"], typical_p=f["typical_p"],
+        repetition_penalty=f["repetition_penalty"], presence_penalty=float(f["presence_penalty"]),
+        frequency_penalty=float(f["frequency_penalty"]), seed=f["seed"], logit_bias=logit_bias,
+        ignore_eos=f["ignore_eos"])
+
+
+def sampling(body: dict, vocab_size: int) -> Sampling:
+    return sampling_of(B.read(body, SAMPLING), B.logit_bias(body, vocab_size))
 
 
 @dataclass(frozen=True)
@@ -46,35 +67,29 @@ class Common:
     lora: str = ""
 
 
-def common(body: dict, *, max_tokens_name: str = "max_tokens") -> Common:
-    n = B.num(body, "n", 1, 4, integer=True, default=1)
-    best_of = B.num(body, "best_of", 1, integer=True)
-    if best_of is not None and best_of > 1:
+def common_of(f: dict) -> Common:
+    """The COMMON fields of a read table -> Common, with the checks that join two fields."""
+    if f["best_of"] is not None and f["best_of"] > 1:
         raise bad("'best_of' > 1 is not supported: imp generates no candidate set to choose from", "best_of")
-    stream = B.boolean(body, "stream")
-    so = body.get("stream_options")
-    if so is not None and not isinstance(so, dict):
-        raise bad("'stream_options' must be an object", "stream_options")
-    if so is not None and not stream:
+    so = f["stream_options"]
+    if so is not None and not f["stream"]:
         raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    mt = B.num(body, "max_completion_tokens", 1, integer=True)
-    if mt is None:
-        mt = B.num(body, max_tokens_name, 1, integer=True)
-    return Common(
-        n=n,
-        stream=stream,
-        include_usage=bool(so and so.get("include_usage")),
-        priority=B.num(body, "priority", -(2**31), 2**31 - 1, integer=True, default=0),
-        cache_prompt=B.boolean(body, "cache_prompt"),
-        session_id=B.session_id(body),
-        max_tokens=mt,
-        stop=B.stop_list(body),
-        lora=B.lora_name(body),
-    )
+    mt = f["max_completion_tokens"] if f["max_completion_tokens"] is not None else f["max_tokens"]
+    return Common(n=f["n"], stream=f["stream"], include_usage=bool(so and so.get("include_usage")),
+                  priority=f["priority"], cache_prompt=f["cache_prompt"], session_id=f["session_id"],
+                  max_tokens=mt, stop=f["stop"], lora=f["lora"])
 
 
-def prompt_logprobs(body: dict, *, allowed: bool, stream: bool) -> int:
-    plp = B.num(body, "prompt_logprobs", 0, 20, integer=True)
+def common(body: dict) -> Common:
+    return common_of(B.read(body, COMMON))
+
+
+LOGPROBS = {"logprobs": B.Bool(), "top_logprobs": B.Num(0, 20, integer=True),
+            "prompt_logprobs": B.Num(0, 20, integer=True)}
+
+
+def prompt_logprobs(plp: int | None, *, allowed: bool, stream: bool) -> int:
+    """prompt_logprobs as read -> the top N per prompt token, -1 = not asked."""
     if plp is not None and not allowed:
         raise bad("'prompt_logprobs' is only supported on /v1/completions", "prompt_logprobs")
     if plp is not None and stream:

@@ -4,7 +4,7 @@ The receiver is a plain http.server handler that decodes each POST body with
 opentelemetry-proto's ExportTraceServiceRequest, so what is checked is what a
 collector (Jaeger, the OpenTelemetry Collector) would receive: the span tree,
 every attribute, the caller's trace id, the sampled flag, and the counters.
-The messages are built here the way imp/http/driver.py builds them.
+The messages are built here the way imp/http/pipeline/driver.py builds them.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from imp.messages.base import FinishReason, Msg
-from imp.messages.step import PromptLogprob, SampledToken, TokenOut
+from imp.messages.step import TokenOut
 
 
 class DeltaBatch(Msg):
@@ -38,38 +40,12 @@ class Delta(Msg):
     stop_str: str = ""
 
     # the TokenOut's fields, read through (dialects read a Delta like the TokenOut it renders)
-    @property
-    def req_id(self) -> str:
-        return self.out.req_id
-
-    @property
-    def index(self) -> int:
-        return self.out.index
-
-    @property
-    def token_ids(self) -> tuple[int, ...]:
-        return self.out.token_ids
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.out.prompt_tokens
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.out.cached_tokens
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.out.completion_tokens
-
-    @property
-    def logprobs(self) -> tuple[SampledToken, ...]:
-        return self.out.logprobs
-
-    @property
-    def error(self) -> str:
-        return self.out.error
-
-    @property
-    def prompt_logprobs(self) -> tuple[PromptLogprob, ...]:
-        return self.out.prompt_logprobs
+    req_id = property(attrgetter("out.req_id"))
+    index = property(attrgetter("out.index"))
+    token_ids = property(attrgetter("out.token_ids"))
+    prompt_tokens = property(attrgetter("out.prompt_tokens"))
+    cached_tokens = property(attrgetter("out.cached_tokens"))
+    completion_tokens = property(attrgetter("out.completion_tokens"))
+    logprobs = property(attrgetter("out.logprobs"))
+    error = property(attrgetter("out.error"))
+    prompt_logprobs = property(attrgetter("out.prompt_logprobs"))

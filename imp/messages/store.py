@@ -137,3 +137,9 @@ class StoreReply(Msg):
     missing: str = ""  # GetChain: the first ancestor id no longer stored ("" = complete)
     items: tuple[StoreItem, ...] = ()
     has_more: bool = False
+
+
+def failed(req_id: str, status: StoreStatus, error: str) -> StoreReply:
+    """The reply to a request that failed: the store's own refusals and errors (imp.store.ops,
+    worker) and the client's when the store does not answer (imp.actors.store_client)."""
+    return StoreReply(req_id, False, status, error)

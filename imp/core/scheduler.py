@@ -3,7 +3,9 @@
 A step is three messages: KvRequest -> kv (frees, then grows of running
 sequences, then allocs/forks of waiting ones), KvReply -> StepPlan to the
 executor, StepResult -> tokens out, requests finished. The scheduler is idle
-only when there is nothing to run; otherwise every reply starts the next step.
+only when there is nothing to run; otherwise every reply starts the next step
+(docs/STEP.md: every message of a step, in order). A request's life (finish
+decisions, cancels, preemption, n > 1) is `RequestBook`'s, imp/core/lifecycle.py.
 
 Each step, under max_step_tokens and max_batch_size: running sequences first,
 decodes before prefill chunks (chunked prefill), then waiting sequences in

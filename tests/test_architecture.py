@@ -193,3 +193,17 @@ def test_rules_table_matches_the_architecture_doc():
     for key in RULES:
         folder = key.replace(".", "/")
         assert f"`{folder}" in doc, f"docs/ARCHITECTURE.md has no row for {folder}"
+
+
+def test_every_message_of_the_catalogue_is_in_the_logged_union():
+    """imp/messages is a package of conversations; the event log decodes ONE tagged union
+    (imp.messages.Message): a message class defined in a module but left out of it would not
+    decode from a log."""
+    import typing
+
+    import imp.messages as m
+
+    defined = {c for c in m.Msg.__subclasses__() if c.__module__.startswith("imp.messages")}
+    union = set(typing.get_args(m.Message))
+    assert defined == union, f"not in Message: {sorted(c.__name__ for c in defined - union)}"
+    assert all(getattr(m, c.__name__) is c for c in defined)  # every one importable from imp.messages

@@ -35,10 +35,7 @@ from imp.messages import (
     StoreReply,
     StoreStatus,
 )
-
-
-def failed(req_id: str, status: StoreStatus, error: str) -> StoreReply:
-    return StoreReply(req_id, False, status, error)
+from imp.messages.store import failed
 
 
 class StoreClient:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from operator import attrgetter
 
 from imp.actors.base import Actor, Bus
 from imp.messages import Msg
@@ -61,29 +62,12 @@ class StoreActor(Actor):
             self.send(to, reply)
 
     # figures for metrics ----------------------------------------------
-    @property
-    def rows(self) -> int:
-        return self.store.stats.rows
-
-    @property
-    def bytes(self) -> int:
-        return self.store.stats.bytes
-
-    @property
-    def evicted_count(self) -> int:
-        return self.store.stats.evicted_count
-
-    @property
-    def evicted_bytes(self) -> int:
-        return self.store.stats.evicted_bytes
-
-    @property
-    def evicted_age(self) -> int:
-        return self.store.stats.evicted_age
-
-    @property
-    def write_failures(self) -> int:
-        return self.store.stats.write_failures
+    rows = property(attrgetter("store.stats.rows"))
+    bytes = property(attrgetter("store.stats.bytes"))
+    evicted_count = property(attrgetter("store.stats.evicted_count"))
+    evicted_bytes = property(attrgetter("store.stats.evicted_bytes"))
+    evicted_age = property(attrgetter("store.stats.evicted_age"))
+    write_failures = property(attrgetter("store.stats.write_failures"))
 
     @property
     def queued(self) -> int:

@@ -7,10 +7,8 @@ from imp.messages import (  # noqa: F401 - re-exported
     ChainLink, StoreDelete, StoreGet, StoreGetChain, StoreItem, StoreListInputItems, StorePut, StoreReply,
     StoreStatus, StoreSweep,
 )
+from imp.messages.store import failed  # noqa: F401 - re-exported (the client has it from there too)
 
 StoreRequest = StorePut | StoreGet | StoreGetChain | StoreDelete | StoreListInputItems | StoreSweep
 STORE_MESSAGES = (StorePut, StoreGet, StoreGetChain, StoreDelete, StoreListInputItems, StoreSweep, StoreReply)
 WRITES = (StorePut, StoreDelete, StoreSweep)  # run inside the writer's transaction
-
-
-from imp.actors.store_client import failed  # noqa: E402,F401 - one definition, shared with the client

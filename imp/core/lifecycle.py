@@ -1,0 +1,187 @@
+"""A request's life in the scheduler, from Enqueue to Finished: its sequences' states (`_set`,
+the one place they change), the tokens a step sampled and the finish decision they bring
+(EOS / stop token, max_tokens, context end), cancels, timeouts, end_thinking, preemption,
+and the prompt pins of cache_prompt and sessions. `SchedulerCore` (imp.core.scheduler)
+is this book plus the step.
+
+n > 1: sibling i is f"{req_id}#{i}" with seed + i. The siblings wait (HELD)
+until the first has computed the prompt, then fork its full prompt blocks.
+Cancels, timeouts and executor faults end a request at once; tokens of a step
+in flight for it are dropped, its blocks are freed in the next KvRequest.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from imp.core.core import CoreError, Out
+from imp.core.schedstate import Req, SchedulerConfig, Seq, Status
+from imp.messages import Enqueue, Finished, FinishReason, KvOp, Reject, SampledToken, TokenOut
+
+
+class RequestBook:
+    """The requests and sequences of one scheduler, and every change of their state."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.max_len = min(config.max_context, config.num_blocks * config.block_size)
+        self.requests: dict[str, Req] = {}
+        self.waiting: list[Seq] = []
+        self.running: list[Seq] = []
+        self.frees: list[KvOp] = []  # for the next KvRequest (frees, pins, unpins)
+        self.sessions: dict[str, int] = {}  # session id -> last use (ns), oldest first
+        self.now = 0
+        self.preemptions = self.cancellations = self.timeouts = self.steps = 0
+        self._orders = self._admits = 0
+        self._reserved_running = 0  # sum of reserved over requests with a running sequence (kept by _set)
+
+    def _enqueue(self, e: Enqueue, out: Out) -> None:
+        m = e.submit
+        if m.req_id in self.requests:
+            raise CoreError(f"duplicate request {m.req_id}")
+        if not 0 < len(m.prompt) < self.max_len:  # admission checks this; never trust a neighbour
+            out.append(("ingress", Reject(m.req_id, 400, "context_length_exceeded",
+                                          f"prompt of {len(m.prompt)} tokens does not fit")))
+            out.append(("admission", Finished(m.req_id, FinishReason.REJECTED)))
+            return
+        self._orders += 1
+        r = self.requests[m.req_id] = Req(m, self._orders, min(e.reserved_blocks, self.config.num_blocks))
+        for i in range(m.n):
+            p = m.params if i == 0 else msgspec.structs.replace(m.params, seed=(m.params.seed + i) % (1 << 63))
+            r.seqs.append(Seq(r, i, p))
+        self._set(r.seqs[0], Status.WAITING)
+
+    def _sampled(self, s: Seq, t: SampledToken, out: Out) -> None:
+        s.tokens.append(t.token_id)
+        p, r = s.params, s.req
+        if t.token_id in p.stop_token_ids and (not p.ignore_eos or p.constrained):  # a grammar ends at EOS
+            reason = FinishReason.STOP
+        elif len(s.tokens) - len(r.prompt) >= p.max_tokens or len(s.tokens) >= self.max_len:
+            reason = FinishReason.LENGTH
+        else:
+            reason = FinishReason.NONE
+        tout = self._token_out(s, [t.token_id], reason, [t] if p.logprobs >= 0 else [])
+        if p.prompt_logprobs >= 0 and s.index == 0 and not s.plp_sent:
+            tout = msgspec.structs.replace(tout, prompt_logprobs=tuple(s.plp))
+            s.plp, s.plp_sent = [], True
+        out.append(("detok", tout))
+        if s.index == 0 and len(r.seqs) > 1:  # the prompt is computed: the siblings may fork it
+            self._release_siblings(r)
+        if reason:
+            self._finish(s, reason, out)
+
+    def _end(self, r: Req, reason: FinishReason, out: Out, error: str = "", index: int = -1) -> None:
+        """End the request's unfinished choices (index: just that one)."""
+        for s in r.seqs:
+            if s.status is not Status.FINISHED and index in (-1, s.index):
+                out.append(("detok", self._token_out(s, [], reason, [], error)))
+                self._finish(s, reason, out)
+
+    def _end_thinking(self, r: Req, ids: list[int], out: Out) -> None:
+        """Force `ids` (the model's </think>) into every unfinished choice.
+
+        They join the generated tokens: the next step feeds them (a short
+        prefill), and a token sampled by a step in flight now is dropped,
+        because it was drawn before them. A choice without room for them
+        and one more token keeps thinking to its end.
+        """
+        for s in r.seqs:
+            if s.status is Status.FINISHED or not ids or len(s.tokens) + len(ids) >= self.max_len:
+                continue
+            s.epoch, s.ahead, s.pending = s.epoch + 1, 0, 0  # work in flight fed the old context
+            s.tokens.extend(ids)
+            s.send_params = True  # the executor's kept history has a dropped token and lacks ids: send it anew
+            out.append(("detok", self._token_out(s, tuple(ids), FinishReason.NONE, ())))
+
+    def _finish(self, s: Seq, reason: FinishReason, out: Out) -> None:
+        if s.in_kv:
+            self._free(s)
+        self._set(s, Status.FINISHED)
+        if s.index == 0:  # ended before its first token (a cancel of choice 0): don't strand them
+            self._release_siblings(s.req)
+        if s.req.n_live == 0:
+            r = s.req
+            del self.requests[r.id]
+            if r.pin_key and reason is not FinishReason.ERROR:  # after the frees: blocks are hashed
+                self.frees.append(KvOp("pin", r.pin_key, token_ids=tuple(r.prompt), salt=r.salt))
+                if r.session_id:
+                    self.sessions.pop(r.session_id, None)
+                    self.sessions[r.session_id] = self.now
+            out.append(("admission", Finished(r.id, reason)))
+
+    def _close_session(self, sid: str) -> None:
+        self.sessions.pop(sid, None)
+        self.frees.append(KvOp("unpin", f"session:{sid}"))
+
+    def _release_siblings(self, r: Req) -> None:
+        for sib in r.seqs[1:]:
+            if sib.status is Status.HELD:
+                self._set(sib, Status.WAITING)
+
+    def _advance(self, now_ns: int, out: Out) -> None:
+        self.now = max(self.now, now_ns)
+        ttl = self.config.session_ttl_ns
+        while self.sessions:  # oldest use first: stop at the first one still alive
+            sid, last = next(iter(self.sessions.items()))
+            if self.now - last < ttl:
+                break
+            self._close_session(sid)
+        t = self.config.request_timeout_ns
+        if t:
+            for r in [r for r in self.requests.values() if self.now - r.arrival_ns >= t]:
+                self.timeouts += 1
+                self._end(r, FinishReason.TIMEOUT, out)
+
+    def _set(self, s: Seq, new: Status) -> None:
+        """The one place a sequence changes state (and the lists follow)."""
+        if s.status is Status.WAITING:
+            self.waiting.remove(s)
+        elif s.status is Status.RUNNING:
+            s.epoch, s.ahead, s.pending = s.epoch + 1, 0, 0  # its steps in flight no longer count
+            self.running.remove(s)
+            s.req.n_running -= 1
+            if s.req.n_running == 0:
+                self._reserved_running -= s.req.reserved
+        s.status = new
+        if new is Status.WAITING:
+            self.waiting.append(s)
+        elif new is Status.RUNNING:
+            self.running.append(s)
+            s.req.n_running += 1
+            if s.req.n_running == 1:
+                self._reserved_running += s.req.reserved
+            self._admits += 1
+            s.admit_no = self._admits
+        elif new is Status.FINISHED:
+            s.req.n_live -= 1
+        assert len(self.running) <= self.config.max_batch_size
+
+    def _preempt_for(self, failed: list[Seq]) -> None:
+        """For each sequence whose decode could not grow (and still runs), preempt the worst
+        running one (highest priority number, then newest): its blocks freed, it waits again
+        and is recomputed later, prompt plus generated tokens."""
+        for s in failed:
+            # Each preemption frees at least the victim's last block, which is
+            # never shared: enough for one decode to grow next step.
+            if s.status is Status.RUNNING:
+                victim = max(self.running, key=lambda v: (v.req.priority, v.admit_no))
+                self._free(victim)
+                victim.num_computed = victim.num_reported = 0
+                self._set(victim, Status.WAITING)
+                self.preemptions += 1
+
+    def _free(self, s: Seq) -> None:
+        self.frees.append(KvOp("free", s.id, token_ids=tuple(s.tokens[s.num_reported:s.num_computed])))
+        s.in_kv, s.table = False, ()
+
+    def _reserved(self) -> int:
+        # kept incrementally: summing over every request was a tenth of a step at batch 256
+        return self._reserved_running
+
+    def _token_out(self, s: Seq, ids, reason: FinishReason, lp, error: str = "") -> TokenOut:
+        ids, lp = tuple(ids), tuple(lp)
+        if not reason:
+            return TokenOut(s.req.id, s.index, ids, logprobs=lp)
+        return TokenOut(s.req.id, s.index, ids, reason, len(s.req.prompt), max(0, s.req.cached_tokens),
+                        len(s.tokens) - len(s.req.prompt), lp, error)
+

@@ -1,0 +1,101 @@
+"""The scheduler's frozen config and its state: requests (`Req`), their sequences (`Seq`,
+one per choice, with a `Status`), and a step's shares (`Work`). Plain data; the decisions
+are in `imp.core.scheduler` (the step) and `imp.core.lifecycle` (a request's life)."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from imp.messages import Submit
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True):
+    num_blocks: int
+    block_size: int = 16
+    max_context: int = 2048
+    max_batch_size: int = 64
+    max_step_tokens: int = 512  # token budget of one step (chunked prefill)
+    request_timeout_ns: int = 0  # 0 = none
+    aging_ns: int = 10_000_000_000  # waiting this long outranks any prompt length
+    session_ttl_ns: int = 600_000_000_000  # an idle session's pinned prompt is released after this
+    pipeline_depth: int = 1  # steps in flight at once: 2 plans step N+1 while the executor runs step N
+    # prompt tokens that new requests may bring to one planning round before the KV reply says how many of
+    # them the prefix cache already holds; the step itself still computes at most max_step_tokens (the new
+    # shares are cut to what is left of it once their cached part is known, `_on_kv`). 0 = max_step_tokens
+    # (the policy before this field: logs written then replay identically)
+    admit_tokens: int = 0
+    # True: a penalized (or constrained) share carries its generated-token history only with the sequence's
+    # first share after each admission, as params do; the executor appends what it samples after that
+    # (`imp.actors.executor.attach_state`). A full history in every share made each step O(tokens generated)
+    # in the plan, its encoding and the event log (1,000-token outputs: the log grew quadratically).
+    # False: every share carries it (logs written before this field replay identically)
+    history_once: bool = False
+
+    def __post_init__(self):
+        if min(self.num_blocks, self.block_size, self.max_context, self.max_batch_size,
+               self.max_step_tokens, self.aging_ns) < 1 or self.request_timeout_ns < 0 \
+                or self.pipeline_depth not in (1, 2):
+            raise ValueError(f"bad SchedulerConfig {self}")
+
+
+class Status(enum.Enum):
+    HELD = 0  # sibling waiting for the first sequence to compute the prompt
+    WAITING = 1  # new or preempted: needs an alloc (or fork)
+    RUNNING = 2  # holds blocks; gets work every step it fits
+    FINISHED = 3
+
+
+class Phase(enum.Enum):
+    IDLE = 0  # free to plan a step (when fewer than pipeline_depth are in flight)
+    KV = 1  # KvRequest sent, waiting for the KvReply
+
+
+class Req:
+    __slots__ = ("id", "prompt", "priority", "salt", "arrival_ns", "order", "reserved", "cached_tokens", "n_running",
+                 "n_live", "seqs", "pin_key", "session_id")
+
+    def __init__(self, m: Submit, order: int, reserved: int):
+        self.id, self.prompt, self.priority, self.salt = m.req_id, m.prompt, m.priority, m.salt
+        self.arrival_ns, self.order, self.reserved = m.arrival_ns, order, reserved
+        self.cached_tokens = -1  # prompt tokens found in the prefix cache, at first alloc
+        self.n_running = 0
+        self.n_live = m.n
+        self.seqs: list[Seq] = []
+        # where the prompt's KV is pinned when the request ends ("" = not pinned)
+        self.pin_key = (f"session:{m.session_id}" if m.session_id
+                        else f"prompt:{m.req_id}" if m.cache_prompt else "")
+        self.session_id = m.session_id
+
+
+class Seq:
+    __slots__ = ("id", "req", "index", "params", "tokens", "status", "num_computed", "num_reported", "table", "in_kv",
+                 "admit_no", "plp", "plp_sent", "epoch", "ahead", "pending", "send_params")
+
+    def __init__(self, req: Req, index: int, params):
+        self.id, self.req, self.index, self.params = f"{req.id}#{index}", req, index, params
+        self.tokens = list(req.prompt)  # prompt + generated
+        self.status = Status.HELD
+        self.num_computed = 0  # positions whose KV is written
+        self.num_reported = 0  # of those, reported to kv (for prefix hashing)
+        self.table: tuple[int, ...] = ()  # always a KvReply's tuple: shared with SeqWork, never copied
+        self.in_kv = False  # kv holds a table for it
+        self.admit_no = 0  # when it last started running (preemption picks the newest)
+        self.plp: list = []  # prompt logprobs gathered during prefill (choice 0 only)
+        self.plp_sent = False  # delivered with the first token: never scored again
+        self.send_params = False  # its next share carries the params (the executor forgets them when freed)
+        self.epoch = 0  # results of in-flight work from an older epoch are ignored
+        self.ahead = 0  # positions fed by steps in flight (this epoch), beyond num_computed
+        self.pending = 0  # tokens those steps will sample (0 or 1), beyond len(tokens)
+
+
+class Work:
+    """One sequence's share of the step being prepared or in flight: positions
+    start .. start+n-1, sampling after the last when `sample`."""
+
+    __slots__ = ("seq", "n", "has_result", "new", "start", "sample", "epoch")
+
+    def __init__(self, seq: Seq, n: int, has_result: bool, new: bool = False, start: int = 0, sample: bool = False):
+        self.seq, self.n, self.has_result, self.new = seq, n, has_result, new
+        self.start, self.sample, self.epoch = start, sample, seq.epoch

@@ -1,0 +1,85 @@
+"""What a request asks of the sampler: `SamplingParams` (resolved by ingress, carried by `Submit`
+and a sequence's first `SeqWork`) and its policy predicates, and the output's `Constraint`."""
+
+from __future__ import annotations
+
+from imp.messages.base import Struct
+
+
+class Constraint(Struct):
+    """What a sequence's output must match (compiled by `imp.constrain`; plain data here, so
+    it rides in the log and replay rebuilds the same grammar). kind: json_schema (source =
+    the schema as JSON text), json_object, regex (whole output), lark (llguidance's Lark,
+    also the forced tool-call grammars), gbnf (llama.cpp's). strict: OpenAI's strict
+    json_schema semantics."""
+
+    kind: str
+    source: str = ""
+    strict: bool = False
+
+
+class SamplingParams(Struct):
+    """Resolved sampling settings (defaults already applied by ingress)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k filtering (ingress maps the API's 0 -> 50)
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = 0  # always set: ingress draws one when the client gave none
+    stop_token_ids: tuple[int, ...] = ()  # EOS etc.; ends with STOP
+    ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int = -1  # -1 = none; k >= 0 = sampled token's logprob + top k
+    # -1 = none; k >= 0 = each prompt token's raw logprob + top k (vLLM prompt_logprobs).
+    # Such a request never reuses cached prefix blocks: every prompt row is forwarded.
+    prompt_logprobs: int = -1
+    # the output's grammar (structured output, a forced tool call); its mask is applied to the
+    # logits before anything else, so logprobs read a masked token as probability 0
+    constraint: Constraint | None = None
+    # the LoRA adapter the sequence runs with (its id from POST /admin/lora/load; 0 = the base
+    # model). Carried with the params: the executor keeps them per sequence already.
+    lora: int = 0
+    # /v1/score: the logprobs of these ids at each sampled position, in this order, in place of
+    # the top-k (SampledToken.top); asked with logprobs >= 0, so the host sampler answers
+    score_ids: tuple[int, ...] = ()
+
+    # The sampling policy, decided here once: every runner, sampler and the
+    # scheduler ask these instead of re-testing the fields.
+    @property
+    def greedy(self) -> bool:
+        """The draw is an argmax (of the biased, penalized logits)."""
+        return self.temperature <= 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """A repetition/presence/frequency penalty applies: the sampler needs the history."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def constrained(self) -> bool:
+        """A grammar masks the logits before sampling."""
+        return self.constraint is not None
+
+    @property
+    def needs_history(self) -> bool:
+        """The sampler needs the generated tokens (penalties count them; a grammar's state
+        is a function of them): the scheduler sends them with a sequence's first share after
+        each admission, and the executor keeps them (SchedulerConfig.history_once; before it,
+        with every share that samples)."""
+        return self.penalized or self.constraint is not None
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Argmax of the raw logits, nothing else asked: a batch of these is one argmax."""
+        return (self.greedy and self.logprobs < 0 and not self.logit_bias and not self.penalized
+                and self.constraint is None)
+
+    @property
+    def host_sampled(self) -> bool:
+        """Needs the CPU sampler even on a GPU (logprobs, typical_p, score_ids)."""
+        return self.logprobs >= 0 or (self.typical_p < 1.0 and not self.greedy) or bool(self.score_ids)

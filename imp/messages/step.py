@@ -1,0 +1,188 @@
+"""One engine step: scheduler <-> kv, scheduler <-> executor, scheduler -> detok
+(docs/STEP.md has the order).
+
+    scheduler -KvRequest-> kv -KvReply-> scheduler           (the step's allocator ops)
+    scheduler -StepPlan-> executor -StepResult-> scheduler   (or StepFailed)
+    scheduler -TokenBatch-> detok                            (the TokenOuts of one decision)
+"""
+
+from __future__ import annotations
+
+from imp.messages.base import FinishReason, Msg, Struct
+from imp.messages.params import SamplingParams
+
+
+class PromptLogprob(Struct):
+    """One prompt token scored by the raw model distribution (log-softmax of
+    the logits at the position before it); position >= 1."""
+
+    position: int
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class SampledToken(Struct):
+    seq_id: str
+    token_id: int
+    logprob: float = 0.0
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob) when asked
+    # prompt tokens scored this step (SeqWork.prompt_logprobs >= 0); token_id is -1
+    # when the step sampled nothing for the sequence (a prefill chunk)
+    prompt: tuple[PromptLogprob, ...] = ()
+
+
+class SeqWork(Struct):
+    """One sequence's share of a step.
+
+    token_ids are the tokens fed this step, at positions start_pos ...
+    start_pos+len-1; block_table covers every position up to the last one.
+    sample says whether the last position's logits are sampled (False for a
+    prefill chunk that does not reach the end of the prompt).
+    gen_index is the index of the token to be sampled among the generated
+    ones; together with params.seed it fixes the random draw, so a
+    recomputed (preempted) sequence draws the same tokens again.
+    """
+
+    seq_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_table: tuple[int, ...]
+    sample: bool
+    # sent with a sequence's first share after each (re)admission (alloc or fork), None
+    # after that: the executor keeps them until the sequence is freed (half of a
+    # batch-256 plan's bytes were repeated SamplingParams)
+    params: SamplingParams | None
+    gen_index: int = 0
+    # generated tokens so far (params.needs_history: penalties, a grammar). With history_once the scheduler
+    # sends every known one with the first share after each admission and () after that: the executor
+    # (`attach_state`) fills a sampled share's history in from what it kept and sampled since
+    history: tuple[int, ...] = ()
+    # >= 0: score the prompt tokens at start_pos+1 .. (top k each), i.e. return
+    # the raw logprob rows of this chunk's positions; prompt_next is the prompt
+    # token after the chunk (-1 when the chunk ends the prompt)
+    prompt_logprobs: int = -1
+    prompt_next: int = -1
+    # Pipelined steps (scheduler pipeline_depth > 1): the last `pending` tokens
+    # of this sequence were sampled by earlier steps still in flight when the
+    # scheduler planned this one, so it does not know them. A fed token of
+    # PENDING_TOKEN stands for the one the previous step sampled for this
+    # sequence, and `history` lacks those `pending` tokens: the executor
+    # supplies both (on the device, or from the results it already has).
+    pending: int = 0
+
+
+PENDING_TOKEN = -1
+
+
+class KvOp(Struct):
+    """One allocator operation, as asked by the scheduler.
+
+    kind = "alloc": a new sequence; token_ids is its full known token list
+           (prompt, or prompt + generated when recomputing a preempted one);
+           the allocator may reuse cached prefix blocks (never the block of
+           the last token) and allocates blocks to hold num_tokens positions.
+           KvResult.cached_tokens = the positions whose KV is already there.
+    kind = "grow":  make the sequence's table hold num_tokens positions;
+           token_ids are the tokens whose KV was written since the last op
+           (for hashing newly full blocks into the prefix cache). They are
+           recorded even when the grow itself fails.
+    kind = "free":  release the sequence's blocks (full blocks stay cached);
+           token_ids as for grow (hashed before the release).
+    kind = "fork":  new sequence parent->seq_id (n > 1 siblings) holding
+           num_tokens positions; token_ids its known tokens (the prompt). It
+           shares the parent's full blocks of those positions, except the one
+           of the last token (refcounts bumped), and gets its own tail blocks.
+           cached_tokens = the shared positions.
+    Once an op fails for want of blocks, every later op of the same
+    KvRequest that needs a new block fails too (no queue jumping).
+    """
+
+    kind: str
+    seq_id: str
+    num_tokens: int = 0
+    token_ids: tuple[int, ...] = ()
+    parent: str = ""
+    salt: str = ""  # LoRA adapter name (prefix cache key)
+
+
+class KvResult(Struct):
+    seq_id: str
+    ok: bool
+    block_table: tuple[int, ...] = ()
+    cached_tokens: int = 0  # alloc: prompt tokens found in the prefix cache
+    wait: bool = False  # alloc refused (ok False) because another sequence is computing its next prompt block
+
+
+class KvFigures(Struct):
+    total: int
+    free: int
+    used: int
+    reserved: int
+    cached: int
+    block_size: int
+    evictions: int = 0
+    pinned: int = 0  # blocks held by cache_prompt / session pins
+    inflight_waits: int = 0  # allocs that waited for prompt blocks another sequence was computing (running total)
+
+
+class KvRequest(Msg):
+    """scheduler -> kv: the allocator operations for one step, in order."""
+
+    step: int
+    ops: tuple[KvOp, ...]
+
+
+class KvReply(Msg):
+    """kv -> scheduler: one result per alloc/grow/fork op, in order."""
+
+    step: int
+    results: tuple[KvResult, ...]
+    figures: KvFigures
+
+
+class StepPlan(Msg):
+    """scheduler -> executor: run these sequences for one step."""
+
+    step: int
+    seqs: tuple[SeqWork, ...]
+    freed: tuple[str, ...] = ()  # sequences the executor can forget
+
+
+class StepResult(Msg):
+    """executor -> scheduler: what the step produced."""
+
+    step: int
+    tokens: tuple[SampledToken, ...]
+    now_ns: int
+    elapsed_ns: int = 0
+
+
+class StepFailed(Msg):
+    """executor -> scheduler: the step raised; its sequences end with ERROR."""
+
+    step: int
+    error: str
+    now_ns: int
+
+
+class TokenOut(Msg):
+    """scheduler -> detok: new tokens of one choice of a request."""
+
+    req_id: str
+    index: int
+    token_ids: tuple[int, ...]
+    finish: FinishReason = FinishReason.NONE
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: tuple[SampledToken, ...] = ()
+    error: str = ""
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()  # with the first token of choice 0
+
+
+class TokenBatch(Msg):
+    """scheduler -> detok: every TokenOut of one scheduler decision, in order."""
+
+    outs: tuple[TokenOut, ...]

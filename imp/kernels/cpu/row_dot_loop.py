@@ -34,7 +34,7 @@ per-32 scales at xd/xs[xb + t * xbstride].
 
 Where VNNI, the types whose weights carry an offset (`UNSIGNED_X`: Q4_0, Q5_0, Q8_0,
 Q6_K) read the activations as unsigned bytes, x + 128 (the int8 bits of x ^ 0x80, made
-once per quantization by cpu_qdot.widen_rows), rather than flipping them per token and
+once per quantization by gemm_int8_act.widen_rows), rather than flipping them per token and
 row inside the loop (Gemma's prefill GEMMs ~7 % faster, PERFORMANCE.md eleventh session).
 Every block's integer dot is the same exact int32 either way, so the bits are.
 """
@@ -45,7 +45,6 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from imp.kernels import cpu_simd  # noqa: F401 - sets the kernels' Numba cache directory first
 
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 F32, HALF = ir.FloatType(), ir.HalfType()

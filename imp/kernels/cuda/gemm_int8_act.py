@@ -1,5 +1,5 @@
 """Quantized GEMM on int8 activations with integer tensor cores (llama.cpp's MMQ): Y = X W^T for batches
-of 9..512+ rows, where the GEMV (`qgemv_q8`, dp4a) is compute-bound and the server today falls back to
+of 9..512+ rows, where the GEMV (`gemv_int8_act`, dp4a) is compute-bound and the server today falls back to
 cuBLAS over a dense fp16 copy of the weights (3.3x the bytes of a Q4_K model kept in memory).
 
 Wired in for the int8 path without a dense copy (`imp.gpu.linear.Linear.mode`: prompt rows and decode
@@ -7,7 +7,7 @@ batches past 8); with a dense copy cuBLAS over it is still faster at 64+ rows (b
 0.26-0.61x of cuBLAS at M = 64..512, 0.9-1.2x at 16). `tests/test_gpu_qmm.py` (GPU lane) checks every
 tile against the float64 reference and the tiles' bits against each other.
 
-Same numerics as the GEMV: x is q8 per block of 32 (`imp.kernels.q8act`), each weight block read as
+Same numerics as the GEMV: x is q8 per block of 32 (`imp.kernels.cuda.quantize_act_int8`), each weight block read as
 int8 with its scale (and min), integer dot products exact, scaled in fp32:
 
     Y[m, n] = sum_g xd[m, g/2] * s16[n, g] * isum16(m, n, g) + sum_j xs[m, j] * mn32[n, j]
@@ -26,7 +26,7 @@ Where the time goes, and what this kernel does about it:
     are exactly 12582912 + isum (|isum| < 2^22), and one exact FADD gives (float)isum.
   * No overlap of loads and compute: now a STAGES-deep cp.async pipeline (sm_80+) over chunks of
     256 columns. The RAW weight blocks go to shared memory as they are in the repacked layout
-    (`imp.kernels.qweight`: 16-byte pieces, adjacent threads adjacent pieces of a row: coalesced), and
+    (`imp.kernels.cuda.quant_weight`: 16-byte pieces, adjacent threads adjacent pieces of a row: coalesced), and
     the B fragments are built from them directly (nibble masks / Q6_K's 4+2 bits, a few ALU ops a
     register): no int8 staging copy of the weights. Per chunk: wait for its copies, __syncthreads,
     issue the copies of chunk + STAGES - 1, decode the chunk's weight scales (and mins) once per
@@ -55,9 +55,9 @@ import functools
 
 import torch
 
-from imp.kernels import _cuda as cu
-from imp.kernels.q8act import Q8Act
-from imp.kernels.qweight import Q4K_SCALE_MIN_SRC, QWeight, check_parts, out_for
+from imp.kernels.cuda import runtime as cu
+from imp.kernels.cuda.quantize_act_int8 import Q8Act
+from imp.kernels.cuda.quant_weight import Q4K_SCALE_MIN_SRC, QWeight, check_parts, out_for
 
 FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 KC = 256

@@ -1,5 +1,5 @@
 """Quantized GEMV (decode matmul) y[b] = W @ x[b], dequantizing in registers, every format
-of `imp.kernels.qweight` (which also holds the layouts and the references).
+of `imp.kernels.cuda.quant_weight` (which also holds the layouts and the references).
 
 Kernel shape: one warp per output row, 4 warps a block; lanes stride over the
 row's chunks (32 elements of a block, 64 of a Q4_K sub-block pair, 8 of bf16)
@@ -11,7 +11,7 @@ fp32, one warp reduction per activation row at the end.
 Roofline (decode, batch 1): bytes = weight bytes (bits/8 * rows * cols) +
 x; arithmetic is negligible, so time >= bytes / copy-rate.
 
-The BF16 family with two rows a warp and fused epilogues is `imp.kernels.gemv_bf16x`;
+The BF16 family with two rows a warp and fused epilogues is `imp.kernels.cuda.gemv_bf16_fused`;
 its names are re-exported here, the one GEMV entry point the GPU linear layer uses.
 """
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from imp.kernels import _cuda as cu
-from imp.kernels.qweight import (BITS, BLOCK, FORMATS, Q4K_SCALE_MIN_SRC, TILES, QWeight, cat_rows, check_parts,
+from imp.kernels.cuda import runtime as cu
+from imp.kernels.cuda.quant_weight import (BITS, BLOCK, FORMATS, Q4K_SCALE_MIN_SRC, TILES, QWeight, cat_rows, check_parts,
                                   gemv_reference, out_for, reference, repack, tile_for)
 
 WARPS = 4
@@ -295,7 +295,7 @@ def gemv(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.
 
 
 
-from imp.kernels.gemv_bf16x import XACTS, XMODES, XVARIANTS, gemv_bf16x, x_ok  # noqa: E402
+from imp.kernels.cuda.gemv_bf16_fused import XACTS, XMODES, XVARIANTS, gemv_bf16x, x_ok  # noqa: E402
 
 __all__ = ["BITS", "BLOCK", "FORMATS", "TILES", "WARPS", "QWeight", "cat_rows", "gemv", "gemv_reference", "reference",
            "repack", "tile_for", "XACTS", "XMODES", "XVARIANTS", "gemv_bf16x", "x_ok"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from imp.kernels import _cuda as cu
-from imp.kernels.qweight import TILES, QWeight, tile_for
+from imp.kernels.cuda import runtime as cu
+from imp.kernels.cuda.quant_weight import TILES, QWeight, tile_for
 
 # ------------------------------------------------------------------ BF16 GEMV, two rows a warp, fused epilogues
 

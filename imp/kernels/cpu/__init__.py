@@ -1,7 +1,7 @@
 """Numba CPU kernels over the GGUF file's own blocks (no torch):
 
     gemm_int8_act   activations quantized to int8 per block of 32; GEMV / small GEMM over the blocks
-    row_dot_loop    the LLVM loop of one weight row . T tokens
+    row_dot_loop    the LLVM loop of one weight row . T tokens (gguf_block_ir: the blocks decoded in IR)
     gemm_q8_0_amx   Q8_0 GEMM on AMX int8 tiles (output heads)
     paged_attention attention over the paged fp16 KV cache, query heads of one KV head together
     fused_forward   every decoder layer of one step in one Numba call

@@ -92,6 +92,18 @@ def out_for(w: QWeight, n: int, out: torch.Tensor | None, device) -> torch.Tenso
     return out
 
 
+def check_x(w: QWeight, x: torch.Tensor) -> tuple[int, int]:
+    """(B, K) of the fp32 activations x [B, K] of a GEMV of w, checked: read as float4 (16-byte
+    aligned, a row stride of whole float4s), K the weight's columns."""
+    cu.check(x, "x", torch.float32, 2, align=16)
+    B, K = x.shape
+    if K != w.cols:
+        raise ValueError(f"x has {K} columns, weight {w.cols}")
+    if x.stride(0) % 4:
+        raise ValueError("x row stride must be a multiple of 4 floats")
+    return B, K
+
+
 def check_parts(w: QWeight, names, device) -> None:
     """The named parts (None: a format without it) contiguous on the activations' device."""
     for k in names:

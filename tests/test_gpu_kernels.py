@@ -53,7 +53,7 @@ def _poison(*shape, dtype=torch.float32):
 @pytest.mark.parametrize("fmt", gemv_fp32_act.FORMATS)
 @pytest.mark.parametrize("rows,cols", [(64, 256), (200, 512), (576, 1536)])
 @pytest.mark.parametrize("B", [1, 3, 8, 13])
-def test_qgemv(fmt, rows, cols, B):
+def test_gemv_fp32_act(fmt, rows, cols, B):
     _skip_without_gpu()
     _, w = _weight(fmt, rows, cols, rows + cols + B)
     w = w.to(DEV)
@@ -69,7 +69,7 @@ def _skip_without_gpu():
 
 
 @pytest.mark.gpu
-def test_qgemv_column_slice_and_strided_x():
+def test_gemv_fp32_act_column_slice_and_strided_x():
     _skip_without_gpu()
     _, w = _weight("Q4_K", 96, 512, 7)
     w = w.to(DEV)

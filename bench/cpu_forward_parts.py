@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python bench/cpu_forward_parts.py --model gemma-3-270m [--tokens 512]
 
 One real prefill of N tokens through ModelRunner captures the arguments of
-`cpu_forward.forward_layers`; then every layer's steps (norms, activation quantization,
+`fused_forward.forward_layers`; then every layer's steps (norms, activation quantization,
 the GEMMs, q/k norm + RoPE + KV write, attention, the activation, residuals) are called
 from Python in the same order on the same shapes, each timed, twice (the second pass is
 printed). Calling the pieces one by one adds a little dispatch and thread wake-up per call,
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-import imp.kernels.cpu_forward as cf  # noqa: E402
+import imp.kernels.cpu.fused_forward as cf  # noqa: E402
 from imp.fetch import resolve_model  # noqa: E402
 from imp.messages import SamplingParams, SeqWork  # noqa: E402
 from imp.model.runner import ModelRunner  # noqa: E402

@@ -24,7 +24,7 @@ def main() -> None:
     import numpy as np
     from numba import njit
 
-    from imp.kernels import cpu_qdot as qd
+    from imp.kernels.cpu import gemm_int8_act as qd
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)

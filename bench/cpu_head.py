@@ -1,5 +1,5 @@
-"""A model's output head (`cpu_qdot.gemm`, the whole matrix) at decode batch sizes, on both Q8_0
-routes where the CPU has AMX: the VNNI loop (`amx=False`) and AMX tiles (`cpu_amx`), ms.
+"""A model's output head (`imp.kernels.cpu.gemm_int8_act.gemm`, the whole matrix) at decode batch sizes, on both Q8_0
+routes where the CPU has AMX: the VNNI loop (`amx=False`) and AMX tiles (`imp.kernels.cpu.gemm_q8_0_amx`), ms.
 
     .venv/bin/python bench/cpu_head.py --model ~/.cache/imp/gemma-3-270m-q4_k_m.gguf [--threads 2]
 
@@ -23,8 +23,8 @@ def main() -> None:
     import numba
     import numpy as np
 
-    from imp.kernels import cpu_amx
-    from imp.kernels import cpu_qdot as qd
+    from imp.kernels.cpu import gemm_q8_0_amx
+    from imp.kernels.cpu import gemm_int8_act as qd
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -40,9 +40,9 @@ def main() -> None:
     blob = np.memmap(a.model, dtype=np.uint8, mode="r")
     rb = qd.row_bytes(qt, K)
     w = np.asarray(blob[int(t.data_offset): int(t.data_offset) + R * rb]).reshape(R, rb)
-    routes = [("vnni", False)] + ([("amx", True)] if cpu_amx.AMX and qt == qd.Q8_0 else [])
+    routes = [("vnni", False)] + ([("amx", True)] if gemm_q8_0_amx.AMX and qt == qd.Q8_0 else [])
     print(f"{t.name} {t.tensor_type.name} {R} x {K} ({R * rb / 1e6:.1f} MB), {a.threads} threads, "
-          f"AMX {'on' if cpu_amx.AMX else 'off'} here")
+          f"AMX {'on' if gemm_q8_0_amx.AMX else 'off'} here")
     print("| tokens | " + " | ".join(f"{n} ms" for n, _ in routes) + (" | vnni / amx |" if len(routes) > 1 else " |"))
     print("|---" * (len(routes) + 1 + (len(routes) > 1)) + "|")
     rng = np.random.default_rng(0)

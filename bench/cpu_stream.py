@@ -1,7 +1,7 @@
 """Is the CPU decode GEMV waiting on memory? A plain Numba stream over B bytes against the Q8_0 GEMV over a
 synthetic matrix of the same size (Gemma 3's head: 262144 x 640) and over a copy small enough to stay in
 cache, 1 and 2 threads. The GEMV at the stream's rate is memory-bound; far below it while the cached copy
-runs fast, it is waiting on loads (the prefetch distance, `imp.kernels.cpu_rowdot.PREFETCH`).
+runs fast, it is waiting on loads (the prefetch distance, `imp.kernels.cpu.row_dot_loop.PREFETCH`).
 
     PYTHONPATH=. .venv/bin/python bench/cpu_stream.py [--rows 262144] [--cols 640]
 """
@@ -21,8 +21,8 @@ def main() -> None:
     import numpy as np
     from numba import njit, prange
 
-    from imp.kernels import cpu_qdot as qd
-    from imp.kernels import cpu_rowdot
+    from imp.kernels.cpu import gemm_int8_act as qd
+    from imp.kernels.cpu import row_dot_loop
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=262144)
@@ -46,7 +46,7 @@ def main() -> None:
     xq, xd, xs = qd.quantize(rng.standard_normal((1, K)).astype(np.float32))
     xu = np.empty_like(xq)
     qd.widen_rows(xq, xu)
-    print(f"PREFETCH {cpu_rowdot.PREFETCH} bytes\n\n| what | MB | 1 thread GB/s | 2 threads GB/s |\n|---|---|---|---|")
+    print(f"PREFETCH {row_dot_loop.PREFETCH} bytes\n\n| what | MB | 1 thread GB/s | 2 threads GB/s |\n|---|---|---|---|")
     for R in (1024, a.rows):
         blob = rng.integers(0, 255, R * rb, dtype=np.uint8)
         blob.reshape(R, rb)[:, :2] = (0, 0x3C)  # fp16 scale 1.0

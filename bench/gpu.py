@@ -141,7 +141,7 @@ class Seqs:
 
 def linear_table(runner, name: str, copy_Bps: float, res: dict) -> str:
     """The tuner's graph-replayed timings (rotating over the layers' copies of each matrix) as a table."""
-    from imp.kernels.qweight import BITS  # noqa: PLC0415
+    from imp.kernels.cuda.quant_weight import BITS  # noqa: PLC0415
 
     head = (f"{name}: per-matrix device time, µs (GB/s of the weight as stored), n = rows of x; * = chosen "
             "(fused variants have 2 µs per saved kernel taken off)")
@@ -244,7 +244,7 @@ def profile_decode(runner, name: str, out: Path, res: dict) -> None:
 def profile_prefill(runner, name: str, P: int, out: Path, res: dict) -> None:
     """Where one eager prefill of P tokens spends its time: host time per launcher (no syncs), the
     Numba vs CuPy KV write in eager steps, and torch.profiler's kernel table."""
-    from imp.kernels import act, kv_write, prefill_attention, rmsnorm, rope
+    from imp.kernels.cuda import add_rmsnorm, gated_act, kv_write, prefill_attention_sdpa, rope
     from imp.gpu import linear as gpu_linear
 
     cfg = runner.config
@@ -281,8 +281,8 @@ def profile_prefill(runner, name: str, P: int, out: Path, res: dict) -> None:
         setattr(obj, attr, w)
         patched.append((obj, attr, fn))
 
-    for obj, attr in ((kv_write, "kv_write"), (kv_write, "kv_write_cupy"), (prefill_attention, "prefill_attention"),
-                      (rmsnorm, "add_rmsnorm"), (rope, "rope"), (act, "gated_act"), (gpu_linear.Linear, "run"),
+    for obj, attr in ((kv_write, "kv_write"), (kv_write, "kv_write_cupy"), (prefill_attention_sdpa, "prefill_attention"),
+                      (add_rmsnorm, "add_rmsnorm"), (rope, "rope"), (gated_act, "gated_act"), (gpu_linear.Linear, "run"),
                       (runner, "_eager_meta"), (runner, "_sample")):
         wrap(obj, attr, f"{getattr(obj, '__name__', type(obj).__name__)}.{attr}")
     try:

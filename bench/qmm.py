@@ -1,5 +1,5 @@
 """The skinny-GEMM question on the GPU: for the 8B Q4_K_M matrices at 1..512 rows, device µs of
-the int8 tensor-core GEMM (`imp.kernels.qmm_q8`), the best dp4a GEMV variant (`qgemv_q8`, up to 64
+the int8 tensor-core GEMM (`imp.kernels.cuda.gemm_int8_act`), the best dp4a GEMV variant (`gemv_int8_act`, up to 64
 rows) and cuBLAS over a dense fp16 copy (what the server keeps today). Prints a markdown table.
 
     python3 bench/qmm.py [--rows 1,8,16,32,64,128,256,512] [--copies 3]
@@ -21,8 +21,8 @@ from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from imp.kernels import q8act, qgemv_q8, qmm_q8  # noqa: E402
-from imp.kernels.qweight import repack  # noqa: E402
+from imp.kernels.cuda import gemm_int8_act, gemv_int8_act, quantize_act_int8  # noqa: E402
+from imp.kernels.cuda.quant_weight import repack  # noqa: E402
 from tests.fixtures.synth_raw import random_blocks  # noqa: E402
 
 # Llama-3-8B matrices as Q4_K_M lays them out (attn_v / ffn_down Q6_K in half the layers: both shown)
@@ -61,7 +61,7 @@ def main() -> None:
     a = ap.parse_args()
     Ms = [int(v) for v in a.rows.split(",")]
     rng = np.random.default_rng(0)
-    lines = ["| matrix | fmt | N x K | M | qmm_q8 µs | best q8 GEMV µs (variant) | dense fp16 cuBLAS µs | qmm vs dense | qmm GB/s | max rel diff qmm vs GEMV |",
+    lines = ["| matrix | fmt | N x K | M | qmm µs | best q8 GEMV µs (variant) | dense fp16 cuBLAS µs | qmm vs dense | qmm GB/s | max rel diff qmm vs GEMV |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, fmt, N, K in SHAPES:
         raw = random_blocks(FT[fmt], N * K // BE[fmt], K ** -0.5, rng)
@@ -70,20 +70,20 @@ def main() -> None:
         nbytes = ws[0].nbytes
         for M in Ms:
             x = torch.randn(M, K, device="cuda")
-            xa = q8act.quantize(x)
+            xa = quantize_act_int8.quantize(x)
             xh = x.half()
             outs = [torch.empty(M, N, device="cuda") for _ in range(a.copies)]
-            t_qmm = graph_us([lambda w=w, o=o: qmm_q8.qmm(w, xa, o) for w, o in zip(ws, outs)])
+            t_qmm = graph_us([lambda w=w, o=o: gemm_int8_act.qmm(w, xa, o) for w, o in zip(ws, outs)])
             t_dense = graph_us([lambda d=d: torch.mm(xh, d.t()) for d in dense])
             gv, gname, diff = float("nan"), "-", float("nan")
             if M <= 64:
-                for v, (r, sp) in qgemv_q8.VARIANTS.items():
-                    t = graph_us([lambda w=w, o=o, r=r, sp=sp: qgemv_q8.gemv(w, xa, o, rows=r, split=sp)
+                for v, (r, sp) in gemv_int8_act.VARIANTS.items():
+                    t = graph_us([lambda w=w, o=o, r=r, sp=sp: gemv_int8_act.gemv(w, xa, o, rows=r, split=sp)
                                   for w, o in zip(ws, outs)])
                     if not t >= gv:
                         gv, gname = t, v
-                ref = qgemv_q8.gemv(ws[0], xa, rows=1)
-                got = qmm_q8.qmm(ws[0], xa)
+                ref = gemv_int8_act.gemv(ws[0], xa, rows=1)
+                got = gemm_int8_act.qmm(ws[0], xa)
                 diff = float(((got - ref).abs().max() / ref.abs().max()).item())
             lines.append(f"| {name} | {fmt} | {N}x{K} | {M} | {t_qmm:.1f} | {gv:.1f} ({gname}) | {t_dense:.1f} | "
                          f"{t_dense / t_qmm:.2f}x | {nbytes / t_qmm / 1e3:.0f} | {diff:.1e} |")

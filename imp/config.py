@@ -34,7 +34,7 @@ class ServerConfig:
     pipeline_depth: int = 0  # steps in flight: 2 plans step N+1 while N runs; 0 = auto (2 on a GPU, 1 on CPU)
     data_parallel: int = 1  # model replicas, one executor each (cuda:K, cuda:K+1, ... from --device)
     # GPU GEMVs of quantized weights: "int8" activations (llama.cpp's Q8_1: ~1.7x faster decode at batch 1 on
-    # an 8B Q4_K_M, numerics of the CPU runner's block kernels; imp.kernels.qgemv_q8), or "fp32" ones
+    # an 8B Q4_K_M, numerics of the CPU runner's block kernels; imp.kernels.cuda.gemv_int8_act), or "fp32" ones
     gpu_activations: str = "int8"
     # GPU: every matmul row on the int8 tensor-core GEMM (no cuBLAS, no dense copy), so that a request's tokens
     # do not depend on what shares its steps (vLLM's VLLM_BATCH_INVARIANT, SGLang's deterministic inference);

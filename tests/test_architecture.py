@@ -20,6 +20,8 @@ RULES: dict[str, set[str]] = {
     "imp.messages": set(),
     "imp.config": set(),
     "imp.kernels": set(),
+    "imp.kernels.cpu": set(),  # the two targets import nothing of each other (nor of imp)
+    "imp.kernels.cuda": set(),
     "imp.formats": set(),
     "imp.fetch": set(),
     "imp.settle": set(),  # boot's last step: what a process gives back before serving

@@ -24,7 +24,7 @@ import torch
 
 from imp.constrain import (Constraint, ConstraintError, GrammarCache, SchemaLimits, SeqMatcher, alloc_bitmask,
                            apply_mask, build_tokenizer, fill_masks, grammar_text, mask_words, spec_key)
-from imp.kernels import token_mask
+from imp.kernels.cuda import token_mask
 from imp.text.tokenizer import Tokenizer
 
 # ---------------------------------------------------------------------------- fixtures

@@ -1,4 +1,4 @@
-"""Q8_0 on AMX tiles (imp/kernels/cpu_amx.py), where the CPU has amx-int8 and the kernel grants
+"""Q8_0 on AMX tiles (imp/kernels/cpu/gemm_q8_0_amx.py), where the CPU has amx-int8 and the kernel grants
 tile data: against the float64 reference, batch-invariant over every token-tile width (1, 2, 4,
 8, 16 and padded tiles), partial 16-row panels and block counts that leave the 4-block groups a
 remainder; and `gemm`'s routing (AMX by default there, the VNNI loop on request)."""
@@ -11,10 +11,10 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
 from imp.formats.quants import dequantize
-from imp.kernels import cpu_amx
-from imp.kernels import cpu_qdot as qd
+from imp.kernels.cpu import gemm_q8_0_amx
+from imp.kernels.cpu import gemm_int8_act as qd
 
-pytestmark = pytest.mark.skipif(not cpu_amx.AMX, reason="no AMX int8 (or no tile-data permission) here")
+pytestmark = pytest.mark.skipif(not gemm_q8_0_amx.AMX, reason="no AMX int8 (or no tile-data permission) here")
 
 
 def _matrix(rows, cols, seed):

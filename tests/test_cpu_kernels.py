@@ -1,4 +1,4 @@
-"""CPU quantized kernels (imp/kernels/cpu_qdot.py) against their float64 references,
+"""CPU quantized kernels (imp/kernels/cpu/gemm_int8_act.py) against their float64 references,
 for every supported GGML type and odd shapes, and their batch invariance."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
 from imp.formats.quants import dequantize
-from imp.kernels import cpu_qdot as qd
+from imp.kernels.cpu import gemm_int8_act as qd
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 QUANTIZABLE = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0}  # gguf.quants writes these
@@ -107,13 +107,13 @@ def test_odd_block_counts(qtype, cols):
     np.testing.assert_array_equal(qd.gemm(w, int(qtype), x[5:6])[0], got[5])
 
 
-# ---------------------------------------------------------------- attention (cpu_attn.py)
+# ---------------------------------------------------------------- attention (paged_attention.py)
 
 
 def _attn_case(N, H, Hkv, D, starts, kv_dtype, seed):
     """Rows of len(starts) sequences (sequence i: positions starts[i] .. , N // len rows each)
     over a shuffled paged cache; returns the kernel's arguments and each row's key slots."""
-    from imp.kernels import cpu_attn  # noqa: F401
+    from imp.kernels.cpu import paged_attention  # noqa: F401
 
     rng = np.random.default_rng(seed)
     bs, nblocks, L = 16, 96, 2
@@ -163,28 +163,28 @@ def _attn_reference(qkv, H, Hkv, D, l, kc, vc, nblocks, bs, pos, tables, row_tab
     (18, 10, 2, 32, [0, 1], 0),       # groups of 5: an item of 4 heads and one of 1
 ])
 def test_attention_matches_float64_reference(N, H, Hkv, D, starts, window, kv_dtype):
-    from imp.kernels import cpu_attn
+    from imp.kernels.cpu import paged_attention
 
     args = _attn_case(N, H, Hkv, D, starts, kv_dtype, N + H + D)
     qkv, kc, vc, nblocks, bs, pos, tables, row_tab = args
     scale = np.float32(D ** -0.5)
     out = np.empty((N, H * D), np.float32)
-    cpu_attn.attention(qkv, H, Hkv, D, 1, kc, vc, nblocks, bs, pos, tables, row_tab, window, scale, out)
+    paged_attention.attention(qkv, H, Hkv, D, 1, kc, vc, nblocks, bs, pos, tables, row_tab, window, scale, out)
     ref = _attn_reference(qkv, H, Hkv, D, 1, kc, vc, nblocks, bs, pos, tables, row_tab, window, float(scale))
     assert np.abs(out - ref).max() / np.abs(ref).max() < 2e-6
     # batch invariance: each row alone (one-head items) gives the step's bits (head-group items)
     for n in (0, N // 2, N - 1):
         alone = np.empty((1, H * D), np.float32)
-        cpu_attn.attention(qkv[n:n + 1].copy(), H, Hkv, D, 1, kc, vc, nblocks, bs, pos[n:n + 1].copy(),
+        paged_attention.attention(qkv[n:n + 1].copy(), H, Hkv, D, 1, kc, vc, nblocks, bs, pos[n:n + 1].copy(),
                            tables, row_tab[n:n + 1].copy(), window, scale, alone)
         np.testing.assert_array_equal(alone[0], out[n])
 
 
-# ---------------------------------------------------------------- exp (cpu_simd.exp_span)
+# ---------------------------------------------------------------- exp (float_lanes.exp_span)
 
 
 def test_exp_span_is_within_one_ulp_and_keeps_specials_and_tails():
-    from imp.kernels.cpu_simd import exp_span
+    from imp.kernels.cpu.float_lanes import exp_span
 
     x = np.concatenate([np.linspace(-87, 88, 100_003, dtype=np.float32),
                         np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, -90.0, 89.0], np.float32)])

@@ -10,31 +10,31 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from imp.kernels import qgemv
+from imp.kernels.cuda import gemv_fp32_act
 from imp.formats.quants import dequantize
 from tests.fixtures.synth_raw import random_blocks
 
 FMT_T = {"Q4_0": T.Q4_0, "Q4_1": T.Q4_1, "Q8_0": T.Q8_0, "Q4_K": T.Q4_K, "Q6_K": T.Q6_K, "BF16": T.BF16}
 
 
-def _weight(fmt: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, qgemv.QWeight]:
+def _weight(fmt: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, gemv_fp32_act.QWeight]:
     rng = np.random.default_rng(seed)
-    be, _ = qgemv.BLOCK[fmt]
+    be, _ = gemv_fp32_act.BLOCK[fmt]
     raw = random_blocks(FMT_T[fmt], rows * cols // be, cols ** -0.5, rng)
-    return raw, qgemv.repack(raw, fmt, rows, cols)
+    return raw, gemv_fp32_act.repack(raw, fmt, rows, cols)
 
 
-@pytest.mark.parametrize("fmt", qgemv.FORMATS)
+@pytest.mark.parametrize("fmt", gemv_fp32_act.FORMATS)
 def test_repack_reference_matches_loader_dequant(fmt):
     raw, w = _weight(fmt, 8, 512, 1)
     want = dequantize(raw, FMT_T[fmt], (8, 512))
-    assert np.array_equal(qgemv.reference(w).numpy(), want)
+    assert np.array_equal(gemv_fp32_act.reference(w).numpy(), want)
 
 
 def _gpu_ok() -> bool:
-    from imp.kernels import _cuda
+    from imp.kernels.cuda import runtime
 
-    return _cuda.available()
+    return runtime.available()
 
 
 DEV = "cuda"
@@ -50,17 +50,17 @@ def _poison(*shape, dtype=torch.float32):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", qgemv.FORMATS)
+@pytest.mark.parametrize("fmt", gemv_fp32_act.FORMATS)
 @pytest.mark.parametrize("rows,cols", [(64, 256), (200, 512), (576, 1536)])
 @pytest.mark.parametrize("B", [1, 3, 8, 13])
-def test_qgemv(fmt, rows, cols, B):
+def test_gemv_fp32_act(fmt, rows, cols, B):
     _skip_without_gpu()
     _, w = _weight(fmt, rows, cols, rows + cols + B)
     w = w.to(DEV)
     x = torch.randn(B, cols, device=DEV)
     out = _poison(B, rows)
-    qgemv.gemv(w, x, out)
-    assert _rel(out, qgemv.gemv_reference(w, x)) < 1e-5
+    gemv_fp32_act.gemv(w, x, out)
+    assert _rel(out, gemv_fp32_act.gemv_reference(w, x)) < 1e-5
 
 
 def _skip_without_gpu():
@@ -69,15 +69,15 @@ def _skip_without_gpu():
 
 
 @pytest.mark.gpu
-def test_qgemv_column_slice_and_strided_x():
+def test_gemv_fp32_act_column_slice_and_strided_x():
     _skip_without_gpu()
     _, w = _weight("Q4_K", 96, 512, 7)
     w = w.to(DEV)
     xb = torch.randn(5, 600, device=DEV)
     x = xb[:, 8:520]  # row stride 600, 16-byte aligned start
     big = _poison(5, 300)
-    qgemv.gemv(w, x, big[:, 100:196])
-    assert _rel(big[:, 100:196], qgemv.gemv_reference(w, x)) < 1e-5
+    gemv_fp32_act.gemv(w, x, big[:, 100:196])
+    assert _rel(big[:, 100:196], gemv_fp32_act.gemv_reference(w, x)) < 1e-5
     assert torch.isnan(big[:, :100]).all() and torch.isnan(big[:, 196:]).all()
 
 
@@ -86,14 +86,14 @@ def test_qgemv_column_slice_and_strided_x():
 @pytest.mark.parametrize("with_delta", [True, False])
 def test_add_rmsnorm(N, d, with_delta):
     _skip_without_gpu()
-    from imp.kernels import rmsnorm
+    from imp.kernels.cuda import add_rmsnorm
 
     x = torch.randn(N, d, device=DEV) * 3
     delta = torch.randn(N, d, device=DEV) if with_delta else None
     w = torch.rand(d, device=DEV) + 0.5
-    want_x, want = rmsnorm.reference(x, delta, w, 1e-5)
+    want_x, want = add_rmsnorm.reference(x, delta, w, 1e-5)
     out = _poison(N, d)
-    rmsnorm.add_rmsnorm(x, delta, w, 1e-5, out=out)
+    add_rmsnorm.add_rmsnorm(x, delta, w, 1e-5, out=out)
     assert _rel(out, want) < 1e-5
     assert _rel(x, want_x) < 1e-6
 
@@ -102,7 +102,7 @@ def test_add_rmsnorm(N, d, with_delta):
 @pytest.mark.parametrize("N,H,D", [(1, 12, 64), (9, 40, 128), (70, 3, 32)])
 def test_rope(N, H, D):
     _skip_without_gpu()
-    from imp.kernels import rope
+    from imp.kernels.cuda import rope
     from imp.formats.gguf_loader import ModelConfig
     from imp.model.llama import rope_tables
 
@@ -122,7 +122,7 @@ def test_rope_kv_is_rope_then_kv_write(dtype, N, H, Hkv, D):
     """The fused kernel: the same bits as rope() then kv_write_cupy(), slot -1 rows not written."""
     _skip_without_gpu()
     from imp.formats.gguf_loader import ModelConfig
-    from imp.kernels import kv_write, rope
+    from imp.kernels.cuda import kv_write, rope
     from imp.model.llama import rope_tables
 
     cfg = ModelConfig("llama", 1, H * D, H, Hkv, D, 4, 10, 4096, 10000.0, 1e-5, True, {})
@@ -145,12 +145,12 @@ def test_rope_kv_is_rope_then_kv_write(dtype, N, H, Hkv, D):
 @pytest.mark.parametrize("N,F", [(1, 1536), (5, 14336), (64, 96)])
 def test_gated_act(kind, N, F):
     _skip_without_gpu()
-    from imp.kernels import act
+    from imp.kernels.cuda import gated_act
 
     gu = torch.randn(N, 2 * F, device=DEV) * 4
     out = _poison(N, F)
-    act.gated_act(gu, kind, out=out)
-    assert _rel(out, act.reference(gu, kind)) < 1e-5
+    gated_act.gated_act(gu, kind, out=out)
+    assert _rel(out, gated_act.reference(gu, kind)) < 1e-5
 
 
 @pytest.mark.gpu
@@ -158,7 +158,7 @@ def test_gated_act(kind, N, F):
 @pytest.mark.parametrize("N,W,S", [(1, 192, 64), (37, 1024, 512), (200, 64, 4096)])
 def test_kv_write_numba(dtype, N, W, S):
     _skip_without_gpu()
-    from imp.kernels import kv_write
+    from imp.kernels.cuda import kv_write
 
     qkv = torch.randn(N, 3 * W, device=DEV)
     k, v = qkv[:, W:2 * W], qkv[:, 2 * W:]
@@ -185,7 +185,7 @@ def test_kv_write_numba(dtype, N, W, S):
 ])
 def test_paged_decode(dtype, B, H, Hkv, D, bs, lens):
     _skip_without_gpu()
-    from imp.kernels import paged_attention as pa
+    from imp.kernels.cuda import paged_decode_attention as pa
 
     nblocks = 200
     kc = torch.randn(nblocks, bs, Hkv, D, device=DEV).to(dtype)
@@ -200,9 +200,9 @@ def test_paged_decode(dtype, B, H, Hkv, D, bs, lens):
     if 0 in lens:
         assert (out[lens.index(0)] == 0).all()
     assert _rel(out, ref) < 1e-5
-    from imp.kernels import q8act  # the int8 output for an int8 O projection: the output, quantized
+    from imp.kernels.cuda import quantize_act_int8  # the int8 output for an int8 O projection: the output, quantized
 
-    xa, want = pa.paged_decode(q, kc, vc, bt, ln, H, q8=True), q8act.quantize(out)
+    xa, want = pa.paged_decode(q, kc, vc, bt, ln, H, q8=True), quantize_act_int8.quantize(out)
     assert torch.equal(xa.xq, want.xq) and torch.equal(xa.xds, want.xds)
 
 
@@ -210,7 +210,7 @@ def test_paged_decode(dtype, B, H, Hkv, D, bs, lens):
 @pytest.mark.parametrize("T_,H,Hkv,D", [(7, 9, 3, 64), (300, 32, 8, 128)])
 def test_prefill_attention_fp32(T_, H, Hkv, D):
     _skip_without_gpu()
-    from imp.kernels import prefill_attention as pf
+    from imp.kernels.cuda import prefill_attention_sdpa as pf
 
     q = torch.randn(T_, H * D, device=DEV)
     k = torch.randn(T_, Hkv * D, device=DEV)
@@ -258,7 +258,7 @@ def test_penalize_segments_kernel_is_the_numpy_rule_bitwise():
 @pytest.mark.gpu
 def test_sampling_filters_and_penalties_match_cpu():
     _skip_without_gpu()
-    from imp.kernels import sampling as kernels
+    from imp.kernels.cuda import sampling as kernels
     from imp.messages import SamplingParams, SeqWork
     from imp.sampling import gpu as sampling
 
@@ -299,7 +299,7 @@ def test_sampling_filters_and_penalties_match_cpu():
 @pytest.mark.gpu
 def test_gumbel_draw_follows_distribution():
     _skip_without_gpu()
-    from imp.kernels import sampling
+    from imp.kernels.cuda import sampling
 
     V, R = 8, 20000
     probs = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02], device=DEV)
@@ -316,7 +316,7 @@ def test_gumbel_noise_is_always_finite():
     HTTP: forced tool calls on the GPU broke their grammar ~5 % of the time). 2^26 draws would
     have hit the old kernel's u == 1 with probability 98 %."""
     _skip_without_gpu()
-    from imp.kernels import sampling
+    from imp.kernels.cuda import sampling
 
     R, V = 256, 1 << 18
     g = sampling.gumbel_noise(torch.arange(R, device=DEV), torch.full((R,), 7, device=DEV), V)
@@ -330,7 +330,7 @@ def test_gumbel_noise_is_always_finite():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", list(qgemv.XVARIANTS))
+@pytest.mark.parametrize("variant", list(gemv_fp32_act.XVARIANTS))
 @pytest.mark.parametrize("rows,cols", [(64, 256), (201, 520), (576, 1536), (96, 4096)])
 @pytest.mark.parametrize("B", [1, 3, 8, 13])
 def test_gemv_bf16x_plain(variant, rows, cols, B):
@@ -340,35 +340,35 @@ def test_gemv_bf16x_plain(variant, rows, cols, B):
     xb = torch.randn(B, cols + 4, device=DEV)
     x = xb[:, 4:]  # row-strided, 16-byte aligned
     out = _poison(B, rows)
-    qgemv.gemv_bf16x(w, x, out, variant=variant)
-    assert _rel(out, qgemv.gemv_reference(w, x)) < 1e-5
-    if qgemv.XVARIANTS[variant][2] == 1:  # no K split: same per-lane chunk order and reduction as gemv_bf16
-        assert torch.equal(out, qgemv.gemv(w, x))
+    gemv_fp32_act.gemv_bf16x(w, x, out, variant=variant)
+    assert _rel(out, gemv_fp32_act.gemv_reference(w, x)) < 1e-5
+    if gemv_fp32_act.XVARIANTS[variant][2] == 1:  # no K split: same per-lane chunk order and reduction as gemv_bf16
+        assert torch.equal(out, gemv_fp32_act.gemv(w, x))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", list(qgemv.XVARIANTS))
+@pytest.mark.parametrize("variant", list(gemv_fp32_act.XVARIANTS))
 @pytest.mark.parametrize("kind", ["silu", "gelu"])
 @pytest.mark.parametrize("F,cols,B", [(96, 512, 1), (700, 264, 5), (64, 4096, 8)])
 def test_gemv_bf16x_gated(variant, kind, F, cols, B):
     _skip_without_gpu()
-    from imp.kernels import act
+    from imp.kernels.cuda import gated_act
 
     _, w = _weight("BF16", 2 * F, cols, F + cols + B)
     w = w.to(DEV)
     x = torch.randn(B, cols, device=DEV)
     out = _poison(B, F)
-    qgemv.gemv_bf16x(w, x, out, variant=variant, mode="gated", act=kind)
-    assert _rel(out, act.reference(qgemv.gemv_reference(w, x), kind)) < 1e-5
+    gemv_fp32_act.gemv_bf16x(w, x, out, variant=variant, mode="gated", act=kind)
+    assert _rel(out, gated_act.reference(gemv_fp32_act.gemv_reference(w, x), kind)) < 1e-5
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", list(qgemv.XVARIANTS))
+@pytest.mark.parametrize("variant", list(gemv_fp32_act.XVARIANTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,H,Hkv,D,cols", [(1, 4, 2, 64, 256), (6, 8, 2, 128, 512), (9, 6, 6, 32, 200)])
 def test_gemv_bf16x_qkv_rope_kv(variant, dtype, B, H, Hkv, D, cols):
     _skip_without_gpu()
-    from imp.kernels import kv_write, rope
+    from imp.kernels.cuda import kv_write, rope
     from imp.formats.gguf_loader import ModelConfig
     from imp.model.llama import rope_tables
 
@@ -383,15 +383,15 @@ def test_gemv_bf16x_qkv_rope_kv(variant, dtype, B, H, Hkv, D, cols):
     slots[1::3] = -1
     kc = torch.randn(S, W, device=DEV).to(dtype)
     vc = torch.randn(S, W, device=DEV).to(dtype)
-    ref = qgemv.gemv(w, x)
+    ref = gemv_fp32_act.gemv(w, x)
     rope.rope(ref, pos, cos, sin, H + Hkv)
     want_k, want_v = kv_write.reference(ref[:, H * D:(H + Hkv) * D], ref[:, (H + Hkv) * D:], kc, vc, slots)
     out = _poison(B, N)
-    qgemv.gemv_bf16x(w, x, out, variant=variant, mode="qkv", rope=(pos, cos, sin, (H + Hkv) * D),
+    gemv_fp32_act.gemv_bf16x(w, x, out, variant=variant, mode="qkv", rope=(pos, cos, sin, (H + Hkv) * D),
                      kv=(kc, vc, slots, H * D))
     torch.cuda.synchronize()
     assert _rel(out, ref) < 1e-6
-    assert _rel(out, qgemv.gemv_reference(w, x)) > 1e-3  # RoPE was applied (positions are random)
+    assert _rel(out, gemv_fp32_act.gemv_reference(w, x)) > 1e-3  # RoPE was applied (positions are random)
     tol = 1e-6 if dtype == torch.float32 else 5e-3
     written = slots[slots >= 0].long()
     untouched = torch.ones(S, dtype=torch.bool, device=DEV)
@@ -402,8 +402,8 @@ def test_gemv_bf16x_qkv_rope_kv(variant, dtype, B, H, Hkv, D, cols):
 
 
 def test_gemv_bf16x_rejects_bad_layouts():
-    w = qgemv.QWeight("Q4_0", 4, 64, {})
+    w = gemv_fp32_act.QWeight("Q4_0", 4, 64, {})
     with pytest.raises(ValueError):
-        qgemv.gemv_bf16x(w, torch.zeros(1, 64))
-    assert not qgemv.x_ok(qgemv.QWeight("BF16", 4, 60, {}))
-    assert qgemv.x_ok(qgemv.QWeight("BF16", 4, 64, {}))
+        gemv_fp32_act.gemv_bf16x(w, torch.zeros(1, 64))
+    assert not gemv_fp32_act.x_ok(gemv_fp32_act.QWeight("BF16", 4, 60, {}))
+    assert gemv_fp32_act.x_ok(gemv_fp32_act.QWeight("BF16", 4, 64, {}))

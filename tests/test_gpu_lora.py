@@ -15,9 +15,9 @@ pytestmark = pytest.mark.gpu
 
 
 def _gpu_ok() -> bool:
-    from imp.kernels import _cuda
+    from imp.kernels.cuda import runtime
 
-    return _cuda.available()
+    return runtime.available()
 
 
 if not _gpu_ok():
@@ -108,7 +108,7 @@ def test_lora_through_the_gpu_server(smollm2_path, tmp_path):
 def test_gathered_mv_matches_float64_and_a_row_alone():
     """The LoRA products: per row W[idx] @ x, within fp32 of the float64 reference, into a column slice,
     and a row's bits the same alone as among 40 rows (torch's sum over the gathered product is not)."""
-    from imp.kernels.gathered_mv import gathered_mv, reference
+    from imp.kernels.cuda.gathered_mv import gathered_mv, reference
 
     g = torch.Generator().manual_seed(3)
     for S, O, K, N in ((3, 8, 576, 40), (2, 960, 8, 40), (4, 5, 1536, 7)):

@@ -1,4 +1,4 @@
-"""`imp.kernels.paged_prefill`: every prompt row of a step in one launch, read through block tables.
+"""`imp.kernels.cuda.paged_prefill_attention`: every prompt row of a step in one launch, read through block tables.
 
 Against a float64 reference (bf16 cache, q and probabilities rounded to bf16 as flash attention
 does), and the property the serving path relies on: a row's bits depend on the row alone, not on
@@ -14,9 +14,9 @@ pytestmark = pytest.mark.gpu
 
 
 def _gpu_ok() -> bool:
-    from imp.kernels import _cuda
+    from imp.kernels.cuda import runtime
 
-    return _cuda.available()
+    return runtime.available()
 
 
 if not _gpu_ok():
@@ -33,7 +33,7 @@ def _setup(H, Hkv, D, seed=0, num_blocks=160, bs=16):
 
 
 def _run(q, kc, vc, chunks, H):
-    from imp.kernels import paged_prefill as pp
+    from imp.kernels.cuda import paged_prefill_attention as pp
 
     tiles, bt = pp.plan(chunks)
     out = torch.full((q.shape[0], H * kc.shape[-1]), float("nan"), device=DEV)
@@ -44,7 +44,7 @@ def _run(q, kc, vc, chunks, H):
 
 @pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (32, 8, 128), (4, 4, 64)])
 def test_paged_prefill_matches_float64(H, Hkv, D):
-    from imp.kernels import paged_prefill as pp
+    from imp.kernels.cuda import paged_prefill_attention as pp
 
     g, kc, vc = _setup(H, Hkv, D)
     perm = torch.randperm(kc.shape[0], generator=g).numpy().astype(np.int32)

@@ -1,7 +1,7 @@
-"""The int8-activation GEMV (`imp.kernels.qgemv_q8`) against its references.
+"""The int8-activation GEMV (`imp.kernels.cuda.gemv_int8_act`) against its references.
 
 On the CPU everywhere: the torch reference quantization equals the CPU kernels'
-(`cpu_qdot.quantize_rows`) bit for bit, so the GPU and CPU runners quantize
+(`imp.kernels.cpu.gemm_int8_act.quantize_rows`) bit for bit, so the GPU and CPU runners quantize
 activations identically. On the GPU (marked `gpu`): the quantize kernel equals
 the reference bit for bit; every format, odd shapes, batch 1..64 and every rows-
 a-warp variant against the float64 product of the dequantized weight and the
@@ -16,8 +16,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from imp.kernels import cpu_qdot, q8act, qgemv_q8
-from imp.kernels.qweight import gemv_reference, repack
+from imp.kernels.cpu import gemm_int8_act as cpu_gemm
+from imp.kernels.cuda import gemv_int8_act, quantize_act_int8
+from imp.kernels.cuda.quant_weight import gemv_reference, repack
 from tests.fixtures.synth_raw import random_blocks
 
 FMT_T = {"Q4_0": T.Q4_0, "Q4_1": T.Q4_1, "Q8_0": T.Q8_0, "Q4_K": T.Q4_K, "Q6_K": T.Q6_K}
@@ -41,12 +42,12 @@ def _x(B: int, K: int, seed: int) -> torch.Tensor:
 
 def test_reference_quantize_is_the_cpu_kernels_quantization():
     x = _x(5, 512, 1)
-    xq, xds = q8act.reference(x)
+    xq, xds = quantize_act_int8.reference(x)
     N, K = x.shape
     q = np.zeros((N, K), np.int8)
     d = np.zeros((N, K // 32), np.float32)
     s = np.zeros((N, K // 32), np.float32)
-    cpu_qdot.quantize_rows(x.numpy(), q, d, s)
+    cpu_gemm.quantize_rows(x.numpy(), q, d, s)
     assert np.array_equal(xq.numpy(), q)
     assert np.array_equal(xds[..., 0].numpy(), d) and np.array_equal(xds[..., 1].numpy(), s)
     assert (xds[0, 1] == 0).all()  # the zero block
@@ -56,7 +57,7 @@ def test_q8_reference_is_close_to_the_float_product():
     """The int8 activations' error itself: small against the unquantized product (what llama.cpp accepts)."""
     w = _weight("Q4_K", 64, 512, 3)
     x = _x(3, 512, 4)
-    got = qgemv_q8.reference(w, x)
+    got = gemv_int8_act.reference(w, x)
     want = gemv_reference(w, x)
     assert float((got - want).norm() / want.norm()) < 2e-2
 
@@ -65,9 +66,9 @@ def test_q8_reference_is_close_to_the_float_product():
 
 
 def _gpu_ok() -> bool:
-    from imp.kernels import _cuda
+    from imp.kernels.cuda import runtime
 
-    return _cuda.available()
+    return runtime.available()
 
 
 gpu = pytest.mark.skipif(not _gpu_ok(), reason="needs CUDA and CuPy")
@@ -84,50 +85,50 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("B,K", [(1, 256), (3, 512), (13, 1536), (64, 4096)])
 def test_quantize_kernel_matches_reference_bitwise(B, K):
     x = _x(B, K, B + K)
-    xa = qgemv_q8.quantize(x.to(DEV))
-    xq, xds = qgemv_q8.reference_quantize(x)
+    xa = gemv_int8_act.quantize(x.to(DEV))
+    xq, xds = gemv_int8_act.reference_quantize(x)
     assert torch.equal(xa.xq.cpu(), xq)
     assert torch.equal(xa.xds.cpu(), xds)
     # a strided x (a column slice of a wider buffer) gives the same
     big = torch.zeros(B, K + 64, device=DEV)
     big[:, 32:32 + K] = x.to(DEV)
-    xa2 = qgemv_q8.quantize(big[:, 32:32 + K])
+    xa2 = gemv_int8_act.quantize(big[:, 32:32 + K])
     assert torch.equal(xa2.xq, xa.xq) and torch.equal(xa2.xds, xa.xds)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("fmt", qgemv_q8.FORMATS)
+@pytest.mark.parametrize("fmt", gemv_int8_act.FORMATS)
 @pytest.mark.parametrize("rows,cols", [(64, 256), (203, 512), (576, 1536)])
 @pytest.mark.parametrize("B", [1, 2, 5, 8, 13, 64])
 def test_q8_gemv_matches_reference(fmt, rows, cols, B):
     w = _weight(fmt, rows, cols, rows + cols + B)
     x = _x(B, cols, 7 * B + rows)
-    ref = qgemv_q8.reference(w, x)
+    ref = gemv_int8_act.reference(w, x)
     wd = w.to(DEV)
-    xa = qgemv_q8.quantize(x.to(DEV))
-    for name, (r, ks) in qgemv_q8.VARIANTS.items():
+    xa = gemv_int8_act.quantize(x.to(DEV))
+    for name, (r, ks) in gemv_int8_act.VARIANTS.items():
         out = torch.full((B, rows), float("nan"), device=DEV)
-        qgemv_q8.gemv(wd, xa, out, rows=r, split=ks)
+        gemv_int8_act.gemv(wd, xa, out, rows=r, split=ks)
         assert _rel(out, ref) < 1e-5, (name, _rel(out, ref))
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("fmt", qgemv_q8.FORMATS)
+@pytest.mark.parametrize("fmt", gemv_int8_act.FORMATS)
 def test_q8_gemv_batch_invariant_and_column_slice(fmt):
     rows, cols, B = 203, 1024, 21
     wd = _weight(fmt, rows, cols, 11).to(DEV)
-    xa = qgemv_q8.quantize(_x(B, cols, 12).to(DEV))
-    for ks in qgemv_q8.SPLITS:
-        full = {r: qgemv_q8.gemv(wd, xa, rows=r, split=ks) for r in qgemv_q8.ROWS}
-        for r in qgemv_q8.ROWS:  # rows a group: the same per-row chain
+    xa = gemv_int8_act.quantize(_x(B, cols, 12).to(DEV))
+    for ks in gemv_int8_act.SPLITS:
+        full = {r: gemv_int8_act.gemv(wd, xa, rows=r, split=ks) for r in gemv_int8_act.ROWS}
+        for r in gemv_int8_act.ROWS:  # rows a group: the same per-row chain
             assert torch.equal(full[r], full[1]), (ks, r)
         for i in (0, 7, 20):  # a row alone = the same row in a batch of 21 (tiles of 8, last tile partial)
-            one = qgemv_q8.Q8Act(xa.xq[i:i + 1].contiguous(), xa.xds[i:i + 1].contiguous())
-            assert torch.equal(qgemv_q8.gemv(wd, one, rows=2, split=ks)[0], full[1][i]), (ks, i)
+            one = gemv_int8_act.Q8Act(xa.xq[i:i + 1].contiguous(), xa.xds[i:i + 1].contiguous())
+            assert torch.equal(gemv_int8_act.gemv(wd, one, rows=2, split=ks)[0], full[1][i]), (ks, i)
         big = torch.full((B, rows + 40), float("nan"), device=DEV)
-        qgemv_q8.gemv(wd, xa, big[:, 20:20 + rows], rows=4, split=ks)
+        gemv_int8_act.gemv(wd, xa, big[:, 20:20 + rows], rows=4, split=ks)
         assert torch.equal(big[:, 20:20 + rows], full[1])
     assert torch.isnan(big[:, :20]).all() and torch.isnan(big[:, 20 + rows:]).all()
 
@@ -137,17 +138,17 @@ def test_q8_gemv_batch_invariant_and_column_slice(fmt):
 @pytest.mark.parametrize("N,d", [(1, 576), (5, 4096), (3, 96)])
 @pytest.mark.parametrize("with_delta", [False, True])
 def test_add_rmsnorm_q8_is_the_norm_then_quantize(N, d, with_delta):
-    from imp.kernels import q8act, rmsnorm
+    from imp.kernels.cuda import add_rmsnorm, quantize_act_int8
 
     g = torch.Generator().manual_seed(N * d)
     x0 = (torch.randn(N, d, generator=g) * 3).to(DEV)
     dl = torch.randn(N, d, generator=g).to(DEV) if with_delta else None
     w = (torch.rand(d, generator=g) + 0.5).to(DEV)
     x1, x2 = x0.clone(), x0.clone()
-    h = rmsnorm.add_rmsnorm(x1, dl, w, 1e-5)
-    xa = q8act.add_rmsnorm_q8(x2, dl, w, 1e-5)
+    h = add_rmsnorm.add_rmsnorm(x1, dl, w, 1e-5)
+    xa = quantize_act_int8.add_rmsnorm_q8(x2, dl, w, 1e-5)
     assert torch.equal(x1, x2)  # the residual add in place, the same
-    xq, xds = q8act.reference(h.cpu())
+    xq, xds = quantize_act_int8.reference(h.cpu())
     assert torch.equal(xa.xq.cpu(), xq) and torch.equal(xa.xds.cpu(), xds)
 
 
@@ -155,32 +156,32 @@ def test_add_rmsnorm_q8_is_the_norm_then_quantize(N, d, with_delta):
 @gpu
 @pytest.mark.parametrize("N,F", [(1, 1536), (7, 14336), (2, 32)])
 def test_gated_act_q8_is_the_activation_then_quantize(N, F):
-    from imp.kernels import act, q8act
+    from imp.kernels.cuda import gated_act, quantize_act_int8
 
     gu = (torch.randn(N, 2 * F, generator=torch.Generator().manual_seed(F)) * 2).to(DEV)
-    xa = q8act.gated_act_q8(gu, "silu")
-    xq, xds = q8act.reference(act.gated_act(gu, "silu").cpu())
+    xa = quantize_act_int8.gated_act_q8(gu, "silu")
+    xq, xds = quantize_act_int8.reference(gated_act.gated_act(gu, "silu").cpu())
     assert torch.equal(xa.xq.cpu(), xq) and torch.equal(xa.xds.cpu(), xds)
-    ga = q8act.gated_act_q8(gu, "gelu")
-    want = act.reference(gu, "gelu").cpu()
-    got = q8act.dequant(ga.xq.cpu(), ga.xds.cpu())
+    ga = quantize_act_int8.gated_act_q8(gu, "gelu")
+    want = gated_act.reference(gu, "gelu").cpu()
+    got = quantize_act_int8.dequant(ga.xq.cpu(), ga.xds.cpu())
     assert float((got - want).norm() / want.norm()) < 2e-2
 
 
 @pytest.mark.gpu
 @gpu
 def test_q8_gemv_rejects_what_it_cannot_do():
-    from imp.kernels.qweight import QWeight
+    from imp.kernels.cuda.quant_weight import QWeight
 
-    xa = qgemv_q8.quantize(torch.randn(2, 256, device=DEV))
+    xa = gemv_int8_act.quantize(torch.randn(2, 256, device=DEV))
     with pytest.raises(ValueError, match="BF16"):
-        qgemv_q8.gemv(QWeight("BF16", 4, 256, {}), xa)
+        gemv_int8_act.gemv(QWeight("BF16", 4, 256, {}), xa)
     with pytest.raises(ValueError, match="columns"):
-        qgemv_q8.gemv(_weight("Q8_0", 8, 512, 1).to(DEV), xa)
+        gemv_int8_act.gemv(_weight("Q8_0", 8, 512, 1).to(DEV), xa)
     with pytest.raises(ValueError, match="multiple of 32"):
-        qgemv_q8.quantize(torch.randn(2, 100, device=DEV))
+        gemv_int8_act.quantize(torch.randn(2, 100, device=DEV))
     with pytest.raises(ValueError, match="split"):
-        qgemv_q8.gemv(_weight("Q8_0", 8, 256, 1).to(DEV), xa, split=2)
+        gemv_int8_act.gemv(_weight("Q8_0", 8, 256, 1).to(DEV), xa, split=2)
 
 
 @pytest.mark.gpu
@@ -205,7 +206,7 @@ def test_runner_on_int8_activations_matches_the_cpu_block_path(tmp_path_factory,
     assert not gpu_.notes, gpu_.notes
     w = gpu_.w.layers[0]
     for lin in (w.wqkv, w.wo, w.w13, w.w2):
-        assert lin.q8 and all(lin.mode(n) in qgemv_q8.VARIANTS for n in (1, 8)), lin.key
+        assert lin.q8 and all(lin.mode(n) in gemv_int8_act.VARIANTS for n in (1, 8)), lin.key
         assert lin.mode(9) == lin.mode(300) == lin.mode(1, prompt=True) == "qmm", lin.key
     g = SamplingParams(max_tokens=64)
     seqs = [SeqWork(seq_id=str(i), token_ids=p, start_pos=0, block_table=list(range(4 * i, 4 * i + 4)),
@@ -222,7 +223,7 @@ def test_runner_on_int8_activations_matches_the_cpu_block_path(tmp_path_factory,
     eager = GpuModelRunner.load(path, num_blocks=64, block_size=BS, kv_dtype=torch.float32, dense=False,
                                 graphs=False, max_graph_batch=8, int8_act=True)
     assert greedy_run(gpu_, PROMPTS, 12) == greedy_run(eager, PROMPTS, 12)
-    assert gpu_linear.Q8_DEFAULT in qgemv_q8.VARIANTS
+    assert gpu_linear.Q8_DEFAULT in gemv_int8_act.VARIANTS
 
 
 @pytest.mark.gpu
@@ -243,7 +244,7 @@ def test_numerics_follow_the_row_kind_not_the_traffic(tmp_path_factory, dense):
     assert gpu_._split_mixed
     big = "dense" if dense else "qmm"
     assert L.wqkv.mode(3, prompt=True) == big and L.wqkv.mode(300) == big
-    assert L.wqkv.mode(1) in qgemv_q8.VARIANTS and L.w2.mode(8) in qgemv_q8.VARIANTS
+    assert L.wqkv.mode(1) in gemv_int8_act.VARIANTS and L.w2.mode(8) in gemv_int8_act.VARIANTS
     g = SamplingParams(max_tokens=64)
     A, B, C = [5, 9, 200, 3, 17], list(range(40, 77)), list(range(100, 120))
 
@@ -260,7 +261,7 @@ def test_numerics_follow_the_row_kind_not_the_traffic(tmp_path_factory, dense):
 
 
 def test_launcher_checks_shared_by_the_gemv_and_gemm_launchers():
-    from imp.kernels.qweight import QWeight, check_parts, out_for
+    from imp.kernels.cuda.quant_weight import QWeight, check_parts, out_for
 
     w = QWeight("Q4_K", 4, 256, {"blocks": torch.zeros(8, 144, dtype=torch.uint8)[::2]})  # not contiguous
     with pytest.raises(ValueError, match="weight part blocks must be contiguous"):

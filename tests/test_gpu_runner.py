@@ -15,9 +15,9 @@ pytestmark = pytest.mark.gpu
 
 
 def _gpu_ok() -> bool:
-    from imp.kernels import _cuda
+    from imp.kernels.cuda import runtime
 
-    return _cuda.available()
+    return runtime.available()
 
 
 if not _gpu_ok():
@@ -186,7 +186,7 @@ def test_135m_shape_q4_1_greedy_and_logits_match_cpu(tmp_path_factory):
 @pytest.mark.parametrize("variant", ["x4", "x8", "a4", "k4"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_bf16_fused_gemv_path(tmp_path_factory, monkeypatch, variant, kv_dtype):
-    """BF16 weights through qgemv.gemv_bf16x with the fused QKV+RoPE+KV-write and gate/up+SiLU epilogues
+    """BF16 weights through gemv_bf16_fused.gemv_bf16x with the fused QKV+RoPE+KV-write and gate/up+SiLU epilogues
     (forced: no tuning): greedy tokens equal to the CPU runner's with an fp32 cache (prefill through the
     unfused dense path, decode fused, eager and graphed), and graph-replayed logits equal to eager ones."""
     from imp.gpu import linear as gpu_linear
@@ -283,7 +283,7 @@ def test_pipelined_launches_match_step_by_step(tmp_path_factory, graphs):
 
 
 def test_fill_pending_kernel():
-    from imp.kernels.pending import fill_pending, fill_pending_reference
+    from imp.kernels.cuda.fill_pending_tokens import fill_pending, fill_pending_reference
 
     g = torch.Generator().manual_seed(0)
     for n, k in ((1, 1), (7, 3), (300, 256), (1000, 600)):

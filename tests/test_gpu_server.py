@@ -17,9 +17,9 @@ pytestmark = pytest.mark.gpu
 
 
 def _gpu_ok() -> bool:
-    from imp.kernels import _cuda
+    from imp.kernels.cuda import runtime
 
-    return _cuda.available()
+    return runtime.available()
 
 
 if not _gpu_ok():

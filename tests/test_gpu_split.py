@@ -76,7 +76,7 @@ def test_int8_paths_quantize_once_and_fill_each_part_s_columns(monkeypatch):
     import torch
 
     from imp.gpu import linear as L
-    from imp.kernels.qweight import QWeight
+    from imp.kernels.cuda.quant_weight import QWeight
 
     parts = [QWeight("Q4_K", 3, 256, {}), QWeight("Q4_K", 5, 256, {})]
     lin = L.Linear(parts, None, {}, int8_act=False)
@@ -87,17 +87,17 @@ def test_int8_paths_quantize_once_and_fill_each_part_s_columns(monkeypatch):
             self.xq = torch.zeros(n, 256, dtype=torch.int8)
             self.shape = (n, 256)
 
-    monkeypatch.setattr(L.q8act, "quantize", lambda x: quantized.append(x) or XA(x.shape[0]))
+    monkeypatch.setattr(L.quantize_act_int8, "quantize", lambda x: quantized.append(x) or XA(x.shape[0]))
     seen = []
 
     def fake(p, xa, o, **kw):
         seen.append((p.rows, tuple(o.shape), kw))
         o.fill_(float(p.rows))
 
-    monkeypatch.setattr(L.qgemv_q8, "gemv", fake)
-    monkeypatch.setattr(L.qmm_q8, "qmm", fake)
-    name = next(iter(L.qgemv_q8.VARIANTS))
-    rows, split = L.qgemv_q8.VARIANTS[name]
+    monkeypatch.setattr(L.gemv_int8_act, "gemv", fake)
+    monkeypatch.setattr(L.gemm_int8_act, "qmm", fake)
+    name = next(iter(L.gemv_int8_act.VARIANTS))
+    rows, split = L.gemv_int8_act.VARIANTS[name]
     out = lin.gemv_q8(torch.zeros(2, 256), name)
     assert len(quantized) == 1 and out.shape == (2, 8)
     assert out[:, :3].eq(3).all() and out[:, 3:].eq(5).all()
@@ -111,10 +111,10 @@ def test_by_kind_runs_each_row_range_on_its_kind_s_kernel(monkeypatch):
     """`Linear.by_kind`: prompt rows [0, P) on the dense copy, decode rows [P, N) on the int8 GEMV, each into
     its own rows of one output (kernels faked: runs on the CPU)."""
     from imp.gpu import linear as L
-    from imp.kernels.qweight import QWeight
+    from imp.kernels.cuda.quant_weight import QWeight
 
     lin = L.Linear([QWeight("Q4_1", 4, 64, {})], torch.ones(4, 64, dtype=torch.float16), {}, int8_act=True)
-    assert lin.mode(3, prompt=True) == "dense" and lin.mode(2) in L.qgemv_q8.VARIANTS
+    assert lin.mode(3, prompt=True) == "dense" and lin.mode(2) in L.gemv_int8_act.VARIANTS
     monkeypatch.setattr(lin, "dense_mm", lambda x: torch.full((x.shape[0], 4), 7.0))
     got = []
 
@@ -122,8 +122,8 @@ def test_by_kind_runs_each_row_range_on_its_kind_s_kernel(monkeypatch):
         got.append(tuple(xa.xq.shape))
         o.fill_(-1.0)
 
-    monkeypatch.setattr(L.qgemv_q8, "gemv", fake_gemv)
-    monkeypatch.setattr(L.q8act, "quantize", lambda x: L.q8act.Q8Act(torch.zeros(x.shape, dtype=torch.int8),
+    monkeypatch.setattr(L.gemv_int8_act, "gemv", fake_gemv)
+    monkeypatch.setattr(L.quantize_act_int8, "quantize", lambda x: L.quantize_act_int8.Q8Act(torch.zeros(x.shape, dtype=torch.int8),
                                                                        torch.zeros(x.shape[0], x.shape[1] // 32, 2)))
     out = lin.by_kind(3, torch.randn(5, 64))
     assert out[:3].eq(7).all() and out[3:].eq(-1).all() and got == [(2, 64)]  # decode rows alone quantized

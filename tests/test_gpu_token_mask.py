@@ -1,4 +1,4 @@
-"""The token-mask CUDA kernel (imp/kernels/token_mask.py) against its torch reference and the
+"""The token-mask CUDA kernel (imp/kernels/cuda/token_mask.py) against its torch reference and the
 CPU path of imp.constrain.apply_mask. Marked `gpu`; skips cleanly without CUDA or CuPy.
 
 Inputs are fresh random logits and random bitmasks (never all-ones or all-zeros, which
@@ -11,15 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from imp.kernels import token_mask
+from imp.kernels.cuda import token_mask
 
 DEV = "cuda"
 
 
 def _skip_without_gpu():
-    from imp.kernels import _cuda
+    from imp.kernels.cuda import runtime
 
-    if not _cuda.available():
+    if not runtime.available():
         pytest.skip("needs CUDA and CuPy")
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from imp.gpu import linear as L
-from imp.kernels import qgemv_q8
-from imp.kernels.qweight import QWeight
+from imp.kernels.cuda import gemv_int8_act
+from imp.kernels.cuda.quant_weight import QWeight
 
 
 def _lin(fmt="Q4_1", dense=False, invariant=False, times=None) -> L.Linear:
@@ -26,7 +26,7 @@ def test_decode_counts_keep_the_one_row_choices_k_split():
     lin = _lin(times=times)
     assert lin.choose(1) == "q8s2"
     assert lin.choose(4) == "q8s4" and lin.choose(8) == "q8s1"
-    assert {qgemv_q8.VARIANTS[lin.mode(n)][1] for n in (1, 2, 3, 4, 5, 8)} == {qgemv_q8.WARPS}
+    assert {gemv_int8_act.VARIANTS[lin.mode(n)][1] for n in (1, 2, 3, 4, 5, 8)} == {gemv_int8_act.WARPS}
     lin2 = _lin(times={(1, "q8r1"): 1.0, (2, "q8s1"): 0.5})
     assert lin2.choose(1) == "q8r1" and lin2.choose(2) in ("q8r1", "q8r2", "q8r4")
 

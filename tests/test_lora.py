@@ -89,7 +89,7 @@ def test_shapes_are_checked_against_the_model(tmp_path):
 
 
 def test_the_kernel_against_float64():
-    from imp.kernels.cpu_forward import _lora_add
+    from imp.kernels.cpu.fused_forward import _lora_add
 
     rng = np.random.default_rng(1)
     L, K, r = 2, 40, 3

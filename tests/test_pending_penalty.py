@@ -2,7 +2,7 @@
 penalized stream no longer waits for the previous step on the host).
 
 `imp.sampling.gpu.bias_and_penalties` packs the host-known histories into segments and
-counts the in-flight token on the device (`imp.kernels.sampling.penalize_segments`, one
+counts the in-flight token on the device (`imp.kernels.cuda.sampling.penalize_segments`, one
 launch); it must equal the CPU reference (`imp.sampling.cpu.apply_penalties`) over the
 complete history. On CPU tensors the same rule runs in numpy, so this runs on the CPU (the
 GPU lane checks the kernel against it: tests/test_gpu_kernels.py)."""

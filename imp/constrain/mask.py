@@ -9,7 +9,7 @@ constrained sequence only.
 CPU: numpy unpacks the bits (llguidance's little-endian words, so bit j of
 byte b is token 8b + j) and writes -inf into the masked entries through an
 int32 view of the logits (branch-free; see _apply_cpu), on numpy arrays (or CPU torch
-tensors, read in place). CUDA: the kernel in imp/kernels/token_mask.py, on torch's current
+tensors, read in place). CUDA: the kernel in imp/kernels/cuda/token_mask.py, on torch's current
 stream (torch is imported only there: the CPU server runs without it).
 """
 
@@ -43,7 +43,7 @@ def apply_mask(logits, bitmask, rows: Sequence[int] | None = None) -> None:
     if getattr(logits, "is_cuda", False):
         import torch
 
-        from imp.kernels import token_mask
+        from imp.kernels.cuda import token_mask
 
         dev = logits.device
         if isinstance(bitmask, np.ndarray):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-# PEFT target module -> index into the model's seven matrices (imp.kernels.cpu_forward's mats)
+# PEFT target module -> index into the model's seven matrices (imp.kernels.cpu.fused_forward's mats)
 MODULES = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "o_proj": 3, "gate_proj": 4, "up_proj": 5, "down_proj": 6}
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 MAX_RANK = 256

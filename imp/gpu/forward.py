@@ -1,13 +1,13 @@
 """The llama forward on the device, over one step's rows (`imp.gpu.inputs.Meta`).
 
 Per layer: add+RMSNorm -> QKV GEMV -> RoPE + KV write (one kernel) -> paged
-attention (decode rows: `paged_attention`; prompt rows, cached prefix or not: `paged_prefill`) -> O GEMV -> add+RMSNorm -> gate/up GEMV -> SiLU*up -> down GEMV; where the
+attention (decode rows: `paged_decode_attention`; prompt rows, cached prefix or not: `paged_prefill_attention`) -> O GEMV -> add+RMSNorm -> gate/up GEMV -> SiLU*up -> down GEMV; where the
 tuner picks a `gemv_bf16x` variant the QKV GEMV also applies RoPE and writes
 k/v into the cache, and the gate/up GEMV writes SiLU(gate)*up (7 kernels a
 layer instead of 10). The residual add is fused into the next RMSNorm
 (`delta` carries the pending add). Where the tuner picks the int8-activation
-GEMV (`qgemv_q8`), the norm before QKV and gate/up, the SiLU*up before down and
-the final norm write the quantized x directly (`q8act`), and so does decode
+GEMV (`gemv_int8_act`), the norm before QKV and gate/up, the SiLU*up before down and
+the final norm write the quantized x directly (`quantize_act_int8`), and so does decode
 attention for the O projection. Shapes: N rows (new tokens), d model
 width, H query heads, Hkv KV heads, D head dim, V vocabulary, R head rows.
 """
@@ -19,18 +19,18 @@ import torch
 from imp.formats.gguf_loader import ModelConfig
 from imp.gpu.inputs import Meta
 from imp.gpu.weights import Weights
-from imp.kernels import act as k_act
-from imp.kernels import paged_attention as k_attn
-from imp.kernels import paged_prefill as k_pf
-from imp.kernels import pending as k_pending
-from imp.kernels import prefill_attention as k_prefill
-from imp.kernels import q8act
-from imp.kernels import qgemv
-from imp.kernels import rmsnorm as k_norm
-from imp.kernels import rope as k_rope
+from imp.kernels.cuda import add_rmsnorm as k_norm
+from imp.kernels.cuda import fill_pending_tokens as k_pending
+from imp.kernels.cuda import gated_act as k_act
+from imp.kernels.cuda import gemv_fp32_act
+from imp.kernels.cuda import paged_decode_attention as k_attn
+from imp.kernels.cuda import paged_prefill_attention as k_pf
+from imp.kernels.cuda import prefill_attention_sdpa as k_prefill
+from imp.kernels.cuda import quantize_act_int8
+from imp.kernels.cuda import rope as k_rope
 
 
-# False: prompt rows through torch SDPA per chunk, as before paged_prefill (bench/eager_step.py --sdpa compares)
+# False: prompt rows through torch SDPA per chunk, as before paged_prefill_attention (bench/eager_step.py --sdpa compares)
 PAGED_PREFILL = True
 
 
@@ -62,9 +62,9 @@ class Forward:
             hq = self.norm(x, delta, L.attn_norm, h, L.wqkv.takes_q8(N, pr) and lora is None)
             kc, vc = self.k_cache[i], self.v_cache[i]  # [num_blocks, bs, Hkv, D]
             kf, vf = kc.view(-1, Hkv * D), vc.view(-1, Hkv * D)  # [slots, Hkv D]
-            fused = self.fuse and qm in qgemv.XVARIANTS and lora is None
+            fused = self.fuse and qm in gemv_fp32_act.XVARIANTS and lora is None
             if fused:  # one kernel: QKV GEMV, RoPE on q/k, k/v into the cache
-                qkv = qgemv.gemv_bf16x(L.wqkv.xw, h, variant=qm, mode="qkv",
+                qkv = gemv_fp32_act.gemv_bf16x(L.wqkv.xw, h, variant=qm, mode="qkv",
                                        rope=(m.positions, self.cos, self.sin, (H + Hkv) * D), kv=(kf, vf, m.slots, H * D))
             else:
                 qkv = L.wqkv.run(qm, h, hq)  # [N, (H + 2 Hkv) D]
@@ -86,8 +86,8 @@ class Forward:
             gm = L.w13.mode(N, pr)
             hq = self.norm(x, delta, L.ffn_norm, h, L.w13.takes_q8(N, pr) and lora is None)
             actq = None  # SiLU(gate) * up already quantized for an int8 down GEMV
-            if self.fuse and gm in qgemv.XVARIANTS and lora is None:  # one kernel: gate/up GEMV, SiLU(gate) * up
-                act = qgemv.gemv_bf16x(L.w13.xw, h, variant=gm, mode="gated", act="silu")
+            if self.fuse and gm in gemv_fp32_act.XVARIANTS and lora is None:  # one kernel: gate/up GEMV, SiLU(gate) * up
+                act = gemv_fp32_act.gemv_bf16x(L.w13.xw, h, variant=gm, mode="gated", act="silu")
             else:
                 gu = L.w13.run(gm, h, hq)  # [N, 2 d_ff]: gate columns, then up
                 if lora is not None:
@@ -95,7 +95,7 @@ class Forward:
                     lora[0].add(gu[:, :F], h, i, 4, lora[1])
                     lora[0].add(gu[:, F:], h, i, 5, lora[1])
                 if L.w2.takes_q8(N, pr) and lora is None:
-                    act, actq = None, q8act.gated_act_q8(gu, "silu")
+                    act, actq = None, quantize_act_int8.gated_act_q8(gu, "silu")
                 else:
                     act = k_act.gated_act(gu, "silu")  # [N, d_ff]
             delta = L.w2.run(L.w2.mode(N, pr), act, actq)  # [N, d]
@@ -105,7 +105,7 @@ class Forward:
             x, delta = x.index_select(0, m.out_rows), delta.index_select(0, m.out_rows)  # [R, d]
         R = x.shape[0]
         if w.head.takes_q8(R, pr):
-            return w.head.run(w.head.mode(R, pr), None, q8act.add_rmsnorm_q8(x, delta, w.out_norm, eps))
+            return w.head.run(w.head.mode(R, pr), None, quantize_act_int8.add_rmsnorm_q8(x, delta, w.out_norm, eps))
         hf = k_norm.add_rmsnorm(x, delta, w.out_norm, eps)
         return w.head.run(w.head.mode(R, pr), hf)  # [R, V] fp32
 
@@ -139,11 +139,11 @@ class Forward:
         x, delta = x.index_select(0, m.out_rows), delta.index_select(0, m.out_rows)  # [R, d]
         return w.head.by_kind(Rp, k_norm.add_rmsnorm(x, delta, w.out_norm, eps))  # [R, V]
 
-    def norm(self, x, delta, weight, h, q8: bool) -> q8act.Q8Act | None:
+    def norm(self, x, delta, weight, h, q8: bool) -> quantize_act_int8.Q8Act | None:
         """x += delta; the normed x into h (fp32), or only quantized (returned) when the next GEMV is an
         int8 one: then h is not written."""
         if q8:
-            return q8act.add_rmsnorm_q8(x, delta, weight, self.cfg.rms_eps)
+            return quantize_act_int8.add_rmsnorm_q8(x, delta, weight, self.cfg.rms_eps)
         k_norm.add_rmsnorm(x, delta, weight, self.cfg.rms_eps, out=h)
         return None
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from imp.kernels import paged_prefill
-from imp.kernels._cuda import to_device
+from imp.kernels.cuda import paged_prefill_attention
+from imp.kernels.cuda.runtime import to_device
 from imp.messages import SampledToken, SeqWork
 
 
@@ -125,8 +125,8 @@ def eager_meta(seqs: list[SeqWork], rows: list[int], block_size: int, device: to
             ctx = to_device(torch.from_numpy(np.ascontiguousarray(table[:nb])), torch.int64, device)
         m.prefill.append((rr, rr + n, ctx, s.start_pos))
         chunks.append((rr, n, table[:nb], s.start_pos))
-    if chunks:  # one attention launch a layer for all of them (imp.kernels.paged_prefill)
-        tiles, pbt = paged_prefill.plan(chunks)
+    if chunks:  # one attention launch a layer for all of them (imp.kernels.cuda.paged_prefill_attention)
+        tiles, pbt = paged_prefill_attention.plan(chunks)
         m.pf_tiles = to_device(torch.from_numpy(tiles), torch.int32, device)
         m.pf_bt = to_device(torch.from_numpy(pbt), torch.int32, device)
     return m

@@ -1,12 +1,12 @@
 """y = x @ W.T on the device, and the per-shape tuner that picks how.
 
 A `Linear` holds one logical weight (a row-concatenation of GGUF tensors:
-fused QKV, gate+up) in its quantized form (`imp.kernels.qgemv.QWeight`
+fused QKV, gate+up) in its quantized form (`imp.kernels.cuda.gemv_fp32_act.QWeight`
 parts), plus optionally a dense fp16 copy (BF16 weights: the weight itself).
 Each call picks, per batch size, the quantized GEMV (fp32 activations), the
-int8-activation dp4a GEMV (`qgemv_q8`, R rows a warp), the int8 tensor-core
-GEMM (`qmm_q8`: prompt rows and batches past GEMV_MAX_ROWS when there is no
-dense copy), a `gemv_bf16x` variant (BF16, two rows a warp) or a dense cuBLAS
+int8-activation dp4a GEMV (`gemv_int8_act`, R rows a warp), the int8 tensor-core
+GEMM (`gemm_int8_act`: prompt rows and batches past GEMV_MAX_ROWS when there is no
+dense copy), a `gemv_bf16_fused.gemv_bf16x` variant (BF16, two rows a warp) or a dense cuBLAS
 GEMM: whichever `choose` timed
 fastest at load, replayed in a CUDA graph over every layer's copy of the
 matrix so that none is timed from L2.
@@ -26,15 +26,15 @@ import logging
 import numpy as np
 import torch
 
-from imp.kernels import qgemv
-from imp.kernels import q8act, qgemv_q8, qmm_q8
+from imp.kernels.cuda import gemv_fp32_act
+from imp.kernels.cuda import gemm_int8_act, gemv_int8_act, quantize_act_int8
 
 log = logging.getLogger("imp.gpu")
 
 GEMV_MAX_ROWS = 8  # without timing: GEMV up to this many rows, dense GEMM above
-Q8_DEFAULT = "q8r2"  # untimed choice for int8-activation weights (qgemv_q8.VARIANTS)
+Q8_DEFAULT = "q8r2"  # untimed choice for int8-activation weights (gemv_int8_act.VARIANTS)
 Q8_MAX_ROWS = 64  # the int8-activation GEMV is a candidate up to this many rows (its batch tiles re-read W from L2)
-X_DEFAULT = "x4"  # untimed choice for BF16 weights at <= GEMV_MAX_ROWS rows (qgemv.gemv_bf16x variant)
+X_DEFAULT = "x4"  # untimed choice for BF16 weights at <= GEMV_MAX_ROWS rows (gemv_fp32_act.gemv_bf16x variant)
 FUSED_CREDIT_US = 2.0  # tuner: graph cost of one small kernel that a fused gemv_bf16x epilogue saves
 
 
@@ -66,7 +66,7 @@ _MM_OUT_DTYPE = [True]
 class Linear:
     """y = x @ W.T for W the row-concatenation of `parts` (fused QKV, gate+up)."""
 
-    def __init__(self, parts: list[qgemv.QWeight], dense: torch.Tensor | None, tuner: dict, stats: dict | None = None,
+    def __init__(self, parts: list[gemv_fp32_act.QWeight], dense: torch.Tensor | None, tuner: dict, stats: dict | None = None,
                  int8_act: bool = False, invariant: bool = False):
         self.parts = parts
         self.rows = sum(p.rows for p in parts)
@@ -74,22 +74,22 @@ class Linear:
         self.offsets = list(np.cumsum([0] + [p.rows for p in parts])[:-1])
         self.dense = dense
         self.key = (tuple((p.fmt, p.rows) for p in parts), self.cols)
-        self.tuner = tuner  # shared by all layers: (key, N) -> "gemv" | "dense" | a qgemv.XVARIANTS name
+        self.tuner = tuner  # shared by all layers: (key, N) -> "gemv" | "dense" | a gemv_fp32_act.XVARIANTS name
         # shared too: "times" (key, N) -> {candidate: µs}, "failed": candidates that raised
         self.stats = stats if stats is not None else {"times": {}, "failed": []}
         # BF16 weight in one piece: the two-rows-a-warp GEMV (with fused epilogues for QKV and gate/up)
-        self.xw = parts[0] if len(parts) == 1 and qgemv.x_ok(parts[0]) else None
+        self.xw = parts[0] if len(parts) == 1 and gemv_fp32_act.x_ok(parts[0]) else None
         # int8 activations (llama.cpp's Q8_1, as the CPU kernels): then every GEMV of this weight is the dp4a one,
         # not the fp32-activation one as well, so the GEMV path has one numerics at every batch size (the CPU
         # runner's); the fp32 GEMV stays for BF16 and for int8_act=False
-        self.q8 = int8_act and all(qgemv_q8.supports(p) for p in parts)
+        self.q8 = int8_act and all(gemv_int8_act.supports(p) for p in parts)
         # without a dense copy, int8 rows past the GEMV's range (and prompt rows) go to the int8 GEMM
-        self.mm = self.q8 and dense is None and all(p.fmt in qmm_q8.FORMATS for p in parts)
+        self.mm = self.q8 and dense is None and all(p.fmt in gemm_int8_act.FORMATS for p in parts)
         # batch invariant (--batch-invariant): every row, prompt or decode, at any count, on the int8 GEMM, whose
         # bits do not depend on its tile (so not on M): a row's numbers depend on the row alone
         if invariant and not self.mm:
             raise ValueError(f"batch-invariant matmuls need int8 activations, no dense copy and formats in "
-                             f"{qmm_q8.FORMATS}; this weight is {[p.fmt for p in parts]}")
+                             f"{gemm_int8_act.FORMATS}; this weight is {[p.fmt for p in parts]}")
         self.invariant = invariant
 
     @property
@@ -103,11 +103,11 @@ class Linear:
             if self.mm and n > GEMV_MAX_ROWS:
                 return ["qmm"]
             if n <= GEMV_MAX_ROWS or self.dense is None:
-                return list(qgemv_q8.VARIANTS) if n <= Q8_MAX_ROWS or self.dense is None else []
+                return list(gemv_int8_act.VARIANTS) if n <= Q8_MAX_ROWS or self.dense is None else []
             return ["dense"]
         c = ["gemv"]
         if self.xw is not None and n <= GEMV_MAX_ROWS:
-            c += list(qgemv.XVARIANTS)
+            c += list(gemv_fp32_act.XVARIANTS)
         if self.dense is not None:
             c.append("dense")
         return c
@@ -136,23 +136,23 @@ class Linear:
     def gemv(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(x.shape[0], self.rows, dtype=torch.float32, device=x.device) if out is None else out
         for p, r0 in zip(self.parts, self.offsets):
-            qgemv.gemv(p, x, out[:, r0:r0 + p.rows])
+            gemv_fp32_act.gemv(p, x, out[:, r0:r0 + p.rows])
         return out
 
-    def gemv_q8(self, x: torch.Tensor | None, name: str, xa: q8act.Q8Act | None = None,
+    def gemv_q8(self, x: torch.Tensor | None, name: str, xa: quantize_act_int8.Q8Act | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """The int8-activation GEMV `name` (qgemv_q8.VARIANTS); xa: x already quantized (by the norm or
+        """The int8-activation GEMV `name` (gemv_int8_act.VARIANTS); xa: x already quantized (by the norm or
         activation kernel that produced it), else x is quantized here, once for every part."""
-        rows, split = qgemv_q8.VARIANTS[name]
-        return self._on_q8(x, xa, lambda p, a, o: qgemv_q8.gemv(p, a, o, rows=rows, split=split), out)
+        rows, split = gemv_int8_act.VARIANTS[name]
+        return self._on_q8(x, xa, lambda p, a, o: gemv_int8_act.gemv(p, a, o, rows=rows, split=split), out)
 
-    def qmm(self, x: torch.Tensor | None, xa: q8act.Q8Act | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def qmm(self, x: torch.Tensor | None, xa: quantize_act_int8.Q8Act | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The int8 tensor-core GEMM on every part (x quantized once, unless the producer did)."""
-        return self._on_q8(x, xa, qmm_q8.qmm, out)
+        return self._on_q8(x, xa, gemm_int8_act.qmm, out)
 
     def _on_q8(self, x, xa, kernel, out: torch.Tensor | None = None) -> torch.Tensor:
         """out [N, rows] fp32: kernel(part, xa, out's column slice) for each part, on x quantized once."""
-        xa = xa if xa is not None else q8act.quantize(x)
+        xa = xa if xa is not None else quantize_act_int8.quantize(x)
         if out is None:
             out = torch.empty(xa.shape[0], self.rows, dtype=torch.float32, device=xa.xq.device)
         for p, r0 in zip(self.parts, self.offsets):
@@ -165,19 +165,19 @@ class Linear:
     def takes_q8(self, n: int, prompt: bool = False) -> bool:
         """Whether the call for n rows runs on int8 activations (the producer of x may then quantize it)."""
         m = self.mode(n, prompt)
-        return m in qgemv_q8.VARIANTS or m == "qmm"
+        return m in gemv_int8_act.VARIANTS or m == "qmm"
 
-    def run(self, name: str, x: torch.Tensor | None, xa: q8act.Q8Act | None = None,
+    def run(self, name: str, x: torch.Tensor | None, xa: quantize_act_int8.Q8Act | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
         """y for x (or xa) by kernel `name`; out: an [N, rows] fp32 view to write (a row range of a wider
         step's output), else a new tensor."""
-        if name in qgemv_q8.VARIANTS:
+        if name in gemv_int8_act.VARIANTS:
             return self.gemv_q8(x, name, xa, out)
         if name == "qmm":
             return self.qmm(x, xa, out)
         if name == "gemv":
             return self.gemv(x, out)
-        y = self.dense_mm(x) if name == "dense" else qgemv.gemv_bf16x(self.xw, x, variant=name)
+        y = self.dense_mm(x) if name == "dense" else gemv_fp32_act.gemv_bf16x(self.xw, x, variant=name)
         return y if out is None else out.copy_(y)
 
     def by_kind(self, P: int, x: torch.Tensor) -> torch.Tensor:
@@ -228,7 +228,7 @@ class Linear:
     def choose(self, n: int, reps: int = 12, peers: list[Linear] | None = None, credit_us: float = 0.0,
                q8_credit_us: float = 0.0) -> str:
         """Time every candidate for n rows once per shape; remember the fastest. `credit_us` is taken off
-        the qgemv.gemv_bf16x variants' times where the forward fuses a small kernel into them (RoPE +
+        the gemv_fp32_act.gemv_bf16x variants' times where the forward fuses a small kernel into them (RoPE +
         KV write after QKV, SiLU*up after gate/up), `q8_credit_us` off the int8 variants' where the
         forward quantizes x in the kernel that makes it (timed here as a kernel of its own)."""
         if (self.key, n) in self.tuner:
@@ -237,12 +237,12 @@ class Linear:
         if n > 64 and "dense" in cands:
             cands = ["dense"]
         one = self.tuner.get((self.key, 1))
-        if n > 1 and one in qgemv_q8.VARIANTS:
+        if n > 1 and one in gemv_int8_act.VARIANTS:
             # the int8 GEMV's bits depend on its K split, not on its rows a warp nor the batch: keep the one-row
             # choice's split at every decode count it serves, so a request's tokens do not change with how many
             # others decode beside it (up to GEMV_MAX_ROWS; the GEMM above)
-            split = qgemv_q8.VARIANTS[one][1]
-            cands = [c for c in cands if c not in qgemv_q8.VARIANTS or qgemv_q8.VARIANTS[c][1] == split]
+            split = gemv_int8_act.VARIANTS[one][1]
+            cands = [c for c in cands if c not in gemv_int8_act.VARIANTS or gemv_int8_act.VARIANTS[c][1] == split]
         if not cands:
             cands = [self.mode(n)]
         if len(cands) == 1:
@@ -259,7 +259,7 @@ class Linear:
                 log.warning("linear %s n=%d: %s failed: %s: %s", self.key, n, name, type(e).__name__, str(e)[:200])
                 self.stats["failed"].append(f"{self.key} n={n} {name}: {type(e).__name__}: {str(e)[:200]}")
                 continue
-            times[name] = t - (credit_us if name in qgemv.XVARIANTS else q8_credit_us if name in qgemv_q8.VARIANTS
+            times[name] = t - (credit_us if name in gemv_fp32_act.XVARIANTS else q8_credit_us if name in gemv_int8_act.VARIANTS
                                else 0.0)
         best = min(times, key=times.get)
         self.tuner[(self.key, n)] = best

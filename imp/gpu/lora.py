@@ -6,7 +6,7 @@ rows carry slots idx [N]:
     t = A[idx] x      [N, r]        A: [S+1, r, in], the table's A factors
     y += B[idx] t     [N, out]      B: [S+1, out, r], alpha/r already folded in
 Both are products over gathered factors, so rows of different adapters (and base rows)
-share one step. They run as `imp.kernels.gathered_mv` (a thread per output, the sum in
+share one step. They run as `imp.kernels.cuda.gathered_mv` (a thread per output, the sum in
 order), not bmm nor a torch sum: cuBLAS picks its algorithm by the batch count and torch's
 reduction its split by the shape, so either would make a row's numbers depend on how many
 rows share its step. Ranks below the largest are zero-padded. Such steps run
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from imp.kernels.gathered_mv import gathered_mv
+from imp.kernels.cuda.gathered_mv import gathered_mv
 
 
 class DeviceLoras:

@@ -1,7 +1,7 @@
 """GpuModelRunner: the CPU ModelRunner's interface on one CUDA device.
 
 Weights are uploaded once, kept in their GGUF quantization (repacked for
-aligned loads, `imp.kernels.qgemv`); the KV cache is paged in device memory
+aligned loads, `imp.kernels.cuda.gemv_fp32_act`); the KV cache is paged in device memory
 ([n_layers, num_blocks, block_size, Hkv, D], bf16 by default). The same
 `SeqWork` list goes in, the same `SampledToken` list comes out.
 
@@ -12,7 +12,7 @@ A step takes one of two paths:
       (embedding, 9 kernels a layer, head) replays as one CUDA graph.
   eager: anything else (prefill chunks, mixed steps, prompt logprobs): the
       same kernels launched one by one; the prompt rows' attention in one
-      `paged_prefill` launch a layer (bf16 cache; torch SDPA per chunk for fp32).
+      `paged_prefill_attention` launch a layer (bf16 cache; torch SDPA per chunk for fp32).
 
 Per layer (decode): add+RMSNorm -> QKV GEMV -> RoPE -> KV write (Numba) ->
 paged attention -> O GEMV -> add+RMSNorm -> gate/up GEMV -> SiLU*up -> down
@@ -20,7 +20,7 @@ GEMV. Each matmul picks, per batch size, the quantized GEMV or a dense
 cuBLAS GEMM over a dequantized fp16 copy (bf16 weights: the weights
 themselves), whichever times faster at load (`Linear.choose`, graph-replayed
 over the layers' copies of the matrix so that none is timed from L2). BF16
-weights also have `qgemv.gemv_bf16x` (two rows a warp, variants x4/x8/a4/k4);
+weights also have `gemv_bf16_fused.gemv_bf16x` (two rows a warp, variants x4/x8/a4/k4);
 where it wins, the QKV GEMV also applies RoPE and writes k/v into the cache,
 and the gate/up GEMV writes SiLU(gate)*up: 7 kernels a layer instead of 10.
 Outside graphs the KV write is the CuPy kernel (a Numba launch costs ~0.45 ms
@@ -31,7 +31,7 @@ the sampled ids' copy to pinned host memory) and returns a handle without
 waiting; `collect(handle)` waits for that step and returns its tokens
 (`step` = both). The sampled ids also stay in a device buffer, so the next
 step, launched before this one finishes, feeds them where its SeqWork says
-PENDING_TOKEN (`imp.kernels.pending`, inside the decode graph). Host input
+PENDING_TOKEN (`imp.kernels.cuda.fill_pending_tokens`, inside the decode graph). Host input
 buffers alternate so that writing step N+1's inputs never races step N's
 copy still queued on the stream.
 """
@@ -51,8 +51,8 @@ from imp.gpu.lora import DeviceLoras
 from imp.gpu.inputs import Landing, check, eager_meta
 from imp.gpu.linear import FUSED_CREDIT_US
 from imp.gpu.weights import GGUFSource, Weights, load_weights
-from imp.kernels import _cuda
-from imp.kernels import kv_write as k_kv
+from imp.kernels.cuda import runtime as cuda_rt
+from imp.kernels.cuda import kv_write as k_kv
 from imp.messages import SampledToken, SeqWork
 from imp.model.llama import default_num_blocks, rope_tables
 from imp.model.rows import head_rows, with_prompt_logprobs
@@ -87,7 +87,7 @@ class GpuModelRunner:
             raise ValueError(f"architecture {cfg.arch!r} not supported (have {SUPPORTED_ARCHS})")
         if cfg.extras.get("rope.scaling.type", "none") not in ("none", None):
             raise NotImplementedError("rope scaling not supported yet")
-        _cuda.use_device(self.device.index or 0)
+        cuda_rt.use_device(self.device.index or 0)
         self._sampled = torch.zeros(MAX_SAMPLED, dtype=torch.int32, device=self.device)  # last step's ids
         self._prev_rows: dict[str, int] = {}  # seq id -> index in _sampled, for the next step's PENDING_TOKEN
         self._counts = HistoryCounts()  # penalty counts kept across steps (imp.sampling.counts)
@@ -138,7 +138,7 @@ class GpuModelRunner:
 
     def _self_check_numba(self) -> bool:
         """Numba on a tiny case (its KV write kernel); torch penalties in the sampler (noted) if Numba CUDA is
-        unusable. The forward's KV write is CuPy's (imp.kernels.rope.rope_kv)."""
+        unusable. The forward's KV write is CuPy's (imp.kernels.cuda.rope.rope_kv)."""
         try:
             W = 8
             k = torch.randn(3, W, device=self.device)
@@ -178,7 +178,7 @@ class GpuModelRunner:
             base += len(s.token_ids)
             rows.append(base - 1)
         with self._lock:
-            _cuda.use_device(self.device.index or 0)
+            cuda_rt.use_device(self.device.index or 0)
             la = self._lora_arg(seqs, lora)
             return self.fwd(eager_meta(seqs, rows, self.block_size, self.device), lora=la).clone()
 
@@ -212,7 +212,7 @@ class GpuModelRunner:
         """
         self._check(seqs)
         with self._lock:
-            _cuda.use_device(self.device.index or 0)  # per thread: the executor's thread starts on device 0
+            cuda_rt.use_device(self.device.index or 0)  # per thread: the executor's thread starts on device 0
             try:
                 return self._launch(seqs, constraints, lora)
             except BaseException:
@@ -263,12 +263,12 @@ class GpuModelRunner:
         if not plp_at:
             if not order:
                 return self._landed([], None, [])
-            sel = logits.index_select(0, _cuda.to_device([sample_at[i] for i in order], torch.int64, self.device))
+            sel = logits.index_select(0, cuda_rt.to_device([sample_at[i] for i in order], torch.int64, self.device))
             return self._sample_and_land(sel, [seqs[i] for i in order], constraints)
         # prompt logprobs: scored on the host now (not pipelined; such steps are prefill chunks)
         drawn: dict[int, SampledToken] = {}
         if order:
-            sel = logits.index_select(0, _cuda.to_device([sample_at[i] for i in order], torch.int64, self.device))
+            sel = logits.index_select(0, cuda_rt.to_device([sample_at[i] for i in order], torch.int64, self.device))
             drawn = dict(zip(order, self.collect(self._sample_and_land(sel, [seqs[i] for i in order], constraints))))
         out = with_prompt_logprobs(seqs, drawn, plp_at, logits)
         return Landing([t.seq_id for t in out], None, None, out)

@@ -2,13 +2,13 @@
 
 Read through the fast header parser (`imp.formats.gguf_file`: one mmap, no
 per-element numpy views) rather than `gguf.GGUFReader`. Matrices are uploaded
-in their GGUF quantization, repacked for aligned loads (`qgemv.repack`);
+in their GGUF quantization, repacked for aligned loads (`gemv_fp32_act.repack`);
 per-layer QKV and gate/up are fused into one `Linear` each; vectors (norms)
 are dequantized to fp32. A dense fp16 copy of each quantized matrix is kept
 only when it fits comfortably (`dense=None`: at most 30 % of free memory),
 for the batch sizes where cuBLAS beats the quantized GEMV. `int8_act`: the
-quantized matrices' GEMVs take int8 activations (`qgemv_q8`, as llama.cpp and
-the CPU kernels) rather than fp32 ones (`qgemv.gemv`). `invariant`: every
+quantized matrices' GEMVs take int8 activations (`gemv_int8_act`, as llama.cpp and
+the CPU kernels) rather than fp32 ones (`gemv_fp32_act.gemv`). `invariant`: every
 matmul on the int8 GEMM (`Linear`), no dense copy.
 """
 
@@ -23,7 +23,7 @@ from imp.formats.gguf_file import GGUFHeader, TensorInfo, read_header, tensor_by
 from imp.formats.gguf_loader import ModelConfig, config_from_metadata, fingerprint
 from imp.formats.quants import dequantize
 from imp.gpu.linear import Linear
-from imp.kernels import qgemv
+from imp.kernels.cuda import gemv_fp32_act
 
 
 @dataclass
@@ -69,17 +69,17 @@ class GGUFSource:
         return tensor_bytes(self._mm, self.info(name))
 
 
-def _upload(src: GGUFSource, name: str, device: torch.device) -> qgemv.QWeight:
+def _upload(src: GGUFSource, name: str, device: torch.device) -> gemv_fp32_act.QWeight:
     info = src.info(name)
     fmt = info.qtype.name
     rows, cols = (int(np.prod(info.shape[:-1])), int(info.shape[-1])) if len(info.shape) > 1 else (1, int(info.shape[0]))
     if fmt in ("F32", "F16"):  # small plain tensors: store as a bf16 GEMV weight
         arr = dequantize(src.raw(name), info.qtype, (rows, cols), name=name)
         w = torch.from_numpy(np.ascontiguousarray(arr)).to(device).to(torch.bfloat16)
-        return qgemv.QWeight("BF16", rows, cols, {"w": w})
-    if fmt not in qgemv.FORMATS:
-        raise ValueError(f"tensor {name}: GGML type {fmt} not supported on the GPU (have {qgemv.FORMATS})")
-    return qgemv.repack(src.raw(name), fmt, rows, cols).to(device)
+        return gemv_fp32_act.QWeight("BF16", rows, cols, {"w": w})
+    if fmt not in gemv_fp32_act.FORMATS:
+        raise ValueError(f"tensor {name}: GGML type {fmt} not supported on the GPU (have {gemv_fp32_act.FORMATS})")
+    return gemv_fp32_act.repack(src.raw(name), fmt, rows, cols).to(device)
 
 
 def _vec(src: GGUFSource, name: str, device: torch.device) -> torch.Tensor:
@@ -88,12 +88,12 @@ def _vec(src: GGUFSource, name: str, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(device)
 
 
-def _merge(ws: list[qgemv.QWeight]) -> list[qgemv.QWeight]:
+def _merge(ws: list[gemv_fp32_act.QWeight]) -> list[gemv_fp32_act.QWeight]:
     """Adjacent parts of one format become one (fused QKV of a single quant type)."""
     out = [ws[0]]
     for w in ws[1:]:
         if w.fmt == out[-1].fmt:
-            out[-1] = qgemv.cat_rows([out[-1], w])
+            out[-1] = gemv_fp32_act.cat_rows([out[-1], w])
         else:
             out.append(w)
     return out
@@ -105,7 +105,7 @@ def load_weights(src: GGUFSource, device: torch.device, dense: bool | None = Non
     tuner: dict = {}
     stats: dict = {"times": {}, "failed": []}
     up = lambda name: _upload(src, name, device)  # noqa: E731
-    raw: dict[str, list[qgemv.QWeight]] = {}
+    raw: dict[str, list[gemv_fp32_act.QWeight]] = {}
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
         raw[p + "qkv"] = [up(p + n) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")]
@@ -121,13 +121,13 @@ def load_weights(src: GGUFSource, device: torch.device, dense: bool | None = Non
         free, _ = torch.cuda.mem_get_info(device)
         dense = total_dense <= 0.3 * free
 
-    def lin(ws: list[qgemv.QWeight]) -> Linear:
+    def lin(ws: list[gemv_fp32_act.QWeight]) -> Linear:
         parts = _merge(ws)
         d = None
         if len(parts) == 1 and parts[0].fmt == "BF16":
             d = parts[0].parts["w"]
         elif dense:
-            d = torch.cat([qgemv.reference(p).to(torch.float16) for p in parts])
+            d = torch.cat([gemv_fp32_act.reference(p).to(torch.float16) for p in parts])
         return Linear(parts, d, tuner, stats, int8_act=int8_act, invariant=invariant)
 
     layers = []
@@ -141,9 +141,9 @@ def load_weights(src: GGUFSource, device: torch.device, dense: bool | None = Non
     head = lin(raw.pop("head"))
     tok_embd = None
     if cfg.tied_embeddings and len(head.parts) == 1:
-        tok_embd = qgemv.reference(head.parts[0])
+        tok_embd = gemv_fp32_act.reference(head.parts[0])
     if tok_embd is None:
-        tok_embd = qgemv.reference(up("token_embd.weight"))
+        tok_embd = gemv_fp32_act.reference(up("token_embd.weight"))
     weight_bytes = sum(m.nbytes for L in layers for m in (L.wqkv, L.wo, L.w13, L.w2)) + head.nbytes
     w = Weights(layers, _vec(src, "output_norm.weight", device), head, tok_embd.float().contiguous(), dense,
                 weight_bytes, tuner, stats)

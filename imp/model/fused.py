@@ -2,13 +2,13 @@
 
 Weights are never converted: each matrix is a (byte offset, rows, bytes per
 row, GGML type) entry into the memory-mapped file, read by the kernels in
-imp/kernels/cpu_qdot.py (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
+imp/kernels/cpu/gemm_int8_act.py (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
 Loading is the header parse plus the small fp32 vectors (norms, biases) and
 the RoPE tables; resident memory grows only with the pages the steps touch
 (all of them after the first step: RSS ~ file size + KV used + ~100 MB).
 
 The architectures differ only in flags and optional vectors (see
-imp/kernels/cpu_forward.py): llama (adjacent-pair RoPE), qwen2 (q/k/v biases,
+imp/kernels/cpu/fused_forward.py): llama (adjacent-pair RoPE), qwen2 (q/k/v biases,
 NEOX RoPE), qwen3 (per-head q/k norms), gemma3 (q/k norms, post norms, GELU,
 sliding-window layers with their own RoPE base, scaled embedding, tied head,
 query scale). The torch classes in llama.py / qwen2.py / gemma3.py remain the
@@ -29,8 +29,8 @@ import numpy as np
 
 from imp.formats.gguf_loader import ModelConfig
 from imp.formats.quants import dequantize
-from imp.kernels import cpu_forward as cf
-from imp.kernels import cpu_qdot as qd
+from imp.kernels.cpu import fused_forward as cf
+from imp.kernels.cpu import gemm_int8_act as qd
 from imp.model.paged import LOCAL_THETA, RopeTables, sliding_layers
 
 MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")

@@ -1,7 +1,7 @@
 """The adapters one executor holds, packed for the fused CPU forward.
 
 Each adapter gets a slot; a step's rows carry their sequence's slot (-1: the base
-model), so requests of different adapters share one step (imp.kernels.cpu_forward's
+model), so requests of different adapters share one step (imp.kernels.cpu.fused_forward's
 `_lora_add`). Packed layout, S slots, L layers, the seven matrices:
     lo     int64 [S, L, 7, 3]  (offset of A in la, offset of B in lb, rank; 0 = absent)
     la     float32 [*]         A factors, row-major [r, in]

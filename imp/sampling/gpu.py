@@ -6,7 +6,7 @@ is Gumbel-max with noise hashed from (seed, gen_index, token id), so it depends
 only on the sequence, like the CPU sampler's inverse-CDF draw; the two draw *different* tokens
 from the same distribution (only greedy tokens compare across them). Rows that
 need the host (`SamplingParams.host_sampled`: logprobs, typical_p) go to the CPU
-sampler row by row. The kernels are `imp.kernels.sampling`.
+sampler row by row. The kernels are `imp.kernels.cuda.sampling`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import itertools
 import numpy as np
 import torch
 
-from imp.kernels import sampling as k
-from imp.kernels._cuda import to_device
+from imp.kernels.cuda import sampling as k
+from imp.kernels.cuda.runtime import to_device
 from imp.messages import SampledToken, SeqWork
 from imp.sampling.cpu import LOGPROB_FLOOR, sample_one
 

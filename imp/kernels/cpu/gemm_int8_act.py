@@ -11,7 +11,7 @@ Then each block of a row contributes (Q4_1, as `ggml_vec_dot_q4_1_q8_1`)
 
 K-quants use the same per-32 activations (llama.cpp uses one scale per 256
 for them, Q8_K: ours is finer, never coarser). The row loops are LLVM IR
-(cpu_rowdot.py): per token, 16 float lanes accumulate the blocks in order
+(row_dot_loop.py): per token, 16 float lanes accumulate the blocks in order
 0, 1, 2, ... and nothing else touches them, so y[n, r] is bit-identical
 whatever N is and whichever rows sit beside it: batch invariance (a prefill
 chunk, a batch of decodes and a recompute after preemption all give the same
@@ -24,9 +24,9 @@ Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32), Q4_K, Q5_K, Q6_K (256).
 `reference_gemm` is the float64 reference the tests compare against.
 
 `gemm` (a whole matrix: the models' output heads) takes Q8_0 to AMX tiles
-(cpu_amx.py) where the CPU and kernel allow: a different, equally batch-invariant
+(gemm_q8_0_amx.py) where the CPU and kernel allow: a different, equally batch-invariant
 sum, so a matrix takes one route for every batch on a machine. The layers'
-matrices (`gemm_into`, cpu_forward's `_gemm_multi`) stay on the VNNI loops.
+matrices (`gemm_into`, fused_forward's `_gemm_multi`) stay on the VNNI loops.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from imp.kernels import cpu_amx
-from imp.kernels.cpu_rowdot import UNSIGNED_X, rowdot, rowsdot
+from imp.kernels.cpu import gemm_q8_0_amx
+from imp.kernels.cpu.row_dot_loop import UNSIGNED_X, rowdot, rowsdot
 
 QK = 32  # activation block
 # GGML type ids (gguf.GGMLQuantizationType values; kernels import nothing from the formats layer)
@@ -86,7 +86,7 @@ def quantize_rows(x, xq, xd, xs):
 @njit(cache=True, nogil=True)
 def widen_rows(xq, xu):
     """xu [N, K] = the int8 bits of xq + 128 (xq ^ 0x80): what the UNSIGNED_X types' kernels
-    read (cpu_rowdot's docstring)."""
+    read (row_dot_loop's docstring)."""
     N, K = xq.shape
     for n in range(N):
         for k in range(K):
@@ -103,7 +103,7 @@ def acts_for(qtype, xq, xu):
 
 
 # ---------------------------------------------------------------- one row . T tokens, per type
-# The loops themselves are LLVM IR (cpu_rowdot.py): 16 float lanes per token, the
+# The loops themselves are LLVM IR (row_dot_loop.py): 16 float lanes per token, the
 # block decoded once for T tokens. One intrinsic per (type, T); every T gives identical
 # bits per token, so how a batch is split into tiles changes nothing.
 
@@ -352,17 +352,17 @@ def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def gemm(w: np.ndarray, qtype: int, x: np.ndarray, amx: bool | None = None) -> np.ndarray:
     """y [N, R] = W x^T for W the [R, row_bytes] uint8 blocks of a GGUF matrix, x [N, K] fp32.
-    amx: Q8_0 on AMX tiles (default: where cpu_amx.AMX holds; False: the VNNI loop)."""
+    amx: Q8_0 on AMX tiles (default: where gemm_q8_0_amx.AMX holds; False: the VNNI loop)."""
     assert qtype in SUPPORTED, qtype
     assert w.dtype == np.uint8 and w.ndim == 2 and w.flags.c_contiguous, (w.dtype, w.shape)
     R, K = w.shape[0], x.shape[1]
     assert w.shape[1] == row_bytes(qtype, K), (w.shape, qtype, K)
-    amx = cpu_amx.AMX if amx is None else amx
-    assert not amx or cpu_amx.AMX, "AMX is not available here"
+    amx = gemm_q8_0_amx.AMX if amx is None else amx
+    assert not amx or gemm_q8_0_amx.AMX, "AMX is not available here"
     xq, xd, xs = quantize(x)
     if amx and qtype == Q8_0:
         out = np.empty((x.shape[0], R), np.float32)
-        cpu_amx.gemm_q8_0(w.reshape(-1), 0, w.shape[1], R, K, xq, xd, out, 0, numba.get_num_threads())
+        gemm_q8_0_amx.gemm_q8_0(w.reshape(-1), 0, w.shape[1], R, K, xq, xd, out, 0, numba.get_num_threads())
         return out
     xu = np.empty_like(xq)
     widen_rows(xq, xu)

@@ -25,6 +25,8 @@ Every token's arithmetic is the same sequence of IEEE operations whatever T is
 shuffle tree), so the T = 16, 8, 4 and 1 variants give identical bits: what makes
 the GEMM batch invariant (tests/test_cpu_kernels.py checks it).
 
+The weight blocks are read and decoded into IR values by `gguf_block_ir.decode_unit`.
+
 `rowdot(qtype, T)` returns a Numba intrinsic (a row of any length: an odd
 last 32-block runs after the paired loop)
     (w, base, units, xq, xo, xstride, xd, xs, xb, xbstride) -> UniTuple(float32, T)
@@ -34,7 +36,7 @@ per-32 scales at xd/xs[xb + t * xbstride].
 
 Where VNNI, the types whose weights carry an offset (`UNSIGNED_X`: Q4_0, Q5_0, Q8_0,
 Q6_K) read the activations as unsigned bytes, x + 128 (the int8 bits of x ^ 0x80, made
-once per quantization by cpu_qdot.widen_rows), rather than flipping them per token and
+once per quantization by gemm_int8_act.widen_rows), rather than flipping them per token and
 row inside the loop (Gemma's prefill GEMMs ~7 % faster, PERFORMANCE.md eleventh session).
 Every block's integer dot is the same exact int32 either way, so the bits are.
 """
@@ -45,12 +47,10 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from imp.kernels import cpu_simd  # noqa: F401 - sets the kernels' Numba cache directory first
+from imp.kernels.cpu.gguf_block_ir import (F32, I8, I32, I64, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, SUBS,
+                                           UNIT_BYTES, V32I, Emit, decode_unit)
 
-I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-F32, HALF = ir.FloatType(), ir.HalfType()
-V16F, V16I, V32B, V32I = ir.VectorType(F32, 16), ir.VectorType(I32, 16), ir.VectorType(I8, 32), ir.VectorType(I32, 32)
-V8I = ir.VectorType(I32, 8)
+V16F, V16I, V8I = ir.VectorType(F32, 16), ir.VectorType(I32, 16), ir.VectorType(I32, 8)
 
 
 def _has_vnni() -> bool:
@@ -74,126 +74,8 @@ VNNI = _has_vnni()
 # little less; prefill unchanged (PERFORMANCE.md, eighth session)
 PREFETCH = 8192
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 # the types whose kernels take unsigned activations (x + 128): see the module docstring
 UNSIGNED_X = frozenset((Q4_0, Q5_0, Q8_0, Q6_K)) if VNNI else frozenset()
-UNIT_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q5_K: 176, Q6_K: 210}
-SUBS = {Q4_K: 8, Q5_K: 8, Q6_K: 8}  # 32-blocks per unit (1 for the others)
-
-
-class _Emit:
-    """IR helpers bound to one builder: loads at byte offsets, splats, constants."""
-
-    def __init__(self, builder, wptr):
-        self.b, self.w = builder, wptr  # w: i8* to the row's first byte
-
-    def at(self, off, ty):
-        p = self.b.bitcast(self.b.gep(self.w, [off]), ir.PointerType(ty))
-        v = self.b.load(p)
-        v.align = 1
-        return v
-
-    def f16(self, off):
-        return self.b.fpext(self.at(off, HALF), F32)
-
-    def byte(self, off):
-        return self.at(off, I8)
-
-    def c(self, n, v, ty=I8):
-        return ir.Constant(ir.VectorType(ty, n), [v] * n)
-
-    def splat(self, val, n):
-        vt = ir.VectorType(val.type, n)
-        v = self.b.insert_element(ir.Constant(vt, ir.Undefined), val, ir.Constant(I32, 0))
-        return self.b.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(I32, n), [0] * n))
-
-    def nibbles16(self, off):
-        """16 bytes -> <32 x i8>: low nibbles are elements 0..15, high 16..31."""
-        q = self.at(off, ir.VectorType(I8, 16))
-        lo, hi = self.b.and_(q, self.c(16, 15)), self.b.lshr(q, self.c(16, 4))
-        return self.b.shuffle_vector(lo, hi, ir.Constant(V32I, list(range(32))))
-
-    def bits32(self, off, shift: int, mask: int):
-        """(32 bytes at off >> shift) & mask."""
-        v = self.at(off, V32B)
-        if shift:
-            v = self.b.lshr(v, self.c(32, shift))
-        return self.b.and_(v, self.c(32, mask))
-
-    def fifth_bits(self, off):
-        """u32 at off -> <32 x i8>, lane j = bit j << 4 (Q5_0 / Q5_1): byte j//8 of the u32
-        in lane j (one byte shuffle), tested against 1 << (j % 8) (vptestmb + masked move),
-        not 32 variable shifts of i32 lanes (which cost Q5_0 three times Q4_1's time)."""
-        b = self.b
-        q4 = self.at(off, ir.VectorType(I8, 4))
-        spread = b.shuffle_vector(q4, ir.Constant(ir.VectorType(I8, 4), ir.Undefined),
-                                  ir.Constant(V32I, [j // 8 for j in range(32)]))
-        bit = b.and_(spread, ir.Constant(V32B, [1 << (j % 8) for j in range(32)]))
-        on = b.icmp_unsigned("!=", bit, self.c(32, 0))
-        return b.select(on, self.c(32, 16), self.c(32, 0))
-
-
-def _scale_min_k4(e: _Emit, o, j: int):
-    """Q4_K / Q5_K 6-bit scale and min of sub-block j (ggml's get_scale_min_k4), as float."""
-    b = e.b
-
-    def q(i):
-        return b.zext(e.byte(b.add(o, ir.Constant(I64, 4 + i))), I32)
-
-    if j < 4:
-        sc, mn = b.and_(q(j), ir.Constant(I32, 63)), b.and_(q(j + 4), ir.Constant(I32, 63))
-    else:
-        hi6 = ir.Constant(I32, 6)
-        sc = b.or_(b.and_(q(j + 4), ir.Constant(I32, 15)), b.shl(b.lshr(q(j - 4), hi6), ir.Constant(I32, 4)))
-        mn = b.or_(b.lshr(q(j + 4), ir.Constant(I32, 4)), b.shl(b.lshr(q(j), hi6), ir.Constant(I32, 4)))
-    return b.uitofp(sc, F32), b.uitofp(mn, F32)
-
-
-def _groups(e: _Emit, qtype: int, o):
-    """The unit at byte o -> [(quants <32 x i8> as unsigned 0..2^bits-1, offset, float scale,
-    float min or None, int lane scales or None)]; the signed weight is quants - offset."""
-    b = e.b
-
-    def off(k):
-        return b.add(o, ir.Constant(I64, k))
-
-    if qtype == Q8_0:  # int8 -> unsigned by flipping the sign bit: q + 128
-        return [(b.xor(e.at(off(2), V32B), e.c(32, 0x80)), 128, e.f16(o), None, None)]
-    if qtype in (Q4_0, Q4_1):
-        q = e.nibbles16(off(2 if qtype == Q4_0 else 4))
-        if qtype == Q4_0:
-            return [(q, 8, e.f16(o), None, None)]
-        return [(q, 0, e.f16(o), e.f16(off(2)), None)]
-    if qtype in (Q5_0, Q5_1):
-        qh, qs = (2, 6) if qtype == Q5_0 else (4, 8)
-        q = b.or_(e.nibbles16(off(qs)), e.fifth_bits(off(qh)))
-        if qtype == Q5_0:
-            return [(q, 16, e.f16(o), None, None)]
-        return [(q, 0, e.f16(o), e.f16(off(2)), None)]
-    if qtype in (Q4_K, Q5_K):
-        d, dmin = e.f16(o), e.f16(off(2))
-        out = []
-        for j in range(8):
-            sc, mn = _scale_min_k4(e, o, j)
-            if qtype == Q4_K:
-                q = e.bits32(off(16 + 32 * (j // 2)), 4 * (j % 2), 15)
-            else:
-                q = e.bits32(off(48 + 32 * (j // 2)), 4 * (j % 2), 15)
-                q = b.or_(q, b.shl(e.bits32(off(16), j, 1), e.c(32, 4)))
-            out.append((q, 0, b.fmul(d, sc), b.fneg(b.fmul(dmin, mn)), None))
-        return out
-    if qtype == Q6_K:
-        d = e.f16(off(208))
-        out = []
-        for g in range(8):
-            h, qi = g // 4, g % 4
-            ql = e.bits32(off(64 * h + 32 * (qi & 1)), 4 * (qi >> 1), 15)
-            qh = e.bits32(off(128 + 32 * h), 2 * qi, 3)
-            q = b.or_(ql, b.shl(qh, e.c(32, 4)))
-            sa, sb = (b.sext(e.byte(off(192 + 2 * g + k)), I32) for k in (0, 1))
-            out.append((q, 32, d, None, (sa, sb)))  # elements 0..15 scale sa, 16..31 sb
-        return out
-    raise NotImplementedError(qtype)
 
 
 def _pairsum(b, wv, xv):
@@ -370,7 +252,7 @@ def _codegen(qtype: int, T: int, R: int = 1):
         ddata = context.make_array(aty[6])(context, builder, xd).data
         sdata = context.make_array(aty[7])(context, builder, xs).data
         b = builder
-        es = [_Emit(b, b.gep(wdata, [b.add(base, b.mul(rstride, ir.Constant(I64, i)))])) for i in range(R)]
+        es = [Emit(b, b.gep(wdata, [b.add(base, b.mul(rstride, ir.Constant(I64, i)))])) for i in range(R)]
         # an explicit fused multiply-add: one rounding, the same on every call (not a fast-math contraction)
         fma = b.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(V16F, [V16F] * 3))
         toks = [_Tok(b, qdata, ddata, sdata, xo, xstride, xb, xbstride, t) for t in range(T)]
@@ -394,9 +276,9 @@ def _codegen(qtype: int, T: int, R: int = 1):
             first = b.mul(u, ir.Constant(I64, subs))
         for i, e in enumerate(es):
             if pair32:
-                groups = _groups(e, qtype, o) + _groups(e, qtype, b.add(o, ir.Constant(I64, ubytes)))
+                groups = decode_unit(e, qtype, o) + decode_unit(e, qtype, b.add(o, ir.Constant(I64, ubytes)))
             else:
-                groups = _groups(e, qtype, o)
+                groups = decode_unit(e, qtype, o)
             _prefetch(b, e, o)
             if VNNI:
                 for j in range(0, len(groups), 2):
@@ -415,25 +297,26 @@ def _codegen(qtype: int, T: int, R: int = 1):
                     minsv = b.insert_element(minsv, g[3], ir.Constant(I32, j))
                 for t in range(T):
                     mac_v[i * T + t] = _mins_step(b, toks[t], minsv, first, mac_v[i * T + t])
+
+        def zero_or_stepped(acc_phis, mac_phis):
+            # the loop head's chains and the loop exit's alike: zero from the entry (no step ran),
+            # the last step's values from the loop
+            for c in range(C):
+                acc_phis[c].add_incoming(zero_v, entry)
+                acc_phis[c].add_incoming(acc_v[c], loop)
+                if has_min:
+                    mac_phis[c].add_incoming(zero_m, entry)
+                    mac_phis[c].add_incoming(mac_v[c], loop)
+
         u1 = b.add(u, ir.Constant(I64, 1))
         u.add_incoming(ir.Constant(I64, 0), entry)
         u.add_incoming(u1, loop)
-        for c in range(C):
-            accs[c].add_incoming(zero_v, entry)
-            accs[c].add_incoming(acc_v[c], loop)
-            if has_min:
-                macs[c].add_incoming(zero_m, entry)
-                macs[c].add_incoming(mac_v[c], loop)
+        zero_or_stepped(accs, macs)
         b.cbranch(b.icmp_signed("<", u1, steps), loop, after)
         b.position_at_end(after)
         acc_p = [b.phi(V16F) for _ in range(C)]
         mac_p = [b.phi(MV) for _ in range(C)] if has_min else []
-        for c in range(C):
-            acc_p[c].add_incoming(zero_v, entry)
-            acc_p[c].add_incoming(acc_v[c], loop)
-            if has_min:
-                mac_p[c].add_incoming(zero_m, entry)
-                mac_p[c].add_incoming(mac_v[c], loop)
+        zero_or_stepped(acc_p, mac_p)
         acc_f, mac_f = list(acc_p), list(mac_p)
         if pair32:  # the odd last block of a 32-type row
             tail = b.append_basic_block("rowdot_tail")
@@ -444,7 +327,7 @@ def _codegen(qtype: int, T: int, R: int = 1):
             last = b.sub(units, ir.Constant(I64, 1))
             tacc, tmac = list(acc_p), list(mac_p)
             for i, e in enumerate(es):
-                (g,) = _groups(e, qtype, b.mul(last, ir.Constant(I64, ubytes)))
+                (g,) = decode_unit(e, qtype, b.mul(last, ir.Constant(I64, ubytes)))
                 for t in range(T):
                     c = i * T + t
                     tacc[c] = _single_step(b, e, toks[t], g, last, tacc[c], fma)

@@ -4,14 +4,14 @@ GGUF ("normal") layout: adjacent pairs (x[2i], x[2i+1]) rotate by
 pos * theta^(-2i/D); cos/sin come from tables [max_pos, D/2] built in float64
 (`imp.model.llama.rope_tables`), so the angles match the CPU runner's.
 One thread per pair; memory-bound and tiny at decode (launch-bound), which is
-why `rope_kv` also does the KV write (`imp.kernels.kv_write`) in the same launch.
+why `rope_kv` also does the KV write (`imp.kernels.cuda.kv_write`) in the same launch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from imp.kernels import _cuda as cu
+from imp.kernels.cuda import runtime as cu
 
 SRC = r"""
 // one rotation, every operation explicitly rounded: rope and rope_kv give the same bits

@@ -35,7 +35,7 @@ import math
 import numpy as np
 import torch
 
-from imp.kernels import _cuda as cu
+from imp.kernels.cuda import runtime as cu
 
 TILE_ROWS = 16
 KT = 32  # keys per tile

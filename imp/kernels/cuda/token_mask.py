@@ -10,7 +10,7 @@ layout). This kernel applies k such rows to the logits:
 
 so a batch with unconstrained neighbours passes only its constrained rows
 (rows[i] < 0 skips an entry: a CUDA graph can hold one launch over a fixed
-k while the host marks which entries are live, as pending.py does).
+k while the host marks which entries are live, as fill_pending_tokens.py does).
 
 One thread per token: the 32 lanes of a warp read the same mask word (one
 broadcast load) and store only the masked logits (coalesced). Roofline is
@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from imp.kernels import _cuda as cu
+from imp.kernels.cuda import runtime as cu
 
 THREADS = 256
 

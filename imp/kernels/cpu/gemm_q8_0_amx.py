@@ -14,9 +14,9 @@ exact int32 block sums (C). Those are stored, converted and scaled per block:
 one IEEE multiply and one fused multiply-add per element and block, in block order,
 with nothing else touching acc[r, t]: the bits of y[n, r] do not depend on N, on
 the tile a token lands in or on the rows beside it (batch invariance), whatever
-vector width the loop compiles to. (They differ from cpu_rowdot's VNNI loop, whose
+vector width the loop compiles to. (They differ from row_dot_loop's VNNI loop, whose
 lanes sum four products each; a matrix always takes one route on a machine, see
-`gemm` in cpu_qdot.)
+`gemm` in gemm_int8_act.)
 
 Why: the Gemma 3 and SmolLM2 heads are Q8_0 (262,144 x 640 and 49,152 x 576).
 At a decode batch of 8 the VNNI loop spent 13.5 of a ~35 ms Gemma step in the head,
@@ -43,8 +43,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-# cpu_simd first: it sets the kernels' Numba cache directory
-from imp.kernels.cpu_simd import F32, HALF, I8, _splat
+from imp.kernels.cpu.float_lanes import F32, HALF, I8, _splat
 
 I64 = ir.IntType(64)
 QK = 32
@@ -340,7 +339,7 @@ CHUNK = 64  # panels a work item at most (1,024 rows): enough to amortise its se
 @njit(parallel=True, cache=True, nogil=True)
 def gemm_q8_0(w, woff, rbytes, R, K, xq, xd, out, ocol, threads):
     """out[n, ocol + r] = W[r] . x[n] for a Q8_0 matrix of R rows at byte woff of w (flat uint8),
-    x [N, K] as cpu_qdot.quantize gives it (int8 quants, a float32 scale a block of 32);
+    x [N, K] as gemm_int8_act.quantize gives it (int8 quants, a float32 scale a block of 32);
     threads: numba.get_num_threads() (a global read would keep this from Numba's disk cache)."""
     N = xq.shape[0]
     nb = K // QK

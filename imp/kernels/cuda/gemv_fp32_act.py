@@ -1,5 +1,5 @@
 """Quantized GEMV (decode matmul) y[b] = W @ x[b], dequantizing in registers, every format
-of `imp.kernels.qweight` (which also holds the layouts and the references).
+of `imp.kernels.cuda.quant_weight` (which also holds the layouts and the references).
 
 Kernel shape: one warp per output row, 4 warps a block; lanes stride over the
 row's chunks (32 elements of a block, 64 of a Q4_K sub-block pair, 8 of bf16)
@@ -11,7 +11,7 @@ fp32, one warp reduction per activation row at the end.
 Roofline (decode, batch 1): bytes = weight bytes (bits/8 * rows * cols) +
 x; arithmetic is negligible, so time >= bytes / copy-rate.
 
-The BF16 family with two rows a warp and fused epilogues is `imp.kernels.gemv_bf16x`;
+The BF16 family with two rows a warp and fused epilogues is `imp.kernels.cuda.gemv_bf16_fused`;
 its names are re-exported here, the one GEMV entry point the GPU linear layer uses.
 """
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from imp.kernels import _cuda as cu
-from imp.kernels.qweight import (BITS, BLOCK, FORMATS, Q4K_SCALE_MIN_SRC, TILES, QWeight, cat_rows, check_parts,
-                                  gemv_reference, out_for, reference, repack, tile_for)
+from imp.kernels.cuda import runtime as cu
+from imp.kernels.cuda.quant_weight import (BITS, BLOCK, FORMATS, Q4K_SCALE_MIN_SRC, TILES, QWeight, cat_rows,
+                                           check_parts, check_x, gemv_reference, out_for, reference, repack, tile_for)
 
 WARPS = 4
 
@@ -59,6 +59,28 @@ __device__ __forceinline__ void fma8(float (&acc)[BT], const float* __restrict__
     }
 }
 
+// A 16-byte chunk of nibbles: bytes 0-7 (q.x, q.y) give columns col.. (low nibbles, weight wl(nibble)) and
+// col + hstep.. (high, wh(nibble)), bytes 8-15 the same 8 columns on; four fma8 in that order.
+template <int BT, typename WL, typename WH>
+__device__ __forceinline__ void fma_nib16(float (&acc)[BT], const float* __restrict__ x, int ldx, int nact, int col,
+                                          int hstep, const uint4 q, WL wl, WH wh) {
+    float lo[8], hi[8], w[8];
+    unpack_nib(q.x, q.y, lo, hi);
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = wl(lo[i]);
+    fma8<BT>(acc, x, ldx, nact, col, w);
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = wh(hi[i]);
+    fma8<BT>(acc, x, ldx, nact, col + hstep, w);
+    unpack_nib(q.z, q.w, lo, hi);
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = wl(lo[i]);
+    fma8<BT>(acc, x, ldx, nact, col + 8, w);
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = wh(hi[i]);
+    fma8<BT>(acc, x, ldx, nact, col + hstep + 8, w);
+}
+
 #define PROLOGUE                                                        \
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;         \
     const int row = blockIdx.x * WARPS + warp;                          \
@@ -88,21 +110,8 @@ __global__ void __launch_bounds__(128) gemv_q4_0(const u8* __restrict__ qs, cons
     for (int c = lane; c < nb; c += 32) {
         const uint4 q = __ldg((const uint4*)(qr + (size_t)c * 16));
         const float s = h2f(__ldg(dr + c));
-        float lo[8], hi[8], w[8];
-        unpack_nib(q.x, q.y, lo, hi);
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = s * (lo[i] - 8.f);
-        fma8<BT>(acc, x, ldx, nact, c * 32, w);
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = s * (hi[i] - 8.f);
-        fma8<BT>(acc, x, ldx, nact, c * 32 + 16, w);
-        unpack_nib(q.z, q.w, lo, hi);
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = s * (lo[i] - 8.f);
-        fma8<BT>(acc, x, ldx, nact, c * 32 + 8, w);
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = s * (hi[i] - 8.f);
-        fma8<BT>(acc, x, ldx, nact, c * 32 + 24, w);
+        const auto wq = [=](float v) { return s * (v - 8.f); };
+        fma_nib16<BT>(acc, x, ldx, nact, c * 32, 16, q, wq, wq);
     }
     EPILOGUE
 }
@@ -118,21 +127,8 @@ __global__ void __launch_bounds__(128) gemv_q4_1(const u8* __restrict__ qs, cons
     for (int c = lane; c < nb; c += 32) {
         const uint4 q = __ldg((const uint4*)(qr + (size_t)c * 16));
         const float s = h2f(__ldg(dr + c)), mm = h2f(__ldg(mr + c));
-        float lo[8], hi[8], w[8];
-        unpack_nib(q.x, q.y, lo, hi);
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = s * lo[i] + mm;
-        fma8<BT>(acc, x, ldx, nact, c * 32, w);
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = s * hi[i] + mm;
-        fma8<BT>(acc, x, ldx, nact, c * 32 + 16, w);
-        unpack_nib(q.z, q.w, lo, hi);
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = s * lo[i] + mm;
-        fma8<BT>(acc, x, ldx, nact, c * 32 + 8, w);
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = s * hi[i] + mm;
-        fma8<BT>(acc, x, ldx, nact, c * 32 + 24, w);
+        const auto wq = [=](float v) { return s * v + mm; };
+        fma_nib16<BT>(acc, x, ldx, nact, c * 32, 16, q, wq, wq);
     }
     EPILOGUE
 }
@@ -176,35 +172,10 @@ __global__ void __launch_bounds__(128) gemv_q4_k(const u8* __restrict__ blocks, 
         q4k_scale_min(2 * p + 1, h, sc1, m1);
         const float ds0 = dd * sc0, dm0 = dmin * m0, ds1 = dd * sc1, dm1 = dmin * m1;
         const int col = sb * 256 + 64 * p;
-        float lo[8], hi[8], w[8];
-        unpack_nib(qa.x, qa.y, lo, hi);
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = ds0 * lo[i] - dm0;
-        fma8<BT>(acc, x, ldx, nact, col, w);
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = ds1 * hi[i] - dm1;
-        fma8<BT>(acc, x, ldx, nact, col + 32, w);
-        unpack_nib(qa.z, qa.w, lo, hi);
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = ds0 * lo[i] - dm0;
-        fma8<BT>(acc, x, ldx, nact, col + 8, w);
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = ds1 * hi[i] - dm1;
-        fma8<BT>(acc, x, ldx, nact, col + 40, w);
-        unpack_nib(qb.x, qb.y, lo, hi);
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = ds0 * lo[i] - dm0;
-        fma8<BT>(acc, x, ldx, nact, col + 16, w);
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = ds1 * hi[i] - dm1;
-        fma8<BT>(acc, x, ldx, nact, col + 48, w);
-        unpack_nib(qb.z, qb.w, lo, hi);
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = ds0 * lo[i] - dm0;
-        fma8<BT>(acc, x, ldx, nact, col + 24, w);
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = ds1 * hi[i] - dm1;
-        fma8<BT>(acc, x, ldx, nact, col + 56, w);
+        const auto w0 = [=](float v) { return ds0 * v - dm0; };  // sub-block 2p: the low nibbles
+        const auto w1 = [=](float v) { return ds1 * v - dm1; };  // 2p + 1: the high ones, 32 columns on
+        fma_nib16<BT>(acc, x, ldx, nact, col, 32, qa, w0, w1);
+        fma_nib16<BT>(acc, x, ldx, nact, col + 16, 32, qb, w0, w1);
     }
     EPILOGUE
 }
@@ -274,12 +245,7 @@ _NAMES = tuple(f"{k}<{bt}>" for k in _KNAME.values() for bt in TILES)
 
 def gemv(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """out[B, N] (fp32, may be a column slice of a wider buffer) = x[B, K] @ W.T."""
-    cu.check(x, "x", torch.float32, 2, align=16)
-    B, K = x.shape
-    if K != w.cols:
-        raise ValueError(f"x has {K} columns, weight {w.cols}")
-    if x.stride(0) % 4:
-        raise ValueError("x row stride must be a multiple of 4 floats")
+    B, K = check_x(w, x)
     out = out_for(w, B, out, x.device)
     if B == 0:
         return out
@@ -295,7 +261,7 @@ def gemv(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.
 
 
 
-from imp.kernels.gemv_bf16x import XACTS, XMODES, XVARIANTS, gemv_bf16x, x_ok  # noqa: E402
+from imp.kernels.cuda.gemv_bf16_fused import XACTS, XMODES, XVARIANTS, gemv_bf16x, x_ok  # noqa: E402
 
 __all__ = ["BITS", "BLOCK", "FORMATS", "TILES", "WARPS", "QWeight", "cat_rows", "gemv", "gemv_reference", "reference",
            "repack", "tile_for", "XACTS", "XMODES", "XVARIANTS", "gemv_bf16x", "x_ok"]

@@ -1,5 +1,5 @@
 """Quantized GEMM on int8 activations with integer tensor cores (llama.cpp's MMQ): Y = X W^T for batches
-of 9..512+ rows, where the GEMV (`qgemv_q8`, dp4a) is compute-bound and the server today falls back to
+of 9..512+ rows, where the GEMV (`gemv_int8_act`, dp4a) is compute-bound and the server today falls back to
 cuBLAS over a dense fp16 copy of the weights (3.3x the bytes of a Q4_K model kept in memory).
 
 Wired in for the int8 path without a dense copy (`imp.gpu.linear.Linear.mode`: prompt rows and decode
@@ -7,7 +7,7 @@ batches past 8); with a dense copy cuBLAS over it is still faster at 64+ rows (b
 0.26-0.61x of cuBLAS at M = 64..512, 0.9-1.2x at 16). `tests/test_gpu_qmm.py` (GPU lane) checks every
 tile against the float64 reference and the tiles' bits against each other.
 
-Same numerics as the GEMV: x is q8 per block of 32 (`imp.kernels.q8act`), each weight block read as
+Same numerics as the GEMV: x is q8 per block of 32 (`imp.kernels.cuda.quantize_act_int8`), each weight block read as
 int8 with its scale (and min), integer dot products exact, scaled in fp32:
 
     Y[m, n] = sum_g xd[m, g/2] * s16[n, g] * isum16(m, n, g) + sum_j xs[m, j] * mn32[n, j]
@@ -26,7 +26,7 @@ Where the time goes, and what this kernel does about it:
     are exactly 12582912 + isum (|isum| < 2^22), and one exact FADD gives (float)isum.
   * No overlap of loads and compute: now a STAGES-deep cp.async pipeline (sm_80+) over chunks of
     256 columns. The RAW weight blocks go to shared memory as they are in the repacked layout
-    (`imp.kernels.qweight`: 16-byte pieces, adjacent threads adjacent pieces of a row: coalesced), and
+    (`imp.kernels.cuda.quant_weight`: 16-byte pieces, adjacent threads adjacent pieces of a row: coalesced), and
     the B fragments are built from them directly (nibble masks / Q6_K's 4+2 bits, a few ALU ops a
     register): no int8 staging copy of the weights. Per chunk: wait for its copies, __syncthreads,
     issue the copies of chunk + STAGES - 1, decode the chunk's weight scales (and mins) once per
@@ -34,6 +34,7 @@ Where the time goes, and what this kernel does about it:
     kept outside the blocks (Q4_0/Q4_1/Q8_0 d and m, Q6_K d) are read one chunk ahead into registers.
   * Tiles fit M: a block of WGM x WGN warps, each warp 16 MI x 8 NJ outputs; tiles of 16x64, 32x64,
     64x32, 64x64, 64x128 and 128x128 (`TILES`), picked by `pick_tile` from M, N, K and the SM count
+    (`gemm_int8_act_tiles`, with each tile's shared memory)
     (warps whose rows lie wholly past M skip their mma and epilogue: one branch a chunk, outside the
     unrolled loop, so that ptxas can interleave the ldmatrix / mma / fp32 work of all the warp's fragments). Grid
     (ceil(M / BM), ceil(N / BN)), the token tiles fastest: the blocks that share weight rows run
@@ -51,13 +52,12 @@ Fragment layout (PTX ISA, "Matrix Fragments for mma.m16n8k32", integer types), g
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from imp.kernels import _cuda as cu
-from imp.kernels.q8act import Q8Act
-from imp.kernels.qweight import Q4K_SCALE_MIN_SRC, QWeight, check_parts, out_for
+from imp.kernels.cuda import runtime as cu
+from imp.kernels.cuda.gemm_int8_act_tiles import TILES, pick_tile, sm_count, smem_bytes, tile_dims
+from imp.kernels.cuda.quant_weight import Q4K_SCALE_MIN_SRC, QWeight, check_parts, out_for
+from imp.kernels.cuda.quantize_act_int8 import Q8Act
 
 FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 KC = 256
@@ -377,58 +377,14 @@ __global__ void __launch_bounds__(32 * WGM * WGN, QMM_MINB(MI, NJ, WGM, WGN)) qm
 _FMT_ID = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q6_K": 4}
 _PARTS = {"Q4_0": ("qs", "d", None), "Q4_1": ("qs", "d", "m"), "Q8_0": ("qs", "d", None),
           "Q4_K": ("blocks", None, None), "Q6_K": ("body", "d", None)}
-# name: (MI, NJ, WGM, WGN, STAGES) -> block tile 16 MI WGM x 8 NJ WGN, 32 WGM WGN threads
-TILES = {
-    "16x64": (1, 2, 1, 4, 4),
-    "32x64": (2, 2, 1, 4, 3),
-    "64x32": (2, 2, 2, 2, 3),
-    "64x64": (2, 4, 2, 2, 2),
-    "64x128": (2, 4, 2, 4, 2),
-    "128x128": (4, 4, 2, 4, 2),
-}
-_WB = {"Q4_0": 144, "Q4_1": 144, "Q8_0": 272, "Q4_K": 144, "Q6_K": 208}
-_SQ = {"Q4_0": 8, "Q4_1": 8, "Q8_0": 8, "Q4_K": 8, "Q6_K": 16}
-_HASMN = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 0, "Q4_K": 1, "Q6_K": 0}
+
+
 def _name(fmt: str, tile: str) -> str:
     return f"qmm_q8<{_FMT_ID[fmt]}, {', '.join(str(v) for v in TILES[tile])}>"
 
 
 _NAMES_BY_FMT = {f: tuple(_name(f, t) for t in TILES) for f in FORMATS}
 _NAMES = tuple(n for f in FORMATS for n in _NAMES_BY_FMT[f])
-
-
-def tile_dims(tile: str) -> tuple[int, int, int]:
-    """(BM, BN, threads) of a tile."""
-    mi, nj, wgm, wgn, _ = TILES[tile]
-    return 16 * mi * wgm, 8 * nj * wgn, 32 * wgm * wgn
-
-
-def smem_bytes(fmt: str, tile: str) -> int:
-    """Dynamic shared memory of a launch: STAGES x (x tile, x scales, raw weights) + the scale table."""
-    BM, BN, _ = tile_dims(tile)
-    stages = TILES[tile][4]
-    stage = BM * 272 + BM * 9 * 8 + BN * _WB[fmt]
-    return stages * stage + (_SQ[fmt] + 8 * _HASMN[fmt]) * BN * 4
-
-
-def pick_tile(fmt: str, M: int, N: int, K: int, sms: int = 132) -> str:
-    """The tile for M tokens x N weight rows x K, fitted to an H200 sweep of every tile (Q4_K qkv / gate_up,
-    Q6_K down at M = 16..512): the kernel is latency-bound per chunk when there are few blocks, so small
-    tiles (more blocks, deeper pipelines) until the grid fills the SMs several times over."""
-    if M <= 16:
-        return "16x64"
-    if M <= 128:
-        return "64x64" if -(-M // 64) * -(-N // 64) >= 3 * sms else "32x64"
-    if K >= 8192 or -(-M // 128) * -(-N // 128) >= 4 * sms:
-        return "128x128"
-    return "64x64"
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 _smem_set: set[tuple[int, int]] = set()
 
 
@@ -458,7 +414,7 @@ def qmm(w: QWeight, xa: Q8Act, out: torch.Tensor | None = None, tile: str | None
     check_parts(w, _PARTS[w.fmt], xa.xq.device)
     parts = [w.parts[k] if k is not None else None for k in _PARTS[w.fmt]]
     if tile is None:
-        tile = pick_tile(w.fmt, M, w.rows, K, _sm_count(xa.xq.device.index or 0))
+        tile = pick_tile(w.fmt, M, w.rows, K, sm_count(xa.xq.device.index or 0))
     fn, smem = _kernel(w.fmt, tile)
     BM, BN, thr = tile_dims(tile)
     cu.launch(fn, (-(-M // BM), -(-w.rows // BN)), (thr,), tuple(cu.ptr(t) for t in parts) + (

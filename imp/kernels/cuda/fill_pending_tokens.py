@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from imp.kernels import _cuda as cu
+from imp.kernels.cuda import runtime as cu
 
 SRC = r"""
 extern "C" __global__ void fill_pending(int* __restrict__ tokens, const int* __restrict__ rows,

@@ -19,13 +19,13 @@ import math
 
 import torch
 
-from imp.kernels import _cuda as cu
-from imp.kernels import q8act
+from imp.kernels.cuda import runtime as cu
+from imp.kernels.cuda import quantize_act_int8
 
 NW = 8
 U = 4
 
-SRC = q8act.DEVICE + r"""
+SRC = quantize_act_int8.DEVICE + r"""
 template <typename KV> struct Load8;
 template <> struct Load8<float> {
     static __device__ __forceinline__ void run(const float* p, float (&o)[8]) {
@@ -43,7 +43,7 @@ template <> struct Load8<u16> {
     }
 };
 
-// Q8: the output is written quantized per block of 32 (imp.kernels.q8act's rule, bit for bit) into xq [B, H D]
+// Q8: the output is written quantized per block of 32 (imp.kernels.cuda.quantize_act_int8's rule, bit for bit) into xq [B, H D]
 // int8 and xds [B, H D / 32] float2 for an int8-activation O projection, instead of into out.
 template <typename KV, int D, bool Q8>
 __global__ void __launch_bounds__(256) paged_decode(
@@ -143,7 +143,7 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, block_tabl
                  ctx_lens: torch.Tensor, n_heads: int, out: torch.Tensor | None = None, q8: bool = False):
     """q [B, >= H*D] fp32 (row stride free), kc/vc [num_blocks, bs, Hkv, D] fp32|bf16,
     block_tables [B, max_blocks] int32, ctx_lens [B] int32 (0 -> zeros) -> out [B, H*D] fp32,
-    or with q8 the same output quantized (`imp.kernels.q8act.Q8Act`, for an int8 O projection)."""
+    or with q8 the same output quantized (`imp.kernels.cuda.quantize_act_int8.Q8Act`, for an int8 O projection)."""
     cu.check(q, "q", torch.float32, 2, align=16)
     cu.check(kc, "kc", (torch.float32, torch.bfloat16), 4, align=16)
     cu.check(vc, "vc", (torch.float32, torch.bfloat16), 4, align=16)
@@ -159,7 +159,7 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, block_tabl
         raise ValueError("shape mismatch")
     xa = None
     if q8:
-        xa = q8act.empty(B, n_heads * D, q.device)
+        xa = quantize_act_int8.empty(B, n_heads * D, q.device)
     elif out is None:
         out = torch.empty(B, n_heads * D, dtype=torch.float32, device=q.device)
     if out is not None:

@@ -1,10 +1,10 @@
 """Quantized GEMV on int8 activations: y[b] = W @ x[b] with dp4a dot products (llama.cpp's mmvq).
 
-Why: the fp32-activation GEMV (`imp.kernels.qgemv`) reads 8 x values (32 bytes) per 8
+Why: the fp32-activation GEMV (`imp.kernels.cuda.gemv_fp32_act`) reads 8 x values (32 bytes) per 8
 weights through L1 and spends 8 FMAs and a dequantization on them; at 4.5 bits a weight
 that is 7x the weight bytes and the tuner preferred cuBLAS over an fp16 copy (3.3x the
 bytes) for every Q4_K shape. Here x is first quantized per block of 32 as llama.cpp's
-Q8_1 (`imp.kernels.q8act`: alone, or fused into the norm / activation that produces x;
+Q8_1 (`imp.kernels.cuda.quantize_act_int8`: alone, or fused into the norm / activation that produces x;
 the CPU kernels do the same with the same rounding), so a lane reads 1 byte of x per
 weight and one `dp4a` does 4 multiply-adds in exact int32; the float work is one scale
 product per 16-32 weights.
@@ -24,7 +24,7 @@ __fmul_rn (no contraction left to the compiler, which chose differently per temp
 instance): the same bits for any batch size (batch invariance) and any R; a split adds its
 warps' sums in warp order (other bits than no split, the same every launch).
 
-Formats: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K in `imp.kernels.qweight`'s repacked layout.
+Formats: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K in `imp.kernels.cuda.quant_weight`'s repacked layout.
 `reference_quantize` / `reference` are the torch references the tests compare against.
 """
 
@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import torch
 
-from imp.kernels import _cuda as cu
-from imp.kernels.q8act import Q8Act, dequant as dequant_act, quantize, reference as reference_quantize
-from imp.kernels.qweight import Q4K_SCALE_MIN_SRC, QWeight, TILES, check_parts, out_for, reference as dequant_reference, tile_for
+from imp.kernels.cuda import runtime as cu
+from imp.kernels.cuda.quantize_act_int8 import Q8Act, dequant as dequant_act, quantize, reference as reference_quantize
+from imp.kernels.cuda.quant_weight import Q4K_SCALE_MIN_SRC, QWeight, TILES, check_parts, out_for, reference as dequant_reference, tile_for
 
 WARPS = 4
 FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")

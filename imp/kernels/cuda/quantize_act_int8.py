@@ -1,4 +1,4 @@
-"""int8 activations for `imp.kernels.qgemv_q8`: quantize x per block of 32 (llama.cpp's Q8_1), alone
+"""int8 activations for `imp.kernels.cuda.gemv_int8_act`: quantize x per block of 32 (llama.cpp's Q8_1), alone
 or fused into the kernel that produces x (add+RMSNorm, the gated activation).
 
     xq [N, K] int8, xds [N, K/32] float2: xd = max|x| / 127, xs = xd * sum(xq)
@@ -8,7 +8,7 @@ quantize before each of the 4 GEMVs of a layer is 128 nodes for a 32-layer model
 norm before QKV and gate/up, and the SiLU*up before down, write xq/xds directly (the fp32
 vector is never stored); only the attention output (before O) is quantized by itself.
 
-Rounding as `cpu_qdot.quantize_rows` (the CPU runner's): v = x * (1 / xd), q = trunc(v + 0.5)
+Rounding as `imp.kernels.cpu.gemm_int8_act.quantize_rows` (the CPU runner's): v = x * (1 / xd), q = trunc(v + 0.5)
 away from zero, every operation explicitly rounded (no FMA contraction), so a fused kernel
 gives the same bits as quantizing the fp32 output of the unfused one, and the GPU the same
 as the CPU for the same x. `reference` is that rule in torch float32 ops.
@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from imp.kernels import _cuda as cu
-from imp.kernels.rmsnorm import ROW, check_args
+from imp.kernels.cuda import runtime as cu
+from imp.kernels.cuda.add_rmsnorm import ROW, check_args
 
 QK = 32
 
-# The rounding rule, for every kernel that writes int8 activations (here, and paged_attention's epilogue).
+# The rounding rule, for every kernel that writes int8 activations (here, and paged_decode_attention's epilogue).
 DEVICE = r"""
 // xd = max|x| / 127 and its inverse (0 for an all-zero block)
 __device__ __forceinline__ float q8_scale(float amax, float& inv) {
@@ -77,7 +77,7 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, int ldx, i8*
     q8_store4(v, live, xq + (size_t)(live ? n : 0) * K, xds + (size_t)(live ? n : 0) * (K >> 5), c4);
 }
 
-// x += delta (in place); xq/xds = q8(x / rms(x) * w): add_rmsnorm (imp.kernels.rmsnorm) with its output
+// x += delta (in place); xq/xds = q8(x / rms(x) * w): add_rmsnorm (imp.kernels.cuda.add_rmsnorm) with its output
 // quantized instead of stored. One block per row; blockDim a multiple of 32.
 extern "C" __global__ void add_rmsnorm_q8(float* __restrict__ x, int ldx, const float* __restrict__ delta, int ldd,
                                           const float* __restrict__ w, i8* __restrict__ xq, float2* __restrict__ xds,
@@ -100,7 +100,7 @@ extern "C" __global__ void add_rmsnorm_q8(float* __restrict__ x, int ldx, const 
     }
 }
 
-// xq/xds = q8(act(gate) * up), gu [N, 2F] (gate columns first): gated_act (imp.kernels.act) quantized.
+// xq/xds = q8(act(gate) * up), gu [N, 2F] (gate columns first): gated_act (imp.kernels.cuda.gated_act) quantized.
 extern "C" __global__ void gated_act_q8(const float* __restrict__ gu, int ldg, i8* __restrict__ xq,
                                         float2* __restrict__ xds, int Fd, int N, int kind) {
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
@@ -165,7 +165,7 @@ def quantize(x: torch.Tensor) -> Q8Act:
 
 
 def add_rmsnorm_q8(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> Q8Act:
-    """x [N, d] fp32 += delta (in place); returns q8(rms_norm(x) * w) (`rmsnorm.add_rmsnorm`'s output)."""
+    """x [N, d] fp32 += delta (in place); returns q8(rms_norm(x) * w) (`add_rmsnorm.add_rmsnorm`'s output)."""
     N, d = check_args(x, delta, w)
     if d % QK:
         raise ValueError(f"d must be a multiple of {QK}")
@@ -180,7 +180,7 @@ def add_rmsnorm_q8(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor,
 
 
 def gated_act_q8(gu: torch.Tensor, kind: str = "silu") -> Q8Act:
-    """gu [N, 2F] fp32 (gate columns first) -> q8(act(gate) * up) (`act.gated_act`'s output)."""
+    """gu [N, 2F] fp32 (gate columns first) -> q8(act(gate) * up) (`gated_act.gated_act`'s output)."""
     cu.check(gu, "gu", torch.float32, 2)
     N, F2 = gu.shape
     Fd = F2 // 2

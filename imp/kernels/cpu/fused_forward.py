@@ -11,11 +11,11 @@ calls once per step; inside, each layer is
     x += post_norm(a Wo) ; h = rms_norm(x) ; x += post_norm(W2 (act(h Wg) * h Wu))
 
 with the llama / qwen2 / qwen3 / gemma3 differences as flags and absent vectors
-(`fo[l, i] < 0`). The matrix products are cpu_qdot's per-row dots (prange over
-output rows, in blocks of RB rows); attention is cpu_attn's (a prange over rows and query-head groups).
+(`fo[l, i] < 0`). The matrix products are gemm_int8_act's per-row dots (prange over
+output rows, in blocks of RB rows); attention is paged_attention's (a prange over rows and query-head groups).
 
 Batch invariance: a row's numbers never depend on the other rows of the step.
-Each GEMV output is one fixed chain (cpu_qdot.py); norms, RoPE and the
+Each GEMV output is one fixed chain (gemm_int8_act.py); norms, RoPE and the
 activation are per row; attention for a row at position p reads keys 0..p (or
 its window) from the cache in position order, after every row of the step has
 written its own k/v — a prefill chunk, a decode and a recompute after
@@ -40,9 +40,9 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from imp.kernels.cpu_attn import attention
-from imp.kernels.cpu_qdot import RB, acts_for, block_dots, quantize_rows, widen_rows
-from imp.kernels.cpu_simd import exp_span, fdot, store16
+from imp.kernels.cpu.float_lanes import exp_span, fdot, store16
+from imp.kernels.cpu.gemm_int8_act import RB, acts_for, block_dots, quantize_rows, widen_rows
+from imp.kernels.cpu.paged_attention import attention
 
 NORM, QNORM, KNORM, POST_ATTN, FFN_NORM, POST_FFN, BIAS = range(7)
 SILU, GELU_TANH = 0, 1
@@ -137,7 +137,7 @@ def _qkv_post_par(qkv, fv, fo, l, H, Hkv, D, eps, c, s, pos, neox, kc, vc, nbloc
 def _gemm_multi(blob, mats, l, m0, m1, xq, xu, xd, xs, out):
     """out[n, :] = concatenation over matrices m0..m1-1 of layer l of W_m x[n] (one prange over
     blocks of RB rows, a block never straddling two matrices); x as _quantize gives it, each
-    matrix reading the bytes its type takes (cpu_qdot.acts_for)."""
+    matrix reading the bytes its type takes (gemm_int8_act.acts_for)."""
     N, K = xq.shape
     nb = K // 32
     nblk = 0
@@ -196,7 +196,7 @@ def _quantize_par(h, xq, xu, xd, xs):
 
 @njit(cache=True, nogil=True)
 def _quantize(h):
-    """h [N, K] -> (xq, xu, xd, xs): cpu_qdot.quantize_rows, then widen_rows."""
+    """h [N, K] -> (xq, xu, xd, xs): gemm_int8_act.quantize_rows, then widen_rows."""
     N, K = h.shape
     xq = np.empty((N, K), np.int8)
     xu = np.empty((N, K), np.int8)
@@ -237,7 +237,7 @@ def _post_norm_add(x, y, fv, fo, l, which, eps):
 @njit(cache=True, nogil=True, inline="always")
 def _act_row(gu, a, dff, act, n):
     """a[n] = act(gate) * up: the exponent's argument per element, then one 16-lane exp over the
-    row (cpu_simd.exp_span), then the quotient (each element the same IEEE operations as before
+    row (float_lanes.exp_span), then the quotient (each element the same IEEE operations as before
     but for the exp itself: ~1 ulp of libm's expf)."""
     for i in range(dff):
         gv = gu[n, i]

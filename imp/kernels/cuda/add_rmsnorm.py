@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from imp.kernels import _cuda as cu
+from imp.kernels.cuda import runtime as cu
 
 # x += delta for one row (in place) and 1 / rms of the sum: one block per row, blockDim a multiple of 32.
-# Shared with the kernel that writes the normed row as int8 (imp.kernels.q8act.add_rmsnorm_q8).
+# Shared with the kernel that writes the normed row as int8 (imp.kernels.cuda.quantize_act_int8.add_rmsnorm_q8).
 ROW = r"""
 __device__ __forceinline__ float add_row_rs(float* __restrict__ xr, const float* __restrict__ dr, int d, float eps) {
     float ss = 0.f;
@@ -59,7 +59,7 @@ extern "C" __global__ void add_rmsnorm(float* __restrict__ x, int ldx, const flo
 
 def check_args(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor) -> tuple[int, int]:
     """(N, d) of a row kernel's x [N, d] fp32, delta [N, d] or None, w [d] (float4 loads: multiples of 4);
-    shared with imp.kernels.q8act.add_rmsnorm_q8."""
+    shared with imp.kernels.cuda.quantize_act_int8.add_rmsnorm_q8."""
     cu.check(x, "x", torch.float32, 2, align=16)
     N, d = x.shape
     if d % 4 or x.stride(0) % 4:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from imp.kernels import _cuda as cu
-from imp.kernels.qweight import TILES, QWeight, tile_for
+from imp.kernels.cuda import runtime as cu
+from imp.kernels.cuda.quant_weight import TILES, QWeight, check_x, tile_for
 
 # ------------------------------------------------------------------ BF16 GEMV, two rows a warp, fused epilogues
 
@@ -244,12 +244,7 @@ def gemv_bf16x(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None, var
         raise ValueError(f"gemv_bf16x needs a BF16 weight with cols % 8 == 0 ({w.fmt}, {w.cols})")
     if variant not in XVARIANTS or mode not in XMODES or act not in XACTS:
         raise ValueError(f"variant={variant} mode={mode} act={act}")
-    cu.check(x, "x", torch.float32, 2, align=16)
-    B, K = x.shape
-    if K != w.cols:
-        raise ValueError(f"x has {K} columns, weight {w.cols}")
-    if x.stride(0) % 4:
-        raise ValueError("x row stride must be a multiple of 4 floats")
+    B, K = check_x(w, x)
     wt = w.parts["w"]
     if not wt.is_contiguous() or wt.device != x.device:
         raise ValueError(f"weight must be contiguous on {x.device}")

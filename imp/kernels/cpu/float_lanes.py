@@ -5,7 +5,7 @@ Why intrinsics: without fast-math Numba (LLVM) may not reorder a float
 reduction, so `for j in range(64): s += q[j] * k[j]` runs as 64 dependent adds;
 and Numba has no fp16 arrays. Here each call handles 16 lanes as vector IR
 (the backend picks AVX-512 / AVX2 / NEON; no x86 intrinsic is named) and fp16
-travels as uint16 bits. The quantized matrix kernels are in cpu_rowdot.py.
+travels as uint16 bits. The quantized matrix loops are in row_dot_loop.py.
 
 Arguments are (array, element offset) pairs; no bounds checks here: the
 callers check shapes once per call.
@@ -13,32 +13,11 @@ callers check shapes once per call.
 
 from __future__ import annotations
 
-import hashlib
-import os
-from pathlib import Path
-
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
-
-
-def _cache_dir() -> str:
-    """Numba's on-disk cache (`cache=True`) keys a function on its own file's mtime only,
-    so an edit to these intrinsics or to a callee in another file would leave stale
-    machine code behind. The cpu_* kernels therefore cache under a directory named by a
-    hash of all their sources. Set before any of them is decorated (they import this
-    module first); other Numba functions decorated later cache there too, harmlessly."""
-    here = Path(__file__).resolve().parent
-    h = hashlib.sha256()
-    for f in sorted(here.glob("cpu_*.py")):
-        h.update(f.name.encode() + f.read_bytes())
-    base = os.environ.get("NUMBA_CACHE_DIR") or str(here / "__pycache__")
-    return os.path.join(base, "numba-cpu-" + h.hexdigest()[:12])
-
-
-numba.config.CACHE_DIR = _cache_dir()
 
 I8, I32 = ir.IntType(8), ir.IntType(32)
 

@@ -13,8 +13,8 @@ load in the kernels is 8 or 16 bytes wide and aligned:
 
 `reference()` dequantizes a repacked weight with torch ops (any device) and
 is what the kernel tests compare against; `repack()` is checked against
-`imp.formats.quants.dequantize` on the CPU. The kernels: `imp.kernels.qgemv`
-(one warp a row, every format) and `imp.kernels.gemv_bf16x` (BF16, two rows a
+`imp.formats.quants.dequantize` on the CPU. The kernels: `imp.kernels.cuda.gemv_fp32_act`
+(one warp a row, every format) and `imp.kernels.cuda.gemv_bf16_fused` (BF16, two rows a
 warp, fused epilogues).
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from imp.kernels import _cuda as cu
+from imp.kernels.cuda import runtime as cu
 
 FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "BF16")
 BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210), "BF16": (1, 2)}
@@ -34,7 +34,7 @@ TILES = (1, 2, 4, 8)  # activation rows per kernel launch (grid.y tiles larger b
 
 # CUDA: the 6-bit scale and min of sub-block j (0..7) of a Q4_K super-block, from its first 16 bytes
 # (h.x: d, dmin; h.y..h.w: scales[12]) as ggml's get_scale_min_k4 packs them. One copy, prepended to
-# every kernel source that reads Q4_K blocks (qgemv, qgemv_q8, qmm_q8).
+# every kernel source that reads Q4_K blocks (gemv_fp32_act, gemv_int8_act, gemm_int8_act).
 Q4K_SCALE_MIN_SRC = r"""
 __device__ __forceinline__ unsigned q4k_byte(const uint4& h, int k) {  // byte k of scales[12]
     const unsigned wd = k < 4 ? h.y : (k < 8 ? h.z : h.w);
@@ -90,6 +90,18 @@ def out_for(w: QWeight, n: int, out: torch.Tensor | None, device) -> torch.Tenso
     if tuple(out.shape) != (n, w.rows):
         raise ValueError(f"out shape {tuple(out.shape)}, expected {(n, w.rows)}")
     return out
+
+
+def check_x(w: QWeight, x: torch.Tensor) -> tuple[int, int]:
+    """(B, K) of the fp32 activations x [B, K] of a GEMV of w, checked: read as float4 (16-byte
+    aligned, a row stride of whole float4s), K the weight's columns."""
+    cu.check(x, "x", torch.float32, 2, align=16)
+    B, K = x.shape
+    if K != w.cols:
+        raise ValueError(f"x has {K} columns, weight {w.cols}")
+    if x.stride(0) % 4:
+        raise ValueError("x row stride must be a multiple of 4 floats")
+    return B, K
 
 
 def check_parts(w: QWeight, names, device) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 
 import torch
 
-from imp.kernels import _cuda as cu
+from imp.kernels.cuda import runtime as cu
 
 cuda = None  # numba.cuda, bound on first use
 THREADS = 256
@@ -36,35 +36,31 @@ def _kernels():
             r -= 0x10000
         return np.int16(r)
 
-    @cuda.jit
-    def write_f32(k, v, kc, vc, slots):
-        idx = cuda.grid(1)
-        n_rows, width = k.shape
-        if idx >= n_rows * width:
-            return
-        n = idx // width
-        c = idx - n * width
-        s = slots[n]
-        if s < 0:
-            return
-        kc[s, c] = k[n, c]
-        vc[s, c] = v[n, c]
+    @cuda.jit(device=True, inline=True)
+    def same(x):
+        return x
 
-    @cuda.jit
-    def write_bf16(k, v, kc, vc, slots):  # k, v: int32 bits of fp32; kc, vc: int16 bits of bf16
-        idx = cuda.grid(1)
-        n_rows, width = k.shape
-        if idx >= n_rows * width:
-            return
-        n = idx // width
-        c = idx - n * width
-        s = slots[n]
-        if s < 0:
-            return
-        kc[s, c] = to_bf16(k[n, c])
-        vc[s, c] = to_bf16(v[n, c])
+    def scatter(convert):
+        """The scatter, the cache element made by `convert` (a device function, inlined)."""
 
-    return write_f32, write_bf16
+        @cuda.jit
+        def write(k, v, kc, vc, slots):
+            idx = cuda.grid(1)
+            n_rows, width = k.shape
+            if idx >= n_rows * width:
+                return
+            n = idx // width
+            c = idx - n * width
+            s = slots[n]
+            if s < 0:
+                return
+            kc[s, c] = convert(k[n, c])
+            vc[s, c] = convert(v[n, c])
+
+        return write
+
+    # fp32 cache: the values as they are; bf16: k, v int32 bits of fp32 -> kc, vc int16 bits of bf16
+    return scatter(same), scatter(to_bf16)
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor) -> None:

@@ -14,11 +14,11 @@ output row per key. Here a work item is a row and up to 4 query heads of one KV 
 
 Batch invariance: every (row, head) runs the same sequence of IEEE operations whether
 its item holds 1 or 4 heads: a dot is one 16-lane fma chain over D in order then one
-fixed reduction tree (cpu_simd.fdot's), an output lane is one fma chain over the keys in
+fixed reduction tree (float_lanes.fdot's), an output lane is one fma chain over the keys in
 position order starting from 0. Grouping only interleaves independent chains, so a
 decode (items of one head, to keep both threads busy on one row) and a prefill (items
 of a head group) give identical bits for the same row, as do all other rows of a step.
-The cache writes of every row of the step come before (cpu_forward).
+The cache writes of every row of the step come before (fused_forward).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from imp.kernels.cpu_simd import F32, _fvec, _freduce, _splat, exp_span
+from imp.kernels.cpu.float_lanes import F32, _fvec, _freduce, _splat, exp_span
 
 V16 = ir.VectorType(F32, 16)
 I64 = ir.IntType(64)
@@ -253,7 +253,7 @@ def attention(qkv, H, Hkv, D, l, kc, vc, nblocks, bs, pos, tables, row_tab, wind
                 m = max(m, sc[hh, j])
             for j in range(nk):
                 sc[hh, j] = sc[hh, j] - m
-            exp_span(sflat, (i * hs + hh) * maxl, nk)  # 16 lanes at a time (cpu_simd)
+            exp_span(sflat, (i * hs + hh) * maxl, nk)  # 16 lanes at a time (float_lanes)
             tot = np.float32(0.0)
             for j in range(nk):  # in key order, as before
                 tot += sc[hh, j]

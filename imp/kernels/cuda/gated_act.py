@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from imp.kernels import _cuda as cu
+from imp.kernels.cuda import runtime as cu
 
 KINDS = {"silu": 0, "gelu": 1}
 

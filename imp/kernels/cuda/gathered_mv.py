@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from imp.kernels import _cuda as cu
+from imp.kernels.cuda import runtime as cu
 
 SRC = r"""
 extern "C" __global__ void gathered_mv(const float* __restrict__ w, const long long* __restrict__ idx,

@@ -16,7 +16,7 @@ import functools
 import numpy as np
 import torch
 
-from imp.kernels import _cuda as cu
+from imp.kernels.cuda import runtime as cu
 
 cuda = None  # numba.cuda, bound on first use
 THREADS = 128

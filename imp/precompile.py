@@ -4,7 +4,7 @@ Why: Numba keeps what it compiled in the process that compiled it (each function
 module and the compiler's arenas). A CPU server booted on a cold cache (a fresh clone's
 `make serve`, or the first boot after an upgrade) held ~900 MB of RSS for the 94 MB SmolLM2
 file, against ~270 MB on every later boot, which loads the same kernels from the cache
-(measured, PERFORMANCE.md twelfth session). So the boot's model steps (load, tokenizer,
+(measured, docs/perf-history/2026-12-03-twelfth.md). So the boot's model steps (load, tokenizer,
 warm-up prefill, the embedder) first run with compiling forbidden: the first compile
 Numba would start raises `ColdCache` instead, before any compile work. Then
 `python -m imp _precompile` (the same configuration on stdin; `imp.server.precompile_main`)

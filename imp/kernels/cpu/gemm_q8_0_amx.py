@@ -21,7 +21,7 @@ lanes sum four products each; a matrix always takes one route on a machine, see
 Why: the Gemma 3 and SmolLM2 heads are Q8_0 (262,144 x 640 and 49,152 x 576).
 At a decode batch of 8 the VNNI loop spent 13.5 of a ~35 ms Gemma step in the head,
 compute-bound; a tile does 16 x 16 x 32 multiply-adds in one instruction. Measured
-(`bench/cpu_head.py`, 2 threads, PERFORMANCE.md twelfth session): the Gemma head 13.8
+(`bench/cpu_head.py`, 2 threads, docs/perf-history/2026-12-03-twelfth.md): the Gemma head 13.8
 -> 7.2 ms at 8 tokens, 21.8 -> 9.4 at 16, 4.8 at one and 5.3 at two on both routes.
 
 AMX needs the kernel's permission (Linux `arch_prctl(ARCH_REQ_XCOMP_PERM,

@@ -37,7 +37,7 @@ per-32 scales at xd/xs[xb + t * xbstride].
 Where VNNI, the types whose weights carry an offset (`UNSIGNED_X`: Q4_0, Q5_0, Q8_0,
 Q6_K) read the activations as unsigned bytes, x + 128 (the int8 bits of x ^ 0x80, made
 once per quantization by gemm_int8_act.widen_rows), rather than flipping them per token and
-row inside the loop (Gemma's prefill GEMMs ~7 % faster, PERFORMANCE.md eleventh session).
+row inside the loop (Gemma's prefill GEMMs ~7 % faster, docs/perf-history/2026-12-02-eleventh.md).
 Every block's integer dot is the same exact int32 either way, so the bits are.
 """
 
@@ -71,7 +71,7 @@ VNNI = _has_vnni()
 # rows are consecutive, so the distance must clear the rows in flight: 1,024 (the first value) prefetched
 # inside the same call's rows and left one thread at 16 GB/s on the Gemma head (a pure stream: 42);
 # 8,192: 23-26 GB/s a thread, one-stream decode +22 % (Gemma) / +33 % (SmolLM2); 4,096 and 16,384 a
-# little less; prefill unchanged (PERFORMANCE.md, eighth session)
+# little less; prefill unchanged (docs/perf-history/2026-12-02-eighth.md)
 PREFETCH = 8192
 
 # the types whose kernels take unsigned activations (x + 128): see the module docstring

@@ -240,25 +240,37 @@ def _hermes_call_at(text: str, i: int) -> tuple[str, str, int] | None:
     return None
 
 
+def array_calls(text: str, start: int, names: frozenset[str] | None
+                ) -> tuple[list[tuple[str, str]], int] | None:
+    """A JSON array at `start` whose every element is a bare call object -> its (name,
+    arguments) calls and the array's end; None if it is not one (empty, or any other element).
+    The non-streamed parse and the streaming parser read arrays of calls with this one rule."""
+    try:
+        value, e = raw_decode(text, start)
+    except ValueError:
+        return None
+    if not value:
+        return None
+    calls = []
+    for s, t in elements(text, start):
+        call = call_in_object(text, s, t, bare=True, names=names) if text[s] == "{" else None
+        if call is None:
+            return None
+        calls.append(call)
+    return calls, e
+
+
 def _bare(text: str, names: frozenset[str] | None) -> list[Item]:
     whole = [("text", text)]
     j = skip_ws(text, 0)
     if j == len(text) or text[j] not in "{[":
         return whole
     if text[j] == "[":
-        try:
-            value, e = raw_decode(text, j)
-        except ValueError:
+        got = array_calls(text, j, names)
+        if got is None:
             return whole
-        if not value:
-            return whole
-        calls = []
-        for s, t in elements(text, j):
-            call = call_in_object(text, s, t, bare=True, names=names) if text[s] == "{" else None
-            if call is None:
-                return whole
-            calls.append(("call", *call))
-        return [("text", ""), *calls, ("text", text[e:])]
+        calls, e = got
+        return [("text", ""), *(("call", *c) for c in calls), ("text", text[e:])]
     calls, last = [], j
     k = j
     while True:

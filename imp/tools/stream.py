@@ -31,9 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence, Union
 
-from imp.tools.jsontext import (BAD, DONE, WS, JsonScanner, decode_string_body, elements, raw_decode,
-                                skip_ws)
-from imp.tools.parse import (FORMATS, HERMES_CLOSE, HERMES_OPEN, Format, Parsed, ToolCall,
+from imp.tools.jsontext import BAD, DONE, WS, JsonScanner, decode_string_body, skip_ws
+from imp.tools.parse import (FORMATS, HERMES_CLOSE, HERMES_OPEN, array_calls, Format, Parsed, ToolCall,
                              call_in_object, calls_in_envelope, new_call_id, response_head,
                              tool_names)
 from imp.tools.spec import Tool
@@ -277,19 +276,8 @@ class ToolStreamParser:
             self._state = _AFTER if self._state == _CAND else _ALL
 
     def _array_calls(self, buf: str, start: int, end: int) -> list[tuple[str, str]] | None:
-        try:
-            value, _ = raw_decode(buf, start)
-        except ValueError:
-            return None
-        if not value:
-            return None
-        out = []
-        for s, e in elements(buf, start):
-            call = call_in_object(buf, s, e, bare=True, names=self._names) if buf[s] == "{" else None
-            if call is None:
-                return None
-            out.append(call)
-        return out
+        got = array_calls(buf, start, self._names)
+        return None if got is None else got[0]
 
     # ---------------------------------------------------------------- generic
 

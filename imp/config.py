@@ -29,6 +29,7 @@ class ServerConfig:
     api_key: str | None = None
     api_key_file: str | None = None  # more keys, one per line (read once at boot)
     rate_limit: int = 0  # requests per minute per key (per address without keys); 0 = none
+    strict_fields: bool = False  # a body field no one defines is a 400 (else reported and ignored)
     threads: int | None = None
     device: str = "cpu"  # "cpu" or "cuda[:N]": which executor runs the model
     pipeline_depth: int = 0  # steps in flight: 2 plans step N+1 while N runs; 0 = auto (2 on a GPU, 1 on CPU)
@@ -114,6 +115,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", default=None, help="file of accepted keys, one per line ('#' comments)")
     p.add_argument("--rate-limit", type=int, default=0,
                    help="requests per minute per key (per client address without keys); past it 429 + Retry-After")
+    p.add_argument("--strict-fields", action="store_true",
+                   help="a request body field no one defines is a 400 naming it, as the official APIs answer "
+                   "(default: ignored, named in the imp-ignored-fields header, logged once, counted)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU forward threads (default: one per physical core)")
     p.add_argument("--device", default=d.device, help="cpu (default) or cuda:N (GPU executor)")

@@ -169,3 +169,17 @@ async def test_data_parallel_figures_are_summed():
     # the KV refusal is judged against one replica's pool (a stream lives in one)
     await m.on_message("ingress", req(status=400, reject_code="context_length_exceeded", prompt_tokens=64 * 16))
     assert value(m, "imp_kv_pressure_rejections_total") == 1
+
+
+async def test_ignored_fields_are_counted_by_endpoint_and_field_with_bounded_labels():
+    m = actor()
+    await m.on_message("ingress", req(ignored_fields=("frobnicate", "other")))
+    await m.on_message("ingress", req("messages", ignored_fields=("frobnicate",)))
+    r = m.registry
+    get = lambda ep, f: r.get_sample_value("imp_ignored_fields_total", {"endpoint": ep, "field": f})  # noqa: E731
+    assert get("chat_completions", "frobnicate") == 1 and get("chat_completions", "other") == 1
+    assert get("messages", "frobnicate") == 1
+    for i in range(100):  # a client inventing names cannot grow the label set past 64
+        await m.on_message("ingress", req(ignored_fields=(f"f{i}",)))
+    names = {s.labels["field"] for fam in r.collect() if fam.name == "imp_ignored_fields" for s in fam.samples}
+    assert len(names) <= 65 and get("chat_completions", "other") > 1

@@ -12,7 +12,7 @@ from tests.fake_engine import FakeEngine
 
 
 class Toy(Base):  # {"say": text, "limit": N, "stream": bool} -> {"heard": text, "tokens": N}
-    endpoint, id_prefix = "toy", "toy-"
+    endpoint, id_prefix, fields = "toy", "toy-", frozenset({"say", "limit", "stream"})
 
     async def parse(self, body, ctx):
         return GenerateRequest(endpoint="toy", messages=(Message(role="user", content=fields.string(

@@ -181,6 +181,9 @@ class MetricsActor(Actor):
         self.c_faults = c("imp_actor_faults", "actors that failed")
         self.c_req = c("imp_requests", "generation requests finished (refusals included)")
         self.c_ep = c("imp_endpoint_requests", "generation requests by endpoint", "endpoint")
+        self.c_ignored = c("imp_ignored_fields", "request body fields no one defines, reported and ignored "
+                           "(the imp-ignored-fields header; --strict-fields refuses them)", "endpoint", "field")
+        self._ignored_labels: set[str] = set()  # field labels seen: bounded, the names are the client's
         self.otlp = OtlpCounters(
             c("imp_otlp_spans_exported", "spans the OTLP collector accepted (SERVER spans and their children)"),
             c("imp_otlp_export_failures", "OTLP export batches that failed (their spans are dropped)"),
@@ -248,6 +251,11 @@ class MetricsActor(Actor):
         self.c_gen.inc(msg.completion_tokens)
         self.c_prompt.inc(msg.prompt_tokens)
         self.c_cached.inc(msg.cached_tokens)
+        for name in msg.ignored_fields:
+            if name not in self._ignored_labels and len(self._ignored_labels) >= 64:
+                name = "other"
+            self._ignored_labels.add(name)
+            self.c_ignored.labels(ep or "other", name).inc()
         if refused(msg):  # never reached generation: nothing to time
             if kv_refusal(msg, min(k.total * k.block_size for k in self.replica_kv())):
                 self.c_kv_reject.inc()

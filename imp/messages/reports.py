@@ -61,6 +61,7 @@ class RequestStats(Msg):
     end_unix_ns: int = 0  # the driver was done with it (last token / refusal / cancel)
     finish_reasons: tuple[str, ...] = ()  # one per choice, OpenAI spelling ("stop", "length", ...)
     reject_code: str = ""  # the Reject's code when refused ("context_length_exceeded", ...)
+    ignored_fields: tuple[str, ...] = ()  # body fields nobody defines, reported (imp.http.pipeline.fates)
 
 
 class Fault(Msg):

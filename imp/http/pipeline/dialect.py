@@ -79,11 +79,13 @@ class Dialect(Protocol):
     id_prefix: str  # a response id is this + 24 hex digits
     keepalive: bool  # a stream writes keep-alives while nothing comes
     dry_run: bool  # "dry_run": true answers the capacity estimate instead of running
+    fields: frozenset[str]  # every top-level body field it takes (honoured, no-op or refused by it)
 
     async def parse(self, body: dict, ctx: ParseContext) -> tuple[GenerateRequest, Any]: ...
     def render_prompt(self, req: GenerateRequest, tm: TextModel) -> resolve.Prompt: ...
     def renderer(self, job: Job) -> Renderer: ...
     def headers(self, request: web.Request) -> dict[str, str]: ...  # on every answer, error or not
+    def unknown_message(self, name: str) -> str: ...  # --strict-fields' 400 for a field no one defines
 
 
 class Base:
@@ -97,3 +99,6 @@ class Base:
 
     def headers(self, request: web.Request) -> dict[str, str]:
         return {}
+
+    def unknown_message(self, name: str) -> str:
+        return f"Unrecognized request argument supplied: {name}"  # OpenAI's words

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from imp.engine.port import EnginePort, LoraRefused, Submission
 from imp.http.errors import ApiError
+from imp.http.pipeline import fates
 from imp.http.pipeline.request import GenerateRequest
 from imp.messages import Delta, Fault, FinishReason, Reject, RequestStats, SamplingParams
 
@@ -94,7 +95,7 @@ def with_lora(port: EnginePort, req: GenerateRequest, params: SamplingParams, sa
 
 async def generate(port: EnginePort, req_id: str, prompt: list[int], params: SamplingParams,
                    req: GenerateRequest, *, salt: str = "", request: web.Request | None = None,
-                   keepalive: bool = False) -> AsyncIterator[Delta | None]:
+                   keepalive: bool = False, ignored: tuple[str, ...] = ()) -> AsyncIterator[Delta | None]:
     """request: the HTTP request (its client id and W3C traceparent go into the request's
     figures, for the trace and the request log). keepalive: yield None after a silence
     (KEEPALIVE_*), for a streaming dialect to write its own keep-alive; a refusal that comes
@@ -170,4 +171,5 @@ async def generate(port: EnginePort, req_id: str, prompt: list[int], params: Sam
             model=port.card.name, stream=req.stream, traceparent=hdrs.get("traceparent", "")[:128],
             arrival_unix_ns=arrival_ns, first_token_unix_ns=first_ns, end_unix_ns=time.time_ns(),
             finish_reasons=tuple(f for f in finishes if f), reject_code=reject_code,
+            ignored_fields=tuple(fates.label(n) for n in ignored),
         ))

@@ -119,6 +119,9 @@ def lora_name(body: dict) -> str:
     return v
 
 
+TEMPLATE_FIELDS = ("chat_template", "template")  # refused on every dialect (below)
+
+
 def refuse_request_template(body: dict) -> None:
     """A chat template sent in a request (vLLM's `chat_template`, llama.cpp's `template`) is
     Jinja run on the server: refused on every dialect. The template is the model's, or

@@ -7,7 +7,9 @@
 holds one line per dialect. A dialect only parses and renders
 (`imp.http.pipeline.dialect`); each step between is written here once, in order:
 
-1. read the body (a 400 for anything that is not a JSON object);
+1. read the body (a 400 for anything that is not a JSON object) and give every field its
+   fate (`fates.sort`: a 400 for the reference's fields not implemented yet, the others
+   the dialect does not take named in `imp-ignored-fields`, or a 400 under --strict-fields);
 2. `dialect.parse` -> the typed request (`"dry_run": true` stops here with the
    capacity estimate, on the dialects that take it);
 3. the request's grammar compiled under its deadline (a 400 before anything runs);
@@ -32,7 +34,7 @@ from aiohttp import web
 
 from imp.http import keys
 from imp.http.errors import ApiError, error_response
-from imp.http.pipeline import fields, resolve
+from imp.http.pipeline import fates, fields, resolve
 from imp.http.pipeline.dialect import Dialect, Job, ParseContext, Renderer
 from imp.http.pipeline.driver import StreamFault, generate
 from imp.http.pipeline.estimate import estimate_for
@@ -61,6 +63,10 @@ def handler(dialect: Dialect):
 async def run(request: web.Request, dialect: Dialect, headers: dict[str, str]) -> web.StreamResponse:
     port, tm, cfg = request.app[keys.PORT], request.app[keys.TEXT], request.app[keys.CONFIG]
     body = await fields.read_json(request)
+    ignored = fates.sort(body, dialect.fields, strict=cfg.strict_fields, unknown_message=dialect.unknown_message)
+    if ignored:  # named on the answer (whatever it is), logged once, counted with the request
+        fates.say_once(ignored, dialect.endpoint, request.remote or "?")
+        headers["imp-ignored-fields"] = fates.header(ignored)
     dry = dialect.dry_run and fields.boolean(body, "dry_run")
     req, extra = await dialect.parse(body, ParseContext(tm, port))
     if dry:  # the capacity estimate; nothing runs
@@ -78,7 +84,7 @@ async def run(request: web.Request, dialect: Dialect, headers: dict[str, str]) -
     out = dialect.renderer(job)
     with live_requests(request).track(rid, client_id, lambda: out.thinking):
         deltas = generate(port, rid, prompt.ids, params, req, request=request,
-                          keepalive=req.stream and dialect.keepalive)
+                          keepalive=req.stream and dialect.keepalive, ignored=ignored)
         async with contextlib.aclosing(deltas):
             if req.stream:
                 return await _stream(request, dialect, out, deltas, headers, rid)

@@ -105,6 +105,15 @@ def _grammar_kind(src) -> str:
     return "gbnf" if isinstance(src, str) and "::=" in src else "lark"
 
 
+# the body fields each dialect's constraint is read from (its request schema lists them)
+FIELDS = {
+    "openai": ("response_format", "grammar", "json_schema", "structured_outputs", "guided_json", "guided_regex",
+               "guided_grammar", "guided_choice"),
+    "anthropic": ("output_format",),
+    "responses": ("text",),
+}
+
+
 def parse(body: dict, *, dialect: str) -> tuple[Constraint | None, str | None]:
     """(the request's constraint, the field that set it), or (None, None). dialect:
     "openai" (chat, completions), "anthropic", "responses"."""

@@ -13,10 +13,10 @@ from aiohttp import web
 
 from imp.http import keys
 from imp.http.dialects.anthropic.parse import parse as parse_body
-from imp.http.dialects.anthropic.parse import render_prompt
+from imp.http.dialects.anthropic.parse import TAKEN, render_prompt
 from imp.http.dialects.anthropic.render import AnthropicRenderer
 from imp.http.errors import ApiError, error_response
-from imp.http.pipeline import fields, resolve
+from imp.http.pipeline import fates, fields, resolve
 from imp.http.pipeline.dialect import Base, ParseContext
 
 log = logging.getLogger("imp.http")
@@ -26,12 +26,16 @@ _betas_seen: set[str] = set()
 class Messages(Base):
     endpoint = "messages"
     id_prefix = "msg_"
+    fields = TAKEN
 
     async def parse(self, body: dict, ctx: ParseContext):
         return parse_body(body, ctx.text.template.source), None
 
     def render_prompt(self, req, tm) -> resolve.Prompt:
         return render_prompt(req, tm)
+
+    def unknown_message(self, name: str) -> str:
+        return f"{name}: Extra inputs are not permitted"  # Anthropic's words
 
     def renderer(self, job) -> AnthropicRenderer:
         return AnthropicRenderer(job)
@@ -58,7 +62,13 @@ async def count_tokens(request: web.Request) -> web.Response:
     headers = DIALECT.headers(request)
     try:
         tm = request.app[keys.TEXT]
-        req = parse_body(await fields.read_json(request), tm.template.source, count_only=True)
+        body = await fields.read_json(request)
+        ignored = fates.sort(body, TAKEN, strict=request.app[keys.CONFIG].strict_fields,
+                             unknown_message=DIALECT.unknown_message)
+        if ignored:
+            fates.say_once(ignored, "count_tokens", request.remote or "?")
+            headers["imp-ignored-fields"] = fates.header(ignored)
+        req = parse_body(body, tm.template.source, count_only=True)
         resolve.check_size(req, tm, request.app[keys.PORT].card)
         prompt = await asyncio.to_thread(render_prompt, req, tm)
         resp = web.json_response({"input_tokens": len(prompt.ids)})

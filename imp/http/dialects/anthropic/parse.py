@@ -9,6 +9,7 @@ reply continues it.
 from __future__ import annotations
 
 import json
+import logging
 
 import msgspec
 
@@ -22,6 +23,7 @@ from imp.tools import ToolSpecError, from_anthropic
 _MEDIA = frozenset({"image", "document"})
 _PARTS = Parts(text=frozenset({"text"}), media=_MEDIA, joiner="\n\n")
 _THINKING = {"enabled", "disabled", "adaptive"}
+log = logging.getLogger("imp.http")
 
 
 def _text(v, where: str) -> str:
@@ -190,6 +192,18 @@ FIELDS = {
     "stream": B.Bool(),
     **B.SCHEDULING,
 }
+# Anthropic's hosted features (its MCP connector, its code-execution container) run on its side,
+# as its server tools do: left out, with a log line once; routing and billing fields: no effect here
+# (prefix caching is automatic: a top-level cache_control marks nothing more; diagnostics of
+# Anthropic's cache have no counterpart; speed: this server runs at one speed, its fastest)
+HOSTED = ("mcp_servers", "container")
+NO_OPS = ("service_tier", "inference_geo", "cache_control", "diagnostics", "speed", "user_profile_id",
+          "workspace_id")
+# every top-level field /v1/messages (and count_tokens) takes; the pipeline reports any other
+TAKEN = frozenset({"model", "messages", "system", "metadata", "stop_sequences", "tools", "tool_choice", "thinking",
+                   "output_config", "context_management", *FIELDS, *structured.FIELDS["anthropic"],
+                   *B.TEMPLATE_FIELDS, *HOSTED, *NO_OPS})
+_hosted_said: set[str] = set()
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "ignore_eos")
 
 
@@ -199,6 +213,10 @@ def parse(body: dict, template_source: str = "", *, count_only: bool = False) ->
     model = B.model_name(body)
     B.refuse_request_template(body)
     msgs = _messages(body)
+    for h in HOSTED:
+        if body.get(h) is not None and h not in _hosted_said:
+            _hosted_said.add(h)
+            log.info("messages: %r runs on Anthropic's side; left out", h)
     metadata = body.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict):

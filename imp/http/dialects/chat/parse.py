@@ -25,10 +25,13 @@ _REFUSED = {
     "audio": "audio output is not supported (text-only models)",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
+    "moderation": "moderation is not supported (this server runs no moderation model)",
 }
 # accepted and, by their nature, without effect on a local server (identifiers, billing, storage
 # of chat completions for OpenAI's dashboard)
-NO_OPS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_retention")
+# (prompt caching is automatic here: prompt_cache_options and the retention have nothing to set)
+NO_OPS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_retention",
+          "prompt_cache_options")
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 _PARTS = Parts(text=frozenset({"text", "input_text"}),
@@ -36,6 +39,14 @@ _PARTS = Parts(text=frozenset({"text", "input_text"}),
 # the scalar fields, read in one pass (messages, tools, response_format and the template's
 # options have readers of their own above and in imp.http.pipeline)
 FIELDS = {**openai_fields.COMMON, **openai_fields.SAMPLING, **openai_fields.LOGPROBS}
+# every top-level field the chat route takes: honoured, without effect by nature (NO_OPS), or
+# refused with its reason (_REFUSED, request templates); the pipeline reports any other
+TAKEN = frozenset({
+    "model", "messages", "logit_bias", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+    "chat_template_kwargs", "continue_final_message", "add_generation_prompt", "reasoning_effort", "verbosity",
+    "modalities", "prompt_cache_key", "dry_run", *FIELDS, *_REFUSED, *NO_OPS, *structured.FIELDS["openai"],
+    *B.TEMPLATE_FIELDS,
+})
 # template variables a request's chat_template_kwargs may not override
 _RESERVED_KW = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"}
 
@@ -111,6 +122,13 @@ def tools_of(body: dict, template_source: str, messages=()):
     return tool_use.plan(specs, ch, template_source, messages)
 
 
+def _cache_key(body: dict) -> str:
+    """prompt_cache_key (OpenAI's prefix-cache routing hint) is the prefix-cache affinity key, as
+    on /v1/responses; session_id wins when both are sent."""
+    pck = B.string(body, "prompt_cache_key", "")
+    return pck[:256] if pck and pck.isprintable() else ""
+
+
 def parse(body: dict, vocab_size: int, template_source: str = "") -> GenerateRequest:
     """A chat-completions body -> the typed request (every field checked here, once)."""
     B.refuse_request_template(body)
@@ -136,6 +154,12 @@ def parse(body: dict, vocab_size: int, template_source: str = "") -> GenerateReq
         # the templates that think (Qwen3 ...) follow enable_thinking; the effort itself is passed through
         opts["template_kwargs"] = {"enable_thinking": effort not in ("none", "minimal"),
                                    "reasoning_effort": effort, **opts["template_kwargs"]}
+    verbosity = body.get("verbosity")
+    if verbosity is not None:
+        if verbosity not in ("low", "medium", "high"):
+            raise bad("'verbosity' must be low, medium or high", "verbosity")
+        # to the template, as reasoning_effort: a template that reads it (gpt-oss style) honours it
+        opts["template_kwargs"] = {"verbosity": verbosity, **opts["template_kwargs"]}
     if opts["continue_final_message"]:
         last = messages[-1]
         if last.role != "assistant" or last.tool_calls or not last.content.strip():
@@ -152,6 +176,6 @@ def parse(body: dict, vocab_size: int, template_source: str = "") -> GenerateReq
         endpoint="chat_completions", model=model, messages=messages, **opts, sampling=sampling,
         max_tokens=c.max_tokens, n=c.n, stop=c.stop, stream=c.stream, include_usage=c.include_usage,
         logprobs=logprobs, top_logprobs=top or 0, prompt_logprobs=plp, priority=c.priority,
-        cache_prompt=c.cache_prompt, session_id=c.session_id, lora=c.lora, constraint=constraint, constraint_field=field,
-        tool_plan=plan,
+        cache_prompt=c.cache_prompt, session_id=c.session_id or _cache_key(body), lora=c.lora,
+        constraint=constraint, constraint_field=field, tool_plan=plan,
     )

@@ -44,6 +44,11 @@ FIELDS = {"suffix": B.Str(), "echo": B.Bool(), **openai_fields.COMMON, **openai_
           "logprobs": B.Num(0, 20, integer=True), "prompt_logprobs": B.Num(0, 20, integer=True)}
 
 
+# every top-level field the completions route takes (`user` identifies the caller: no effect here)
+TAKEN = frozenset({"model", "prompt", "logit_bias", "user", *FIELDS, *structured.FIELDS["openai"],
+                   *B.TEMPLATE_FIELDS})
+
+
 def parse(body: dict, vocab_size: int) -> GenerateRequest:
     model = B.model_name(body)
     B.refuse_request_template(body)

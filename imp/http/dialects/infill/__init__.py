@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from imp.http.dialects.infill.parse import parse_infill
+from imp.http.dialects.infill.parse import TAKEN, parse_infill
 from imp.http.dialects.infill.render import InfillRenderer
 from imp.http.errors import bad
 from imp.http.pipeline import fields as B
@@ -13,6 +13,7 @@ class Infill(Base):
     endpoint = "infill"
     id_prefix = "infill-"
     keepalive = False  # llama.cpp's clients read every data: line as a chunk
+    fields = TAKEN
 
     async def parse(self, body: dict, ctx: ParseContext):
         if ctx.text.fim is None:  # before anything else: no field can make this model fill in the middle

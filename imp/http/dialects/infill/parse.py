@@ -31,8 +31,16 @@ def _extra(body: dict) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+# every top-level field /infill takes: llama.cpp's names, the OpenAI family's sampling and limits
+# (logprobs and prompt_logprobs are refused below, with where to get them)
+TAKEN = frozenset({"model", "input_prefix", "input_suffix", "input_extra", "prompt", "n_predict", "return_tokens",
+                   "logit_bias", "logprobs", "prompt_logprobs", *openai_fields.COMMON, *openai_fields.SAMPLING,
+                   *structured.FIELDS["openai"], *B.TEMPLATE_FIELDS})
+
+
 def parse_infill(body: dict, vocab_size: int) -> GenerateRequest:
     """llama.cpp's /infill body (n_predict, input_prefix/suffix/extra) -> the typed request."""
+    B.refuse_request_template(body)
     infill = Infill(prefix=_text_field(body, "input_prefix"), suffix=_text_field(body, "input_suffix"),
                     prompt=_text_field(body, "prompt"), extra=_extra(body))
     n_predict = B.num(body, "n_predict", -1, integer=True)

@@ -8,7 +8,7 @@ are rebuilt from the store, so their prompt prefix hits the prefix cache).
 from __future__ import annotations
 
 from imp.http.dialects.responses import store
-from imp.http.dialects.responses.parse import history
+from imp.http.dialects.responses.parse import TAKEN, history
 from imp.http.dialects.responses.parse import parse as parse_body
 from imp.http.dialects.responses.render import ResponsesRenderer
 from imp.http.errors import bad
@@ -19,6 +19,7 @@ from imp.http.pipeline.dialect import Base, ParseContext
 class Responses(Base):
     endpoint = "responses"
     id_prefix = "resp_"
+    fields = TAKEN
 
     async def parse(self, body: dict, ctx: ParseContext):
         st = ctx.port.store

@@ -252,7 +252,25 @@ _REFUSED = {
     "top_logprobs": (lambda v: v in (None, 0), "logprobs are not supported on /v1/responses; use "
                      "/v1/chat/completions"),
     "max_tool_calls": (lambda v: v is None, "max_tool_calls is not supported; use parallel_tool_calls"),
+    "moderation": (lambda v: v is None, "moderation is not supported (this server runs no moderation model)"),
 }
+
+
+# identifiers, routing, billing and stream obfuscation (Codex's client_metadata among them): no
+# effect on a local server
+# effect on a local server; prompt caching is automatic (prompt_cache_options); compaction
+# (context_management) and image options have nothing to act on here; background_options only
+# matter with background, which is refused
+NO_OPS = ("client_metadata", "safety_identifier", "service_tier", "stream_options", "prompt_cache_retention",
+          "prompt_cache_options", "access_programs", "background_options", "context_management", "image")
+# every top-level field /v1/responses takes; the pipeline reports any other
+TAKEN = frozenset({
+    "model", "input", "instructions", "store", "previous_response_id", "metadata", "user", "include",
+    "max_output_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "tools",
+    "parallel_tool_calls", "tool_choice", "reasoning", "continue_final_message", "prompt_cache_key", "stream",
+    "priority", "cache_prompt", "session_id", "lora", *structured.FIELDS["responses"], *_REFUSED,
+    *B.TEMPLATE_FIELDS, *NO_OPS,
+})
 
 
 def _refuse_unsupported(body: dict) -> None:

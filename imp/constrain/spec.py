@@ -33,7 +33,9 @@ from imp.constrain.errors import ConstraintError
 from imp.messages import Constraint  # the catalogue's value; re-exported here for the constraint layer
 from imp.constrain.limits import SchemaLimits, check_schema, subschemas
 
-KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf")
+# llguidance: its several-grammar JSON form ({"grammars": [{"name", "lark_grammar"}, ...]}), which
+# the tool layer builds to hold a custom tool's input to its own grammar (imp.tools.custom)
+KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf", "llguidance")
 
 # Options for llguidance's JSON compiler, overridable by a schema's own top-level
 # "x-guidance". Whitespace is bounded (at most 16 characters between tokens of the
@@ -77,6 +79,11 @@ def grammar_text(c: Constraint, limits: SchemaLimits | None = None) -> str:
         except Exception as e:  # noqa: BLE001 - the converter raises bare Exception too
             raise ConstraintError(f"invalid GBNF grammar: {e}") from None
         return llguidance.LLMatcher.grammar_from_lark(lark)
+    if c.kind == "llguidance":
+        try:
+            return llguidance.grammar_from("llguidance", c.source)
+        except ValueError as e:
+            raise ConstraintError(f"invalid grammar: {e}") from None
     raise ConstraintError(f"unknown constraint kind {c.kind!r} (known: {', '.join(KINDS)})")
 
 

@@ -34,6 +34,7 @@ import copy
 import json
 from typing import Any, Literal, Sequence
 
+from imp.tools.custom import NOT_A_BLOCK, block_rules, top_level
 from imp.tools.spec import Tool, ToolChoice
 
 Shape = Literal["hermes", "json", "generic"]
@@ -149,34 +150,78 @@ def call_grammar(tools: Sequence[Tool], choice: ToolChoice, shape: Shape,
             raise ValueError(f"tool choice names '{choice.name}', which is not among the tools")
     if not chosen:
         raise ValueError(f"tool choice '{choice.mode}' needs at least one tool")
-    key = "parameters" if shape == "json" else "arguments"
     lines = ["%llguidance {}"]
     lines += _body(shape, choice)
     lines.append("call: " + " | ".join(f"c{i}" for i in range(len(chosen))))
+    lines += _call_rules(chosen, choice, shape, lenient)
+    return "\n".join(lines) + "\n"
+
+
+def tools_grammar(tools: Sequence[Tool], choice: ToolChoice, shape: Shape) -> tuple[str, str] | None:
+    """(constraint kind, source) for `choice` over `tools` — custom tools among them too — or
+    None for mode "none". Without custom tools: `call_grammar`'s Lark. With them, a reply may
+    also be one custom tool's raw block (imp.tools.custom), whose input the tool's own grammar
+    holds: llguidance's several-grammar form, the main Lark referencing each tool's grammar;
+    free text may not open a block, so a block is always under its grammar."""
+    customs = [t for t in tools if t.custom]
+    if not customs:
+        g = call_grammar(tools, choice, shape)
+        return ("lark", g) if g else None
+    if choice.mode == "none":
+        return None
+    fns = [t for t in tools if not t.custom]
+    if choice.mode == "named":
+        hit = [t for t in customs if t.name == choice.name]
+        if not hit:  # a named function tool: the custom tools are not asked for
+            return tools_grammar(fns, choice, shape)
+        customs, fns = hit, []
+    block, subs = block_rules(customs)
+    lines = ["%llguidance {}"]
+    if fns:
+        body = _body(shape, choice, not_block=True)
+        lines += [body[0].replace("start:", "calls:", 1), *body[1:], "start: calls | custom"]
+        lines.append("call: " + " | ".join(f"c{i}" for i in range(len(fns))))
+        lines += _call_rules(fns, choice, shape, None)
+    elif choice.mode == "auto":  # a reply, or a custom call
+        if shape == "generic":
+            lines += ['start: "{\\"response\\": " reply "}" | custom', 'reply: %json {"type": "string"}']
+        else:
+            lines += ["start: TEXT | custom", f"TEXT: {_FREE_TEXT if shape == 'hermes' else _PLAIN_TEXT} & {NOT_A_BLOCK}"]
+    else:
+        lines.append("start: custom")
+    return "llguidance", top_level("\n".join(lines + block) + "\n", subs)
+
+
+def _call_rules(chosen: Sequence[Tool], choice: ToolChoice, shape: Shape, lenient: bool | None) -> list[str]:
+    key = "parameters" if shape == "json" else "arguments"
+    lines = []
     for i, t in enumerate(chosen):
         soft = (choice.mode == "auto" and not t.strict) if lenient is None else lenient
         head = "{" + f'"name": {json.dumps(t.name, ensure_ascii=False)}, "{key}": '
         lines.append(f'c{i}: {_lit(head)} a{i} "}}"')
         lines.append(f"a{i}: %json {json.dumps(arguments_schema(t, soft), ensure_ascii=False)}")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-def _body(shape: Shape, choice: ToolChoice) -> list[str]:
-    """The start rule (and helpers) of a shape; `call` is one call object."""
+def _body(shape: Shape, choice: ToolChoice, not_block: bool = False) -> list[str]:
+    """The start rule (first) and its helpers of a shape; `call` is one call object.
+    not_block: free text may not open a custom tool's block."""
     many = choice.parallel
+    free = f"{_FREE_TEXT} & {NOT_A_BLOCK}" if not_block else _FREE_TEXT
+    plain = f"{_PLAIN_TEXT} & {NOT_A_BLOCK}" if not_block else _PLAIN_TEXT
     if shape == "hermes":
         if choice.mode == "auto":
             # lazy: the free text ends at the first open tag, which must start a real call
             return [f"start: seg{'*' if many else '?'} TEXT",
                     'seg: head "\\n" call "\\n</tool_call>"',
                     'head[lazy]: TEXT "<tool_call>"',
-                    f"TEXT: {_FREE_TEXT}"]
+                    f"TEXT: {free}"]
         return [f'start: tagged ("\\n" tagged){{0,{MAX_PARALLEL - 1}}}' if many else "start: tagged",
                 'tagged: "<tool_call>\\n" call "\\n</tool_call>"']
     if shape == "json":
         calls = f'call ("; " call){{0,{MAX_PARALLEL - 1}}}' if many else "call"
         if choice.mode == "auto":
-            return [f"start: TEXT | {calls}", f"TEXT: {_PLAIN_TEXT}"]
+            return [f"start: TEXT | {calls}", f"TEXT: {plain}"]
         return [f"start: {calls}"]
     envelope = (f'"{{\\"tool_calls\\": [" call (", " call){{0,{MAX_PARALLEL - 1}}} "]}}"' if many
                 else '"{\\"tool_call\\": " call "}"')

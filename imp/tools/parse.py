@@ -40,6 +40,8 @@ from typing import Callable, Literal, Sequence
 
 from imp.tools.jsontext import (WS, compact, decode_string_body, elements, loads, members,
                                 raw_decode, skip_ws)
+from imp.tools.custom import arguments as custom_arguments
+from imp.tools.custom import custom_names, parse_block
 from imp.tools.spec import Tool
 
 Format = Literal["hermes", "json", "generic"]
@@ -178,7 +180,11 @@ Item = tuple  # ("text", s) | ("call", name, arguments)
 
 def parse(text: str, fmt: Format, tools: Sequence[Tool] | None = None,
           new_id: Callable[[], str] = new_call_id) -> Parsed:
-    """The content and calls of a whole output (see the module doc for the formats)."""
+    """The content and calls of a whole output (see the module doc for the formats). A reply
+    that is a custom tool's raw block is that call, whatever the format (imp.tools.custom)."""
+    block = parse_block(text, custom_names(tools))
+    if block is not None:
+        return assemble([("call", block[0], custom_arguments(block[1]))], new_id)
     if fmt == "hermes":
         items = _hermes(text)
     elif fmt == "json":

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
+from imp.tools.custom import block
 from imp.tools.grammar import SHAPES, Shape
 from imp.tools.parse import ToolCall
 from imp.tools.spec import Tool, ToolChoice
@@ -57,6 +58,13 @@ def tools_system_prompt(tools: Sequence[Tool], choice: ToolChoice, shape: Shape)
     if choice.mode == "none" or not tools:
         return ""
     shown = [t for t in tools if choice.mode != "named" or t.name == choice.name]
+    customs = [t for t in shown if t.custom]
+    if customs:
+        fns = [t for t in shown if not t.custom]
+        head = tools_system_prompt(fns, choice, shape) if fns else ""
+        if not fns and choice.mode == "auto" and shape == "generic":
+            head = 'Reply to the user in JSON format: {"response": "<your reply>"}; or call a tool.'
+        return "\n\n".join(x for x in (head, custom_tools_prompt(customs, choice)) if x)
     if shape == "hermes":
         listing = "\n".join(_dumps({"type": "function", "function": _tool_json(t)}) for t in shown)
         text = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -93,6 +101,23 @@ def tools_system_prompt(tools: Sequence[Tool], choice: ToolChoice, shape: Shape)
     return text + f"Respond in JSON format with a tool call:\n{calls}\n\n" + _choice_line(choice, "in that format")
 
 
+def custom_tools_prompt(customs: Sequence[Tool], choice: ToolChoice) -> str:
+    """The custom tools (raw text input, imp.tools.custom) and how to call one."""
+    lines = ["These tools take raw text as their input, not JSON:"]
+    for t in customs:
+        lines.append(f"- {t.name}: {t.description}".rstrip(": "))
+        if t.grammar is not None:
+            lines.append(f"  Its input must follow this {t.grammar[0]} grammar:\n{t.grammar[1]}")
+    how = "reply with only this block, the input written as is (no JSON, no quotes):\n" + block("<tool name>", "<input>")
+    if choice.mode == "named":
+        lines.append(f"Call `{choice.name}` now: {how}")
+    else:
+        lines.append(f"To call one of them, {how}")
+        if choice.mode == "required":
+            lines.append("You must call a tool now.")
+    return "\n".join(lines)
+
+
 def _args(arguments: str) -> str:
     """A call's arguments JSON text in the forced spacing; text that is not JSON (a client's
     history may hold anything) is shown as a JSON string rather than dropped."""
@@ -107,11 +132,15 @@ def _call_obj(name: str, args: str, key: str = "arguments") -> str:
 
 
 def call_message_text(calls: Sequence[ToolCall], shape: Shape, content: str = "",
-                      parallel: bool = True) -> str:
+                      parallel: bool = True, custom: frozenset[str] = frozenset()) -> str:
     """An assistant turn's text content and calls, as the model writes them in `shape`
     (generic: the calls' envelope, or `{"response": content}` for a turn without calls; the
-    envelope has no room for text beside calls, so the calls are what is shown)."""
+    envelope has no room for text beside calls, so the calls are what is shown). A call of a
+    custom tool (`custom`: their names) is its raw block, as the model writes it."""
     _check(shape)
+    for c in calls:
+        if c.name in custom:
+            return block(c.name, _custom_input(c.arguments))
     if shape == "hermes":
         tags = [f"<tool_call>\n{_call_obj(c.name, _args(c.arguments))}\n</tool_call>" for c in calls]
         return "\n".join(([content] if content else []) + tags)
@@ -124,6 +153,14 @@ def call_message_text(calls: Sequence[ToolCall], shape: Shape, content: str = ""
     if len(items) == 1 and not parallel:
         return '{"tool_call": ' + items[0] + "}"
     return '{"tool_calls": [' + ", ".join(items) + "]}"
+
+
+def _custom_input(arguments: str) -> str:
+    try:
+        v = json.loads(arguments).get("input", "")
+    except (ValueError, AttributeError):
+        return arguments
+    return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
 
 
 def result_text(name: str | None, content: str, shape: Shape, call_id: str | None = None,

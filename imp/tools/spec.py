@@ -47,12 +47,17 @@ def _empty_object() -> dict[str, Any]:
 @dataclass(frozen=True)
 class Tool:
     """One callable function. `parameters` is the JSON Schema of its arguments object;
-    `strict` is the client's request that arguments follow it exactly (OpenAI `strict`)."""
+    `strict` is the client's request that arguments follow it exactly (OpenAI `strict`). A
+    custom tool has no parameters: its input is raw text under its `grammar`."""
 
     name: str
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=_empty_object)
     strict: bool = False
+    # a custom tool (OpenAI's `custom` type) takes raw text, not JSON arguments; its `format`:
+    # ("lark" | "regex", definition), or None for free text (imp.tools.custom)
+    custom: bool = False
+    grammar: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or any(c < " " for c in self.name):
@@ -167,8 +172,16 @@ def from_openai(tools: Any, tool_choice: Any = None,
         w = f"tools[{i}]"
         if not isinstance(t, dict):
             raise ToolSpecError(f"'{w}' must be an object", w)
+        if t.get("type") == "custom":  # raw-text input under its format (imp.tools.custom)
+            c = t.get("custom")
+            if not isinstance(c, dict):
+                raise ToolSpecError(f"'{w}.custom' must be an object", f"{w}.custom")
+            out.append(custom_tool(c, f"{w}.custom", c.get("format"), nested=True))
+            params.append(f"{w}.custom.name")
+            continue
         if t.get("type", "function") != "function":
-            raise ToolSpecError(f"'{w}.type': only 'function' tools are supported, not {t.get('type')!r}", f"{w}.type")
+            raise ToolSpecError(f"'{w}.type': only 'function' and 'custom' tools are supported, not "
+                                f"{t.get('type')!r}", f"{w}.type")
         f = t.get("function")
         if not isinstance(f, dict):
             raise ToolSpecError(f"'{w}.function' must be an object", f"{w}.function")
@@ -208,9 +221,31 @@ def _function_tool(d: dict, where: str) -> Tool:
                 _schema(d, "parameters", where, required=False), _strict(d, where))
 
 
+def custom_tool(d: dict, where: str, fmt: Any, *, nested: bool) -> Tool:
+    """A custom tool: name, description, and `format` — text, or a grammar: chat's
+    `{"type": "grammar", "grammar": {"syntax", "definition"}}` (nested), Responses'
+    `{"type": "grammar", "syntax", "definition"}`."""
+    name = _name(d, "name", where, _OPENAI_NAME)
+    fw = f"{where}.format"
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return Tool(name, _description(d, "description", where), custom=True)
+    if not isinstance(fmt, dict) or fmt.get("type") != "grammar":
+        raise ToolSpecError(f"'{fw}.type' must be text or grammar", fw)
+    g = fmt.get("grammar") if nested else fmt
+    if not isinstance(g, dict) or g.get("syntax") not in ("lark", "regex") \
+            or not isinstance(g.get("definition"), str) or not g["definition"].strip():
+        raise ToolSpecError(f"'{fw}' must be a grammar with syntax lark or regex and a definition", fw)
+    return Tool(name, _description(d, "description", where), custom=True, grammar=(g["syntax"], g["definition"]))
+
+
 def _openai_choice(choice: Any, nested: bool) -> tuple[str, str | None]:
     if choice is None:
         return "auto", None
+    if isinstance(choice, dict) and choice.get("type") == "custom" and nested:
+        c = choice.get("custom")
+        if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+            raise ToolSpecError("'tool_choice.custom.name' must be a string", "tool_choice.custom.name")
+        return "named", c["name"]
     if isinstance(choice, str):
         if choice not in ("auto", "none", "required"):
             raise ToolSpecError("'tool_choice' must be 'auto', 'none', 'required' or a function object", "tool_choice")

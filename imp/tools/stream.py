@@ -35,6 +35,8 @@ from imp.tools.jsontext import BAD, DONE, WS, JsonScanner, decode_string_body, s
 from imp.tools.parse import (FORMATS, HERMES_CLOSE, HERMES_OPEN, array_calls, Format, Parsed, ToolCall,
                              call_in_object, calls_in_envelope, new_call_id, response_head,
                              tool_names)
+from imp.tools.custom import CustomFront, custom_names
+from imp.tools.custom import arguments as custom_arguments
 from imp.tools.spec import Tool
 
 
@@ -48,6 +50,7 @@ class CallStart:
     index: int
     id: str
     name: str
+    custom: bool = False  # a custom tool's call: its ArgsDelta texts are the raw input (imp.tools.custom)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,13 +71,18 @@ def collect(events: Sequence[Event]) -> Parsed:
     """The Parsed that a sequence of events spells (what a client reassembles)."""
     text: list[str] = []
     calls: dict[int, list] = {}
+    custom: set[int] = set()
     for ev in events:
         if isinstance(ev, Text):
             text.append(ev.text)
         elif isinstance(ev, CallStart):
             calls[ev.index] = [ev.id, ev.name, ""]
+            if ev.custom:
+                custom.add(ev.index)
         elif isinstance(ev, ArgsDelta):
             calls[ev.index][2] += ev.text
+    for k in custom:
+        calls[k][2] = custom_arguments(calls[k][2])
     return Parsed("".join(text), tuple(ToolCall(*calls[k]) for k in sorted(calls)))
 
 
@@ -336,3 +344,18 @@ class ToolStreamParser:
                 self._call(*c)
             self._buf = buf[self._scanned:]
             self._state = _ALL
+
+
+def stream_parser(fmt: Format, tools: Sequence[Tool] | None = None, new_id: Callable[[], str] = new_call_id):
+    """The stream parser for a request's tools: the shape's own, behind a CustomFront when
+    some of the tools are custom (their calls are raw blocks, imp.tools.custom)."""
+    inner = ToolStreamParser(fmt, [t for t in tools or () if not t.custom] or None if tools else None, new_id)
+    names = custom_names(tools)
+    return CustomFront(inner, names, new_id, _EVENTS) if names else inner
+
+
+class _Events:
+    CallStart, ArgsDelta, CallEnd = CallStart, ArgsDelta, CallEnd
+
+
+_EVENTS = _Events

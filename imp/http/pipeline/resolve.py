@@ -16,11 +16,13 @@ from imp.engine.port import ModelCard
 from imp.http.errors import bad
 from imp.http.pipeline.reasoning import prompt_opens_think
 from imp.http.pipeline.request import GenerateRequest
-from imp.http.pipeline.structured import compile_checked
-from imp.messages import SamplingParams
+from imp.constrain.errors import ConstraintError
+from imp.http.pipeline.structured import COMPILE_TIMEOUT_S, compile_checked
+from imp.messages import Constraint, SamplingParams
 from imp.text.chat_template import TemplateError
 from imp.text.fim import build_infill
 from imp.text.model import TextModel
+from imp.tools.custom import tool_lark
 
 
 @dataclass(frozen=True)
@@ -187,4 +189,11 @@ async def compile_constraint(req: GenerateRequest, grammars) -> None:
         raise bad(f"'{field}' needs the grammar engine, which this server runs without", field,
                   "constraints_unavailable")
     code = "tool_choice_unenforceable" if field == "tool_choice" else "invalid_constraint"
+    customs = [t for t in req.tool_plan.tools if t.custom and t.grammar] if field == "tool_choice" else []
+    for t in customs:  # each custom tool's own grammar first: a refusal names the tool
+        try:
+            await grammars.compile(Constraint("lark", tool_lark(t)), COMPILE_TIMEOUT_S)
+        except ConstraintError as exc:
+            raise bad(f"custom tool {t.name!r}: its {t.grammar[0]} grammar cannot be enforced: {exc.reason}",
+                      "tools", "invalid_tool_grammar") from None
     await compile_checked(grammars, c, field, code=code)

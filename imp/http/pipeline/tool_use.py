@@ -15,7 +15,9 @@ ToolChoice); `plan` decides, once per request, everything that follows:
 - the grammar (`Constraint`): a forced choice (required / named / Anthropic
   any / tool) always gets one, built from the tools' parameter schemas, so a
   forced call parses and its arguments validate; "auto" in the generic shape
-  too (the envelope is the only way that model can call); "none" hides the tools;
+  too (the envelope is the only way that model can call), and "auto" whenever a custom
+  tool is offered (its raw-text input is held to its own grammar whenever it is called,
+  `imp.tools.custom`); "none" hides the tools;
 - the parser that turns the model's text back into calls, streamed or not.
 """
 
@@ -29,9 +31,10 @@ from imp.http.errors import ApiError, bad
 from imp.http.pipeline.request import Message
 from imp.messages import Constraint
 from imp.tools import (
-    ArgsDelta, CallEnd, CallStart, Parsed, Text, Tool, ToolCall, ToolChoice, ToolStreamParser, call_grammar,
-    call_message_text, new_call_id, parse, result_text, tools_system_prompt,
+    ArgsDelta, CallEnd, CallStart, Parsed, Text, Tool, ToolCall, ToolChoice, ToolStreamParser, call_message_text,
+    new_call_id, parse, result_text, stream_parser, tools_grammar, tools_system_prompt,
 )
+from imp.tools.render import custom_tools_prompt
 
 
 @dataclass(frozen=True)
@@ -52,10 +55,15 @@ class ToolPlan:
         if not (self.native and self.active):
             return ()
         return tuple({"type": "function", "function": {"name": t.name, "description": t.description,
-                                                       "parameters": t.parameters}} for t in self.tools)
+                                                       "parameters": t.parameters}} for t in self.tools if not t.custom)
+
+    @property
+    def custom(self) -> frozenset[str]:
+        """The names of the custom tools (raw-text input)."""
+        return frozenset(t.name for t in self.tools if t.custom)
 
     def stream_parser(self) -> ToolStreamParser:
-        return ToolStreamParser(self.shape, list(self.tools), new_id=new_call_id)
+        return stream_parser(self.shape, list(self.tools), new_id=new_call_id)
 
     def parse(self, text: str, cut: bool = False) -> Parsed:
         """The calls and text of a whole reply. cut: max_tokens ended it (see `salvage`)."""
@@ -160,15 +168,16 @@ def plan(tools: list[Tool], choice: ToolChoice, template_source: str, messages=(
         return None
     shape, native = shape_for(template_source)
     constraint = None
-    if choice.mode != "none" and (choice.forces_call or shape == "generic"):
+    custom = any(t.custom for t in tools)
+    if choice.mode != "none" and (choice.forces_call or shape == "generic" or custom):
         if choice.mode == "auto" and shape == "generic" and tool_rounds(messages) >= GENERIC_TOOL_ROUNDS:
             return ToolPlan(tuple(tools), choice, shape, native, Constraint("lark", _ANSWER_ONLY))
         try:
-            grammar = call_grammar(tools, choice, shape)
+            grammar = tools_grammar(tools, choice, shape)
         except ValueError as exc:
             raise ApiError(400, f"tool_choice cannot be enforced: {exc}", param="tool_choice",
                            code="tool_choice_unenforceable") from None
-        constraint = Constraint("lark", grammar) if grammar else None
+        constraint = Constraint(*grammar) if grammar else None
     return ToolPlan(tuple(tools), choice, shape, native, constraint)
 
 
@@ -176,8 +185,13 @@ def apply_to_messages(p: ToolPlan | None, messages: tuple[Message, ...]) -> tupl
     """The conversation as the template should see it. A native template gets the messages
     as they are (it renders tool_calls and tool turns itself); otherwise the tools go into
     the system prompt and earlier calls / results become text in the plan's shape."""
-    if p is None or p.native:
+    if p is None:
         return messages
+    if p.native:  # the template shows the function tools; the custom ones are a system note
+        customs = [t for t in p.tools if t.custom]
+        if not (customs and p.active):
+            return messages
+        return _with_system(list(messages), custom_tools_prompt(customs, p.choice))
     out: list[Message] = []
     block = tools_system_prompt(list(p.tools), p.choice, p.shape) if p.active else ""
     names: dict[str, str] = {}
@@ -194,7 +208,7 @@ def apply_to_messages(p: ToolPlan | None, messages: tuple[Message, ...]) -> tupl
                 calls.append(ToolCall(cid, fn.get("name", ""), args))
             # a text-only assistant turn in the generic shape is a {"response": ...} envelope
             out.append(Message(role="assistant", content=call_message_text(calls, p.shape, m.content,
-                                                                           p.choice.parallel)))
+                                                                           p.choice.parallel, p.custom)))
         elif m.role == "tool":
             name = m.name or names.get(m.tool_call_id or "")
             is_error = m.content.startswith("Error: ") and False
@@ -205,11 +219,14 @@ def apply_to_messages(p: ToolPlan | None, messages: tuple[Message, ...]) -> tupl
                 out.append(Message(role="user", content=text))
         else:
             out.append(m)
-    if block:
-        if out and out[0].role == "system":
-            out[0] = Message(role="system", content=(out[0].content + "\n\n" + block).strip())
-        else:
-            out.insert(0, Message(role="system", content=block))
+    return _with_system(out, block) if block else tuple(out)
+
+
+def _with_system(out: list[Message], block: str) -> tuple[Message, ...]:
+    if out and out[0].role == "system":
+        out[0] = Message(role="system", content=(out[0].content + "\n\n" + block).strip())
+    else:
+        out.insert(0, Message(role="system", content=block))
     return tuple(out)
 
 

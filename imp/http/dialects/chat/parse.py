@@ -7,6 +7,7 @@ same body and runs nothing). Message content parts are read by
 
 from __future__ import annotations
 
+import json
 import logging
 
 from imp.http.dialects.openai import fields as openai_fields
@@ -76,12 +77,26 @@ def parse_messages(raw) -> tuple[Message, ...]:
         calls = m.get("tool_calls")
         if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
             raise bad(f"{where}.tool_calls must be an array of objects", f"{where}.tool_calls")
+        if calls:
+            calls = [_as_function(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
         for k in ("name", "tool_call_id"):
             if m.get(k) is not None and not isinstance(m[k], str):
                 raise bad(f"{where}.{k} must be a string", f"{where}.{k}")
         out.append(Message(role="system" if role == "developer" else role, content=text, name=m.get("name"),
                            tool_calls=tuple(calls) if calls else None, tool_call_id=m.get("tool_call_id")))
     return tuple(out)
+
+
+def _as_function(call: dict, where: str) -> dict:
+    """A custom tool's call in the history (`type: custom`, raw `input`) as the templates and the
+    tool layer read calls: function-shaped, its input in `{"input": ...}` arguments."""
+    if call.get("type") != "custom":
+        return call
+    c = call.get("custom")
+    if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not isinstance(c.get("input", ""), str):
+        raise bad(f"{where}.custom must be an object with string 'name' and 'input'", f"{where}.custom")
+    return {"id": call.get("id"), "type": "function",
+            "function": {"name": c["name"], "arguments": json.dumps({"input": c.get("input", "")}, ensure_ascii=False)}}
 
 
 def template_options(body: dict) -> dict:

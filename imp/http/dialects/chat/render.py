@@ -10,6 +10,8 @@ choice finishes with "tool_calls".
 
 from __future__ import annotations
 
+import json
+
 from imp.http.dialects.openai.logprobs import chat_content
 from imp.http.dialects.openai.wire import KEEPALIVE_COMMENT, error_event, fingerprint, sse_data, usage_json
 from imp.http.pipeline.dialect import Job
@@ -19,9 +21,11 @@ from imp.messages import Delta, FinishReason
 from imp.tools import ArgsDelta, CallStart, Text
 
 
-def _tool_calls_json(calls) -> list[dict]:
-    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls]
+def _tool_calls_json(calls, custom: frozenset[str]) -> list[dict]:
+    """OpenAI's tool_calls: a custom tool's call carries its raw input (`type: custom`)."""
+    return [{"id": c.id, "type": "custom", "custom": {"name": c.name, "input": json.loads(c.arguments)["input"]}}
+            if c.name in custom else
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
 
 def _finish(label: str, has_calls: bool) -> str:
@@ -43,6 +47,7 @@ class ChatRenderer:
         self.prompt_tokens, self.cached = len(job.prompt.ids), 0
         self.parsers = [self.tools.stream_parser() for _ in range(n)] if self.tools is not None else None
         self.called = [False] * n
+        self.raw: set[tuple[int, int]] = set()  # (choice, call index) of custom tools' calls
         self.base = {"id": job.rid, "object": "chat.completion.chunk", "created": job.created,
                      "model": job.card.name, "system_fingerprint": fingerprint(job.card)}
 
@@ -77,7 +82,7 @@ class ChatRenderer:
                 parsed = self.tools.parse(self.texts[i], cut=fin == "length")
                 msg["content"] = parsed.content or None if parsed.calls else parsed.content
                 if parsed.calls:
-                    msg["tool_calls"] = _tool_calls_json(parsed.calls)
+                    msg["tool_calls"] = _tool_calls_json(parsed.calls, self.tools.custom)
                 fin = _finish(fin, bool(parsed.calls))
             if self.splitters[i].saw_think:
                 msg["reasoning_content"] = msg["reasoning"] = self.thoughts[i]
@@ -112,12 +117,17 @@ class ChatRenderer:
                     out.append(self._delta_chunk(i, {"content": ev.text}))
             elif isinstance(ev, CallStart):
                 self.called[i] = True
-                out.append(self._delta_chunk(i, {"tool_calls": [{
-                    "index": ev.index, "id": ev.id, "type": "function",
-                    "function": {"name": ev.name, "arguments": ""}}]}))
+                if ev.custom:  # its raw input streams as custom.input fragments
+                    self.raw.add((i, ev.index))
+                    call = {"index": ev.index, "id": ev.id, "type": "custom", "custom": {"name": ev.name, "input": ""}}
+                else:
+                    call = {"index": ev.index, "id": ev.id, "type": "function",
+                            "function": {"name": ev.name, "arguments": ""}}
+                out.append(self._delta_chunk(i, {"tool_calls": [call]}))
             elif isinstance(ev, ArgsDelta):
-                out.append(self._delta_chunk(i, {"tool_calls": [{"index": ev.index,
-                                                                  "function": {"arguments": ev.text}}]}))
+                part = {"custom": {"input": ev.text}} if (i, ev.index) in self.raw else \
+                    {"function": {"arguments": ev.text}}
+                out.append(self._delta_chunk(i, {"tool_calls": [{"index": ev.index, **part}]}))
         return out
 
     def delta(self, d: Delta) -> bytes:

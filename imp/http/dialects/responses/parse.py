@@ -184,14 +184,14 @@ def _tools(raw, extras: ResponsesExtras) -> list[Tool]:
                     raise bad(f"'{w}.format' must be a grammar with syntax lark or regex and a definition",
                               f"{w}.format")
                 grammar = Constraint(syntax, definition)
-                desc = f"{desc}\n\nThe input must follow this {syntax} grammar:\n{definition}".strip()
             elif not (isinstance(fmt, dict) and fmt.get("type") == "text"):
                 raise bad(f"'{w}.format.type' must be text or grammar", f"{w}.format")
             extras.custom[name] = CustomTool(name, namespace, grammar)
             if namespace:
                 extras.namespaces[name] = namespace
-            out.append(Tool(name, desc, {"type": "object", "properties": {"input": {"type": "string"}},
-                                         "required": ["input"]}))
+            # a raw-text tool: its calls are raw blocks held to its grammar (imp.tools.custom)
+            out.append(Tool(name, desc if isinstance(desc, str) else "", custom=True,
+                            grammar=(grammar.kind, grammar.source) if grammar is not None else None))
         elif typ == "namespace":
             ns = t.get("name")
             inner = t.get("tools")
@@ -337,6 +337,8 @@ def parse(body: dict, vocab_size: int, template_source: str = "",
         messages = tool_use.apply_to_messages(shown, messages)
         tool = next(t for t in tools if t.name == choice.name)
         note = f"Reply with only the input of the `{tool.name}` tool, nothing else. {tool.description}".strip()
+        if tool.grammar is not None:
+            note += f"\n\nThe input must follow this {tool.grammar[0]} grammar:\n{tool.grammar[1]}"
         messages = (Message(role="system", content=note), *messages) if messages[0].role != "system" else \
             (Message(role="system", content=messages[0].content + "\n\n" + note), *messages[1:])
         g = ex.custom[choice.name].grammar

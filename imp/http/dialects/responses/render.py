@@ -167,7 +167,8 @@ class ResponsesRenderer:
                               "content": [{"type": "reasoning_text", "text": self.reasoning}],
                               "encrypted_content": None})
         if ex.forced_custom:
-            out.items.append(_call_item(ex, f"call_{_hex()}", ex.forced_custom, json.dumps({"input": self.text})))
+            out.items.append(_call_item(ex, f"call_{_hex()}", ex.forced_custom, json.dumps({"input": self.text}),
+                                        "incomplete" if self.cut else "completed"))
         else:
             text, calls = self.text, ()
             if self.plan is not None:
@@ -176,7 +177,9 @@ class ResponsesRenderer:
             if text or not calls:
                 # a reply max_output_tokens cut is an incomplete message, as OpenAI marks it
                 out.items.append(_message_item(f"msg_{_hex()}", text, "incomplete" if self.cut else "completed"))
-            out.items += [_call_item(ex, c.id, c.name, c.arguments) for c in calls]
+            # a custom call max_output_tokens cut is incomplete, as a cut message is
+            out.items += [_call_item(ex, c.id, c.name, c.arguments, "incomplete" if self.cut and c is calls[-1]
+                                     and c.name in ex.custom else "completed") for c in calls]
         await self._close()
         return out.obj()
 
@@ -219,7 +222,7 @@ class ResponsesRenderer:
         elif kind == "custom":
             buf.append(ev("response.custom_tool_call_input.done", item_id=item["id"], output_index=idx,
                           input=item["input"]))
-            item["status"] = "completed"
+            item["status"] = "incomplete" if self.cut else "completed"
         buf.append(ev("response.output_item.done", output_index=idx, item=dict(item)))
         cur.clear()
 
@@ -263,12 +266,15 @@ class ResponsesRenderer:
                 if item["type"] == "custom_tool_call":
                     item["input"] = ""
                 idx = self._open_item("call", item)
-                calls[e.index] = {"item": item, "index": idx, "args": ""}
+                calls[e.index] = {"item": item, "index": idx, "args": "", "raw": e.custom}
             elif isinstance(e, ArgsDelta):
                 c = calls[e.index]
                 c["args"] += e.text
                 if c["item"]["type"] == "function_call":
                     buf.append(ev("response.function_call_arguments.delta", item_id=c["item"]["id"],
+                                  output_index=c["index"], delta=e.text))
+                elif c["raw"]:  # a custom tool's raw input streams as it comes
+                    buf.append(ev("response.custom_tool_call_input.delta", item_id=c["item"]["id"],
                                   output_index=c["index"], delta=e.text))
             elif isinstance(e, CallEnd):
                 c = calls[e.index]
@@ -277,13 +283,17 @@ class ResponsesRenderer:
                     item["arguments"] = c["args"]
                     buf.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
                                   arguments=c["args"]))
-                else:  # a custom tool's input arrives whole once its JSON closes
+                elif c["raw"]:  # its deltas already went out
+                    item["input"] = c["args"]
+                    buf.append(ev("response.custom_tool_call_input.done", item_id=item["id"], output_index=idx,
+                                  input=item["input"]))
+                else:  # a custom tool called in JSON (a function-shaped history): its input whole once it closes
                     item["input"] = _call_item(ex, "", item["name"], c["args"])["input"]
                     buf.append(ev("response.custom_tool_call_input.delta", item_id=item["id"], output_index=idx,
                                   delta=item["input"]))
                     buf.append(ev("response.custom_tool_call_input.done", item_id=item["id"], output_index=idx,
                                   input=item["input"]))
-                item["status"] = "completed"
+                item["status"] = "incomplete" if self.cut and c["raw"] else "completed"
                 buf.append(ev("response.output_item.done", output_index=idx, item=dict(item)))
                 self.cur.clear()
 

@@ -1,6 +1,6 @@
 # Two commands a user needs: `make serve` and `make test`. Everything else is
-# derived. Torch is pinned to the CPU build; where this machine keeps wheels
-# on disk (/opt/wheels) pip takes them from there.
+# derived. `make serve` installs no torch; the test extra pins torch to the CPU
+# build; where this machine keeps wheels on disk (/opt/wheels) pip takes them.
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 PIPX    := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
@@ -27,7 +27,9 @@ install: $(VENV)/.stamp-base
 install-test: $(VENV)/.stamp-test
 
 serve: install
+	@echo "imp: venv ready ($$(du -sm $(VENV) | cut -f1) MB); fetching $(MODEL) ..."
 	$(PY) -m imp pull $(MODEL)
+	@echo "imp: starting the server on http://$(HOST):$(PORT)/ (a first boot compiles the kernels once)"
 	$(PY) -m imp --host $(HOST) --port $(PORT) --model $(MODEL)
 
 test: install-test

@@ -19,6 +19,8 @@ second process would load the model onto the device again.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import subprocess
 import sys
 from typing import Callable, TypeVar
@@ -65,7 +67,52 @@ def boot_warm(steps: Callable[[], T], cfg, progress: Callable[[str], None], enab
                  "(once; this process then loads them and keeps none of the compiler's memory)")
     import msgspec
 
-    child = subprocess.run([sys.executable, "-m", "imp", "_precompile", part], input=msgspec.json.encode(cfg))
-    if child.returncode != 0:
-        progress(f"the compile child exited {child.returncode}: compiling in this process instead")
-    return steps()
+    with compile_lock(progress):
+        try:  # another boot sharing this cache may have compiled them while we waited
+            with _no_compiles():
+                return steps()
+        except ColdCache:
+            pass
+        child = subprocess.run([sys.executable, "-m", "imp", "_precompile", part], input=msgspec.json.encode(cfg),
+                               preexec_fn=die_with(os.getpid()))
+        if child.returncode != 0:
+            progress(f"the compile child exited {child.returncode}: compiling in this process instead")
+        return steps()
+
+
+@contextlib.contextmanager
+def compile_lock(progress: Callable[[str], None] = lambda m: None):
+    """One compile at a time per Numba cache: two boots sharing it (a second replica, a restart
+    while the first still compiles) compile once; the later one then loads from the cache.
+    An flock on a file in the cache folder: released by the kernel if its holder dies."""
+    import fcntl
+
+    import numba
+
+    folder = numba.config.CACHE_DIR or os.path.join(os.path.dirname(__file__), "__pycache__")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, ".imp-compile.lock"), "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress("another boot is compiling the kernels into the same cache: waiting for it")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def die_with(parent: int) -> Callable[[], None]:
+    """A child's preexec: Linux sends it SIGKILL when `parent` dies, however it dies (a server
+    killed mid-compile leaves no compile child behind, and a restart starts no second one)."""
+    def preexec() -> None:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # pragma: no cover - not Linux
+            pass
+        if os.getppid() != parent:  # it died before the line above
+            os._exit(1)
+    return preexec

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import importlib.util
 import os
 import signal
 import sys
@@ -139,7 +140,11 @@ def _load_models(cfg: ServerConfig) -> _Models:
     from imp.fetch import resolve_model
     from imp.model.runner import ModelRunner
 
-    if cfg.threads and any(d.startswith("cuda") for d in replica_devices(cfg)):
+    gpu = any(d.startswith("cuda") for d in replica_devices(cfg))
+    if gpu and importlib.util.find_spec("torch") is None:
+        raise SystemExit("imp: --device cuda runs on torch and CuPy, which are not installed: "
+                         "pip install 'imp[gpu]'")
+    if cfg.threads and gpu:
         import torch  # the GPU runner's host ops; the CPU runner sets its own (ModelRunner.load)
 
         torch.set_num_threads(cfg.threads)

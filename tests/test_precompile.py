@@ -3,9 +3,14 @@ none of the compiler's memory (issue 15's memory goal on a fresh clone's first `
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
+import sys
+import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +18,8 @@ from numba import njit
 
 from imp import precompile
 from imp.config import ServerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _fresh_kernel():
@@ -31,14 +38,17 @@ def test_a_compile_at_boot_goes_to_a_child_then_the_steps_run_again(monkeypatch)
         calls.append(1)
         return int(twice(np.int64(21)))
 
-    def run(argv, input=None):
+    def run(argv, input=None, preexec_fn=None):
+        assert preexec_fn is not None  # the child dies with this process
         children.append((argv, json.loads(input)))
         return subprocess.CompletedProcess(argv, 0)
 
     monkeypatch.setattr(precompile.subprocess, "run", run)
     cfg = ServerConfig(model="some.gguf")
     assert precompile.boot_warm(steps, cfg, notes.append) == 42
-    assert len(calls) == 2  # stopped at the first compile, then again after the child
+    # stopped at the first compile, checked again under the compile lock (another boot may have
+    # compiled meanwhile), then again after the child
+    assert len(calls) == 3
     (argv, sent), = children
     assert argv[1:] == ["-m", "imp", "_precompile", "engine"] and sent["model"] == "some.gguf"
     assert "compiling them in a child process" in notes[0] and "twice" in notes[0]
@@ -50,11 +60,56 @@ def test_a_warm_boot_spawns_nothing_and_a_failed_child_falls_back(monkeypatch):
     monkeypatch.setattr(precompile.subprocess, "run", lambda *a, **k: pytest.fail("no child on a warm boot"))
     assert precompile.boot_warm(lambda: int(twice(np.int64(4))), ServerConfig(model="m"), print) == 8
     fresh, notes = _fresh_kernel(), []
-    monkeypatch.setattr(precompile.subprocess, "run", lambda argv, input=None: subprocess.CompletedProcess(argv, 3))
+    monkeypatch.setattr(precompile.subprocess, "run", lambda argv, input=None, **kw: subprocess.CompletedProcess(argv, 3))
     assert precompile.boot_warm(lambda: int(fresh(np.int64(5))), ServerConfig(model="m"), notes.append) == 10
     assert "exited 3: compiling in this process instead" in notes[-1]
     # and the guard is gone afterwards: a compile elsewhere is not refused
     assert int(_fresh_kernel()(np.int64(2))) == 4
+
+
+def test_two_boots_sharing_a_cache_compile_once(tmp_path, monkeypatch):
+    """The compile lock: a second process waits while the first holds it (flock; the kernel
+    drops it if the holder dies)."""
+    import numba
+
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))
+    code = ("import numba, time; numba.config.CACHE_DIR = %r\nfrom imp import precompile\n"
+            "t = time.monotonic()\nwith precompile.compile_lock(print): print('got', round(time.monotonic() - t, 1))"
+            % str(tmp_path))
+    with precompile.compile_lock():
+        other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        time.sleep(1.5)
+        assert other.poll() is None  # still waiting for the lock
+    out, _ = other.communicate(timeout=30)
+    assert "another boot is compiling" in out and float(out.split("got ")[1]) >= 1.0
+
+
+def test_the_compile_child_dies_with_its_parent(tmp_path):
+    """A server killed mid-compile leaves no compile child behind (PR_SET_PDEATHSIG)."""
+    pidfile = tmp_path / "child.pid"
+    code = ("import os, subprocess, sys, time\nfrom imp import precompile\n"
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+            "preexec_fn=precompile.die_with(os.getpid()))\n"
+            f"open({str(pidfile)!r}, 'w').write(str(c.pid))\ntime.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    for _ in range(100):
+        if pidfile.exists() and pidfile.read_text():
+            break
+        time.sleep(0.1)
+    child = int(pidfile.read_text())
+    parent.kill()
+    parent.wait()
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(child, os.WNOHANG)
+        time.sleep(0.1)
+    else:
+        os.kill(child, 9)
+        pytest.fail("the compile child outlived its parent")
 
 
 def test_disabled_is_a_plain_call(monkeypatch):

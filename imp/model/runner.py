@@ -44,6 +44,14 @@ ARCHS = {"llama": ("llama", "Llama"), "qwen2": ("qwen2", "Qwen2"), "qwen3": ("qw
          "gemma3": ("gemma3", "Gemma3")}
 
 
+def _need_torch(why: str) -> None:
+    """torch is an extra (`pip install 'imp[torch]'`): the default CPU server never needs it."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise RuntimeError(f"{why}; torch is not installed: pip install 'imp[torch]' (or 'imp[gpu]')")
+
+
 def torch_forward(arch: str):
     import importlib
 
@@ -111,6 +119,7 @@ class ModelRunner:
     @classmethod
     def _load(cls, path, num_blocks, block_size, kv_tokens, weights, kv_dtype, num_threads, compile) -> ModelRunner:
         if Path(path).is_dir():  # HF layout: config.json + *.safetensors, same tensor names as a GGUF
+            _need_torch(f"{path} is an HF model folder: its weights load through torch")
             from imp.formats.hf_dir import open_hf_dir
 
             g = open_hf_dir(path)
@@ -127,6 +136,8 @@ class ModelRunner:
             except Unsupported:
                 weights = "int8"
         if model is None:
+            _need_torch(f"{path}: the fused CPU kernels do not cover this model's matrix types (or "
+                        f"--weights {weights} was asked for), so it runs on the torch forward")
             import torch
 
             if num_threads is not None:

@@ -15,7 +15,7 @@ PKGS=${PKGS:-"msgspec aiohttp aiohappyeyeballs aiosignal frozenlist multidict pr
   opentelemetry-exporter-http-transport opentelemetry-exporter-otlp-common googleapis-common-protos
   protobuf pytest pytest-asyncio pluggy iniconfig openai anthropic jiter docstring_parser httpx2 httpcore2
   h11 anyio sniffio distro truststore pydantic pydantic_core typing-inspection annotated-types
-  jsonschema jsonschema-specifications referencing rpds-py attrs idna"}
+  jsonschema jsonschema-specifications referencing rpds-py attrs idna lark"}
 mkdir -p .whl
 for p in $PKGS; do
   v=$($PIP show "$p" 2>/dev/null | awk "/^Version:/{print \$2}" || true)

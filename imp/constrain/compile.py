@@ -134,6 +134,7 @@ class GrammarCache:
         done, _ = await asyncio.wait({wrapped}, timeout=timeout_s)
         if not done:
             raise self._timed_out(key, fut, timeout_s)
+        wrapped.exception()  # seen here (the outcome is read from fut): asyncio logs no "never retrieved"
         return _unwrap(_outcome(fut))
 
     def compile_sync(self, spec: Constraint, timeout_s: float = DEFAULT_TIMEOUT_S) -> CompiledGrammar:

@@ -277,3 +277,18 @@ class FakeStore:
             ids = [i.id for i in items]
             items = items[ids.index(after) + 1:] if after in ids else []
         return StoreReply("x", True, items=tuple(items[:limit]), has_more=len(items) > limit)
+
+
+async def fake_client(script=None, config=None, grammars=None, **kw):
+    """The real app (create_app) over a FakeEngine, started: an aiohttp TestClient with the
+    engine at `.engine`. The caller closes it."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from imp.config import ServerConfig
+    from imp.http.app import create_app
+
+    eng = FakeEngine(script, **kw)
+    c = TestClient(TestServer(create_app(eng, eng.tm, config or ServerConfig(), grammars=grammars)))
+    await c.start_server()
+    c.engine = eng
+    return c

@@ -15,14 +15,11 @@ import logging
 from pathlib import Path
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
-
 from imp.config import ServerConfig
 from imp.constrain.compile import GrammarCache
 from imp.constrain.vocab import from_tokenizer
-from imp.http.app import create_app
 from imp.http.pipeline.fates import NOT_YET, TUNING
-from tests.fake_engine import FakeEngine
+from tests.fake_engine import fake_client, text_model
 
 MSGS = [{"role": "user", "content": "Say hello."}]
 BODIES = {
@@ -42,12 +39,9 @@ OFF = {"dry_multiplier": 0, "mirostat": 0, "banned_strings": [], "banned_regex":
 async def make():
     clients = []
 
-    async def make(strict: bool = False, **kw) -> TestClient:
-        eng = FakeEngine(**kw)
-        grammars = GrammarCache(from_tokenizer(eng.tm.tokenizer))  # the agents' tool calls need it
-        c = TestClient(TestServer(create_app(eng, eng.tm, ServerConfig(strict_fields=strict), grammars=grammars)))
-        await c.start_server()
-        c.engine = eng
+    async def make(strict: bool = False, **kw):
+        grammars = GrammarCache(from_tokenizer(text_model().tokenizer))  # the agents' tool calls need it
+        c = await fake_client(config=ServerConfig(strict_fields=strict), grammars=grammars, **kw)
         clients.append(c)
         return c
 

@@ -89,10 +89,14 @@ class Dialect(Protocol):
 
 
 class Base:
-    """Defaults a dialect takes unless it says otherwise."""
+    """Defaults a dialect takes unless it says otherwise; `renderer` builds its `render_cls`."""
 
     keepalive = True
     dry_run = False
+    render_cls: type = type(None)
+
+    def renderer(self, job: Job) -> Renderer:
+        return self.render_cls(job)
 
     def render_prompt(self, req: GenerateRequest, tm: TextModel) -> resolve.Prompt:
         return resolve.render(req, tm)

@@ -27,6 +27,7 @@ class Messages(Base):
     endpoint = "messages"
     id_prefix = "msg_"
     fields = TAKEN
+    render_cls = AnthropicRenderer
 
     async def parse(self, body: dict, ctx: ParseContext):
         return parse_body(body, ctx.text.template.source), None
@@ -37,8 +38,6 @@ class Messages(Base):
     def unknown_message(self, name: str) -> str:
         return f"{name}: Extra inputs are not permitted"  # Anthropic's words
 
-    def renderer(self, job) -> AnthropicRenderer:
-        return AnthropicRenderer(job)
 
     def headers(self, request: web.Request) -> dict[str, str]:
         """request-id, and anthropic-version / anthropic-beta read and echoed, never enforced."""

@@ -13,12 +13,10 @@ class Chat(Base):
     id_prefix = "chatcmpl-"
     dry_run = True  # "dry_run": true answers POST /v1/estimate's figures
     fields = TAKEN
+    render_cls = ChatRenderer
 
     async def parse(self, body: dict, ctx: ParseContext):
         return parse_body(body, ctx.text.tokenizer.vocab_size, ctx.text.template.source), None
-
-    def renderer(self, job) -> ChatRenderer:
-        return ChatRenderer(job)
 
 
 DIALECT = Chat()

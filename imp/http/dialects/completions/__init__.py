@@ -12,12 +12,10 @@ class Completions(Base):
     endpoint = "completions"
     id_prefix = "cmpl-"
     fields = TAKEN
+    render_cls = CompletionRenderer
 
     async def parse(self, body: dict, ctx: ParseContext):
         return parse_body(body, ctx.text.tokenizer.vocab_size), None
-
-    def renderer(self, job) -> CompletionRenderer:
-        return CompletionRenderer(job)
 
 
 DIALECT = Completions()

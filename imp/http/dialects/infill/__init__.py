@@ -14,15 +14,13 @@ class Infill(Base):
     id_prefix = "infill-"
     keepalive = False  # llama.cpp's clients read every data: line as a chunk
     fields = TAKEN
+    render_cls = InfillRenderer
 
     async def parse(self, body: dict, ctx: ParseContext):
         if ctx.text.fim is None:  # before anything else: no field can make this model fill in the middle
             raise bad("this model has no fill-in-the-middle tokens (no tokenizer.ggml.fim_pre/suf/mid_token_id, "
                       "no <fim_prefix>-style tokens)", None, "fim_not_supported")
         return parse_infill(body, ctx.text.tokenizer.vocab_size), B.boolean(body, "return_tokens")
-
-    def renderer(self, job) -> InfillRenderer:
-        return InfillRenderer(job)
 
 
 DIALECT = Infill()

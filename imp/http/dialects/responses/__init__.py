@@ -20,6 +20,7 @@ class Responses(Base):
     endpoint = "responses"
     id_prefix = "resp_"
     fields = TAKEN
+    render_cls = ResponsesRenderer
 
     async def parse(self, body: dict, ctx: ParseContext):
         st = ctx.port.store
@@ -28,9 +29,6 @@ class Responses(Base):
                       "(--responses-store off): send store: false", "store")
         past = await history(st, B.string(body, "previous_response_id"))
         return parse_body(body, ctx.text.tokenizer.vocab_size, ctx.text.template.source, past)
-
-    def renderer(self, job) -> ResponsesRenderer:
-        return ResponsesRenderer(job)
 
 
 DIALECT = Responses()

@@ -210,15 +210,22 @@ def test_acknowledged_writes_survive_a_killed_process(tmp_path, how):
     Every put it saw acknowledged must be in the file afterwards, chain intact."""
     path = tmp_path / "s.db"
     code = textwrap.dedent(_CHILD).format(root=str(ROOT), path=str(path), graceful=how == "sigterm-graceful")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    # stderr goes to a file and the rest of stdout is read through the same buffered
+    # reader: communicate() would read the raw pipe and lose the acks already buffered
+    # behind the 60th line (it did, in CI: r60..r83 stored but "never acknowledged").
+    errf = open(tmp_path / "child.err", "w+")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=errf, text=True)
     acked = []
     for line in proc.stdout:
         acked.append(line.split()[1])
         if len(acked) == 60:
             break
     proc.send_signal(signal.SIGKILL if how == "sigkill" else signal.SIGTERM)
-    out, err = proc.communicate(timeout=30)
+    out = proc.stdout.read()
+    proc.wait(timeout=30)
+    errf.seek(0)
+    err = errf.read()
+    errf.close()
     acked += [ln.split()[1] for ln in out.splitlines() if ln.startswith("ack")]
     assert len(acked) >= 60, err
     if how == "sigterm-graceful":

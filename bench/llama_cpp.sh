@@ -32,12 +32,18 @@ if [ ! -x build/bin/llama-server ]; then
   # `tilezero`; the 2026-12-02 Xeon: a general-protection fault at `ldtilecfg` in
   # ggml_backend_amx_mul_mat, although a C probe's ldtilecfg + tdpbssd run right there), so the
   # AVX-512 set is named explicitly with AMX left out.
-  # On a machine without AVX-512 set LLAMA_NATIVE=1 (and no AMX trouble).
+  # On a machine without AVX-512 set LLAMA_NATIVE=1 (and no AMX trouble). LLAMA_TIER=avx2
+  # (with LLAMA_DIR=/tmp/llama-cpp-avx2) builds the AVX2 tier on any box.
   # LLAMA_CUDA=1: the CUDA build for the GPU machine (Hopper only: sm_90), built there.
   if [ "${LLAMA_CUDA:-0}" = 1 ]; then
     isa=(-DGGML_NATIVE=ON -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)
   elif [ "${LLAMA_NATIVE:-0}" = 1 ]; then
     isa=(-DGGML_NATIVE=ON)
+  elif [ "${LLAMA_TIER:-}" = avx2 ]; then
+    # the AVX2 tier on any x86 box (issue 32): what llama.cpp runs on an AVX2-only EPYC/Core
+    isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+         -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
+         -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
   else
     isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
          -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON

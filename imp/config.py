@@ -31,6 +31,8 @@ class ServerConfig:
     rate_limit: int = 0  # requests per minute per key (per address without keys); 0 = none
     strict_fields: bool = False  # a body field no one defines is a 400 (else reported and ignored)
     threads: int | None = None
+    # the CPU forward narrows to one thread while a neighbour takes the cores (imp.model.governor)
+    fixed_threads: bool = False
     device: str = "cpu"  # "cpu" or "cuda[:N]": which executor runs the model
     pipeline_depth: int = 0  # steps in flight: 2 plans step N+1 while N runs; 0 = auto (2 on a GPU, 1 on CPU)
     data_parallel: int = 1  # model replicas, one executor each (cuda:K, cuda:K+1, ... from --device)
@@ -120,6 +122,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "(default: ignored, named in the imp-ignored-fields header, logged once, counted)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU forward threads (default: one per physical core)")
+    p.add_argument("--fixed-threads", action="store_true",
+                   help="always use all --threads (default: the CPU forward drops to one thread while another "
+                   "process keeps its threads from the cores, and probes back; see imp/model/governor.py)")
     p.add_argument("--device", default=d.device, help="cpu (default) or cuda:N (GPU executor)")
     p.add_argument("--gpu-activations", choices=("fp32", "int8"), default=d.gpu_activations,
                    help="GPU matmuls of quantized weights at decode: int8 activations (default; dp4a, as "

@@ -174,7 +174,7 @@ def _load_models(cfg: ServerConfig) -> _Models:
                                                int8_act=cfg.gpu_activations == "int8",
                                                batch_invariant=cfg.batch_invariant)
         return lambda: ModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens,
-                                        num_threads=cfg.threads)
+                                        num_threads=cfg.threads, adaptive_threads=not cfg.fixed_threads)
 
     loaders = [loader(device) for device in replica_devices(cfg)]  # data parallel: one model copy each
     runners = [load() for load in loaders]

@@ -164,6 +164,36 @@ async def test_a_custom_grammar_that_cannot_compile_is_a_400_naming_the_tool(mak
     assert not c.engine.submissions
 
 
+async def test_a_grammar_no_call_can_finish_inside_the_output_limit_is_a_400_naming_the_tool(make):
+    """Codex's apply_patch needs '*** Begin Patch' ... '*** End Patch' around a hunk: with room for
+    fewer tokens than its shortest call, every call would be cut unparsable. Refused up front, in
+    both dialects; a limit that fits, or no limit, runs."""
+    from imp.constrain.vocab import from_tokenizer
+    from imp.tools.shortest import fewest_tokens, shortest_input
+
+    c = await make()
+    need = fewest_tokens(from_tokenizer(c.engine.tm.tokenizer),
+                         block("apply_patch", shortest_input(APPLY_PATCH["format"]["definition"])))
+    for mode in ("auto", "required", {"type": "custom", "name": "apply_patch"}):
+        with pytest.raises(openai.BadRequestError) as ei:
+            await c.sdk.responses.create(model="m", input="edit", store=False, tool_choice=mode,
+                                         tools=[APPLY_PATCH], max_output_tokens=need - 1)
+        body = ei.value.body
+        assert "apply_patch" in body["message"] and f"takes {need} tokens" in body["message"], body
+        assert body["param"] == "tools" and body["code"] == "tool_call_exceeds_max_tokens"
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "edit"}], max_tokens=3,
+                                            tools=[{"type": "custom", "custom": {
+                                                "name": "apply_patch", "format": {"type": "grammar", "grammar": {
+                                                    "syntax": "lark",
+                                                    "definition": APPLY_PATCH["format"]["definition"]}}}}])
+    assert "apply_patch" in ei.value.body["message"]
+    assert not c.engine.submissions
+    await c.sdk.responses.create(model="m", input="edit", store=False, tools=[APPLY_PATCH], max_output_tokens=need)
+    await c.sdk.responses.create(model="m", input="edit", store=False, tools=[APPLY_PATCH])
+    assert len(c.engine.submissions) == 2
+
+
 CHAT_TOOLS = [{"type": "custom", "custom": {"name": "greet", "description": "greets",
                                             "format": {"type": "grammar", "grammar": {"syntax": "lark",
                                                                                       "definition": GREET}}}},

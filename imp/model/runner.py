@@ -23,12 +23,14 @@ says why). The fused forward gets numpy tokens, a `paged.RowsPlan` and a
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from imp.messages import SampledToken, SeqWork
 from imp.model.fused import FusedModel, Unsupported
 from imp.formats.gguf_loader import ModelConfig, open_gguf
 from imp.model import paged, team
+from imp.model.governor import Governor, GovernorConfig
 from imp.model.paged import default_num_blocks
 from imp.model.rows import head_rows, host, with_prompt_logprobs
 from imp.sampling.cpu import sample
@@ -69,6 +71,7 @@ class ModelRunner:
         block_size: int,
         kv_dtype="float32",
         num_threads: int | None = None,
+        adaptive_threads: bool = False,
     ):
         self.model = model
         self.config: ModelConfig = model.cfg
@@ -88,6 +91,8 @@ class ModelRunner:
             self.cache = KVCache.allocate(self.config, num_blocks, block_size, dt)
         self._lock = threading.Lock()
         self.num_threads = min(num_threads or team.default_threads(), numba.config.NUMBA_NUM_THREADS)
+        self.governor = Governor(GovernorConfig(self.num_threads, len(os.sched_getaffinity(0))),
+                                 enabled=adaptive_threads and self.fused)
 
     @property
     def step_pool(self):
@@ -95,8 +100,9 @@ class ModelRunner:
         return team.pool()
 
     def _threads(self) -> None:
-        if numba.get_num_threads() != self.num_threads:
-            numba.set_num_threads(self.num_threads)
+        n = self.governor.threads()  # all num_threads, or one while a neighbour has the cores
+        if numba.get_num_threads() != n:
+            numba.set_num_threads(n)
 
     @classmethod
     def load(
@@ -109,15 +115,18 @@ class ModelRunner:
         kv_dtype=None,
         num_threads: int | None = None,
         compile: bool = False,
+        adaptive_threads: bool = False,
     ) -> ModelRunner:
         """Open the file and build the model, on the team's thread: torch ops on large
         tensors here (RoPE tables, dequantized fallbacks) start parallel regions too.
         kv_dtype: "float16" / "float32" (or the torch dtype); None: fp16 for the fused
         forward, fp32 for the torch ones."""
-        return team.run(cls._load, path, num_blocks, block_size, kv_tokens, weights, kv_dtype, num_threads, compile)
+        return team.run(cls._load, path, num_blocks, block_size, kv_tokens, weights, kv_dtype, num_threads, compile,
+                        adaptive_threads)
 
     @classmethod
-    def _load(cls, path, num_blocks, block_size, kv_tokens, weights, kv_dtype, num_threads, compile) -> ModelRunner:
+    def _load(cls, path, num_blocks, block_size, kv_tokens, weights, kv_dtype, num_threads, compile,
+              adaptive_threads=False) -> ModelRunner:
         if Path(path).is_dir():  # HF layout: config.json + *.safetensors, same tensor names as a GGUF
             _need_torch(f"{path} is an HF model folder: its weights load through torch")
             from imp.formats.hf_dir import open_hf_dir
@@ -146,7 +155,7 @@ class ModelRunner:
         if kv_dtype is None:
             kv_dtype = "float16" if isinstance(model, FusedModel) else "float32"
         del g.tensors  # the torch models hold their own copies; the fused one its own view of the map
-        return cls(model, g.metadata, g.fingerprint, num_blocks, block_size, kv_dtype, num_threads)
+        return cls(model, g.metadata, g.fingerprint, num_blocks, block_size, kv_dtype, num_threads, adaptive_threads)
 
     def _prepare(self, seqs: list[SeqWork]):
         assert seqs, "empty step"

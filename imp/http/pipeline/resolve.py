@@ -22,7 +22,8 @@ from imp.messages import Constraint, SamplingParams
 from imp.text.chat_template import TemplateError
 from imp.text.fim import build_infill
 from imp.text.model import TextModel
-from imp.tools.custom import tool_lark
+from imp.tools.custom import block, tool_lark
+from imp.tools.shortest import fewest_tokens, shortest_input
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,13 @@ def sampling_params(req: GenerateRequest, prompt_len: int, card: ModelCard, tm: 
     )
 
 
+def _shortest_call_tokens(tool, tokenizer) -> int | None:
+    """The fewest tokens of the shortest call block the tool's grammar allows (None: no estimate:
+    imp.tools.shortest reads plain Lark and regexes, not llguidance's extensions)."""
+    text = shortest_input(tool_lark(tool))
+    return None if text is None else fewest_tokens(tokenizer, block(tool.name, text))
+
+
 async def compile_constraint(req: GenerateRequest, grammars) -> None:
     """Compile the request's grammar now (off the loop, under the deadline), so a schema or a
     tool set that cannot be enforced is a 400 before anything runs; the executor then finds it
@@ -196,4 +204,10 @@ async def compile_constraint(req: GenerateRequest, grammars) -> None:
         except ConstraintError as exc:
             raise bad(f"custom tool {t.name!r}: its {t.grammar[0]} grammar cannot be enforced: {exc.reason}",
                       "tools", "invalid_tool_grammar") from None
+        if req.max_tokens is not None:
+            need = await asyncio.to_thread(_shortest_call_tokens, t, grammars.tokenizer)
+            if need is not None and need > req.max_tokens:
+                raise bad(f"custom tool {t.name!r}: the shortest call its {t.grammar[0]} grammar allows takes {need} "
+                          f"tokens, more than the {req.max_tokens} this request may generate; a call would be cut "
+                          "before its input parses", "tools", "tool_call_exceeds_max_tokens")
     await compile_checked(grammars, c, field, code=code)

@@ -10,7 +10,7 @@ bench/cpu_serving.py (128 greedy ignore_eos tokens per stream, SmolLM2 unless --
 Goals (issue 32): pair aggregate >= 0.9x alone; hog >= 0.4x alone.
 
     .venv/bin/python bench/cpu_neighbour.py [--model M] [--streams 8] \
-        [--imp-env GOMP_SPINCOUNT=300000] [--llama-server /tmp/llama-cpp/build/bin/llama-server]
+        [--imp-env GOMP_SPINCOUNT=300000] [--variant=--fixed-threads] [--llama-server /tmp/llama-cpp/build/bin/llama-server]
 
 --imp-env K=V (repeatable) sets an environment variable for the imp servers (to compare
 wait policies in one run); --llama-server runs the same three cases on llama-server, same
@@ -74,12 +74,16 @@ def measure(start, streams: int, tokens: int) -> dict[str, float]:
     return out
 
 
+_RUNS = [0]
+
+
 def imp_servers(model: str, threads: int, env: dict, extra: list[str]):
     from tests.serverproc import ServerProcess
 
     def start(n: int):
+        _RUNS[0] += 1
         srvs = [ServerProcess(model, "--threads", str(threads), *extra, env=env,
-                              log_path=Path(f"/tmp/imp-neighbour-{i}.log")) for i in range(n)]
+                              log_path=Path(f"/tmp/imp-neighbour-{_RUNS[0]}-{i}.log")) for i in range(n)]
         for s in srvs:
             s.wait_ready(600)
         return [(s.url, s.stop) for s in srvs]
@@ -108,6 +112,8 @@ def main() -> int:
     ap.add_argument("--imp-env", action="append", default=[], help="K=V for the imp servers (repeat); "
                     "several runs: separate sets with ';' e.g. 'GOMP_SPINCOUNT=300000;'")
     ap.add_argument("--server-args", default="")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="extra imp flags for one more imp row (repeat), e.g. --variant=--fixed-threads")
     ap.add_argument("--llama-server", default=None)
     ns = ap.parse_args()
     sets = [""] if not ns.imp_env else ns.imp_env
@@ -117,6 +123,9 @@ def main() -> int:
         title = "imp" + (f" ({spec})" if spec else "")
         rows.append((title, measure(imp_servers(ns.model, ns.threads, env, ns.server_args.split()),
                                     ns.streams, ns.tokens)))
+    for v in ns.variant:
+        rows.append((f"imp {v}", measure(imp_servers(ns.model, ns.threads, {}, ns.server_args.split() + v.split()),
+                                         ns.streams, ns.tokens)))
     if ns.llama_server:
         rows.append(("llama-server", measure(llama_servers(ns.llama_server, ns.model, ns.threads, ns.streams),
                                              ns.streams, ns.tokens)))

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from imp.config import add_serve_args, config_from_args
+# A CPU named for Numba's codegen (NUMBA_CPU_NAME=haswell: the AVX2 tier on any x86 box) means that
+# CPU's own features; Numba alone pairs the name with this host's features (AVX-512 where the host
+# has it), which is not the tier the name says. Set before anything imports Numba.
+if os.environ.get("NUMBA_CPU_NAME", "host") != "host" and "NUMBA_CPU_FEATURES" not in os.environ:
+    os.environ["NUMBA_CPU_FEATURES"] = ""
+
+from imp.config import add_serve_args, config_from_args  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,11 +47,11 @@ def test_a_neighbour_shrinks_it_and_failed_probes_back_off_to_the_limit():
 
 def test_room_on_the_cores_probes_early_and_a_passed_probe_stays():
     st = decide(CFG, initial(CFG), 0.0, waited=0.35, runnable=3.0)  # beside a one-core hog
-    st = decide(CFG, st, 1.0, waited=0.0, runnable=1.0)  # the hog ended, but too soon after shrinking
+    st = decide(CFG, st, 0.3, waited=0.0, runnable=1.0)  # the hog ended, but too soon after shrinking
     assert st.threads == 1
-    st = decide(CFG, st, 2.1, waited=0.0, runnable=1.0)  # room, and the least gap passed: probe
+    st = decide(CFG, st, 0.6, waited=0.0, runnable=1.0)  # room, and the least gap passed: probe
     assert st.threads == 2 and st.probing
-    st = decide(CFG, st, 2.35, waited=0.05, runnable=2.0)  # passed
+    st = decide(CFG, st, 0.75, waited=0.05, runnable=2.0)  # passed
     assert st.threads == 2 and not st.probing and st.backoff_s == CFG.probe_after_s
 
 

@@ -8,7 +8,11 @@ a block's products land in int32 lanes — where the CPU has VNNI, two
 consecutive blocks share one zmm vpdpbusd (lanes 0..7 one block, 8..15 the
 next, 4 products a lane; unsigned quants x signed activations, and a type
 with signed weights stores q + offset and subtracts offset * sum(x), exactly);
-elsewhere 16 lanes of pairs per block (vpmovsxbw + vpmaddwd; the same generic
+with AVX2 alone the same 4-product lanes from vpmaddubsw + vpmaddwd by ones (signed
+weights as |w| against x carrying w's sign, llama.cpp's AVX2 route: exact, so the AVX2
+tier gives the VNNI tier's bits, tests/test_cpu_tiers.py; SmolLM2 through HTTP on the AVX2
+tier +25 % at 1 stream, +15 % at 8 against the pair route it replaced); elsewhere 16 lanes
+of pairs per block (vpmovsxbw + vpmaddwd; the same generic
 IR lowers to NEON) — are converted, scaled by the block's d_w * xd and added
 lane-wise (one fma); the lanes are reduced once, at the end of the row. The
 weight block is decoded once for all T tokens. Measured on this box (1 thread,
@@ -48,25 +52,47 @@ from numba import types
 from numba.extending import intrinsic
 
 from imp.kernels.cpu.gguf_block_ir import (F32, I8, I32, I64, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, SUBS,
-                                           UNIT_BYTES, V32I, Emit, decode_unit)
+                                           UNIT_BYTES, V32B, V32I, Emit, decode_unit)
 
 V16F, V16I, V8I = ir.VectorType(F32, 16), ir.VectorType(I32, 16), ir.VectorType(I32, 8)
 
 
-def _has_vnni() -> bool:
-    """AVX-512 VNNI (+VL) or AVX-VNNI on the CPU Numba compiles for (the host unless
-    NUMBA_CPU_NAME says otherwise): one vpdpbusd per block instead of two sign
-    extensions and a vpmaddwd (measured below)."""
+# CPUs Numba may be told to compile for (NUMBA_CPU_NAME) with NUMBA_CPU_FEATURES="" (the name's own
+# features): which int8 dot each tier has. Unlisted names: the generic loop.
+_AVX2_CPUS = frozenset(("haswell", "broadwell", "skylake", "skylake-avx512", "cannonlake", "znver1", "znver2",
+                        "znver3", "x86-64-v3", "x86-64-v4"))
+_VNNI_CPUS = frozenset(("cascadelake", "cooperlake", "icelake-client", "icelake-server", "tigerlake", "rocketlake",
+                        "alderlake", "sapphirerapids", "emeraldrapids", "graniterapids", "znver4", "znver5"))
+
+
+def _dot_isa() -> str:
+    """The int8 dot the loops use on the CPU Numba compiles for (the host unless NUMBA_CPU_NAME
+    says otherwise; with a name, NUMBA_CPU_FEATURES as Numba reads it: absent = the host's):
+
+    "vnni"    AVX-512 VNNI (+VL) or AVX-VNNI: one vpdpbusd, 4 products a lane
+    "avx2"    vpmaddubsw + vpmaddwd(1): the same 4-product lanes (exact int32, never saturating:
+              |w| <= 128, |x| <= 127), so the same bits as "vnni"
+    "generic" sign extensions and pair products (16 lanes a block; other bits; NEON too)
+    """
     import llvmlite.binding as ll
     import numba
 
-    if numba.config.CPU_NAME not in (None, "host"):
-        return False
-    f = ll.get_host_cpu_features()
-    return bool(f.get("avxvnni") or (f.get("avx512vnni") and f.get("avx512vl")))
+    name, feats = numba.config.CPU_NAME, numba.config.CPU_FEATURES
+    if feats is None:  # Numba passes the host's features
+        f = ll.get_host_cpu_features()
+        have = {k for k in f if f[k]}
+    elif feats.strip():
+        have = {x[1:] for x in feats.split(",") if x.startswith("+")}
+    else:  # the named CPU's own features
+        return "vnni" if name in _VNNI_CPUS else "avx2" if name in _AVX2_CPUS else "generic"
+    if "avxvnni" in have or {"avx512vnni", "avx512vl"} <= have:
+        return "vnni"
+    return "avx2" if "avx2" in have else "generic"
 
 
-VNNI = _has_vnni()
+DOT = _dot_isa()
+VNNI = DOT == "vnni"
+DP4 = DOT in ("vnni", "avx2")  # the 4-product-lane loops (pairs of 32-blocks in 16 lanes)
 # bytes ahead of a row's read offset. A decode call reads 4 consecutive rows (a few KB) and a thread's
 # rows are consecutive, so the distance must clear the rows in flight: 1,024 (the first value) prefetched
 # inside the same call's rows and left one thread at 16 GB/s on the Gemma head (a pure stream: 42);
@@ -87,19 +113,53 @@ def _pairsum(b, wv, xv):
     return b.add(ev, od)
 
 
+V16S = ir.VectorType(ir.IntType(16), 16)
+
+
+def _maddubs(b, uv, xv):
+    """AVX2: unsigned <32 x i8> . signed <32 x i8> -> <8 x i32>, lane k = products 4k..4k+3, as
+    vpdpbusd sums them (vpmaddubsw pairs into i16, vpmaddwd by ones pairs those)."""
+    f1 = b.module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", fnty=ir.FunctionType(V16S, [V32B, V32B]))
+    f2 = b.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", fnty=ir.FunctionType(V8I, [V16S, V16S]))
+    return b.call(f2, [b.call(f1, [uv, xv]), ir.Constant(V16S, [1] * 16)])
+
+
+def _sdot(b, e, wv, xv):
+    """AVX2: signed <32 x i8> weights . signed activations (|x| <= 127) -> <8 x i32> 4-product
+    lanes: |w| (unsigned, 128 for -128) against x with w's sign (vpabsb, vpsignb), llama.cpp's
+    AVX2 route; exact."""
+    absf = b.module.declare_intrinsic("llvm.abs.v32i8", fnty=ir.FunctionType(V32B, [V32B, ir.IntType(1)]))
+    sgn = b.module.declare_intrinsic("llvm.x86.avx2.psign.b", fnty=ir.FunctionType(V32B, [V32B, V32B]))
+    return _maddubs(b, b.call(absf, [wv, ir.Constant(ir.IntType(1), 0)]), b.call(sgn, [xv, wv]))
+
+
 def _dpbusd(b, uv, xv):
-    """unsigned <32 x i8> . signed <32 x i8> -> <8 x i32>, lane k = sum of 4 products (one vpdpbusd)."""
+    """unsigned <32 x i8> . signed <32 x i8> -> <8 x i32>, lane k = sum of 4 products (one vpdpbusd;
+    AVX2: _maddubs)."""
+    if not VNNI:
+        return _maddubs(b, uv, xv)
     fn = b.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.256", fnty=ir.FunctionType(V8I, [V8I] * 3))
     return b.call(fn, [ir.Constant(V8I, [0] * 8), b.bitcast(uv, V8I), b.bitcast(xv, V8I)])
+
+
+def _halves(b, v64, f):
+    """f over the two <32 x i8> halves of a <64 x i8>, the <8 x i32> results as one <16 x i32>."""
+    lo = b.shuffle_vector(v64[0], v64[0], ir.Constant(V32I, list(range(32))))
+    hi = b.shuffle_vector(v64[0], v64[0], ir.Constant(V32I, list(range(32, 64))))
+    lo2 = b.shuffle_vector(v64[1], v64[1], ir.Constant(V32I, list(range(32))))
+    hi2 = b.shuffle_vector(v64[1], v64[1], ir.Constant(V32I, list(range(32, 64))))
+    return b.shuffle_vector(f(lo, lo2), f(hi, hi2), ir.Constant(V16I, list(range(16))))
 
 
 def _products(b, e, uv, offset: int, lanes, xv):
     """The int32 lane sums of one group for one token: exact, in either instruction set. With
     VNNI and an offset, xv is the token's unsigned x + 128 (UNSIGNED_X)."""
-    if VNNI:
-        if offset:  # signed weights ws = quants - offset against x + 128, less 128 * (sum of the 4 ws)
+    if DP4:
+        if offset and VNNI:  # signed weights ws = quants - offset against x + 128, less 128 * (sum of the 4 ws)
             ws = b.sub(uv, e.c(32, offset))
             p = b.sub(_dpbusd(b, xv, ws), _dpbusd(b, e.c(32, 128), ws))
+        elif offset:  # AVX2: signed weights against signed x
+            p = _sdot(b, e, b.sub(uv, e.c(32, offset)), xv)
         else:
             p = _dpbusd(b, uv, xv)
         if lanes is not None:  # lanes 0..3 hold elements 0..15, 4..7 the rest
@@ -120,7 +180,11 @@ def _prefetch(b, e, o):
 
 
 def _dpbusd512(b, uv, xv, acc=None):
-    """acc + unsigned <64 x i8> . signed <64 x i8> -> <16 x i32> (one zmm vpdpbusd; acc 0 if None)."""
+    """acc + unsigned <64 x i8> . signed <64 x i8> -> <16 x i32> (one zmm vpdpbusd; acc 0 if None;
+    AVX2: two _maddubs)."""
+    if not VNNI:
+        p = _halves(b, (uv, xv), lambda u, x: _maddubs(b, u, x))
+        return p if acc is None else b.add(acc, p)
     fn = b.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", fnty=ir.FunctionType(V16I, [V16I] * 3))
     return b.call(fn, [acc if acc is not None else ir.Constant(V16I, [0] * 16), b.bitcast(uv, V16I), b.bitcast(xv, V16I)])
 
@@ -167,10 +231,13 @@ def _pair_prep(b, e, ga, gb):
     into the float lane scales (d * sc, exact in fp32) instead of an int32 multiply a token."""
     (ua, off, sa, _, la), (ub, _, sb, _, lb) = ga, gb
     uv = b.shuffle_vector(ua, ub, ir.Constant(ir.VectorType(I32, 64), list(range(64))))
-    start = None
+    start, signed = None, False
     if off:
         uv = b.sub(uv, e.c(64, off))  # signed weights (wrapping i8: Q8_0's are its own bytes)
-        start = b.sub(ir.Constant(V16I, [0] * 16), _dpbusd512(b, e.c(64, 128), uv))
+        if VNNI:
+            start = b.sub(ir.Constant(V16I, [0] * 16), _dpbusd512(b, e.c(64, 128), uv))
+        else:  # AVX2: the activations stay signed (no x + 128: vpmaddubsw would saturate)
+            signed = True
     if la is not None:  # Q6_K: 16-element scales, 4 lanes each, times d
         parts = [e.splat(b.fmul(sa, b.sitofp(v, F32)), 4) for v in (la[0], la[1])]
         parts += [e.splat(b.fmul(sb, b.sitofp(v, F32)), 4) for v in (lb[0], lb[1])]
@@ -179,16 +246,18 @@ def _pair_prep(b, e, ga, gb):
         ws = b.shuffle_vector(lo, hi, ir.Constant(V16I, list(range(16))))
     else:
         ws = b.shuffle_vector(e.splat(sa, 8), e.splat(sb, 8), ir.Constant(V16I, list(range(16))))
-    return uv, start, ws
+    return uv, start, ws, signed
 
 
 def _pair_step(b, e, tok: _Tok, prep, blk, acc, fma):
     """Two consecutive 32-blocks (blk, blk + 1) for one token in one zmm vpdpbusd (see
     _pair_prep). Returns the new acc (the mins are _mins_step's)."""
-    uv, start, ws = prep
+    uv, start, ws, signed = prep
     xv = tok.x(blk, 64)
     if start is not None:  # unsigned activations (x + 128, as stored: UNSIGNED_X) . signed weights
         p = _dpbusd512(b, xv, uv, start)
+    elif signed:  # AVX2: signed weights . signed activations
+        p = _halves(b, (uv, xv), lambda w, x: _sdot(b, e, w, x))
     else:  # unsigned weights . signed activations
         p = _dpbusd512(b, uv, xv)
     # the token's two block scales, [xd_blk x 8 | xd_blk+1 x 8]: one 8-byte load and a permute
@@ -201,7 +270,7 @@ def _single_step(b, e, tok: _Tok, g, blk, acc, fma):
     """One 32-block for one token, into 16 float lanes (vpmaddwd; or vpdpbusd into lanes 0..7)."""
     uv, off, sc, mn, lanes = g
     xv = tok.x(blk, 32)
-    if VNNI:
+    if DP4:
         p8 = _products(b, e, uv, off, lanes, xv)  # <8 x i32>
         p = b.shuffle_vector(p8, ir.Constant(V8I, [0] * 8), ir.Constant(V16I, list(range(16))))
         s8 = e.splat(b.fmul(sc, tok.xd(blk)), 8)
@@ -234,7 +303,7 @@ def _codegen(qtype: int, T: int, R: int = 1):
     ubytes = UNIT_BYTES[qtype]
     # With VNNI two consecutive blocks share one zmm vpdpbusd: a loop step covers a pair of
     # 32-type blocks (an odd last block runs after the loop) or a whole K-type super-block.
-    pair32 = VNNI and subs == 1
+    pair32 = DP4 and subs == 1
     has_min = qtype in (Q4_1, Q5_1, Q4_K, Q5_K)
     MW = subs * (2 if pair32 else 1)  # blocks a loop step covers: the lanes of the mins' sum
     MV = ir.VectorType(F32, MW)
@@ -280,7 +349,7 @@ def _codegen(qtype: int, T: int, R: int = 1):
             else:
                 groups = decode_unit(e, qtype, o)
             _prefetch(b, e, o)
-            if VNNI:
+            if DP4:
                 for j in range(0, len(groups), 2):
                     blk = b.add(first, ir.Constant(I64, j))
                     prep = _pair_prep(b, e, groups[j], groups[j + 1])

@@ -1,0 +1,81 @@
+"""Every x86 tier's CPU kernels (issue 32): the AVX2 tier (vpmaddubsw + vpmaddwd) is checked
+against the float64 references on its own codegen, and gives the same bits as the VNNI tier
+(both sum 4 products a lane, exactly): a model answers the same on an AVX2-only EPYC as on an
+AVX-512 Xeon. Any x86 box with AVX2 can compile for the AVX2 tier (NUMBA_CPU_NAME=haswell with
+NUMBA_CPU_FEATURES="": that CPU's own features, no AVX-512), so both run here in subprocesses.
+
+Marked slow: each tier compiles every kernel cold (~40 s a tier on 2 cores)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from tests.serverproc import ROOT
+
+pytestmark = pytest.mark.slow
+
+TIERS = {"host": {}, "avx2": {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": ""}}
+
+_CHILD = textwrap.dedent("""
+    import sys, numpy as np
+    sys.path.insert(0, {root!r})
+    from gguf import GGMLQuantizationType as T
+    from imp.kernels.cpu import gemm_int8_act as qd, row_dot_loop
+    from tests.test_cpu_kernels import TYPES, random_matrix
+    out = {{"dot": np.array(row_dot_loop.DOT)}}
+    for qt in TYPES:
+        rng = np.random.default_rng(int(qt))
+        w = random_matrix(qt, 37, 768, rng)
+        x = (rng.standard_normal((19, 768)) * 2).astype(np.float32)
+        out[qt.name] = qd.gemm(w, int(qt), x, amx=False)   # tiles of 16 + 2 + 1 rows
+        out[qt.name + "_1"] = qd.gemm(w, int(qt), x[3:4], amx=False)
+    np.savez({path!r}, **out)
+""")
+
+
+def _has_avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx2" in f.read()
+    except OSError:
+        return False
+
+
+def _run(tier: str, tmp_path) -> dict:
+    path = tmp_path / f"{tier}.npz"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU")}
+    env.update(TIERS[tier])
+    r = subprocess.run([sys.executable, "-c", _CHILD.format(root=str(ROOT), path=str(path))], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return dict(np.load(path))
+
+
+@pytest.mark.skipif(not _has_avx2(), reason="the AVX2 tier needs an x86 CPU with AVX2")
+def test_avx2_tier_gives_the_vnni_tiers_bits(tmp_path):
+    host, avx2 = _run("host", tmp_path), _run("avx2", tmp_path)
+    assert str(avx2.pop("dot")) == "avx2"
+    host_dot = str(host.pop("dot"))
+    for name, got in avx2.items():
+        if host_dot in ("vnni", "avx2"):  # the same 4-product lanes: the same bits
+            np.testing.assert_array_equal(got, host[name], err_msg=name)
+        else:
+            np.testing.assert_allclose(got, host[name], rtol=1e-5, atol=1e-5, err_msg=name)
+        if not name.endswith("_1"):  # and batch invariant on the tier itself
+            np.testing.assert_array_equal(avx2[name + "_1"][0], got[3], err_msg=name)
+
+
+@pytest.mark.skipif(not _has_avx2(), reason="the AVX2 tier needs an x86 CPU with AVX2")
+def test_avx2_tier_passes_the_kernel_references():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU")}
+    env.update(TIERS["avx2"])
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cpu_kernels.py"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert " passed" in r.stdout

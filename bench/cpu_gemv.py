@@ -25,6 +25,7 @@ def main() -> None:
     from numba import njit
 
     from imp.kernels.cpu import gemm_int8_act as qd
+    from imp.kernels.cpu.kinds import Kinds
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -36,7 +37,7 @@ def main() -> None:
     @njit(nogil=True)
     def loop(n, blob, off, qt, rb, R, K, xq, xu, xd, xs, out):
         for _ in range(n):
-            qd.gemm_into(blob, off, qt, rb, R, K, xq, xu, xd, xs, out, 0)
+            qd.gemm_into(blob, off, Kinds((qt,)), qt, rb, R, K, xq, xu, xd, xs, out, 0)
 
     names = a.tensors.split(",")
     blob = np.memmap(a.model, dtype=np.uint8, mode="r")

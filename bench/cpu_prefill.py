@@ -61,6 +61,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
+    from imp.fetch import resolve_model
+
+    a.model = str(resolve_model(a.model))  # a name (smollm2-135m) or a path
     ours = imp_prefill(a.model, a.tokens, a.threads, a.reps)
     peer = llama_bench(a.llama_bench, a.model, a.tokens, a.threads, a.reps) if a.llama_bench else None
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}  {Path(a.model).name}  threads {a.threads}\n")

@@ -22,6 +22,7 @@ def main() -> None:
     from numba import njit, prange
 
     from imp.kernels.cpu import gemm_int8_act as qd
+    from imp.kernels.cpu.kinds import Kinds
     from imp.kernels.cpu import row_dot_loop
 
     ap = argparse.ArgumentParser()
@@ -39,7 +40,7 @@ def main() -> None:
     @njit(nogil=True)
     def gemv(n, blob, rb, R, K, xq, xu, xd, xs, out):
         for _ in range(n):
-            qd.gemm_into(blob, 0, qd.Q8_0, rb, R, K, xq, xu, xd, xs, out, 0)
+            qd.gemm_into(blob, 0, Kinds((qd.Q8_0,)), qd.Q8_0, rb, R, K, xq, xu, xd, xs, out, 0)
 
     K, rng = a.cols, np.random.default_rng(0)
     rb = qd.row_bytes(qd.Q8_0, K)

@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
@@ -53,10 +54,12 @@ def _no_compiles():
 
 
 def boot_warm(steps: Callable[[], T], cfg, progress: Callable[[str], None], enabled: bool = True,
-              part: str = "engine") -> T:
+              part: str = "engine", status_at: tuple[str, int] | None = None) -> T:
     """steps() with its kernels loaded from Numba's disk cache, compiling them first in a
     child process (`_precompile PART`, given cfg) when the cache lacks any. part: "engine" (the
-    model, its text side, the embedder) or "text" (an API server's: text side and embedder)."""
+    model, its text side, the embedder) or "text" (an API server's: text side and embedder).
+    status_at: (host, port) to answer 503 "compiling" with progress on while it compiles
+    (imp.bootstatus; the process that will serve HTTP on that port)."""
     if not enabled:
         return steps()
     try:
@@ -67,17 +70,36 @@ def boot_warm(steps: Callable[[], T], cfg, progress: Callable[[str], None], enab
                  "(once; this process then loads them and keeps none of the compiler's memory)")
     import msgspec
 
-    with compile_lock(progress):
-        try:  # another boot sharing this cache may have compiled them while we waited
-            with _no_compiles():
-                return steps()
-        except ColdCache:
-            pass
-        child = subprocess.run([sys.executable, "-m", "imp", "_precompile", part], input=msgspec.json.encode(cfg),
-                               preexec_fn=die_with(os.getpid()))
-        if child.returncode != 0:
-            progress(f"the compile child exited {child.returncode}: compiling in this process instead")
-        return steps()
+    from imp import bootstatus
+
+    status = bootstatus.BootStatus()
+    stop = bootstatus.serve_status(*status_at, status) if status_at else None
+    if stop is not None:
+        progress(f"answering 503 'compiling' with progress on http://{status_at[0]}:{status_at[1]}/health meanwhile")
+    try:
+        with compile_lock(progress):
+            try:  # another boot sharing this cache may have compiled them while we waited
+                with _no_compiles():
+                    return steps()
+            except ColdCache:
+                pass
+            rfd, wfd = os.pipe()
+            reader = bootstatus.read_progress(rfd, status)
+            try:
+                child = subprocess.run([sys.executable, "-m", "imp", "_precompile", part],
+                                       input=msgspec.json.encode(cfg), preexec_fn=die_with(os.getpid()),
+                                       pass_fds=(wfd,), env={**os.environ, "IMP_PROGRESS_FD": str(wfd)})
+            finally:
+                os.close(wfd)
+            reader.join(5)
+            if child.returncode != 0:
+                progress(f"the compile child exited {child.returncode}: compiling in this process instead")
+            else:
+                progress(f"compiled {status.kernels} kernels in {time.monotonic() - status.started:.0f} s")
+            return steps()
+    finally:
+        if stop is not None:
+            stop()
 
 
 @contextlib.contextmanager

@@ -218,14 +218,19 @@ def precompile_main(argv: list[str]) -> int:
     steps (the same calls the server makes) so that everything they compile lands in the cache."""
     import msgspec
 
+    if os.environ.get("IMP_PROGRESS_FD"):  # the parent shows each finished kernel on its port (imp.bootstatus)
+        from imp.bootstatus import child_reporter
+
+        child_reporter(int(os.environ["IMP_PROGRESS_FD"]))
     compile_steps(msgspec.json.decode(sys.stdin.buffer.read(), type=ServerConfig), text_only=argv[:1] == ["text"])
     return 0
 
 
-def load_engine(cfg: ServerConfig, store=None, embedder: bool = False):
+def load_engine(cfg: ServerConfig, store=None, embedder: bool = False, status_port: bool = False):
     """Everything that reads the disk or the environment happens here, once. The engine sends
     token ids; the port's stream makes the text where it is sent (imp.engine.render). embedder: also load
-    the --embedding-model encoder (one process serving both) and return it third."""
+    the --embedding-model encoder (one process serving both) and return it third. status_port: this
+    process will serve HTTP on cfg.port, so a cold compile answers 503 'compiling' there meanwhile."""
     from imp.formats.lora import LoraFiles
     from imp.model.lora import LoraTable
 
@@ -233,7 +238,7 @@ def load_engine(cfg: ServerConfig, store=None, embedder: bool = False):
         return _load_models(cfg), (load_embedder(cfg) if embedder else None)
 
     (path, loaders, runners, tokenizer, name, text, boot_rate, grammars), enc = boot_warm(
-        steps, cfg, _progress, enabled=cpu_boot(cfg))
+        steps, cfg, _progress, enabled=cpu_boot(cfg), status_at=(cfg.host, cfg.port) if status_port else None)
 
     otlp = OtlpConfig.resolve(cfg.otlp_endpoint, cfg.log_requests, os.environ)  # the environment, read once
     faults = FaultPlan.parse(os.environ.get("IMP_FAULT_INJECT"))
@@ -311,7 +316,7 @@ def serve(cfg: ServerConfig) -> None:
     except (StoreOpenError, ValueError) as exc:
         _progress(f"cannot start: {exc}")
         sys.exit(2)
-    engine, text, embedder = load_engine(cfg, store, embedder=True)
+    engine, text, embedder = load_engine(cfg, store, embedder=True, status_port=True)
     try:
         import uvloop
 

@@ -31,6 +31,7 @@ from imp.formats.gguf_loader import ModelConfig
 from imp.formats.quants import dequantize
 from imp.kernels.cpu import fused_forward as cf
 from imp.kernels.cpu import gemm_int8_act as qd
+from imp.kernels.cpu.kinds import Kinds
 from imp.model.paged import LOCAL_THETA, RopeTables, sliding_layers
 
 MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -94,6 +95,8 @@ class FusedModel:
         if int(info.qtype) not in qd.SUPPORTED:
             raise Unsupported(f"{head}: {info.qtype.name}")
         self.head = (t.raw(head), int(info.qtype))  # [vocab, row_bytes] view of the map
+        # the layers' and the head's GGML types: only their loops compile (imp.kernels.cpu.kinds)
+        self.kinds = Kinds([*(int(q) for q in np.unique(self.mats[:, :, 3])), self.head[1]])
         P = cfg.context_length
         self.embed_scale = 1.0
         self.final_softcap = 0.0
@@ -157,7 +160,7 @@ class FusedModel:
             cos_g, sin_g, cos_l, sin_l, kc, vc, cache.num_blocks, cache.block_size,
             cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.window, self.neox, self.act,
             np.float32(cfg.rms_eps), np.float32(self.scale),
-            *(lora if lora is not None else (*self._no_lora, np.full(x.shape[0], -1, np.int64))),
+            *(lora if lora is not None else (*self._no_lora, np.full(x.shape[0], -1, np.int64))), self.kinds,
         )
         rows = np.asarray(plan.last_rows, dtype=np.int64)
         if rows.size == 0:
@@ -165,7 +168,7 @@ class FusedModel:
         h = np.empty((rows.size, cfg.d_model), np.float32)
         cf._rms_norm_rows(np.ascontiguousarray(x[rows]), self.out_norm, 0, np.float32(cfg.rms_eps), h)
         w, qt = self.head
-        logits = qd.gemm(w, qt, h)  # [B, vocab]
+        logits = qd.gemm(w, qt, h, kinds=self.kinds)  # [B, vocab]
         if self.final_softcap:
             cap = np.float32(self.final_softcap)
             logits = np.tanh(logits / cap) * cap

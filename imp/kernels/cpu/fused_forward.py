@@ -134,7 +134,7 @@ def _qkv_post_par(qkv, fv, fo, l, H, Hkv, D, eps, c, s, pos, neox, kc, vc, nbloc
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _gemm_multi(blob, mats, l, m0, m1, xq, xu, xd, xs, out):
+def _gemm_multi(blob, kinds, mats, l, m0, m1, xq, xu, xd, xs, out):
     """out[n, :] = concatenation over matrices m0..m1-1 of layer l of W_m x[n] (one prange over
     blocks of RB rows, a block never straddling two matrices); x as _quantize gives it, each
     matrix reading the bytes its type takes (gemm_int8_act.acts_for)."""
@@ -151,7 +151,7 @@ def _gemm_multi(blob, mats, l, m0, m1, xq, xu, xd, xs, out):
             col += mats[l, m, 1]
             m += 1
         r0 = b * RB
-        block_dots(blob, mats[l, m, 3], mats[l, m, 0] + r0 * mats[l, m, 2], mats[l, m, 2],
+        block_dots(blob, kinds, mats[l, m, 3], mats[l, m, 0] + r0 * mats[l, m, 2], mats[l, m, 2],
                    min(RB, mats[l, m, 1] - r0), nb, N, acts_for(mats[l, m, 3], xqf, xuf), xdf, xsf, out, col + r0)
 
 
@@ -270,10 +270,11 @@ def _act_rows(gu, a, dff, act):
 @njit(cache=True, nogil=True)
 def forward_layers(blob, mats, fv, fo, sliding, x, pos, slots, tables, row_tab,
                    cos_g, sin_g, cos_l, sin_l, kc, vc, nblocks, bs,
-                   H, Hkv, D, window, neox, act, eps, scale, lo, la, lb, lscale, row_slot):
+                   H, Hkv, D, window, neox, act, eps, scale, lo, la, lb, lscale, row_slot, kinds):
     """Run every layer over the step's rows (see the module docstring); x [N, d] in place.
     lo, la, lb, lscale, row_slot: the LoRA adapters (imp.model.lora) and each row's slot
-    (-1 = none; lo with 0 slots when no adapter is loaded)."""
+    (-1 = none; lo with 0 slots when no adapter is loaded). kinds: the GGML types of mats
+    (imp.kernels.cpu.kinds: only their loops are compiled)."""
     lora = lo.shape[0] > 0
     N, d = x.shape
     L = mats.shape[0]
@@ -285,12 +286,15 @@ def forward_layers(blob, mats, fv, fo, sliding, x, pos, slots, tables, row_tab,
     dff = mats[0, 4, 1]
     gu = np.empty((N, 2 * dff), np.float32)
     a = np.empty((N, dff), np.float32)
+    # the matrix ranges as int64 values, not literals: a literal argument makes Numba compile
+    # _gemm_multi (and _lora_add) once per call site, 4 x ~14 s of a cold boot's ~100 s
+    m_qkv, m_o, m_gu, m_down, m_end = np.int64(0), np.int64(3), np.int64(4), np.int64(6), np.int64(7)
     for l in range(L):
         _norm_rows(x, fv, fo[l, NORM], eps, h)
         xq, xu, xd, xs = _quantize(h)
-        _gemm_multi(blob, mats, l, 0, 3, xq, xu, xd, xs, qkv)
+        _gemm_multi(blob, kinds, mats, l, m_qkv, m_o, xq, xu, xd, xs, qkv)
         if lora:
-            _lora_add(h, qkv, mats, l, 0, 3, lo, la, lb, lscale, row_slot)
+            _lora_add(h, qkv, mats, l, m_qkv, m_o, lo, la, lb, lscale, row_slot)
         c, s = (cos_l, sin_l) if sliding[l] else (cos_g, sin_g)
         if N >= PAR_ROWS:
             _qkv_post_par(qkv, fv, fo, l, H, Hkv, D, eps, c, s, pos, neox, kc, vc, nblocks, bs, slots)
@@ -300,18 +304,18 @@ def forward_layers(blob, mats, fv, fo, sliding, x, pos, slots, tables, row_tab,
         attention(qkv, H, Hkv, D, l, kc, vc, nblocks, bs, pos, tables, row_tab,
                    window if sliding[l] else 0, scale, attn)
         xq, xu, xd, xs = _quantize(attn)
-        _gemm_multi(blob, mats, l, 3, 4, xq, xu, xd, xs, y)
+        _gemm_multi(blob, kinds, mats, l, m_o, m_gu, xq, xu, xd, xs, y)
         if lora:
-            _lora_add(attn, y, mats, l, 3, 4, lo, la, lb, lscale, row_slot)
-        _post_norm_add(x, y, fv, fo, l, POST_ATTN, eps)
+            _lora_add(attn, y, mats, l, m_o, m_gu, lo, la, lb, lscale, row_slot)
+        _post_norm_add(x, y, fv, fo, l, np.int64(POST_ATTN), eps)
         _norm_rows(x, fv, fo[l, FFN_NORM], eps, h)
         xq, xu, xd, xs = _quantize(h)
-        _gemm_multi(blob, mats, l, 4, 6, xq, xu, xd, xs, gu)
+        _gemm_multi(blob, kinds, mats, l, m_gu, m_down, xq, xu, xd, xs, gu)
         if lora:
-            _lora_add(h, gu, mats, l, 4, 6, lo, la, lb, lscale, row_slot)
+            _lora_add(h, gu, mats, l, m_gu, m_down, lo, la, lb, lscale, row_slot)
         _act_rows(gu, a, dff, act)
         xq, xu, xd, xs = _quantize(a)
-        _gemm_multi(blob, mats, l, 6, 7, xq, xu, xd, xs, y)
+        _gemm_multi(blob, kinds, mats, l, m_down, m_end, xq, xu, xd, xs, y)
         if lora:
-            _lora_add(a, y, mats, l, 6, 7, lo, la, lb, lscale, row_slot)
-        _post_norm_add(x, y, fv, fo, l, POST_FFN, eps)
+            _lora_add(a, y, mats, l, m_down, m_end, lo, la, lb, lscale, row_slot)
+        _post_norm_add(x, y, fv, fo, l, np.int64(POST_FFN), eps)

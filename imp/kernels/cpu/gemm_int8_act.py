@@ -36,6 +36,7 @@ import numpy as np
 from numba import njit, prange
 
 from imp.kernels.cpu import gemm_q8_0_amx
+from imp.kernels.cpu.kinds import Kinds, picker
 from imp.kernels.cpu.row_dot_loop import UNSIGNED_X, rowdot, rowsdot
 
 QK = 32  # activation block
@@ -112,151 +113,98 @@ TILE, MID_TILE, HALF_TILE = 16, 8, 4  # tokens per weight decode: tiles of 16, t
 # and 8 had given ~1.3x the rate of 4: the decode of a Q5_0 / K-quant block pair costs as
 # much as several tokens' dots; the smaller tiles keep small decode batches tiled)
 _RD = {(qt, t): rowdot(qt, t) for qt in BLOCKS for t in (1, HALF_TILE, MID_TILE, TILE)}
-_q4_0_1, _q4_0_4, _q4_0_8, _q4_0_16 = (_RD[Q4_0, t] for t in (1, 4, 8, 16))
-_q4_1_1, _q4_1_4, _q4_1_8, _q4_1_16 = (_RD[Q4_1, t] for t in (1, 4, 8, 16))
-_q5_0_1, _q5_0_4, _q5_0_8, _q5_0_16 = (_RD[Q5_0, t] for t in (1, 4, 8, 16))
-_q5_1_1, _q5_1_4, _q5_1_8, _q5_1_16 = (_RD[Q5_1, t] for t in (1, 4, 8, 16))
-_q8_0_1, _q8_0_4, _q8_0_8, _q8_0_16 = (_RD[Q8_0, t] for t in (1, 4, 8, 16))
-_q4_k_1, _q4_k_4, _q4_k_8, _q4_k_16 = (_RD[Q4_K, t] for t in (1, 4, 8, 16))
-_q5_k_1, _q5_k_4, _q5_k_8, _q5_k_16 = (_RD[Q5_K, t] for t in (1, 4, 8, 16))
-_q6_k_1, _q6_k_4, _q6_k_8, _q6_k_16 = (_RD[Q6_K, t] for t in (1, 4, 8, 16))
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _row_dot_t(w, qtype, base, nb, xq, xo, xstride, xd, xs, xb, xbstride,
-               q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k):
-    """Row . T tokens through the type's intrinsic for one T (passed in: a tile size is one set of
-    constants, inlined); nb = 32-blocks per row, the K-quants count 256-element super-blocks."""
-    if qtype == 3:
-        return q4_1(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 8:
-        return q8_0(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 12:
-        return q4_k(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 14:
-        return q6_k(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 6:
-        return q5_0(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 2:
-        return q4_0(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 7:
-        return q5_1(w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    return q5_k(w, base, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
+_ROW_ARGS = ("w", "base", "nb", "xq", "xo", "xstride", "xd", "xs", "xb", "xbstride")
+_SUPER = {Q4_K: 8, Q5_K: 8, Q6_K: 8}  # the K-quants' loops count 256-element super-blocks
+# Row . T tokens through the type's intrinsic for one T, only the model's types compiled (kinds.py)
+_pick1, _pick4, _pick8, _pick16 = (
+    picker(f"pick_row{t}", {qt: _RD[qt, t] for qt in BLOCKS}, _ROW_ARGS, "nb", _SUPER, t) for t in (1, 4, 8, 16))
 
 
 @njit(cache=True, nogil=True)
-def row_dot16(w, qtype, base, nb, xq, xo, xstride, xd, xs, xb, xbstride):
+def row_dot16(w, kinds, qtype, base, nb, xq, xo, xstride, xd, xs, xb, xbstride):
     """Row . 16 tokens (token t at xo + t*xstride); nb = 32-blocks per row."""
-    return _row_dot_t(w, qtype, base, nb, xq, xo, xstride, xd, xs, xb, xbstride,
-                      _q4_0_16, _q4_1_16, _q5_0_16, _q5_1_16, _q8_0_16, _q4_k_16, _q5_k_16, _q6_k_16)
+    return _pick16(kinds, qtype, w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
 
 
 @njit(cache=True, nogil=True)
-def row_dot8(w, qtype, base, nb, xq, xo, xstride, xd, xs, xb, xbstride):
+def row_dot8(w, kinds, qtype, base, nb, xq, xo, xstride, xd, xs, xb, xbstride):
     """Row . 8 tokens (token t at xo + t*xstride); nb = 32-blocks per row."""
-    return _row_dot_t(w, qtype, base, nb, xq, xo, xstride, xd, xs, xb, xbstride,
-                      _q4_0_8, _q4_1_8, _q5_0_8, _q5_1_8, _q8_0_8, _q4_k_8, _q5_k_8, _q6_k_8)
+    return _pick8(kinds, qtype, w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
 
 
 @njit(cache=True, nogil=True)
-def row_dot4(w, qtype, base, nb, xq, xo, xstride, xd, xs, xb, xbstride):
+def row_dot4(w, kinds, qtype, base, nb, xq, xo, xstride, xd, xs, xb, xbstride):
     """Row . 4 tokens (token t at xo + t*xstride); nb = 32-blocks per row."""
-    return _row_dot_t(w, qtype, base, nb, xq, xo, xstride, xd, xs, xb, xbstride,
-                      _q4_0_4, _q4_1_4, _q5_0_4, _q5_1_4, _q8_0_4, _q4_k_4, _q5_k_4, _q6_k_4)
+    return _pick4(kinds, qtype, w, base, nb, xq, xo, xstride, xd, xs, xb, xbstride)
 
 
 @njit(cache=True, nogil=True)
-def row_dot(w, qtype, base, nb, xq, xo, xd, xs, xb):
+def row_dot(w, kinds, qtype, base, nb, xq, xo, xd, xs, xb):
     """Row . one token: the same per-token arithmetic as row_dot16 / 8 / 4."""
-    return _row_dot_t(w, qtype, base, nb, xq, xo, 0, xd, xs, xb, 0,
-                      _q4_0_1, _q4_1_1, _q5_0_1, _q5_1_1, _q8_0_1, _q4_k_1, _q5_k_1, _q6_k_1)[0]
+    return _pick1(kinds, qtype, w, base, nb, xq, xo, 0, xd, xs, xb, 0)[0]
 
 
 ROWS = 4  # weight rows one decode call covers (rows_dot4)
 _RS = {(qt, t): rowsdot(qt, ROWS, t) for qt in BLOCKS for t in (1, 2, 3, 4)}
-_q4_0_r, _q4_1_r, _q5_0_r, _q5_1_r, _q8_0_r, _q4_k_r, _q5_k_r, _q6_k_r = (
-    _RS[qt, 1] for qt in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))
-_q4_0_r2, _q4_1_r2, _q5_0_r2, _q5_1_r2, _q8_0_r2, _q4_k_r2, _q5_k_r2, _q6_k_r2 = (
-    _RS[qt, 2] for qt in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))
-_q4_0_r3, _q4_1_r3, _q5_0_r3, _q5_1_r3, _q8_0_r3, _q4_k_r3, _q5_k_r3, _q6_k_r3 = (
-    _RS[qt, 3] for qt in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))
-_q4_0_r4, _q4_1_r4, _q5_0_r4, _q5_1_r4, _q8_0_r4, _q4_k_r4, _q5_k_r4, _q6_k_r4 = (
-    _RS[qt, 4] for qt in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _rows_dot_t(w, qtype, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride,
-                q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k):
-    if qtype == 3:
-        return q4_1(w, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 8:
-        return q8_0(w, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 12:
-        return q4_k(w, base, rbytes, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 14:
-        return q6_k(w, base, rbytes, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 6:
-        return q5_0(w, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 2:
-        return q4_0(w, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    if qtype == 7:
-        return q5_1(w, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride)
-    return q5_k(w, base, rbytes, nb // 8, xq, xo, xstride, xd, xs, xb, xbstride)
+_ROWS_ARGS = ("w", "base", "rbytes", "nb", "xq", "xo", "xstride", "xd", "xs", "xb", "xbstride")
+_picks1, _picks2, _picks3, _picks4 = (
+    picker(f"pick_rows{t}", {qt: _RS[qt, t] for qt in BLOCKS}, _ROWS_ARGS, "nb", _SUPER, ROWS * t)
+    for t in (1, 2, 3, 4))
 
 
 @njit(cache=True, nogil=True)
-def rows_dot4(w, qtype, base, rbytes, nb, xq, xo, xd, xs, xb):
+def rows_dot4(w, kinds, qtype, base, rbytes, nb, xq, xo, xd, xs, xb):
     """ROWS consecutive rows (row i at base + i * rbytes) . one token: each output the bits
     row_dot gives it, the rows sharing the token's loads and one loop (decode's short rows
     were mostly per-row overhead; measured in PERFORMANCE.md)."""
-    return _rows_dot_t(w, qtype, base, rbytes, nb, xq, xo, 0, xd, xs, xb, 0,
-                       _q4_0_r, _q4_1_r, _q5_0_r, _q5_1_r, _q8_0_r, _q4_k_r, _q5_k_r, _q6_k_r)
+    return _picks1(kinds, qtype, w, base, rbytes, nb, xq, xo, 0, xd, xs, xb, 0)
 
 
 @njit(cache=True, nogil=True)
-def rows_dot4x2(w, qtype, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride):
+def rows_dot4x2(w, kinds, qtype, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride):
     """ROWS rows . 2 consecutive tokens, (row i, token t) at i * 2 + t: the bits rows_dot4 gives
     each token, the matrix read once for both."""
-    return _rows_dot_t(w, qtype, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride,
-                       _q4_0_r2, _q4_1_r2, _q5_0_r2, _q5_1_r2, _q8_0_r2, _q4_k_r2, _q5_k_r2, _q6_k_r2)
+    return _picks2(kinds, qtype, w, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride)
 
 
 @njit(cache=True, nogil=True)
-def rows_dot4x4(w, qtype, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride):
+def rows_dot4x4(w, kinds, qtype, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride):
     """ROWS rows . 4 consecutive tokens, (row i, token t) at i * 4 + t (see rows_dot4x2)."""
-    return _rows_dot_t(w, qtype, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride,
-                       _q4_0_r4, _q4_1_r4, _q5_0_r4, _q5_1_r4, _q8_0_r4, _q4_k_r4, _q5_k_r4, _q6_k_r4)
+    return _picks4(kinds, qtype, w, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride)
 
 
 @njit(cache=True, nogil=True)
-def rows_dot4x3(w, qtype, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride):
+def rows_dot4x3(w, kinds, qtype, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride):
     """ROWS rows . 3 consecutive tokens, (row i, token t) at i * 3 + t (see rows_dot4x2)."""
-    return _rows_dot_t(w, qtype, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride,
-                       _q4_0_r3, _q4_1_r3, _q5_0_r3, _q5_1_r3, _q8_0_r3, _q4_k_r3, _q5_k_r3, _q6_k_r3)
+    return _picks3(kinds, qtype, w, base, rbytes, nb, xq, xo, xstride, xd, xs, xb, xbstride)
 
 
 @njit(cache=True, nogil=True)
-def row_dots(w, qtype, base, nb, N, xq, xd, xs, out, r, n0=0):
+def row_dots(w, kinds, qtype, base, nb, N, xq, xd, xs, out, r, n0=0):
     """out[n, r] = row . token n for tokens n0..N-1 (xq/xd/xs flat): tiles of TILE, then one by one."""
     K = nb * QK
     n = n0
     while n + TILE <= N:
-        y = row_dot16(w, qtype, base, nb, xq, n * K, K, xd, xs, n * nb, nb)
+        y = row_dot16(w, kinds, qtype, base, nb, xq, n * K, K, xd, xs, n * nb, nb)
         for t in range(TILE):
             out[n + t, r] = y[t]
         n += TILE
     if n + MID_TILE <= N:
-        y8 = row_dot8(w, qtype, base, nb, xq, n * K, K, xd, xs, n * nb, nb)
+        y8 = row_dot8(w, kinds, qtype, base, nb, xq, n * K, K, xd, xs, n * nb, nb)
         for t in range(MID_TILE):
             out[n + t, r] = y8[t]
         n += MID_TILE
     if n + HALF_TILE <= N:
-        y4 = row_dot4(w, qtype, base, nb, xq, n * K, K, xd, xs, n * nb, nb)
+        y4 = row_dot4(w, kinds, qtype, base, nb, xq, n * K, K, xd, xs, n * nb, nb)
         for t in range(HALF_TILE):
             out[n + t, r] = y4[t]
         n += HALF_TILE
     while n < N:
-        out[n, r] = row_dot(w, qtype, base, nb, xq, n * K, xd, xs, n * nb)
+        out[n, r] = row_dot(w, kinds, qtype, base, nb, xq, n * K, xd, xs, n * nb)
         n += 1
 
 
@@ -272,7 +220,7 @@ def _put(out, y, n, c, T):
 
 
 @njit(cache=True, nogil=True)
-def block_dots(w, qtype, base, rbytes, nrows, nb, N, xq, xd, xs, out, c0):
+def block_dots(w, kinds, qtype, base, rbytes, nrows, nb, N, xq, xd, xs, out, c0):
     """out[n, c0 + i] = row i . token n for nrows consecutive rows (row i at base + i * rbytes).
 
     Token tiles outside, rows inside: a tile's activations (16 x K int8) are read from L2
@@ -283,7 +231,7 @@ def block_dots(w, qtype, base, rbytes, nrows, nb, N, xq, xd, xs, out, c0):
     n = 0
     while n + TILE <= N:
         for i in range(nrows):
-            y = row_dot16(w, qtype, base + i * rbytes, nb, xq, n * K, K, xd, xs, n * nb, nb)
+            y = row_dot16(w, kinds, qtype, base + i * rbytes, nb, xq, n * K, K, xd, xs, n * nb, nb)
             for t in range(TILE):
                 out[n + t, c0 + i] = y[t]
         n += TILE
@@ -295,7 +243,7 @@ def block_dots(w, qtype, base, rbytes, nrows, nb, N, xq, xd, xs, out, c0):
         # 19.7 -> 18.9, three alternations; 4 rows the same)
         m = n + (N - n) // HALF_TILE * HALF_TILE if qtype == 14 else n + MID_TILE
         for i in range(nrows):
-            row_dots(w, qtype, base + i * rbytes, nb, m, xq, xd, xs, out, c0 + i, n)
+            row_dots(w, kinds, qtype, base + i * rbytes, nb, m, xq, xd, xs, out, c0 + i, n)
         n = m
     # the last 1-15 tokens (all of a decode batch below 16): ROWS rows a call with up to 4 tokens at once
     # (the matrix read once a call, not once a token; the tokens share each weight load and decode),
@@ -306,17 +254,17 @@ def block_dots(w, qtype, base, rbytes, nrows, nb, N, xq, xd, xs, out, c0):
         while i + ROWS <= nrows:
             rb0 = base + i * rbytes
             if left == 4:
-                _put(out, rows_dot4x4(w, qtype, rb0, rbytes, nb, xq, n * K, K, xd, xs, n * nb, nb), n, c0 + i, 4)
+                _put(out, rows_dot4x4(w, kinds, qtype, rb0, rbytes, nb, xq, n * K, K, xd, xs, n * nb, nb), n, c0 + i, 4)
             elif left == 3:
-                _put(out, rows_dot4x3(w, qtype, rb0, rbytes, nb, xq, n * K, K, xd, xs, n * nb, nb), n, c0 + i, 3)
+                _put(out, rows_dot4x3(w, kinds, qtype, rb0, rbytes, nb, xq, n * K, K, xd, xs, n * nb, nb), n, c0 + i, 3)
             elif left == 2:
-                _put(out, rows_dot4x2(w, qtype, rb0, rbytes, nb, xq, n * K, K, xd, xs, n * nb, nb), n, c0 + i, 2)
+                _put(out, rows_dot4x2(w, kinds, qtype, rb0, rbytes, nb, xq, n * K, K, xd, xs, n * nb, nb), n, c0 + i, 2)
             else:
-                _put(out, rows_dot4(w, qtype, rb0, rbytes, nb, xq, n * K, xd, xs, n * nb), n, c0 + i, 1)
+                _put(out, rows_dot4(w, kinds, qtype, rb0, rbytes, nb, xq, n * K, xd, xs, n * nb), n, c0 + i, 1)
             i += ROWS
         while i < nrows:
             for t in range(n, n + left):
-                out[t, c0 + i] = row_dot(w, qtype, base + i * rbytes, nb, xq, t * K, xd, xs, t * nb)
+                out[t, c0 + i] = row_dot(w, kinds, qtype, base + i * rbytes, nb, xq, t * K, xd, xs, t * nb)
             i += 1
         n += left
 
@@ -325,7 +273,7 @@ def block_dots(w, qtype, base, rbytes, nrows, nb, N, xq, xd, xs, out, c0):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def gemm_into(w, woff, qtype, rbytes, R, K, xq, xu, xd, xs, out, ocol):
+def gemm_into(w, woff, kinds, qtype, rbytes, R, K, xq, xu, xd, xs, out, ocol):
     """out[n, ocol + r] = W[r] . x[n] for r < R; W's rows start at byte woff of w (flat uint8);
     x as `quantize` and `widen_rows` give it.
 
@@ -336,7 +284,7 @@ def gemm_into(w, woff, qtype, rbytes, R, K, xq, xu, xd, xs, out, ocol):
     xqf, xdf, xsf = acts_for(qtype, xq, xu).reshape(-1), xd.reshape(-1), xs.reshape(-1)
     for b in prange((R + RB - 1) // RB):
         r0 = np.int64(b) * RB
-        block_dots(w, qtype, woff + r0 * rbytes, rbytes, min(RB, R - r0), nb, N, xqf, xdf, xsf, out, ocol + r0)
+        block_dots(w, kinds, qtype, woff + r0 * rbytes, rbytes, min(RB, R - r0), nb, N, xqf, xdf, xsf, out, ocol + r0)
 
 
 def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -350,10 +298,12 @@ def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return xq, xd, xs
 
 
-def gemm(w: np.ndarray, qtype: int, x: np.ndarray, amx: bool | None = None) -> np.ndarray:
+def gemm(w: np.ndarray, qtype: int, x: np.ndarray, amx: bool | None = None, kinds: Kinds | None = None) -> np.ndarray:
     """y [N, R] = W x^T for W the [R, row_bytes] uint8 blocks of a GGUF matrix, x [N, K] fp32.
-    amx: Q8_0 on AMX tiles (default: where gemm_q8_0_amx.AMX holds; False: the VNNI loop)."""
-    assert qtype in SUPPORTED, qtype
+    amx: Q8_0 on AMX tiles (default: where gemm_q8_0_amx.AMX holds; False: the VNNI loop).
+    kinds: the types to compile the loops for (default: qtype's alone; a model passes the set its
+    layers use too, so the layers and the head share one compiled kernel)."""
+    assert qtype in SUPPORTED and (kinds is None or qtype in kinds), (qtype, kinds)
     assert w.dtype == np.uint8 and w.ndim == 2 and w.flags.c_contiguous, (w.dtype, w.shape)
     R, K = w.shape[0], x.shape[1]
     assert w.shape[1] == row_bytes(qtype, K), (w.shape, qtype, K)
@@ -367,7 +317,7 @@ def gemm(w: np.ndarray, qtype: int, x: np.ndarray, amx: bool | None = None) -> n
     xu = np.empty_like(xq)
     widen_rows(xq, xu)
     out = np.empty((x.shape[0], R), np.float32)
-    gemm_into(w.reshape(-1), 0, qtype, w.shape[1], R, K, xq, xu, xd, xs, out, 0)
+    gemm_into(w.reshape(-1), 0, kinds if kinds is not None else Kinds((qtype,)), qtype, w.shape[1], R, K, xq, xu, xd, xs, out, 0)
     return out
 
 

@@ -6,6 +6,7 @@ bench/cpu_serving.py (128 greedy ignore_eos tokens per stream, SmolLM2 unless --
   alone   one server, --streams streams (the reference)
   pair    two servers on the same cores, --streams/2 streams each, at the same time
   hog     one server, --streams streams, beside a CPU-bound process pinned to CPU 0
+  beside  (--beside CMD) one server, --streams streams, while CMD runs (a test suite, a build)
 
 Goals (issue 32): pair aggregate >= 0.9x alone; hog >= 0.4x alone.
 
@@ -51,6 +52,9 @@ async def _levels(urls: list[str], streams: int, tokens: int) -> list[dict]:
     return await asyncio.gather(*(run_level(u, streams, tokens) for u in urls))
 
 
+BESIDE: list[str] = []  # --beside: a shell command to run next to one server (e.g. a test run)
+
+
 def measure(start, streams: int, tokens: int) -> dict[str, float]:
     """start(n) -> list of (url, stop) for n servers. Returns aggregate tok/s per case."""
     out = {}
@@ -58,6 +62,15 @@ def measure(start, streams: int, tokens: int) -> dict[str, float]:
     try:
         urls = [u for u, _ in servers]
         out["alone"] = asyncio.run(_levels(urls[:1], streams, tokens))[0]["agg_tok_s"]
+        if BESIDE:
+            nb = subprocess.Popen(BESIDE[0], shell=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
+            try:
+                time.sleep(3.0)
+                out["beside"] = asyncio.run(_levels(urls[:1], streams, tokens))[0]["agg_tok_s"]
+            finally:
+                os.killpg(nb.pid, 9)
+                nb.wait()
         hog = subprocess.Popen([sys.executable, "-c", HOG])
         try:
             time.sleep(1.0)
@@ -115,7 +128,11 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[],
                     help="extra imp flags for one more imp row (repeat), e.g. --variant=--fixed-threads")
     ap.add_argument("--llama-server", default=None)
+    ap.add_argument("--beside", default=None, help="a shell command run next to one server, measured too "
+                    "(e.g. '.venv/bin/python -m pytest -q tests/test_dialects.py')")
     ns = ap.parse_args()
+    if ns.beside:
+        BESIDE.append(ns.beside)
     sets = [""] if not ns.imp_env else ns.imp_env
     rows = []
     for spec in sets:
@@ -132,11 +149,13 @@ def main() -> int:
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}  {cpu_flags()}")
     print(f"model {ns.model}, {ns.threads} threads per server, {ns.tokens} tokens a stream, "
           f"alone/hog {ns.streams} streams, pair {ns.streams // 2} + {ns.streams // 2}")
-    print("| server | alone tok/s | pair tok/s (each) | pair / alone | beside a 1-core hog | hog / alone |")
-    print("|---|---|---|---|---|---|")
+    extra = f" | beside `{ns.beside}` | beside / alone" if ns.beside else ""
+    print("| server | alone tok/s | pair tok/s (each) | pair / alone | beside a 1-core hog | hog / alone" + extra + " |")
+    print("|---|---|---|---|---|---|" + ("---|---|" if ns.beside else ""))
     for title, r in rows:
+        more = f" | {r['beside']:.1f} | {r['beside'] / r['alone']:.2f}" if ns.beside else ""
         print(f"| {title} | {r['alone']:.1f} | {r['pair']:.1f} ({r['pair_each']}) | {r['pair'] / r['alone']:.2f} "
-              f"| {r['hog']:.1f} | {r['hog'] / r['alone']:.2f} |")
+              f"| {r['hog']:.1f} | {r['hog'] / r['alone']:.2f}{more} |")
     return 0
 
 

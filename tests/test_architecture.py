@@ -25,7 +25,8 @@ RULES: dict[str, set[str]] = {
     "imp.formats": set(),
     "imp.fetch": set(),
     "imp.settle": set(),  # boot's last step: what a process gives back before serving
-    "imp.precompile": set(),  # a cold Numba cache compiled in a child (its steps are passed in)
+    "imp.precompile": {"imp.bootstatus"},  # a cold Numba cache compiled in a child (its steps are passed in)
+    "imp.bootstatus": set(),  # the port's 503 'compiling' with progress while that child runs
     "imp.text": {"imp.formats"},
     "imp.log": {"imp.messages"},
     "imp.core": {"imp.messages", "imp.log"},

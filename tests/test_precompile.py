@@ -38,8 +38,11 @@ def test_a_compile_at_boot_goes_to_a_child_then_the_steps_run_again(monkeypatch)
         calls.append(1)
         return int(twice(np.int64(21)))
 
-    def run(argv, input=None, preexec_fn=None):
+    def run(argv, input=None, preexec_fn=None, pass_fds=(), env=None):
         assert preexec_fn is not None  # the child dies with this process
+        # and reports each kernel it compiled on a pipe the parent reads (imp.bootstatus)
+        assert env["IMP_PROGRESS_FD"] == str(pass_fds[0])
+        os.write(pass_fds[0], b"twice\n")
         children.append((argv, json.loads(input)))
         return subprocess.CompletedProcess(argv, 0)
 
@@ -52,6 +55,7 @@ def test_a_compile_at_boot_goes_to_a_child_then_the_steps_run_again(monkeypatch)
     (argv, sent), = children
     assert argv[1:] == ["-m", "imp", "_precompile", "engine"] and sent["model"] == "some.gguf"
     assert "compiling them in a child process" in notes[0] and "twice" in notes[0]
+    assert "compiled 1 kernels" in notes[-1]
 
 
 def test_a_warm_boot_spawns_nothing_and_a_failed_child_falls_back(monkeypatch):

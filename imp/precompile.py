@@ -85,12 +85,22 @@ def boot_warm(steps: Callable[[], T], cfg, progress: Callable[[str], None], enab
                 pass
             rfd, wfd = os.pipe()
             reader = bootstatus.read_progress(rfd, status)
+            env = {**os.environ, "IMP_PROGRESS_FD": str(wfd)}
+            head = None
             try:
+                if part == "engine":  # the output head's GEMM compiles beside the forward, on another core
+                    head = subprocess.Popen([sys.executable, "-m", "imp", "_precompile", "head"],
+                                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                            preexec_fn=die_with(os.getpid()), pass_fds=(wfd,), env=env)
+                    head.stdin.write(msgspec.json.encode(cfg))
+                    head.stdin.close()
                 child = subprocess.run([sys.executable, "-m", "imp", "_precompile", part],
                                        input=msgspec.json.encode(cfg), preexec_fn=die_with(os.getpid()),
-                                       pass_fds=(wfd,), env={**os.environ, "IMP_PROGRESS_FD": str(wfd)})
+                                       pass_fds=(wfd,), env=env)
             finally:
                 os.close(wfd)
+                if head is not None and head.wait() != 0:  # its kernels then compile in the main child
+                    progress(f"the head's compile child exited {head.returncode} (no harm: compiled with the rest)")
             reader.join(5)
             if child.returncode != 0:
                 progress(f"the compile child exited {child.returncode}: compiling in this process instead")

@@ -4,6 +4,7 @@ none of the compiler's memory (issue 15's memory goal on a fresh clone's first `
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import subprocess
@@ -46,13 +47,24 @@ def test_a_compile_at_boot_goes_to_a_child_then_the_steps_run_again(monkeypatch)
         children.append((argv, json.loads(input)))
         return subprocess.CompletedProcess(argv, 0)
 
+    class Head:  # the output head's compile child, started beside the main one
+        def __init__(self, argv, stdin=None, preexec_fn=None, pass_fds=(), env=None, **kw):
+            assert preexec_fn is not None and env["IMP_PROGRESS_FD"] == str(pass_fds[0])
+            children.append((argv, None))
+            self.stdin, self.returncode = io.BytesIO(), 0
+
+        def wait(self):
+            return 0
+
     monkeypatch.setattr(precompile.subprocess, "run", run)
+    monkeypatch.setattr(precompile.subprocess, "Popen", Head)
     cfg = ServerConfig(model="some.gguf")
     assert precompile.boot_warm(steps, cfg, notes.append) == 42
     # stopped at the first compile, checked again under the compile lock (another boot may have
     # compiled meanwhile), then again after the child
     assert len(calls) == 3
-    (argv, sent), = children
+    (head, _), (argv, sent) = children
+    assert head[1:] == ["-m", "imp", "_precompile", "head"]
     assert argv[1:] == ["-m", "imp", "_precompile", "engine"] and sent["model"] == "some.gguf"
     assert "compiling them in a child process" in notes[0] and "twice" in notes[0]
     assert "compiled 1 kernels" in notes[-1]
@@ -62,11 +74,24 @@ def test_a_warm_boot_spawns_nothing_and_a_failed_child_falls_back(monkeypatch):
     twice = _fresh_kernel()
     twice(np.int64(1))  # compiled: nothing left to compile
     monkeypatch.setattr(precompile.subprocess, "run", lambda *a, **k: pytest.fail("no child on a warm boot"))
+    monkeypatch.setattr(precompile.subprocess, "Popen", lambda *a, **k: pytest.fail("no child on a warm boot"))
     assert precompile.boot_warm(lambda: int(twice(np.int64(4))), ServerConfig(model="m"), print) == 8
     fresh, notes = _fresh_kernel(), []
     monkeypatch.setattr(precompile.subprocess, "run", lambda argv, input=None, **kw: subprocess.CompletedProcess(argv, 3))
+
+    class FailedHead:
+        stdin, returncode = io.BytesIO(), 4
+
+        def __init__(self, *a, **kw):
+            pass
+
+        def wait(self):
+            return 4
+
+    monkeypatch.setattr(precompile.subprocess, "Popen", FailedHead)
     assert precompile.boot_warm(lambda: int(fresh(np.int64(5))), ServerConfig(model="m"), notes.append) == 10
     assert "exited 3: compiling in this process instead" in notes[-1]
+    assert any("head's compile child exited 4" in n for n in notes)
     # and the guard is gone afterwards: a compile elsewhere is not refused
     assert int(_fresh_kernel()(np.int64(2))) == 4
 

@@ -12,6 +12,31 @@ import sys
 if os.environ.get("NUMBA_CPU_NAME", "host") != "host" and "NUMBA_CPU_FEATURES" not in os.environ:
     os.environ["NUMBA_CPU_FEATURES"] = ""
 
+
+def _server_kernel_cache() -> None:
+    """The server's compiled kernels go to $IMP_CACHE/numba (default ~/.cache/imp/numba), not the
+    checkout's __pycache__ folders. Why: Numba's cache index is read, changed and written back
+    by whoever compiles; two processes compiling different signatures of one kernel at the same
+    moment can leave an entry naming the other's code, and the next boot that loads it crashes
+    (seen here: a test run compiling beside a booting server left a cache every later boot of that
+    tier segfaulted on). Server boots take a lock on their cache (imp.precompile.compile_lock);
+    a test run or a benchmark in the checkout does not, so the server keeps its own. Not where
+    NUMBA_CACHE_DIR is set, or the folder cannot be written (Numba would refuse to cache)."""
+    if "NUMBA_CACHE_DIR" in os.environ:
+        return
+    from imp.fetch import cache_dir
+
+    path = cache_dir() / "numba"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return
+    if os.access(path, os.W_OK):
+        os.environ["NUMBA_CACHE_DIR"] = str(path)
+
+
+_server_kernel_cache()
+
 from imp.config import add_serve_args, config_from_args  # noqa: E402
 
 

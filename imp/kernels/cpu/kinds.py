@@ -84,5 +84,5 @@ def picker(name: str, fns: dict[int, object], args: tuple[str, ...], units: str,
 
     ov: dict = {"build": build}
     exec(f"def ov(kinds, qtype, {sig}):\n    return build(kinds)\n", ov)
-    overload(stub)(ov["ov"])
+    overload(stub, inline="always")(ov["ov"])  # inlined into the caller, as the dispatch it replaced
     return stub

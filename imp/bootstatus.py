@@ -54,7 +54,7 @@ def _handler(status: BootStatus):
 
         def _answer(self) -> None:
             body = status.body()
-            if not self.path.split("?")[0].rstrip("/") in ("/health", "/healthz", "/ready", "/readyz"):
+            if self.path.split("?")[0].rstrip("/") not in ("/health", "/healthz", "/ready", "/readyz"):
                 body = {"error": {**body["error"], "code": "compiling", "type": "unavailable"}}
             data = json.dumps(body).encode()
             length = int(self.headers.get("Content-Length") or 0)
@@ -71,6 +71,18 @@ def _handler(status: BootStatus):
 
         do_GET = do_POST = do_HEAD = do_DELETE = do_PUT = do_OPTIONS = _answer
 
+        def send_error(self, code, message=None, explain=None) -> None:
+            """A request the stdlib cannot parse: JSON in the same shape, not its HTML page."""
+            data = json.dumps({"error": {"code": "bad_request", "message": message or "malformed request",
+                                         "type": "invalid_request_error"}}).encode()
+            self.send_response(code, message)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            if self.command != "HEAD" and code >= 200 and code not in (204, 304):
+                self.wfile.write(data)
+
         def log_message(self, *a) -> None:  # the boot's own progress lines say enough
             pass
 
@@ -80,6 +92,13 @@ def _handler(status: BootStatus):
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that hangs up mid-answer is no news during a boot (the stdlib prints a traceback)."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
 
 
 class _Server6(_Server):

@@ -68,8 +68,6 @@ def boot_warm(steps: Callable[[], T], cfg, progress: Callable[[str], None], enab
     except ColdCache as cold:
         progress(f"kernels not in Numba's disk cache yet (first: {cold}): compiling them in a child process "
                  "(once; this process then loads them and keeps none of the compiler's memory)")
-    import msgspec
-
     from imp import bootstatus
 
     status = bootstatus.BootStatus()
@@ -83,33 +81,46 @@ def boot_warm(steps: Callable[[], T], cfg, progress: Callable[[str], None], enab
                     return steps()
             except ColdCache:
                 pass
-            rfd, wfd = os.pipe()
-            reader = bootstatus.read_progress(rfd, status)
-            env = {**os.environ, "IMP_PROGRESS_FD": str(wfd)}
-            head = None
-            try:
-                if part == "engine":  # the output head's GEMM compiles beside the forward, on another core
-                    head = subprocess.Popen([sys.executable, "-m", "imp", "_precompile", "head"],
-                                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                            preexec_fn=die_with(os.getpid()), pass_fds=(wfd,), env=env)
-                    head.stdin.write(msgspec.json.encode(cfg))
-                    head.stdin.close()
-                child = subprocess.run([sys.executable, "-m", "imp", "_precompile", part],
-                                       input=msgspec.json.encode(cfg), preexec_fn=die_with(os.getpid()),
-                                       pass_fds=(wfd,), env=env)
-            finally:
-                os.close(wfd)
-                if head is not None and head.wait() != 0:  # its kernels then compile in the main child
-                    progress(f"the head's compile child exited {head.returncode} (no harm: compiled with the rest)")
-            reader.join(5)
-            if child.returncode != 0:
-                progress(f"the compile child exited {child.returncode}: compiling in this process instead")
+            code = _compile_children(cfg, part, status, progress)
+            if code != 0:
+                progress(f"the compile child exited {code}: compiling in this process instead")
             else:
                 progress(f"compiled {status.kernels} kernels in {time.monotonic() - status.started:.0f} s")
             return steps()
     finally:
         if stop is not None:
             stop()
+
+
+def _compile_children(cfg, part: str, status, progress: Callable[[str], None]) -> int:
+    """Run `_precompile PART` (and, on an engine boot, `_precompile head` beside it: the output
+    head's GEMM on another core), each finished kernel reported to status over a pipe; the main
+    child's exit code. A failed head child costs nothing: the main child compiles the head too."""
+    import msgspec
+
+    from imp import bootstatus
+
+    body = msgspec.json.encode(cfg)
+    rfd, wfd = os.pipe()
+    reader = bootstatus.read_progress(rfd, status)
+    kw = dict(preexec_fn=die_with(os.getpid()), pass_fds=(wfd,), env={**os.environ, "IMP_PROGRESS_FD": str(wfd)})
+    head = None
+    try:
+        if part == "engine":
+            head = subprocess.Popen([sys.executable, "-m", "imp", "_precompile", "head"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
+            try:
+                head.stdin.write(body)
+                head.stdin.close()
+            except OSError:  # it died before reading its configuration: reported below
+                pass
+        code = subprocess.run([sys.executable, "-m", "imp", "_precompile", part], input=body, **kw).returncode
+    finally:
+        os.close(wfd)
+        if head is not None and head.wait() != 0:
+            progress(f"the head's compile child exited {head.returncode} (no harm: compiled with the rest)")
+    reader.join(5)
+    return code
 
 
 @contextlib.contextmanager

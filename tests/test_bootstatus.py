@@ -55,6 +55,30 @@ def test_the_port_answers_compiling_with_progress_then_frees_itself():
         s.bind(("127.0.0.1", port))
 
 
+def test_garbage_and_hang_ups_get_json_or_nothing_and_it_keeps_answering(capsys):
+    import socket
+
+    port = free_port()
+    stop = serve_status("127.0.0.1", port, BootStatus())
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"GARBAGE\r\n\r\n")
+            got = s.recv(4096)
+        # a line that is no HTTP/1.x request line is answered as HTTP/0.9 would be: the body alone
+        body = got.partition(b"\r\n\r\n")[2] if got.startswith(b"HTTP/") else got
+        assert json.loads(body)["error"]["type"] == "invalid_request_error"
+        for _ in range(3):  # a body promised and never sent; a connection closed at once
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 99999\r\n\r\nabc")
+            socket.create_connection(("127.0.0.1", port)).close()
+        time.sleep(0.3)
+        code, _, body = _get(f"http://127.0.0.1:{port}/health")
+        assert code == 503 and body["status"] == "compiling"
+    finally:
+        stop()
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_a_port_in_use_gives_no_responder():
     import socket
 

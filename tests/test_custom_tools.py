@@ -75,6 +75,29 @@ def test_a_named_custom_tool_is_its_block_only(tm):
     assert tools_grammar(TOOLS, ToolChoice("named", "get_weather"), "generic")[0] == "lark"  # no custom part
 
 
+def lark_parser(definition: str) -> lark.Lark:
+    """The `lark` package's parser for a tool's grammar. Its Earley lexer refuses a terminal that
+    can match "" (Codex 0.171's `/(.*)/` for a patch line), so such a terminal is read as the
+    same language spelled `[/(.+)/]` (empty or one-or-more)."""
+    return lark.Lark(definition.replace("/(.*)/", "[/(.+)/]"), start="start")
+
+
+APPLY_PATCH_0171 = json.loads((Path(__file__).parent / "data" / "codex_apply_patch_tool_0171.json").read_text())["tool"]
+
+
+def test_codex_0171_patch_grammar_takes_empty_lines(tm):
+    # the grammar Codex 0.171 sends through imp's catalog: a changed or added line may be empty
+    src = APPLY_PATCH_0171["format"]["definition"]
+    ap = Tool("apply_patch", "", custom=True, grammar=("lark", src))
+    g = grammar_text(Constraint(*tools_grammar([FN, ap], ToolChoice("auto"), "generic")))
+    patch = "*** Begin Patch\n*** Update File: a.txt\n@@\n-x\n+\n+y\n*** End Patch"
+    assert accepts(tm, g, block("apply_patch", patch))
+    assert not accepts(tm, g, block("apply_patch", patch.replace("*** End Patch", "*** Fin")))
+    lark_parser(src).parse(patch + "\n")
+    with pytest.raises(lark.exceptions.LarkError):
+        lark_parser(src).parse(patch.replace("@@", "@") + "\n")
+
+
 def test_the_lark_package_agrees_with_llguidance_on_the_inputs():
     parser = lark.Lark(APPLY_PATCH["format"]["definition"], start="start")
     parser.parse(PATCH + "\n")

@@ -289,6 +289,12 @@ async def test_probes_catalogue_and_capacity(client):
     assert models["data"][0]["id"] == "fake-model" and models["data"][0]["loaded"] is True
     assert (await client.get("/v1/models/fake-model")).status == 200
     assert (await client.get("/v1/models/other")).status == 404
+    # Codex's model_catalog_url: its ModelInfo shape, the model's window, the freeform apply_patch tool
+    cat = await (await client.get("/codex/models?client_version=0.171.0")).json()
+    (m,) = cat["models"]
+    assert m["slug"] == "fake-model" and m["apply_patch_tool_type"] == "freeform"
+    assert m["context_window"] == models["data"][0]["context_length"] and m["base_instructions"]
+    assert {"support_verbosity", "experimental_supported_tools", "shell_type", "truncation_policy"} <= set(m)
     assert b"imp_model_loaded" in await (await client.get("/metrics")).read()
     snap = await (await client.get("/v1/metrics")).json()
     assert snap["server"]["status"]["model"] == "fake-model"

@@ -5,7 +5,7 @@ pipeline (`imp.http.pipeline.run`) with that dialect's parser and renderer.
 """
 
 from imp.http.dialects import anthropic, chat, completions, infill, responses
-from imp.http.endpoints import capacity, control, embeddings, llama_cpp, lora, probes, score, ui
+from imp.http.endpoints import capacity, codex, control, embeddings, llama_cpp, lora, probes, score, ui
 from imp.http.pipeline.run import handler
 
 ROUTES = [
@@ -35,6 +35,7 @@ ROUTES = [
     ("GET", "/info", probes.info),
     ("GET", "/v1/models", probes.models),
     ("GET", "/v1/models/{model:.+}", probes.model),
+    ("GET", "/codex/models", codex.catalog),  # Codex's model_catalog_url: its apply_patch tool for our models
     ("GET", "/health", probes.health),
     ("GET", "/ready", probes.ready),
     ("GET", "/metrics", probes.metrics),

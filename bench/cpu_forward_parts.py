@@ -90,8 +90,8 @@ def main() -> None:
     print(f"model: {a.model}, {N} prompt tokens, {mats.shape[0]} layers, threads {a.threads}\n")
     print("| piece | ms | share |\n|---|---|---|")
     for k, v in sorted(t.items(), key=lambda kv: -kv[1]):
-        print(f"| {k} | {v * 1e3:.0f} | {v / total:.0%} |")
-    print(f"| all | {total * 1e3:.0f} | {N / total:.0f} tok/s |")
+        print(f"| {k} | {v * 1e3:.2f} | {v / total:.0%} |")
+    print(f"| all | {total * 1e3:.2f} | {N / total:.0f} tok/s |")
 
 
 if __name__ == "__main__":

@@ -35,9 +35,9 @@ def main() -> None:
     a = ap.parse_args()
 
     @njit(nogil=True)
-    def loop(n, blob, off, qt, rb, R, K, xq, xu, xd, xs, out):
+    def loop(n, blob, off, kinds, qt, rb, R, K, xq, xu, xd, xs, out):
         for _ in range(n):
-            qd.gemm_into(blob, off, Kinds((qt,)), qt, rb, R, K, xq, xu, xd, xs, out, 0)
+            qd.gemm_into(blob, off, kinds, qt, rb, R, K, xq, xu, xd, xs, out, 0)
 
     names = a.tensors.split(",")
     blob = np.memmap(a.model, dtype=np.uint8, mode="r")
@@ -55,9 +55,9 @@ def main() -> None:
         for th in (1, 2):
             numba.set_num_threads(th)
             n = max(3, int(a.bytes / (R * rb)))
-            loop(2, blob, int(t.data_offset), qt, rb, R, K, xq, xu, xd, xs, out)
+            loop(2, blob, int(t.data_offset), Kinds((qt,)), qt, rb, R, K, xq, xu, xd, xs, out)
             t0 = time.perf_counter()
-            loop(n, blob, int(t.data_offset), qt, rb, R, K, xq, xu, xd, xs, out)
+            loop(n, blob, int(t.data_offset), Kinds((qt,)), qt, rb, R, K, xq, xu, xd, xs, out)
             s = (time.perf_counter() - t0) / n
             cells += [f"{s * 1e6:,.1f}", f"{R * rb / s / 1e9:.1f}"]
         print(f"| {t.name} | {t.tensor_type.name} | {R} x {K} | {R * rb / 1e6:.2f} | " + " | ".join(cells) + " |")

@@ -508,13 +508,31 @@ def _patch_calls(records: list[dict]) -> list[tuple[str, str]]:
     return [(calls[k], outputs.get(k, "")) for k in calls]
 
 
+def _final_patch_items(records: list[dict]) -> list[dict]:
+    """apply_patch calls of the last answer (no later request carries them back)."""
+    out = []
+    for r in _responses_posts(records)[-1:]:
+        text = (r.get("response_head") or "") + (r.get("response_tail") or "")
+        for line in text.splitlines():
+            if line.startswith("data: ") and '"response.output_item.done"' in line:
+                try:
+                    item = json.loads(line[6:])["item"]
+                except (ValueError, KeyError):
+                    continue
+                if item.get("type") == "custom_tool_call" and item.get("name") == "apply_patch":
+                    out.append(item)
+    return out
+
+
 def test_codex_applies_a_patch_through_the_catalog(codex, server, proxy, tmp_path):
     """Codex with `model_catalog_url` on imp's /codex/models sends its freeform apply_patch tool;
     every patch the model writes is held to Codex's own Lark grammar; Codex applies it."""
     from tests.test_custom_tools import lark_parser
 
-    model = json.loads(subprocess.run(["curl", "-s", f"{server.url}/v1/models"], capture_output=True,
-                                      text=True, timeout=30).stdout)["data"][0]["id"]
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server.url}/v1/models", timeout=30) as r:
+        model = json.loads(r.read())["data"][0]["id"]  # the catalog's slug, which Codex's `model` must name
     proc, events, records = run_codex(codex, proxy, tmp_path, CODEX_PATCH_PROMPT, model=model, catalog=True)
     why = _explain(f"codex {version(codex)} exec (patch prompt) on {model}", proc, records, server)
     fetched = [r for r in records if r["method"] == "GET" and r["path"] == "/codex/models"]
@@ -541,19 +559,3 @@ def test_codex_applies_a_patch_through_the_catalog(codex, server, proxy, tmp_pat
                      + "; ".join(f"{t!r} -> {o[:160]!r}" for t, o in calls[:4]))
     assert proc.returncode == 0, why
     assert changed == NOTE.replace(NOTE.splitlines()[0], EDIT_TO), f"notes.txt is {changed!r}: " + why
-
-
-def _final_patch_items(records: list[dict]) -> list[dict]:
-    """apply_patch calls of the last answer (no later request carries them back)."""
-    out = []
-    for r in _responses_posts(records)[-1:]:
-        text = (r.get("response_head") or "") + (r.get("response_tail") or "")
-        for line in text.splitlines():
-            if line.startswith("data: ") and '"response.output_item.done"' in line:
-                try:
-                    item = json.loads(line[6:])["item"]
-                except (ValueError, KeyError):
-                    continue
-                if item.get("type") == "custom_tool_call" and item.get("name") == "apply_patch":
-                    out.append(item)
-    return out

@@ -221,7 +221,6 @@ def compile_head(cfg: ServerConfig) -> None:
     import numpy as np
 
     from imp.fetch import resolve_model
-    from imp.kernels.cpu import gemm_int8_act as qd
     from imp.model.fused import FusedModel
     from imp.model.runner import ModelRunner
 
@@ -229,8 +228,7 @@ def compile_head(cfg: ServerConfig) -> None:
                               num_threads=cfg.threads)
     model = runner.model
     if isinstance(model, FusedModel):
-        w, qt = model.head
-        qd.gemm(w, qt, np.zeros((1, model.cfg.d_model), np.float32), kinds=model.kinds)
+        model.head_logits(np.zeros((1, model.cfg.d_model), np.float32))
 
 
 def precompile_main(argv: list[str]) -> int:

@@ -40,6 +40,10 @@ _CHILD = textwrap.dedent("""
         x = (rng.standard_normal((19, 768)) * 2).astype(np.float32)
         out[qt.name] = qd.gemm(w, int(qt), x, amx=False)   # tiles of 16 + 2 + 1 rows
         out[qt.name + "_1"] = qd.gemm(w, int(qt), x[3:4], amx=False)
+        if qt == T.Q8_0 and row_dot_loop.DP4:  # the repacked head's loop (imp/kernels/cpu/head_q8.py)
+            from imp.kernels.cpu import head_q8
+            p = head_q8.PackedQ8(w)
+            out["packed"], out["packed_1"] = head_q8.gemm(p, x), head_q8.gemm(p, x[3:4])
     np.savez({path!r}, **out)
 """)
 
@@ -67,6 +71,10 @@ def test_avx2_tier_gives_the_vnni_tiers_bits(tmp_path):
     host, avx2 = _run("host", tmp_path), _run("avx2", tmp_path)
     assert str(avx2.pop("dot")) == "avx2"
     host_dot = str(host.pop("dot"))
+    for name in ("packed", "packed_1"):  # the packed Q8_0 head: the file loop's bits on the tier
+        np.testing.assert_array_equal(avx2.pop(name), avx2["Q8_0" + name[6:]], err_msg=name)
+        if name in host:
+            np.testing.assert_array_equal(host.pop(name), host["Q8_0" + name[6:]], err_msg=name)
     for name, got in avx2.items():
         if host_dot in ("vnni", "avx2"):  # the same 4-product lanes: the same bits
             np.testing.assert_array_equal(got, host[name], err_msg=name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import mmap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from imp.formats.gguf_file import GGUFHeader, TensorInfo, read_header, tensor_bytes
@@ -172,6 +173,20 @@ class GGUFTensors(Mapping):
 
     def info(self, name: str) -> TensorInfo:
         return self.infos[name]
+
+    def drop_pages(self, name: str) -> None:
+        """Tell the kernel this tensor's pages of the map are not needed now (MADV_DONTNEED on
+        the whole pages inside it): a tensor copied elsewhere at load stops counting in RSS; a
+        later read of it pages it in again from the file, as a first read would."""
+        raw = self.raw(name)
+        mm = getattr(self._mm, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = raw.ctypes.data - self._mm.ctypes.data
+        page = mmap.PAGESIZE
+        lo, hi = -(-start // page) * page, (start + raw.nbytes) // page * page
+        if hi > lo:
+            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def __iter__(self):
         return iter(self.infos)

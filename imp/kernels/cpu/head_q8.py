@@ -110,7 +110,7 @@ def _codegen(R: int, T: int):
             d2 = b.fpext(b.bitcast(_load(b, wdd, b.add(drow[i], blk), ir.VectorType(I16, 2), 2), ir.VectorType(HALF, 2)),
                          ir.VectorType(F32, 2))
             ws = b.shuffle_vector(d2, ir.Constant(ir.VectorType(F32, 2), ir.Undefined), pair_idx)
-            sv = None if VNNI else b.xor(uv, ir.Constant(V64B, [0x80] * 64))  # AVX2: the signed quants
+            sv = None if VNNI else uv  # AVX2: the packed quants are q itself (PackedQ8)
             for t in range(T):
                 if VNNI:
                     p = _dpbusd512(b, uv, xs_[t], cvs[t])
@@ -152,7 +152,7 @@ def _codegen(R: int, T: int):
                     fn = b.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.256", fnty=ir.FunctionType(V8I, [V8I] * 3))
                     p8 = b.call(fn, [cv, b.bitcast(uv, V8I), b.bitcast(xv, V8I)])
                 else:
-                    p8 = _sdot(b, None, b.xor(uv, ir.Constant(V32B8, [0x80] * 32)), xv)
+                    p8 = _sdot(b, None, uv, xv)
                 p = b.shuffle_vector(p8, ir.Constant(V8I, [0] * 8), widen)
                 s = b.fmul(sc, _load(b, xdd, b.add(tb[t], last), F32, 4))
                 s8 = b.shuffle_vector(b.insert_element(ir.Constant(ir.VectorType(F32, 8), ir.Undefined), s, ir.Constant(I32, 0)),
@@ -273,7 +273,10 @@ class PackedQ8:
         buf = np.empty(R * K + ALIGN, np.uint8)
         start = (-buf.ctypes.data) % ALIGN
         self.wq = buf[start:start + R * K]
-        np.bitwise_xor(blocks[:, :, 2:], np.uint8(0x80), out=self.wq.reshape(R, nb, QK))
+        if VNNI:
+            np.bitwise_xor(blocks[:, :, 2:], np.uint8(0x80), out=self.wq.reshape(R, nb, QK))
+        else:  # AVX2: q as it is (the loop takes |q| and q's signs)
+            self.wq.reshape(R, nb, QK)[...] = blocks[:, :, 2:]
         self.wd = np.ascontiguousarray(blocks[:, :, :2]).view(np.uint16).reshape(-1)
         self.R, self.K = R, K
 

@@ -1,11 +1,13 @@
-"""A model's output head (`imp.kernels.cpu.gemm_int8_act.gemm`, the whole matrix) at decode batch sizes, on both Q8_0
-routes where the CPU has AMX: the VNNI loop (`amx=False`) and AMX tiles (`imp.kernels.cpu.gemm_q8_0_amx`), ms.
+"""A model's output head (the whole matrix) at decode batch sizes, on every Q8_0 route the CPU has, ms: the
+file loop (`imp.kernels.cpu.gemm_int8_act.gemm`, `amx=False`; "vnni", the AVX2 loop on that tier), the repacked
+head the server uses (`imp.kernels.cpu.head_q8`, "packed": VNNI / AVX2 tiers) and AMX tiles
+(`imp.kernels.cpu.gemm_q8_0_amx`, where the CPU has them).
 
     .venv/bin/python bench/cpu_head.py --model ~/.cache/imp/gemma-3-270m-q4_k_m.gguf [--threads 2]
 
 The routes alternate, best of --reps each; the activations are random (the kernels' time does
 not depend on the values). Both read the mmapped GGUF, so a head larger than the caches is
-measured from memory, as in a step.
+measured from memory, as in a step; the packed copy is in anonymous memory, as the server holds it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def main() -> None:
     import numba
     import numpy as np
 
-    from imp.kernels.cpu import gemm_q8_0_amx
+    from imp.kernels.cpu import gemm_q8_0_amx, head_q8
     from imp.kernels.cpu import gemm_int8_act as qd
 
     ap = argparse.ArgumentParser()
@@ -41,24 +43,30 @@ def main() -> None:
     rb = qd.row_bytes(qt, K)
     w = np.asarray(blob[int(t.data_offset): int(t.data_offset) + R * rb]).reshape(R, rb)
     routes = [("vnni", False)] + ([("amx", True)] if gemm_q8_0_amx.AMX and qt == qd.Q8_0 else [])
+    packed = head_q8.PackedQ8(w) if qt == qd.Q8_0 and head_q8.DP4 else None
+    if packed is not None:
+        routes.append(("packed", None))
+
+    def run(amx, x):
+        return head_q8.gemm(packed, x) if amx is None else qd.gemm(w, qt, x, amx=amx)
     print(f"{t.name} {t.tensor_type.name} {R} x {K} ({R * rb / 1e6:.1f} MB), {a.threads} threads, "
           f"AMX {'on' if gemm_q8_0_amx.AMX else 'off'} here")
-    print("| tokens | " + " | ".join(f"{n} ms" for n, _ in routes) + (" | vnni / amx |" if len(routes) > 1 else " |"))
-    print("|---" * (len(routes) + 1 + (len(routes) > 1)) + "|")
+    print("| tokens | " + " | ".join(f"{n} ms" for n, _ in routes) + "".join(f" | vnni / {n}" for n, _ in routes[1:])
+          + " |")
+    print("|---" * (2 * len(routes)) + "|")
     rng = np.random.default_rng(0)
     for N in (int(v) for v in a.batches.split(",")):
         x = rng.standard_normal((N, K)).astype(np.float32)
         best = {n: float("inf") for n, _ in routes}
         for n, amx in routes:
-            qd.gemm(w, qt, x, amx=amx)  # compile / warm
+            run(amx, x)  # compile / warm
         for _ in range(a.reps):
             for n, amx in routes:
                 t0 = time.perf_counter()
-                qd.gemm(w, qt, x, amx=amx)
+                run(amx, x)
                 best[n] = min(best[n], time.perf_counter() - t0)
         cells = [f"{best[n] * 1e3:.2f}" for n, _ in routes]
-        if len(routes) > 1:
-            cells.append(f"{best['vnni'] / best['amx']:.2f}")
+        cells += [f"{best['vnni'] / best[n]:.2f}" for n, _ in routes[1:]]
         print(f"| {N} | " + " | ".join(cells) + " |")
 
 

@@ -214,10 +214,10 @@ def compile_steps(cfg: ServerConfig, text_only: bool = False) -> None:
 
 
 def compile_head(cfg: ServerConfig) -> None:
-    """The output head's GEMM alone (`_precompile head`): compiled in a second child beside the
-    forward's (a cold boot's two largest compiles, ~27 s and ~3-5 s on 2 cores, run on two cores;
-    the forward's child then finds the head in the disk cache). A model without the fused CPU
-    forward has nothing to compile here."""
+    """A cold boot's second compile child (`_precompile head`), beside the forward's: the layers'
+    kernels other than the GEMMs (which the forward's child compiles first; it then finds these in
+    the disk cache: Gemma's ~42 s of compiling split over two cores) and the output head. A model
+    without the fused CPU forward has nothing to compile here."""
     import numpy as np
 
     from imp.fetch import resolve_model
@@ -228,6 +228,7 @@ def compile_head(cfg: ServerConfig) -> None:
                               num_threads=cfg.threads)
     model = runner.model
     if isinstance(model, FusedModel):
+        model.compile_layer_parts(runner.cache)  # first: the forward's child needs them before the head
         model.head_logits(np.zeros((1, model.cfg.d_model), np.float32))
 
 

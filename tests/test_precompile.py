@@ -175,3 +175,42 @@ def test_a_cold_cache_boot_serves_with_a_warm_boots_memory(smollm2_path, tmp_pat
     text = log.read_text()
     assert "compiling them in a child process" in text
     assert rss < 450, (rss, text[-2000:])
+
+
+_SECOND_CHILD = """
+import json, sys
+from numba.core import event
+from imp.config import ServerConfig
+from imp import server
+names = []
+class L(event.Listener):
+    def on_start(self, ev):
+        names.append(getattr(ev.data.get("dispatcher"), "__qualname__", "?"))
+    def on_end(self, ev):
+        pass
+if sys.argv[1] == "steps":
+    event.register("numba:compile", L())
+(server.compile_head if sys.argv[1] == "head" else server.compile_steps)(ServerConfig(model=sys.argv[2]))
+print(json.dumps(names))
+"""
+
+
+@pytest.mark.slow
+def test_the_second_compile_child_compiles_what_the_forward_then_loads(smollm2_path, tmp_path):
+    """A cold boot's `_precompile head` child compiles the layers' non-GEMM kernels and the head
+    with the types the forward gives them: a boot's steps run after it compile none of them (they
+    load from the disk cache), only the GEMMs and what the head child does not cover."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    root = Path(__file__).resolve().parent.parent
+
+    def run(part):
+        r = subprocess.run([sys.executable, "-c", _SECOND_CHILD, part, str(smollm2_path)], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    run("head")
+    compiled = run("steps")
+    assert "forward_layers" in compiled and "_gemm_multi" in compiled, compiled  # the cache was cold for these
+    for name in ("attention", "_qkv_post_par", "_post_norm_add", "_act_rows", "_lora_add", "corrections"):
+        assert name not in compiled, (name, compiled)

@@ -182,6 +182,17 @@ class FusedModel:
             logits = np.tanh(logits / cap) * cap
         return logits
 
+    def compile_layer_parts(self, cache) -> None:
+        """Compile the layers' non-GEMM kernels with the types forward() gives them, running
+        nothing (fused_forward.compile_layer_parts: a cold boot's second compile child)."""
+        cfg = self.cfg
+        kc, vc = self._cache_bits(cache)
+        cos_g, sin_g = self.rope_g.upto(0)
+        cf.compile_layer_parts(self.blob, self.mats, self.fv, self.fo, cfg.d_model, cos_g, sin_g, kc, vc,
+                               cache.num_blocks, cache.block_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                               self.window, self.neox, self.act, np.float32(cfg.rms_eps), np.float32(self.scale),
+                               *self._no_lora)
+
     def head_logits(self, h: np.ndarray) -> np.ndarray:
         """h [B, d] fp32 (normed) -> [B, vocab] fp32, before any softcap."""
         if self.packed_head is not None:

@@ -319,3 +319,27 @@ def forward_layers(blob, mats, fv, fo, sliding, x, pos, slots, tables, row_tab,
         if lora:
             _lora_add(a, y, mats, l, m_down, m_end, lo, la, lb, lscale, row_slot)
         _post_norm_add(x, y, fv, fo, l, np.int64(POST_FFN), eps)
+
+
+def compile_layer_parts(blob, mats, fv, fo, d, cos_g, sin_g, kc, vc, nblocks, bs, H, Hkv, D, window, neox, act, eps,
+                        scale, lo, la, lb, lscale):
+    """Compile forward_layers' callees that come after its first _gemm_multi, with zero rows (nothing
+    runs, nothing is written): each called with the types forward_layers gives it (the arrays it
+    makes are C-contiguous float32 like these, its scalars int64 / float32 like these), so the
+    disk cache then holds what forward_layers will look up. Why: a cold boot compiles the
+    forward in one child process (imp.precompile), ~40 s for Gemma on 2 cores, ~16 s of it in
+    the GEMMs; a second child compiling these meanwhile takes ~12 s off it.
+    tests/test_precompile.py checks that forward_layers then compiles none of them."""
+    z = np.empty(0, np.int64)
+    f2 = np.empty((0, d), np.float32)
+    qkv = np.empty((0, (H + 2 * Hkv) * D), np.float32)
+    attn = np.empty((0, H * D), np.float32)
+    dff = mats[0, 4, 1]
+    gu = np.empty((0, 2 * dff), np.float32)
+    a = np.empty((0, dff), np.float32)
+    l, m0, m1 = np.int64(0), np.int64(0), np.int64(3)
+    _lora_add(f2, qkv, mats, l, m0, m1, lo, la, lb, lscale, z)
+    _qkv_post_par(qkv, fv, fo, l, H, Hkv, D, eps, cos_g, sin_g, z, neox, kc, vc, nblocks, bs, z)
+    attention(qkv, H, Hkv, D, l, kc, vc, nblocks, bs, z, z, z, window, scale, attn)
+    _post_norm_add(f2, f2.copy(), fv, fo, l, np.int64(POST_ATTN), eps)
+    _act_rows(gu, a, dff, act)

@@ -229,7 +229,8 @@ def compile_head(cfg: ServerConfig) -> None:
     model = runner.model
     if isinstance(model, FusedModel):
         model.compile_layer_parts(runner.cache)  # first: the forward's child needs them before the head
-        model.head_logits(np.zeros((1, model.cfg.d_model), np.float32))
+        for rows in (1, 2):  # a head may take one route for one token and another for more (head_q8.ALL_BATCHES)
+            model.head_logits(np.zeros((rows, model.cfg.d_model), np.float32))
 
 
 def precompile_main(argv: list[str]) -> int:

@@ -50,8 +50,8 @@ def test_corrections_are_the_offsets_share():
 
 
 def test_smollm2_serves_its_head_packed(smollm2_path):
-    """The real SmolLM2 file (Q8_0 tied head, 49,152 x 576): the fused model holds the packed copy,
-    its Q8_0 loops are not compiled for the head alone, and its logits are the file loop's bits."""
+    """The real SmolLM2 file (Q8_0 tied head, 49,152 x 576): the fused model holds the packed copy
+    and its logits, one token or several, are the file loop's bits."""
     from imp.kernels.cpu import gemm_q8_0_amx
     from imp.model.runner import ModelRunner
 
@@ -63,3 +63,4 @@ def test_smollm2_serves_its_head_packed(smollm2_path):
     w, qt = model.head
     want = qd.gemm(w, qt, h, amx=False)
     np.testing.assert_array_equal(model.head_logits(h), want)
+    np.testing.assert_array_equal(model.head_logits(h[1:2]), want[1:2])

@@ -40,6 +40,11 @@ from imp.kernels.cpu.row_dot_loop import DP4, V8I, V16F, V16I, VNNI, _dpbusd512,
 F32, HALF, I8, I16, I32, I64 = ir.FloatType(), ir.HalfType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 V64B = ir.VectorType(I8, 64)
 ALIGN = 64
+# The batches this loop takes; the file loop (gemm_int8_act.gemm: the same bits) the others. On the AVX2
+# tier only one token: there two threads ran the packed loop no faster than one at 2 and 8 tokens (Gemma's
+# head, Zen 4 running Haswell code: 2 tokens 12.2 -> 11.8 ms, 8 tokens 39.7 -> 49.4; the file loop 20.2 ->
+# 10.2 and 51.6 -> 26.0; cause not found), while one token is 2x the file loop's rate.
+ALL_BATCHES = VNNI
 # Software prefetch PREFETCH bytes ahead of each row's read, into L2 (prefetcht1: LLVM locality 2),
 # not L1 (t0, row_dot_loop's): on the 2-core Zen 4 EPYC of 2026-12-05, Gemma's head from memory,
 # 1 thread: t0 9.8-10.4 GB/s, none 8.5, t1 29-30 (in cache 34); 2 threads t0 19 -> t1 37-61 GB/s.

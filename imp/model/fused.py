@@ -189,7 +189,7 @@ class FusedModel:
         cfg = self.cfg
         kc, vc = self._cache_bits(cache)
         cos_g, sin_g = self.rope_g.upto(0)
-        cf.compile_layer_parts(self.blob, self.mats, self.fv, self.fo, cfg.d_model, cos_g, sin_g, kc, vc,
+        cf.compile_layer_parts(self.blob, self.kinds, self.mats, self.fv, self.fo, cfg.d_model, cos_g, sin_g, kc, vc,
                                cache.num_blocks, cache.block_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                                self.window, self.neox, self.act, np.float32(cfg.rms_eps), np.float32(self.scale),
                                *self._no_lora)

@@ -41,6 +41,7 @@ import numpy as np
 from numba import njit, prange
 
 from imp.kernels.cpu.float_lanes import exp_span, fdot, store16
+from imp.kernels.cpu import gemm_int8_act as qd
 from imp.kernels.cpu.gemm_int8_act import RB, acts_for, block_dots, quantize_rows, widen_rows
 from imp.kernels.cpu.paged_attention import attention
 
@@ -321,15 +322,26 @@ def forward_layers(blob, mats, fv, fo, sliding, x, pos, slots, tables, row_tab,
         _post_norm_add(x, y, fv, fo, l, np.int64(POST_FFN), eps)
 
 
-def compile_layer_parts(blob, mats, fv, fo, d, cos_g, sin_g, kc, vc, nblocks, bs, H, Hkv, D, window, neox, act, eps,
-                        scale, lo, la, lb, lscale):
-    """Compile forward_layers' callees that come after its first _gemm_multi, with zero rows (nothing
-    runs, nothing is written): each called with the types forward_layers gives it (the arrays it
-    makes are C-contiguous float32 like these, its scalars int64 / float32 like these), so the
-    disk cache then holds what forward_layers will look up. Why: a cold boot compiles the
-    forward in one child process (imp.precompile), ~40 s for Gemma on 2 cores, ~16 s of it in
-    the GEMMs; a second child compiling these meanwhile takes ~12 s off it.
-    tests/test_precompile.py checks that forward_layers then compiles none of them."""
+def compile_layer_parts(blob, kinds, mats, fv, fo, d, cos_g, sin_g, kc, vc, nblocks, bs, H, Hkv, D, window, neox, act,
+                        eps, scale, lo, la, lb, lscale):
+    """Compile much of what forward_layers calls, with zero rows (nothing runs, nothing is written):
+    first the row loops block_dots calls, last-called first, then forward_layers' callees after its
+    first _gemm_multi; each called with the types forward_layers and block_dots give it (the arrays
+    they make are C-contiguous like these, the scalars int64 / float32 like these), so the disk
+    cache then holds what they will look up. Why: a cold boot compiles the forward in one child
+    process (imp.precompile), ~40 s for Gemma on 2 cores; a second child compiling these meanwhile
+    takes ~15 s off it, while the first is busy with the steps before (tokenizer, norms,
+    quantization, block_dots itself). tests/test_precompile.py checks that the forward's child
+    then compiles none of them."""
+    qt, u8, f1 = mats[0, 0, 3], np.empty(0, np.int8), np.empty(0, np.float32)
+    o, out = np.int64(0), np.empty((0, 1), np.float32)
+    qd.row_dot(blob, kinds, qt, o, o, u8, o, f1, f1, o)
+    qd.rows_dot4(blob, kinds, qt, o, o, o, u8, o, f1, f1, o)
+    for fn in (qd.rows_dot4x2, qd.rows_dot4x3, qd.rows_dot4x4):
+        fn(blob, kinds, qt, o, o, o, u8, o, o, f1, f1, o, o)
+    for fn in (qd.row_dot4, qd.row_dot8, qd.row_dot16):
+        fn(blob, kinds, qt, o, o, u8, o, o, f1, f1, o, o)
+    qd.row_dots(blob, kinds, qt, o, o, o, u8, f1, f1, out, o, o)
     z = np.empty(0, np.int64)
     f2 = np.empty((0, d), np.float32)
     qkv = np.empty((0, (H + 2 * Hkv) * D), np.float32)

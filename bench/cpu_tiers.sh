@@ -11,8 +11,7 @@ N=${LLAMA_NATIVE_DIR:-/tmp/llama-cpp-native}/build/bin
 A=${LLAMA_AVX2_DIR:-/tmp/llama-cpp-avx2}/build/bin
 MODELS=${MODELS:-"gemma-3-270m smollm2-135m"}
 git log --oneline | head -1; date
-grep -m1 -o -w -E 'avx2|avx512f|avx512vl|avx512_vnni|avx512_bf16|avx512vbmi|amx_int8|f16c|fma' /proc/cpuinfo >/dev/null &&
-  grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -x -E 'avx2|avx512f|avx512vl|avx512_vnni|avx512_bf16|avx512vbmi|amx_int8|f16c|fma' | sort -u | tr '\n' ' '
+grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -x -E 'avx2|avx512f|avx512vl|avx512_vnni|avx512_bf16|avx512vbmi|amx_int8|f16c|fma' | sort -u | tr '\n' ' '
 echo
 for tier in native avx2; do
   if [ $tier = avx2 ]; then export NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=""; L=$A; else unset NUMBA_CPU_NAME NUMBA_CPU_FEATURES; L=$N; fi

@@ -35,7 +35,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from imp.kernels.cpu.gemm_int8_act import QK, RB, quantize
-from imp.kernels.cpu.row_dot_loop import DP4, V8I, V16F, V16I, VNNI, _dpbusd512, _halves, _sdot
+from imp.kernels.cpu.row_dot_loop import DP4, V8I, V16F, V16I, VNNI, _dpbusd512, _halves, _sdot, lane_sum
 
 F32, HALF, I8, I16, I32, I64 = ir.FloatType(), ir.HalfType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 V64B = ir.VectorType(I8, 64)
@@ -173,8 +173,7 @@ def _codegen(R: int, T: int):
             ph.add_incoming(acc_p[c], before)
             ph.add_incoming(tacc[c], tail_end)
             acc_f[c] = ph
-        red = b.module.declare_intrinsic("llvm.vector.reduce.fadd.v16f32", fnty=ir.FunctionType(F32, [F32, V16F]))
-        outs = [b.call(red, [ir.Constant(F32, -0.0), acc_f[c]], fastmath=("reassoc",)) for c in range(C)]
+        outs = [lane_sum(b, acc_f[c]) for c in range(C)]
         return context.make_tuple(b, sig.return_type, outs)
 
     return codegen

@@ -281,6 +281,13 @@ def _single_step(b, e, tok: _Tok, g, blk, acc, fma):
     return b.call(fma, [b.sitofp(p, V16F), sv, acc])
 
 
+def lane_sum(b, acc):
+    """A row's 16 float lanes summed as one fixed tree (`reassoc` on this instruction alone): the
+    last operation of every row loop (here and head_q8's), so the same lanes give the same bits."""
+    red = b.module.declare_intrinsic("llvm.vector.reduce.fadd.v16f32", fnty=ir.FunctionType(F32, [F32, V16F]))
+    return b.call(red, [ir.Constant(F32, -0.0), acc], fastmath=("reassoc",))
+
+
 def _mins_step(b, tok: _Tok, minsv, first, mac):
     """mac (<MW x float>) += the loop step's MW block mins * the token's xs of those blocks: one
     load and one fma a token, the lanes summed once at the end of the row (a fixed tree), instead
@@ -416,8 +423,7 @@ def _codegen(qtype: int, T: int, R: int = 1):
                     m_.add_incoming(mac_p[c], before)
                     m_.add_incoming(tmac[c], tail_end)
                     mac_f[c] = m_
-        red = b.module.declare_intrinsic("llvm.vector.reduce.fadd.v16f32", fnty=ir.FunctionType(F32, [F32, V16F]))
-        outs = [b.call(red, [ir.Constant(F32, -0.0), acc_f[c]], fastmath=("reassoc",)) for c in range(C)]
+        outs = [lane_sum(b, acc_f[c]) for c in range(C)]
         if has_min:
             mred = b.module.declare_intrinsic(f"llvm.vector.reduce.fadd.v{MW}f32", fnty=ir.FunctionType(F32, [F32, MV]))
             outs = [b.fadd(outs[c], b.call(mred, [ir.Constant(F32, -0.0), mac_f[c]], fastmath=("reassoc",)))

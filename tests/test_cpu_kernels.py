@@ -154,6 +154,11 @@ def _attn_reference(qkv, H, Hkv, D, l, kc, vc, nblocks, bs, pos, tables, row_tab
     return out
 
 
+# attention shapes whose bits tests/test_cpu_tiers.py compares between the AVX2 and the host tier
+ATTN_TIER_CASES = [(40, 4, 1, 256, [0], 0), (36, 9, 3, 64, [5, 40], 0), (18, 10, 2, 32, [0, 1], 0),
+                   (20, 6, 1, 80, [3, 17], 7)]
+
+
 @pytest.mark.parametrize("kv_dtype", ["f16", "f32"])
 @pytest.mark.parametrize("N,H,Hkv,D,starts,window", [
     (64, 4, 1, 256, [0], 0),          # Gemma 3's shape, a prefill (head-group items)

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as T
 from imp.formats.quants import dequantize
 from imp.kernels.cpu import gemm_int8_act as qd
 from tests.serverproc import ROOT
-from tests.test_cpu_kernels import random_matrix
+from tests.test_cpu_kernels import ATTN_TIER_CASES, random_matrix
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +44,17 @@ _CHILD = textwrap.dedent("""
             from imp.kernels.cpu import head_q8
             p = head_q8.PackedQ8(w)
             out["packed"], out["packed_1"] = head_q8.gemm(p, x), head_q8.gemm(p, x[3:4])
+    from imp.kernels.cpu import paged_attention
+    from tests.test_cpu_kernels import ATTN_TIER_CASES, _attn_case
+    for i, (N, H, Hkv, D, starts, window) in enumerate(ATTN_TIER_CASES):
+        qkv, kc, vc, nblocks, bs, pos, tables, row_tab = _attn_case(N, H, Hkv, D, starts, "f16", i)
+        o = np.empty((N, H * D), np.float32)
+        paged_attention.attention(qkv, H, Hkv, D, 1, kc, vc, nblocks, bs, pos, tables, row_tab, window,
+                                  np.float32(D ** -0.5), o)
+        o1 = np.empty((1, H * D), np.float32)   # the last row alone (one head an item)
+        paged_attention.attention(qkv[-1:].copy(), H, Hkv, D, 1, kc, vc, nblocks, bs, pos[-1:].copy(), tables,
+                                  row_tab[-1:].copy(), window, np.float32(D ** -0.5), o1)
+        out[f"attn{{i}}"], out[f"attn{{i}}_1"] = o, o1
     np.savez({path!r}, **out)
 """)
 
@@ -75,6 +86,12 @@ def test_avx2_tier_gives_the_vnni_tiers_bits(tmp_path):
         np.testing.assert_array_equal(avx2.pop(name), avx2["Q8_0" + name[6:]], err_msg=name)
         if name in host:
             np.testing.assert_array_equal(host.pop(name), host["Q8_0" + name[6:]], err_msg=name)
+    for i, case in enumerate(ATTN_TIER_CASES):  # attention: the same bits on both tiers, and batch invariant
+        a, a1 = avx2.pop(f"attn{i}"), avx2.pop(f"attn{i}_1")
+        np.testing.assert_array_equal(a1[0], a[-1], err_msg=f"attn{i} {case}: a row alone")
+        np.testing.assert_array_equal(a, host.pop(f"attn{i}"), err_msg=f"attn{i} {case}")
+        np.testing.assert_array_equal(a1, host.pop(f"attn{i}_1"), err_msg=f"attn{i}_1 {case}")
+        # (the float64 reference for attention: tests/test_cpu_kernels.py, on the host's tier)
     for name, got in avx2.items():
         if host_dot in ("vnni", "avx2"):  # the same 4-product lanes: the same bits
             np.testing.assert_array_equal(got, host[name], err_msg=name)

@@ -51,46 +51,14 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from imp.kernels.cpu import isa
 from imp.kernels.cpu.gguf_block_ir import (F32, I8, I32, I64, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, SUBS,
                                            UNIT_BYTES, V32B, V32I, Emit, decode_unit)
 
 V16F, V16I, V8I = ir.VectorType(F32, 16), ir.VectorType(I32, 16), ir.VectorType(I32, 8)
 
 
-# CPUs Numba may be told to compile for (NUMBA_CPU_NAME) with NUMBA_CPU_FEATURES="" (the name's own
-# features): which int8 dot each tier has. Unlisted names: the generic loop.
-_AVX2_CPUS = frozenset(("haswell", "broadwell", "skylake", "skylake-avx512", "cannonlake", "znver1", "znver2",
-                        "znver3", "x86-64-v3", "x86-64-v4"))
-_VNNI_CPUS = frozenset(("cascadelake", "cooperlake", "icelake-client", "icelake-server", "tigerlake", "rocketlake",
-                        "alderlake", "sapphirerapids", "emeraldrapids", "graniterapids", "znver4", "znver5"))
-
-
-def _dot_isa() -> str:
-    """The int8 dot the loops use on the CPU Numba compiles for (the host unless NUMBA_CPU_NAME
-    says otherwise; with a name, NUMBA_CPU_FEATURES as Numba reads it: absent = the host's):
-
-    "vnni"    AVX-512 VNNI (+VL) or AVX-VNNI: one vpdpbusd, 4 products a lane
-    "avx2"    vpmaddubsw + vpmaddwd(1): the same 4-product lanes (exact int32, never saturating:
-              |w| <= 128, |x| <= 127), so the same bits as "vnni"
-    "generic" sign extensions and pair products (16 lanes a block; other bits; NEON too)
-    """
-    import llvmlite.binding as ll
-    import numba
-
-    name, feats = numba.config.CPU_NAME, numba.config.CPU_FEATURES
-    if feats is None:  # Numba passes the host's features
-        f = ll.get_host_cpu_features()
-        have = {k for k in f if f[k]}
-    elif feats.strip():
-        have = {x[1:] for x in feats.split(",") if x.startswith("+")}
-    else:  # the named CPU's own features
-        return "vnni" if name in _VNNI_CPUS else "avx2" if name in _AVX2_CPUS else "generic"
-    if "avxvnni" in have or {"avx512vnni", "avx512vl"} <= have:
-        return "vnni"
-    return "avx2" if "avx2" in have else "generic"
-
-
-DOT = _dot_isa()
+DOT = isa.DOT  # the int8 dot: "vnni", "avx2" or "generic" (isa.py)
 VNNI = DOT == "vnni"
 DP4 = DOT in ("vnni", "avx2")  # the 4-product-lane loops (pairs of 32-blocks in 16 lanes)
 # bytes ahead of a row's read offset. A decode call reads 4 consecutive rows (a few KB) and a thread's

@@ -97,14 +97,17 @@ def test_gemm_rejects_bad_shapes():
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("cols", [32, 96, 160])
 def test_odd_block_counts(qtype, cols):
-    """Rows of an odd number of 32-blocks: the paired loop's last block runs on its own."""
+    """Rows of an odd number of 32-blocks: the paired loop's last block runs on its own, in the
+    row loops (6 tokens) and in the predecoded scratch's last slot (21 tokens: a prefill's batch)."""
     rng = np.random.default_rng(cols + int(qtype))
     w = random_matrix(qtype, 9, cols, rng)
-    x = rng.standard_normal((6, cols)).astype(np.float32)
-    got = qd.gemm(w, int(qtype), x)
+    x = rng.standard_normal((21, cols)).astype(np.float32)
     ref = qd.reference_gemm(dequantize(w, qtype, (9, cols)), x)
-    assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-6
-    np.testing.assert_array_equal(qd.gemm(w, int(qtype), x[5:6])[0], got[5])
+    for n in (6, 21):
+        got = qd.gemm(w, int(qtype), x[:n])
+        assert np.abs(got - ref[:n]).max() / np.abs(ref[:n]).max() < 2e-6
+        np.testing.assert_array_equal(qd.gemm(w, int(qtype), x[5:6])[0], got[5])
+        np.testing.assert_array_equal(qd.gemm(w, int(qtype), x[n - 1:n])[0], got[n - 1])
 
 
 # ---------------------------------------------------------------- attention (paged_attention.py)

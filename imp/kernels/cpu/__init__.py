@@ -2,6 +2,9 @@
 
     gemm_int8_act   activations quantized to int8 per block of 32; GEMV / small GEMM over the blocks
     row_dot_loop    the LLVM loop of one weight row . T tokens (gguf_block_ir: the blocks decoded in IR)
+    predecoded      a prefill's weight rows decoded once into a scratch, then few tokens a call
+    head_q8         a Q8_0 output head repacked at load
+    isa             what the target CPU has: the int8 dot, AVX-512's registers or AVX2's
     gemm_q8_0_amx   Q8_0 GEMM on AMX int8 tiles (output heads)
     paged_attention attention over the paged fp16 KV cache, query heads of one KV head together
     fused_forward   every decoder layer of one step in one Numba call

@@ -21,6 +21,7 @@ V32B, V32I = ir.VectorType(I8, 32), ir.VectorType(I32, 32)
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 UNIT_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q5_K: 176, Q6_K: 210}
 SUBS = {Q4_K: 8, Q5_K: 8, Q6_K: 8}  # 32-blocks per unit (1 for the others)
+OFFSET = {Q4_0: 8, Q5_0: 16, Q8_0: 128, Q6_K: 32}  # signed weight = quants - offset (0 for the others)
 
 
 class Emit:
@@ -100,17 +101,17 @@ def decode_unit(e: Emit, qtype: int, o):
         return b.add(o, ir.Constant(I64, k))
 
     if qtype == Q8_0:  # int8 -> unsigned by flipping the sign bit: q + 128
-        return [(b.xor(e.at(off(2), V32B), e.c(32, 0x80)), 128, e.f16(o), None, None)]
+        return [(b.xor(e.at(off(2), V32B), e.c(32, 0x80)), OFFSET[Q8_0], e.f16(o), None, None)]
     if qtype in (Q4_0, Q4_1):
         q = e.nibbles16(off(2 if qtype == Q4_0 else 4))
         if qtype == Q4_0:
-            return [(q, 8, e.f16(o), None, None)]
+            return [(q, OFFSET[Q4_0], e.f16(o), None, None)]
         return [(q, 0, e.f16(o), e.f16(off(2)), None)]
     if qtype in (Q5_0, Q5_1):
         qh, qs = (2, 6) if qtype == Q5_0 else (4, 8)
         q = b.or_(e.nibbles16(off(qs)), e.fifth_bits(off(qh)))
         if qtype == Q5_0:
-            return [(q, 16, e.f16(o), None, None)]
+            return [(q, OFFSET[Q5_0], e.f16(o), None, None)]
         return [(q, 0, e.f16(o), e.f16(off(2)), None)]
     if qtype in (Q4_K, Q5_K):
         d, dmin = e.f16(o), e.f16(off(2))
@@ -133,6 +134,6 @@ def decode_unit(e: Emit, qtype: int, o):
             qh = e.bits32(off(128 + 32 * h), 2 * qi, 3)
             q = b.or_(ql, b.shl(qh, e.c(32, 4)))
             sa, sb = (b.sext(e.byte(off(192 + 2 * g + k)), I32) for k in (0, 1))
-            out.append((q, 32, d, None, (sa, sb)))  # elements 0..15 scale sa, 16..31 sb
+            out.append((q, OFFSET[Q6_K], d, None, (sa, sb)))  # elements 0..15 scale sa, 16..31 sb
         return out
     raise NotImplementedError(qtype)

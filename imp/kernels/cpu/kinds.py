@@ -62,7 +62,7 @@ def picker(name: str, fns: dict[int, object], args: tuple[str, ...], units: str,
     """A function `name(kinds, qtype, *args)` for jitted code: fns[qtype](*args) for the types in
     kinds, only those compiled. units: the argument counting 32-blocks, which a K-quant's loop
     takes in super-blocks (divided by per_super[qtype]). width: the outputs a call returns (a
-    type outside kinds returns that many NaNs)."""
+    type outside kinds returns that many NaNs; 0: the functions return nothing)."""
     sig = ", ".join(args)
     ns: dict = {}
     exec(f"def {name}(kinds, qtype, {sig}):\n    raise NotImplementedError('called from jitted code only')\n", ns)
@@ -78,7 +78,7 @@ def picker(name: str, fns: dict[int, object], args: tuple[str, ...], units: str,
                 call = ", ".join(f"{a} // {per_super[qt]}" if a == units and qt in per_super else a for a in args)
                 lines.append(f"    if qtype == {qt}:\n        return f{qt}({call})")
                 g[f"f{qt}"] = fns[qt]
-        lines.append("    return (" + "nan, " * width + ")")
+        lines.append("    return (" + "nan, " * width + ")" if width else "    return None")
         exec("\n".join(lines), g)
         return g["impl"]
 

@@ -213,5 +213,5 @@ def test_the_second_compile_child_compiles_what_the_forward_then_loads(smollm2_p
     compiled = run("steps")
     assert "forward_layers" in compiled and "_gemm_multi" in compiled, compiled  # the cache was cold for these
     for name in ("attention", "_qkv_post_par", "_post_norm_add", "_act_rows", "_lora_add", "corrections",
-                 "row_dot16", "row_dots", "rows_dot4", "rows_dot4x2", "rows_dot4x3", "rows_dot4x4", "row_dot"):
+                 "row_dot16", "row_dots", "predecoded_dots", "rows_dot4", "rows_dot4x2", "rows_dot4x3", "rows_dot4x4", "row_dot"):
         assert name not in compiled, (name, compiled)

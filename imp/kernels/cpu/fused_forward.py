@@ -339,9 +339,10 @@ def compile_layer_parts(blob, kinds, mats, fv, fo, d, cos_g, sin_g, kc, vc, nblo
     qd.rows_dot4(blob, kinds, qt, o, o, o, u8, o, f1, f1, o)
     for fn in (qd.rows_dot4x2, qd.rows_dot4x3, qd.rows_dot4x4):
         fn(blob, kinds, qt, o, o, o, u8, o, o, f1, f1, o, o)
-    for fn in (qd.row_dot4, qd.row_dot8, qd.row_dot16):
+    for fn in (qd.row_dot4, qd.row_dot8) if qd.PREDECODE else (qd.row_dot4, qd.row_dot8, qd.row_dot16):
         fn(blob, kinds, qt, o, o, u8, o, o, f1, f1, o, o)
     qd.row_dots(blob, kinds, qt, o, o, o, u8, f1, f1, out, o, o)
+    qd.predecoded_dots(blob, kinds, qt, o, o, o, o, o, u8, f1, f1, out, o)  # block_dots' first callee
     z = np.empty(0, np.int64)
     f2 = np.empty((0, d), np.float32)
     qkv = np.empty((0, (H + 2 * Hkv) * D), np.float32)

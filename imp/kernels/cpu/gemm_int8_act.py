@@ -188,11 +188,12 @@ def row_dots(w, kinds, qtype, base, nb, N, xq, xd, xs, out, r, n0=0):
     """out[n, r] = row . token n for tokens n0..N-1 (xq/xd/xs flat): tiles of TILE, then one by one."""
     K = nb * QK
     n = n0
-    while n + TILE <= N:
-        y = row_dot16(w, kinds, qtype, base, nb, xq, n * K, K, xd, xs, n * nb, nb)
-        for t in range(TILE):
-            out[n + t, r] = y[t]
-        n += TILE
+    if not PREDECODE:  # (where the rows are predecoded from 16 tokens on, no caller has 16 here: not compiled)
+        while n + TILE <= N:
+            y = row_dot16(w, kinds, qtype, base, nb, xq, n * K, K, xd, xs, n * nb, nb)
+            for t in range(TILE):
+                out[n + t, r] = y[t]
+            n += TILE
     if n + MID_TILE <= N:
         y8 = row_dot8(w, kinds, qtype, base, nb, xq, n * K, K, xd, xs, n * nb, nb)
         for t in range(MID_TILE):
@@ -273,8 +274,8 @@ def block_dots(w, kinds, qtype, base, rbytes, nrows, nb, N, xq, xd, xs, out, c0)
         predecoded_dots(w, kinds, qtype, base, rbytes, nrows, nb, N, xq, xd, xs, out, c0)
         return
     K = nb * QK
-    n = 0
-    while n + TILE <= N:
+    n = np.int64(0)  # not a literal 0: row_dots below is compiled (and cached) for int64 n0 either way
+    while not PREDECODE and n + TILE <= N:  # the generic tier's tiles of 16 (pruned where PREDECODE)
         for i in range(nrows):
             y = row_dot16(w, kinds, qtype, base + i * rbytes, nb, xq, n * K, K, xd, xs, n * nb, nb)
             for t in range(TILE):

@@ -204,14 +204,16 @@ def _fdots_halves(G: int):
 
 
 # The 16-lane chains of a dot (CW = 4 for D % 64 == 0, else 1) set its bits on every tier; with
-# 16 registers of 8 lanes (AVX2, isa.ZMM False) the same dots run as _fdots_halves, and the value
-# loop keeps one 16-lane chunk per head a pass (its bits do not depend on CW: one fma chain a lane).
+# 16 registers of 8 lanes (AVX2, isa.ZMM False) the dots of 2-4 heads run as _fdots_halves (one
+# head's 4 chains fit: 8 registers, and a decode's one-head items kept their speed that way:
+# Haswell code, one row of Gemma at 340 keys 19.9 us, as halves 25.8), and the value loop keeps at
+# most 4 16-lane chunks in flight (its bits do not depend on CW: one fma chain a lane).
 if isa.ZMM:
     _d1, _d2, _d3, _d4 = (_fdots(g, 4) for g in (1, 2, 3, 4))
 else:
-    _d1, _d2, _d3, _d4 = (_fdots_halves(g) for g in (1, 2, 3, 4))
+    _d1, (_d2, _d3, _d4) = _fdots(1, 4), (_fdots_halves(g) for g in (2, 3, 4))
 _d1n, _d2n, _d3n, _d4n = (_fdots(g, 1) for g in (1, 2, 3, 4))
-_p1, _p2, _p3, _p4 = (_pv(g, 4 if isa.ZMM else 1) for g in (1, 2, 3, 4))
+_p1, _p2, _p3, _p4 = (_pv(g, 4 if isa.ZMM else max(1, 4 // g)) for g in (1, 2, 3, 4))
 _p1n, _p2n, _p3n, _p4n = (_pv(g, 1) for g in (1, 2, 3, 4))
 
 

@@ -36,7 +36,7 @@ from imp.kernels.cpu import isa
 from imp.kernels.cpu.gguf_block_ir import (F32, I8, I32, I64, OFFSET, Q4_1, Q4_K, Q5_1, Q5_K, SUBS, UNIT_BYTES, Emit,
                                            decode_unit)
 from imp.kernels.cpu.row_dot_loop import (V8I, V16F, V16I, VNNI, _dpbusd, _mins_step, _pair_prep, _pair_step,
-                                          _prefetch, _sdot, _Tok, lane_sum)
+                                          _prefetch, _sdot, _Tok, join_tail, row_outputs, single_lanes, tail_min)
 
 V64B, V32B = ir.VectorType(I8, 64), ir.VectorType(I8, 32)
 # tokens a pdot call takes. Measured (Zen 4, one thread, 2,048 x 1,024 at 512 tokens, GMAC/s for Q5_0 /
@@ -217,32 +217,14 @@ def _dot_codegen(qtype: int, T: int):
                     p8 = _sdot(b, e, wv, xv)
                 else:
                     p8 = _dpbusd(b, wv, xv)
-                p = b.shuffle_vector(p8, ir.Constant(V8I, [0] * 8), ir.Constant(V16I, list(range(16))))
-                s8 = e.splat(b.fmul(sc, toks[t].xd(last)), 8)
-                sv = b.shuffle_vector(s8, ir.Constant(ir.VectorType(F32, 8), [0.0] * 8), ir.Constant(V16I, list(range(16))))
-                tacc[t] = b.call(fma, [b.sitofp(p, V16F), sv, tacc[t]])
+                tacc[t] = single_lanes(b, e, toks[t], p8, sc, last, tacc[t], fma)
                 if has_min:
-                    m0t = b.fmul(mn, toks[t].xs(last))
-                    tmac[t] = b.fadd(tmac[t], b.insert_element(zero_m, m0t, ir.Constant(I32, 0)))
+                    tmac[t] = tail_min(b, toks[t], mn, last, tmac[t], zero_m)
             tail_end = b.block
             b.branch(done)
             b.position_at_end(done)
-            for t in range(T):
-                a_ = b.phi(V16F)
-                a_.add_incoming(acc_p[t], before)
-                a_.add_incoming(tacc[t], tail_end)
-                acc_f[t] = a_
-                if has_min:
-                    m_ = b.phi(MV)
-                    m_.add_incoming(mac_p[t], before)
-                    m_.add_incoming(tmac[t], tail_end)
-                    mac_f[t] = m_
-        outs = [lane_sum(b, acc_f[t]) for t in range(T)]
-        if has_min:
-            mred = b.module.declare_intrinsic(f"llvm.vector.reduce.fadd.v{MW}f32", fnty=ir.FunctionType(F32, [F32, MV]))
-            outs = [b.fadd(outs[t], b.call(mred, [ir.Constant(F32, -0.0), mac_f[t]], fastmath=("reassoc",)))
-                    for t in range(T)]
-        return context.make_tuple(b, sig.return_type, outs)
+            acc_f, mac_f = join_tail(b, before, tail_end, acc_p, mac_p, tacc, tmac)
+        return context.make_tuple(b, sig.return_type, row_outputs(b, acc_f, mac_f))
 
     return codegen
 

@@ -239,14 +239,50 @@ def _single_step(b, e, tok: _Tok, g, blk, acc, fma):
     uv, off, sc, mn, lanes = g
     xv = tok.x(blk, 32)
     if DP4:
-        p8 = _products(b, e, uv, off, lanes, xv)  # <8 x i32>
-        p = b.shuffle_vector(p8, ir.Constant(V8I, [0] * 8), ir.Constant(V16I, list(range(16))))
-        s8 = e.splat(b.fmul(sc, tok.xd(blk)), 8)
-        sv = b.shuffle_vector(s8, ir.Constant(ir.VectorType(F32, 8), [0.0] * 8), ir.Constant(V16I, list(range(16))))
-    else:
-        p = _products(b, e, uv, off, lanes, xv)  # <16 x i32>
-        sv = e.splat(b.fmul(sc, tok.xd(blk)), 16)
+        return single_lanes(b, e, tok, _products(b, e, uv, off, lanes, xv), sc, blk, acc, fma)
+    p = _products(b, e, uv, off, lanes, xv)  # <16 x i32>
+    sv = e.splat(b.fmul(sc, tok.xd(blk)), 16)
     return b.call(fma, [b.sitofp(p, V16F), sv, acc])
+
+
+def single_lanes(b, e, tok: _Tok, p8, sc, blk, acc, fma):
+    """A lone 32-block's <8 x i32> lane sums into lanes 0..7 of acc (8..15 take 0 x 0), scaled by
+    sc * the token's xd (the 4-product tiers; predecoded.py's odd last block too)."""
+    p = b.shuffle_vector(p8, ir.Constant(V8I, [0] * 8), ir.Constant(V16I, list(range(16))))
+    s8 = e.splat(b.fmul(sc, tok.xd(blk)), 8)
+    sv = b.shuffle_vector(s8, ir.Constant(ir.VectorType(F32, 8), [0.0] * 8), ir.Constant(V16I, list(range(16))))
+    return b.call(fma, [b.sitofp(p, V16F), sv, acc])
+
+
+def tail_min(b, tok: _Tok, mn, blk, mac, zero_m):
+    """A lone last block's min times the token's xs, into lane 0 of the mins (the even blocks' lane)."""
+    return b.fadd(mac, b.insert_element(zero_m, b.fmul(mn, tok.xs(blk)), ir.Constant(I32, 0)))
+
+
+def join_tail(b, before, tail_end, acc_p, mac_p, tacc, tmac):
+    """After an odd-last-block branch: each chain's value from whichever way came (phis)."""
+    acc_f, mac_f = [], []
+    for c in range(len(acc_p)):
+        a_ = b.phi(V16F)
+        a_.add_incoming(acc_p[c], before)
+        a_.add_incoming(tacc[c], tail_end)
+        acc_f.append(a_)
+        if mac_p:
+            m_ = b.phi(mac_p[c].type)
+            m_.add_incoming(mac_p[c], before)
+            m_.add_incoming(tmac[c], tail_end)
+            mac_f.append(m_)
+    return acc_f, mac_f
+
+
+def row_outputs(b, acc_f, mac_f):
+    """Each chain's result: its 16 lanes' fixed tree, plus its mins' fixed tree where it has mins."""
+    outs = [lane_sum(b, a) for a in acc_f]
+    if mac_f:
+        mv = mac_f[0].type
+        mred = b.module.declare_intrinsic(f"llvm.vector.reduce.fadd.v{mv.count}f32", fnty=ir.FunctionType(F32, [F32, mv]))
+        outs = [b.fadd(o, b.call(mred, [ir.Constant(F32, -0.0), m], fastmath=("reassoc",))) for o, m in zip(outs, mac_f)]
+    return outs
 
 
 def lane_sum(b, acc):
@@ -375,28 +411,13 @@ def _codegen(qtype: int, T: int, R: int = 1):
                 for t in range(T):
                     c = i * T + t
                     tacc[c] = _single_step(b, e, toks[t], g, last, tacc[c], fma)
-                    if has_min:  # into lane 0 (the even blocks' lane)
-                        m0 = b.fmul(g[3], toks[t].xs(last))
-                        tmac[c] = b.fadd(tmac[c], b.insert_element(zero_m, m0, ir.Constant(I32, 0)))
+                    if has_min:
+                        tmac[c] = tail_min(b, toks[t], g[3], last, tmac[c], zero_m)
             tail_end = b.block
             b.branch(done)
             b.position_at_end(done)
-            for c in range(C):
-                a_ = b.phi(V16F)
-                a_.add_incoming(acc_p[c], before)
-                a_.add_incoming(tacc[c], tail_end)
-                acc_f[c] = a_
-                if has_min:
-                    m_ = b.phi(MV)
-                    m_.add_incoming(mac_p[c], before)
-                    m_.add_incoming(tmac[c], tail_end)
-                    mac_f[c] = m_
-        outs = [lane_sum(b, acc_f[c]) for c in range(C)]
-        if has_min:
-            mred = b.module.declare_intrinsic(f"llvm.vector.reduce.fadd.v{MW}f32", fnty=ir.FunctionType(F32, [F32, MV]))
-            outs = [b.fadd(outs[c], b.call(mred, [ir.Constant(F32, -0.0), mac_f[c]], fastmath=("reassoc",)))
-                    for c in range(C)]
-        return context.make_tuple(b, sig.return_type, outs)
+            acc_f, mac_f = join_tail(b, before, tail_end, acc_p, mac_p, tacc, tmac)
+        return context.make_tuple(b, sig.return_type, row_outputs(b, acc_f, mac_f))
 
     return codegen
 

@@ -36,7 +36,8 @@ from imp.kernels.cpu import isa
 from imp.kernels.cpu.gguf_block_ir import (F32, I8, I32, I64, OFFSET, Q4_1, Q4_K, Q5_1, Q5_K, SUBS, UNIT_BYTES, Emit,
                                            decode_unit)
 from imp.kernels.cpu.row_dot_loop import (V8I, V16F, V16I, VNNI, _dpbusd, _mins_step, _pair_prep, _pair_step,
-                                          _prefetch, _sdot, _Tok, join_tail, row_outputs, single_lanes, tail_min)
+                                          _prefetch, _sdot, _Tok, chain_loop, odd_tail, row_outputs, single_lanes,
+                                          tail_min)
 
 V64B, V32B = ir.VectorType(I8, 64), ir.VectorType(I8, 32)
 # tokens a pdot call takes. Measured (Zen 4, one thread, 2,048 x 1,024 at 512 tokens, GMAC/s for Q5_0 /
@@ -155,60 +156,31 @@ def _dot_codegen(qtype: int, T: int):
         fma = b.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(V16F, [V16F] * 3))
         toks = [_Tok(b, qdata, ddata, sdata, xo, xstride, xb, xbstride, t) for t in range(T)]
         steps = b.ashr(units, _c(1)) if pair32 else units
-        zero_v, zero_m = ir.Constant(V16F, [0.0] * 16), ir.Constant(MV, [0.0] * MW)
-        entry = b.block
-        loop, after = b.append_basic_block("pdot_loop"), b.append_basic_block("pdot_after")
-        b.cbranch(b.icmp_signed(">", steps, _c(0)), loop, after)
-        b.position_at_end(loop)
-        u = b.phi(I64)
-        accs = [b.phi(V16F) for _ in range(T)]
-        macs = [b.phi(MV) for _ in range(T)] if has_min else []
-        acc_v, mac_v = list(accs), list(macs)
-        first = b.mul(u, _c(2 if pair32 else SUBS.get(qtype, 1)))
-        for j in range(PPS):
-            slot = b.add(slot0, b.add(b.mul(u, _c(PPS)), _c(j)))
-            uv = _load(b, swd, b.mul(slot, _c(64)), V64B)
-            ws = _load(b, ssd, b.mul(slot, _c(16)), V16F)
-            start = _load(b, std, b.mul(slot, _c(16)), V16I) if off and VNNI else None
-            prep = (uv, start, ws, bool(off) and not VNNI)
-            blk = b.add(first, _c(2 * j))
-            for t in range(T):
-                acc_v[t] = _pair_step(b, e, toks[t], prep, blk, acc_v[t], fma)
-        if has_min:
-            minsv = _load(b, smd, b.add(m0, b.mul(u, _c(MW))), MV)
-            for t in range(T):
-                mac_v[t] = _mins_step(b, toks[t], minsv, first, mac_v[t])
+        zero_m = ir.Constant(MV, [0.0] * MW)
 
-        def incoming(acc_phis, mac_phis):
-            for t in range(T):
-                acc_phis[t].add_incoming(zero_v, entry)
-                acc_phis[t].add_incoming(acc_v[t], loop)
-                if has_min:
-                    mac_phis[t].add_incoming(zero_m, entry)
-                    mac_phis[t].add_incoming(mac_v[t], loop)
+        def step(u, acc_v, mac_v):
+            first = b.mul(u, _c(2 if pair32 else SUBS.get(qtype, 1)))
+            for j in range(PPS):
+                slot = b.add(slot0, b.add(b.mul(u, _c(PPS)), _c(j)))
+                uv = _load(b, swd, b.mul(slot, _c(64)), V64B)
+                ws = _load(b, ssd, b.mul(slot, _c(16)), V16F)
+                start = _load(b, std, b.mul(slot, _c(16)), V16I) if off and VNNI else None
+                prep = (uv, start, ws, bool(off) and not VNNI)
+                blk = b.add(first, _c(2 * j))
+                for t in range(T):
+                    acc_v[t] = _pair_step(b, e, toks[t], prep, blk, acc_v[t], fma)
+            if has_min:
+                minsv = _load(b, smd, b.add(m0, b.mul(u, _c(MW))), MV)
+                for t in range(T):
+                    mac_v[t] = _mins_step(b, toks[t], minsv, first, mac_v[t])
+            return acc_v, mac_v
 
-        u1 = b.add(u, _c(1))
-        u.add_incoming(_c(0), entry)
-        u.add_incoming(u1, loop)
-        incoming(accs, macs)
-        b.cbranch(b.icmp_signed("<", u1, steps), loop, after)
-        b.position_at_end(after)
-        acc_p = [b.phi(V16F) for _ in range(T)]
-        mac_p = [b.phi(MV) for _ in range(T)] if has_min else []
-        incoming(acc_p, mac_p)
-        acc_f, mac_f = list(acc_p), list(mac_p)
-        if pair32:  # the odd last block, as row_dot_loop's tail (_single_step on the decoded weights)
-            tail, done = b.append_basic_block("pdot_tail"), b.append_basic_block("pdot_done")
-            before = b.block
-            b.cbranch(b.icmp_signed("!=", b.and_(units, _c(1)), _c(0)), tail, done)
-            b.position_at_end(tail)
-            last = b.sub(units, _c(1))
+        def tail(last, tacc, tmac):  # row_dot_loop's odd last block (_single_step) on the decoded weights
             slot = b.add(slot0, steps)
             wv = _load(b, swd, b.mul(slot, _c(64)), V32B)
             sc = _load(b, ssd, b.mul(slot, _c(16)), F32)
             start8 = _load(b, std, b.mul(slot, _c(16)), V8I) if off and VNNI else None
             mn = _load(b, smd, b.add(m0, b.mul(steps, _c(MW))), F32) if has_min else None
-            tacc, tmac = list(acc_p), list(mac_p)
             for t in range(T):
                 xv = toks[t].x(last, 32)
                 if start8 is not None:
@@ -220,10 +192,11 @@ def _dot_codegen(qtype: int, T: int):
                 tacc[t] = single_lanes(b, e, toks[t], p8, sc, last, tacc[t], fma)
                 if has_min:
                     tmac[t] = tail_min(b, toks[t], mn, last, tmac[t], zero_m)
-            tail_end = b.block
-            b.branch(done)
-            b.position_at_end(done)
-            acc_f, mac_f = join_tail(b, before, tail_end, acc_p, mac_p, tacc, tmac)
+            return tacc, tmac
+
+        acc_f, mac_f = chain_loop(b, steps, T, MV if has_min else None, step, "pdot_loop")
+        if pair32:
+            acc_f, mac_f = odd_tail(b, units, acc_f, mac_f, tail, "pdot_tail")
         return context.make_tuple(b, sig.return_type, row_outputs(b, acc_f, mac_f))
 
     return codegen

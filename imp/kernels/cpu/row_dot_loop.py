@@ -259,8 +259,55 @@ def tail_min(b, tok: _Tok, mn, blk, mac, zero_m):
     return b.fadd(mac, b.insert_element(zero_m, b.fmul(mn, tok.xs(blk)), ir.Constant(I32, 0)))
 
 
-def join_tail(b, before, tail_end, acc_p, mac_p, tacc, tmac):
-    """After an odd-last-block branch: each chain's value from whichever way came (phis)."""
+def chain_loop(b, steps, C: int, MV, step, name: str):
+    """`for u in range(steps)` over C chains of 16 float lanes (and, where MV is a vector type, C
+    chains of mins), all starting from zero: step(u, accs, macs) -> (accs, macs) emits one loop
+    step. Returns the chains after the loop (zero when steps is 0)."""
+    zero_v = ir.Constant(V16F, [0.0] * 16)
+    zero_m = ir.Constant(MV, [0.0] * MV.count) if MV is not None else None
+    entry = b.block
+    loop, after = b.append_basic_block(name), b.append_basic_block(name + "_after")
+    b.cbranch(b.icmp_signed(">", steps, ir.Constant(I64, 0)), loop, after)
+    b.position_at_end(loop)
+    u = b.phi(I64)
+    accs = [b.phi(V16F) for _ in range(C)]
+    macs = [b.phi(MV) for _ in range(C)] if MV is not None else []
+    acc_v, mac_v = step(u, list(accs), list(macs))
+    loop_end = b.block
+
+    def zero_or_stepped(acc_phis, mac_phis):
+        # the loop head's chains and the loop exit's alike: zero from the entry (no step ran),
+        # the last step's values from the loop
+        for c in range(C):
+            acc_phis[c].add_incoming(zero_v, entry)
+            acc_phis[c].add_incoming(acc_v[c], loop_end)
+            if mac_phis:
+                mac_phis[c].add_incoming(zero_m, entry)
+                mac_phis[c].add_incoming(mac_v[c], loop_end)
+
+    u1 = b.add(u, ir.Constant(I64, 1))
+    u.add_incoming(ir.Constant(I64, 0), entry)
+    u.add_incoming(u1, loop_end)
+    zero_or_stepped(accs, macs)
+    b.cbranch(b.icmp_signed("<", u1, steps), loop, after)
+    b.position_at_end(after)
+    acc_p = [b.phi(V16F) for _ in range(C)]
+    mac_p = [b.phi(MV) for _ in range(C)] if MV is not None else []
+    zero_or_stepped(acc_p, mac_p)
+    return acc_p, mac_p
+
+
+def odd_tail(b, units, acc_p, mac_p, tail, name: str):
+    """A 32-type row's odd last block: where units is odd, (accs, macs) = tail(last, accs, macs)
+    on the chains; returns the chains either way (phis)."""
+    tblock, done = b.append_basic_block(name), b.append_basic_block(name + "_done")
+    before = b.block
+    b.cbranch(b.icmp_signed("!=", b.and_(units, ir.Constant(I64, 1)), ir.Constant(I64, 0)), tblock, done)
+    b.position_at_end(tblock)
+    tacc, tmac = tail(b.sub(units, ir.Constant(I64, 1)), list(acc_p), list(mac_p))
+    tail_end = b.block
+    b.branch(done)
+    b.position_at_end(done)
     acc_f, mac_f = [], []
     for c in range(len(acc_p)):
         a_ = b.phi(V16F)
@@ -337,75 +384,41 @@ def _codegen(qtype: int, T: int, R: int = 1):
         fma = b.module.declare_intrinsic("llvm.fma.v16f32", fnty=ir.FunctionType(V16F, [V16F] * 3))
         toks = [_Tok(b, qdata, ddata, sdata, xo, xstride, xb, xbstride, t) for t in range(T)]
         steps = b.ashr(units, ir.Constant(I64, 1)) if pair32 else units
-        zero_v = ir.Constant(V16F, [0.0] * 16)
         zero_m = ir.Constant(MV, [0.0] * MW)
-        entry = b.block
-        loop = b.append_basic_block("rowdot_loop")
-        after = b.append_basic_block("rowdot_after")
-        b.cbranch(b.icmp_signed(">", steps, ir.Constant(I64, 0)), loop, after)
-        b.position_at_end(loop)
-        u = b.phi(I64)
-        accs = [b.phi(V16F) for _ in range(C)]
-        macs = [b.phi(MV) for _ in range(C)] if has_min else []
-        acc_v, mac_v = list(accs), list(macs)
-        if pair32:
-            o = b.mul(u, ir.Constant(I64, 2 * ubytes))
-            first = b.mul(u, ir.Constant(I64, 2))
-        else:
-            o = b.mul(u, ir.Constant(I64, ubytes))
-            first = b.mul(u, ir.Constant(I64, subs))
-        for i, e in enumerate(es):
+
+        def step(u, acc_v, mac_v):
             if pair32:
-                groups = decode_unit(e, qtype, o) + decode_unit(e, qtype, b.add(o, ir.Constant(I64, ubytes)))
+                o = b.mul(u, ir.Constant(I64, 2 * ubytes))
+                first = b.mul(u, ir.Constant(I64, 2))
             else:
-                groups = decode_unit(e, qtype, o)
-            _prefetch(b, e, o)
-            if DP4:
-                for j in range(0, len(groups), 2):
-                    blk = b.add(first, ir.Constant(I64, j))
-                    prep = _pair_prep(b, e, groups[j], groups[j + 1])
+                o = b.mul(u, ir.Constant(I64, ubytes))
+                first = b.mul(u, ir.Constant(I64, subs))
+            for i, e in enumerate(es):
+                if pair32:
+                    groups = decode_unit(e, qtype, o) + decode_unit(e, qtype, b.add(o, ir.Constant(I64, ubytes)))
+                else:
+                    groups = decode_unit(e, qtype, o)
+                _prefetch(b, e, o)
+                if DP4:
+                    for j in range(0, len(groups), 2):
+                        blk = b.add(first, ir.Constant(I64, j))
+                        prep = _pair_prep(b, e, groups[j], groups[j + 1])
+                        for t in range(T):
+                            acc_v[i * T + t] = _pair_step(b, e, toks[t], prep, blk, acc_v[i * T + t], fma)
+                else:
+                    for j, g in enumerate(groups):
+                        blk = b.add(first, ir.Constant(I64, j))
+                        for t in range(T):
+                            acc_v[i * T + t] = _single_step(b, e, toks[t], g, blk, acc_v[i * T + t], fma)
+                if has_min:  # the step's mins as one vector, once for the T tokens
+                    minsv = ir.Constant(MV, ir.Undefined)
+                    for j, g in enumerate(groups):
+                        minsv = b.insert_element(minsv, g[3], ir.Constant(I32, j))
                     for t in range(T):
-                        acc_v[i * T + t] = _pair_step(b, e, toks[t], prep, blk, acc_v[i * T + t], fma)
-            else:
-                for j, g in enumerate(groups):
-                    blk = b.add(first, ir.Constant(I64, j))
-                    for t in range(T):
-                        acc_v[i * T + t] = _single_step(b, e, toks[t], g, blk, acc_v[i * T + t], fma)
-            if has_min:  # the step's mins as one vector, once for the T tokens
-                minsv = ir.Constant(MV, ir.Undefined)
-                for j, g in enumerate(groups):
-                    minsv = b.insert_element(minsv, g[3], ir.Constant(I32, j))
-                for t in range(T):
-                    mac_v[i * T + t] = _mins_step(b, toks[t], minsv, first, mac_v[i * T + t])
+                        mac_v[i * T + t] = _mins_step(b, toks[t], minsv, first, mac_v[i * T + t])
+            return acc_v, mac_v
 
-        def zero_or_stepped(acc_phis, mac_phis):
-            # the loop head's chains and the loop exit's alike: zero from the entry (no step ran),
-            # the last step's values from the loop
-            for c in range(C):
-                acc_phis[c].add_incoming(zero_v, entry)
-                acc_phis[c].add_incoming(acc_v[c], loop)
-                if has_min:
-                    mac_phis[c].add_incoming(zero_m, entry)
-                    mac_phis[c].add_incoming(mac_v[c], loop)
-
-        u1 = b.add(u, ir.Constant(I64, 1))
-        u.add_incoming(ir.Constant(I64, 0), entry)
-        u.add_incoming(u1, loop)
-        zero_or_stepped(accs, macs)
-        b.cbranch(b.icmp_signed("<", u1, steps), loop, after)
-        b.position_at_end(after)
-        acc_p = [b.phi(V16F) for _ in range(C)]
-        mac_p = [b.phi(MV) for _ in range(C)] if has_min else []
-        zero_or_stepped(acc_p, mac_p)
-        acc_f, mac_f = list(acc_p), list(mac_p)
-        if pair32:  # the odd last block of a 32-type row
-            tail = b.append_basic_block("rowdot_tail")
-            done = b.append_basic_block("rowdot_done")
-            before = b.block
-            b.cbranch(b.icmp_signed("!=", b.and_(units, ir.Constant(I64, 1)), ir.Constant(I64, 0)), tail, done)
-            b.position_at_end(tail)
-            last = b.sub(units, ir.Constant(I64, 1))
-            tacc, tmac = list(acc_p), list(mac_p)
+        def tail(last, tacc, tmac):
             for i, e in enumerate(es):
                 (g,) = decode_unit(e, qtype, b.mul(last, ir.Constant(I64, ubytes)))
                 for t in range(T):
@@ -413,10 +426,11 @@ def _codegen(qtype: int, T: int, R: int = 1):
                     tacc[c] = _single_step(b, e, toks[t], g, last, tacc[c], fma)
                     if has_min:
                         tmac[c] = tail_min(b, toks[t], g[3], last, tmac[c], zero_m)
-            tail_end = b.block
-            b.branch(done)
-            b.position_at_end(done)
-            acc_f, mac_f = join_tail(b, before, tail_end, acc_p, mac_p, tacc, tmac)
+            return tacc, tmac
+
+        acc_f, mac_f = chain_loop(b, steps, C, MV if has_min else None, step, "rowdot_loop")
+        if pair32:  # the odd last block of a 32-type row
+            acc_f, mac_f = odd_tail(b, units, acc_f, mac_f, tail, "rowdot_tail")
         return context.make_tuple(b, sig.return_type, row_outputs(b, acc_f, mac_f))
 
     return codegen

@@ -229,7 +229,7 @@ def compile_head(cfg: ServerConfig) -> None:
     model = runner.model
     if isinstance(model, FusedModel):
         model.compile_layer_parts(runner.cache)  # first: the forward's child needs them before the head
-        for rows in (1, 2):  # a head may take one route for one token and another for more (head_q8.ALL_BATCHES)
+        for rows in (1, 2):  # the file loop's head (AMX machines) takes one route for one token, another for more
             model.head_logits(np.zeros((rows, model.cfg.d_model), np.float32))
 
 

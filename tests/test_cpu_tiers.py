@@ -44,6 +44,7 @@ _CHILD = textwrap.dedent("""
             from imp.kernels.cpu import head_q8
             p = head_q8.PackedQ8(w)
             out["packed"], out["packed_1"] = head_q8.gemm(p, x), head_q8.gemm(p, x[3:4])
+            out["packed_2"] = head_q8.gemm(p, x[5:7])   # every tile width (AVX2: 1 row x 4, 3, 2, 1 tokens)
     from imp.kernels.cpu import paged_attention
     from tests.test_cpu_kernels import ATTN_TIER_CASES, _attn_case
     for i, (N, H, Hkv, D, starts, window) in enumerate(ATTN_TIER_CASES):
@@ -82,10 +83,12 @@ def test_avx2_tier_gives_the_vnni_tiers_bits(tmp_path):
     host, avx2 = _run("host", tmp_path), _run("avx2", tmp_path)
     assert str(avx2.pop("dot")) == "avx2"
     host_dot = str(host.pop("dot"))
-    for name in ("packed", "packed_1"):  # the packed Q8_0 head: the file loop's bits on the tier
-        np.testing.assert_array_equal(avx2.pop(name), avx2["Q8_0" + name[6:]], err_msg=name)
+    for name, rows in (("packed", slice(None)), ("packed_1", slice(None)), ("packed_2", slice(5, 7))):
+        # the packed Q8_0 head: the file loop's bits on the tier, whatever the batch
+        file_loop = "Q8_0" + ("_1" if name == "packed_1" else "")
+        np.testing.assert_array_equal(avx2.pop(name), avx2[file_loop][rows], err_msg=name)
         if name in host:
-            np.testing.assert_array_equal(host.pop(name), host["Q8_0" + name[6:]], err_msg=name)
+            np.testing.assert_array_equal(host.pop(name), host[file_loop][rows], err_msg=name)
     for i, case in enumerate(ATTN_TIER_CASES):  # attention: the same bits on both tiers, and batch invariant
         a, a1 = avx2.pop(f"attn{i}"), avx2.pop(f"attn{i}_1")
         np.testing.assert_array_equal(a1[0], a[-1], err_msg=f"attn{i} {case}: a row alone")

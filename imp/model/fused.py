@@ -102,10 +102,9 @@ class FusedModel:
         self.packed_head = None
         if self.head[1] == qd.Q8_0 and head_q8.DP4 and not gemm_q8_0_amx.AMX:
             self.packed_head = head_q8.PackedQ8(self.head[0])
-            if head_q8.ALL_BATCHES:  # the map's pages of it: read once for the copy, no longer resident
-                t.drop_pages(head)
+            t.drop_pages(head)  # the map's pages of it: read once for the copy, no longer resident
         # the layers' and the head's GGML types: only their loops compile (imp.kernels.cpu.kinds)
-        head_kind = [] if self.packed_head is not None and head_q8.ALL_BATCHES else [self.head[1]]
+        head_kind = [] if self.packed_head is not None else [self.head[1]]
         self.kinds = Kinds([*(int(q) for q in np.unique(self.mats[:, :, 3])), *head_kind])
         P = cfg.context_length
         self.embed_scale = 1.0
@@ -196,7 +195,7 @@ class FusedModel:
 
     def head_logits(self, h: np.ndarray) -> np.ndarray:
         """h [B, d] fp32 (normed) -> [B, vocab] fp32, before any softcap."""
-        if self.packed_head is not None and (head_q8.ALL_BATCHES or h.shape[0] == 1):
+        if self.packed_head is not None:
             return head_q8.gemm(self.packed_head, h)  # the same bits as the file loop below
         w, qt = self.head
         return qd.gemm(w, qt, h, kinds=self.kinds)

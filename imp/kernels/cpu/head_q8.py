@@ -40,11 +40,11 @@ from imp.kernels.cpu.row_dot_loop import DP4, V8I, V16F, V16I, VNNI, _dpbusd512,
 F32, HALF, I8, I16, I32, I64 = ir.FloatType(), ir.HalfType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 V64B = ir.VectorType(I8, 64)
 ALIGN = 64
-# The batches this loop takes; the file loop (gemm_int8_act.gemm: the same bits) the others. On the AVX2
-# tier only one token: there two threads ran the packed loop no faster than one at 2 and 8 tokens (Gemma's
-# head, Zen 4 running Haswell code: 2 tokens 12.2 -> 11.8 ms, 8 tokens 39.7 -> 49.4; the file loop 20.2 ->
-# 10.2 and 51.6 -> 26.0; cause not found), while one token is 2x the file loop's rate.
-ALL_BATCHES = VNNI
+# On AVX2 it runs one row and up to 4 tokens a call (_block_avx2): each 16-lane accumulator is two ymm
+# registers of AVX2's 16, so the VNNI tiles (4 rows x 4 tokens, 1 row x 8 or 16) spilled, and two threads
+# ran them no faster than one. Gemma's head, Zen 4 running Haswell code, 2 threads, ms at 1 / 2 / 4 / 8 / 16
+# tokens: the VNNI tiles 5.1 / 11.8 / 18.6 / 46.6 / 55.5, the file loop 10.4 / 10.5 / 19.2 / 26.0 / 47.7,
+# one row x 4 tokens 5.0 / 5.5 / 9.8 / 19.4 / 37.0 (2 rows x 2 tokens 5-9 % slower).
 # Software prefetch PREFETCH bytes ahead of each row's read, into L2 (prefetcht1: LLVM locality 2),
 # not L1 (t0, row_dot_loop's): on the 2-core Zen 4 EPYC of 2026-12-05, Gemma's head from memory,
 # 1 thread: t0 9.8-10.4 GB/s, none 8.5, t1 29-30 (in cache 34); 2 threads t0 19 -> t1 37-61 GB/s.
@@ -194,6 +194,7 @@ ROWS = 4  # rows a call covers at small batches (gemm_int8_act's rows_dot4: the 
 _r1t16, _r1t8 = _intrinsic(1, 16), _intrinsic(1, 8)
 _r4t1, _r4t2, _r4t3, _r4t4 = (_intrinsic(ROWS, t) for t in (1, 2, 3, 4))
 _r1t1 = _intrinsic(1, 1)
+_r1t2, _r1t3, _r1t4 = (_intrinsic(1, t) for t in (2, 3, 4))  # AVX2's tiles (_block_avx2)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -204,7 +205,7 @@ def _put(out, y, n, c, R, T):
 
 
 @njit(cache=True, nogil=True)
-def _block(wq, wd, r0, nrows, K, N, xq, xd, cx, out):
+def _block_vnni(wq, wd, r0, nrows, K, N, xq, xd, cx, out):
     """out[n, r0 + i] for i < nrows, every token: tiles of 16, then 8 tokens a row; the last
     1-7 tokens ROWS rows and up to 4 tokens a call (gemm_int8_act.block_dots' order)."""
     nb = K // QK
@@ -237,6 +238,31 @@ def _block(wq, wd, r0, nrows, K, N, xq, xd, cx, out):
                 out[t, r0 + i] = _r1t1(wq, wd, r0 + i, K, xq, t * K, K, xd, t * nb, nb, cx, t * cs, cs)[0]
             i += 1
         n += left
+
+
+@njit(cache=True, nogil=True)
+def _block_avx2(wq, wd, r0, nrows, K, N, xq, xd, cx, out):
+    """out[n, r0 + i] for i < nrows, every token: each row against tiles of up to 4 tokens (8 ymm
+    accumulators). A row's bits do not depend on its tile (module docstring)."""
+    nb = K // QK
+    cs = K // 4
+    for i in range(nrows):
+        r = r0 + i
+        n = 0
+        while n < N:
+            left = min(N - n, 4)
+            if left == 4:
+                _put(out, _r1t4(wq, wd, r, K, xq, n * K, K, xd, n * nb, nb, cx, n * cs, cs), n, r, 1, 4)
+            elif left == 3:
+                _put(out, _r1t3(wq, wd, r, K, xq, n * K, K, xd, n * nb, nb, cx, n * cs, cs), n, r, 1, 3)
+            elif left == 2:
+                _put(out, _r1t2(wq, wd, r, K, xq, n * K, K, xd, n * nb, nb, cx, n * cs, cs), n, r, 1, 2)
+            else:
+                _put(out, _r1t1(wq, wd, r, K, xq, n * K, K, xd, n * nb, nb, cx, n * cs, cs), n, r, 1, 1)
+            n += left
+
+
+_block = _block_vnni if VNNI else _block_avx2
 
 
 @njit(cache=True, nogil=True)

@@ -118,11 +118,18 @@ def read_header(path) -> GGUFHeader:
             raw.append((name, ne, qt, off))
         align = int(meta.get("general.alignment", 32))
         data_offset = (c.pos + align - 1) // align * align
+        size = len(mm)
     tensors = {}
     for name, ne, qt, off in raw:
         qtype = GGMLQuantizationType(qt)
         block, type_size = GGML_QUANT_SIZES[qtype]
+        # a row that is not whole blocks, or data past the end of the file, would be read as
+        # garbage by every kernel (and out of bounds by some): refused here, naming the tensor
+        if ne and (ne[0] == 0 or ne[0] % block):
+            raise ValueError(f"{path}: tensor {name}: a row of {ne[0]} values is not whole {qtype.name} blocks of {block}")
         n = int(np.prod(ne, dtype=np.int64))
+        if data_offset + off + n // block * type_size > size:
+            raise ValueError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
         tensors[name] = TensorInfo(name, tuple(int(x) for x in reversed(ne)), qtype,
                                    data_offset + off, n // block * type_size)
     return GGUFHeader(meta, tensors, data_offset)

@@ -1,0 +1,282 @@
+"""The engine without HTTP on the serving workload: what the engine delivers against its runner's bound.
+
+    .venv/bin/python bench/engine.py --model smollm2-135m [--device cuda:0] [--streams 1,16,64]
+        [--prompt 234] [--answer 128] [--rounds 2] [--server-args "--max-batch-size 256 ..."]
+    .venv/bin/python bench/engine.py --model tiny ...      # a 2-layer random model: the host's cost alone
+
+Everything the server runs below HTTP runs here, as `python -m imp` builds it (`imp.server.load_engine`:
+admission, scheduler, KV allocator, executor, detok, the port's rendering; the event log to a file) on one
+uvloop. At each concurrency C, C requests are in flight at all times (a finished one is replaced at once)
+until C x --rounds have finished; each prompt is --prompt random token ids (distinct: no prefix-cache hit),
+each answer --answer greedy tokens with ignore_eos. Reported per C:
+
+- tok/s: answer tokens / wall (first submit to last finish), TTFT and ITL p50 / p99 as the consumer of
+  each stream sees them (ITL: between consecutive deltas, so a merged delta counts once);
+- the steps by kind, read from the event log: decode-only, mixed (decode rows and prompt rows) and
+  prefill-only: how many, the executor's own time a step (StepResult.elapsed_ns) p50 / p99, and the
+  share of the wall each kind's executor time fills ("idle": the wall no step covered; with the GPU's
+  depth-2 pipeline a step's plan arrives while the one before runs, so the shares overlap);
+- the bound from the runner's own rates, measured on the same runner before the engine starts (a
+  512-token prefill; C rows decoding at context --prompt, pipelined where the runner launches):
+  a token costs its share of prompt at the prefill rate plus one decode row at batch C's rate,
+  bound = 1 / (P / (A x prefill tok/s) + 1 / decode tok/s(C)), and the engine's share of it.
+
+The serving benchmarks (bench/serving.py on the GPU, bench/cpu_serving.py) send the same workload over
+HTTP; the difference between the two is the HTTP side's cost. --json FILE writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+# a 2-layer random llama (tests/fixtures/synth_raw): the engine's host work with a near-free forward
+TINY = dict(n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, d_ff=256, vocab=4096, context_length=8192, qtype=T.Q8_0)
+LOW_ID = 300  # prompt ids from here up: past the specials of the real vocabularies
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def runner_rates(runner, streams: list[int], P: int, vocab: int, steps: int = 12) -> tuple[float, dict[int, float]]:
+    """The runner's own prefill tok/s (one 512-token prompt) and decode tok/s at each batch in
+    `streams` (rows at context P; launch/collect pipelined on a runner that launches)."""
+    from imp.messages import PENDING_TOKEN, SamplingParams, SeqWork
+
+    greedy = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+    bs, rng = runner.block_size, np.random.default_rng(0)
+    if hasattr(runner, "launch"):  # the GPU runner: time what the device did
+        import torch
+
+        sync = torch.cuda.synchronize
+    else:
+        def sync() -> None:
+            pass
+
+    def timed(fn, reps: int = 3) -> float:
+        fn()
+        ts = []
+        for _ in range(reps):
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+
+    Pp = 512
+    table = tuple(range((Pp + bs - 1) // bs))
+    toks = tuple(int(t) for t in rng.integers(LOW_ID, vocab, size=Pp))
+    prefill = Pp / timed(lambda: runner.step([SeqWork("p", toks, 0, table, True, greedy)]))
+    decode = {}
+    per = (P + steps + 8) // bs + 1
+    for C in streams:
+        if C * per > runner.num_blocks:
+            decode[C] = float("nan")  # the pool cannot hold C rows at this context
+            continue
+        tables = [tuple(range(i * per, (i + 1) * per)) for i in range(C)]
+        prompts = [tuple(int(t) for t in rng.integers(LOW_ID, vocab, size=P)) for _ in range(C)]
+        last = [0] * C
+        chunk = max(1, 512 // P)  # prompts a prefill step
+        for a in range(0, C, chunk):
+            outs = runner.step([SeqWork(str(i), prompts[i], 0, tables[i], True, greedy) for i in range(a, min(C, a + chunk))])
+            for i, t in zip(range(a, min(C, a + chunk)), outs):
+                last[i] = t.token_id
+        g = [1]  # tokens generated so far (each row alike)
+
+        def works(j: int, pending: bool):
+            return [SeqWork(str(i), (PENDING_TOKEN,) if pending else (last[i],), P + g[0] - 1 + j, tables[i], True,
+                            greedy, gen_index=g[0] + j, pending=int(pending)) for i in range(C)]
+
+        def run(n: int) -> None:
+            if hasattr(runner, "launch"):  # depth 2, as the executor runs it
+                h = runner.launch(works(0, False))
+                for j in range(1, n + 1):
+                    nxt = runner.launch(works(j, True)) if j < n else None
+                    outs = runner.collect(h)
+                    h = nxt
+            else:
+                for _ in range(n):
+                    outs = runner.step(works(0, False))
+                    for i, t in enumerate(outs):
+                        last[i] = t.token_id
+                    g[0] += 1
+                return
+            for i, t in enumerate(outs):
+                last[i] = t.token_id
+            g[0] += n
+
+        run(2)
+        sync()
+        t = time.perf_counter()
+        run(steps)
+        sync()
+        decode[C] = C * steps / (time.perf_counter() - t)
+    return prefill, decode
+
+
+def step_kinds(log_path: str, t0_ns: int, t1_ns: int) -> dict:
+    """The steps whose result landed in [t0, t1], by kind, from the event log."""
+    from imp.log.eventlog import read_log
+
+    _, recs = read_log(log_path)
+    kind_of: dict[int, str] = {}
+    elapsed: dict[int, int] = {}
+    for env in recs:
+        p = env.payload
+        name = type(p).__name__
+        if name == "StepPlan":
+            dec = sum(1 for w in p.seqs if len(w.token_ids) == 1 and w.sample)
+            prompt = sum(len(w.token_ids) for w in p.seqs) - dec
+            kind_of[p.step] = "decode-only" if not prompt else ("prefill-only" if not dec else "mixed")
+        elif name == "StepResult" and t0_ns <= env.wall_ns <= t1_ns:
+            elapsed[p.step] = p.elapsed_ns
+    by: dict[str, list[int]] = defaultdict(list)
+    for s, e in elapsed.items():
+        if s in kind_of:
+            by[kind_of[s]].append(e)
+    return by
+
+
+async def run_level(engine, C: int, rounds: int, P: int, A: int, vocab: int) -> dict:
+    from imp.engine.port import Submission
+    from imp.messages import Delta, SamplingParams
+
+    rng = np.random.default_rng(C)
+    total, issued = C * rounds, [0]
+    ttft: list[float] = []
+    itl: list[float] = []
+    tokens = [0]
+    failed = [0]
+
+    async def worker() -> None:
+        while issued[0] < total:
+            i = issued[0]
+            issued[0] += 1
+            prompt = tuple(int(t) for t in rng.integers(LOW_ID, vocab, size=P))
+            sub = Submission(f"eng-{C}-{i}", prompt, SamplingParams(max_tokens=A, temperature=0.0, ignore_eos=True))
+            t0 = time.perf_counter()
+            prev = None
+            async for item in engine.submit(sub):
+                now = time.perf_counter()
+                if type(item) is not Delta:
+                    failed[0] += 1
+                    break
+                if item.token_ids:
+                    tokens[0] += len(item.token_ids)
+                    if prev is None:
+                        ttft.append(now - t0)
+                    else:
+                        itl.append(now - prev)
+                    prev = now
+
+    t0_ns, t0 = time.time_ns(), time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(C)))
+    wall = time.perf_counter() - t0
+    return dict(streams=C, requests=total, failed=failed[0], tokens=tokens[0], wall_s=wall, tok_s=tokens[0] / wall,
+                ttft_p50_ms=1e3 * pct(ttft, 0.5), ttft_p99_ms=1e3 * pct(ttft, 0.99),
+                itl_p50_ms=1e3 * pct(itl, 0.5), itl_p99_ms=1e3 * pct(itl, 0.99), t0_ns=t0_ns, t1_ns=time.time_ns())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m", help="a name, a GGUF path, or 'tiny'")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--streams", default="1,8")
+    ap.add_argument("--prompt", type=int, default=234)
+    ap.add_argument("--answer", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2, help="requests per stream")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--server-args", default="", help="more `python -m imp` flags (--max-batch-size ...)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    streams = [int(s) for s in a.streams.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="imp-engine-bench-"))
+    model = a.model
+    if model == "tiny":
+        from tests.fixtures.synth_raw import write_raw_gguf
+
+        model = write_raw_gguf(tmp / "tiny.gguf", seed=0, **TINY)
+    from imp.config import add_serve_args, config_from_args  # the server's own flags, validated as at boot
+
+    argv = ["--model", str(model), "--device", a.device, "--event-log", str(tmp / "events.log"),
+            "--max-batch-size", str(max(64, max(streams))), *a.server_args.split()]
+    if a.threads:
+        argv += ["--threads", str(a.threads)]
+    parser = argparse.ArgumentParser(prog="python -m imp")
+    add_serve_args(parser)
+    cfg = config_from_args(parser.parse_args(argv))
+    from imp.server import load_engine
+
+    engine, _text = load_engine(cfg)
+    runner = engine.runners[0]
+    vocab = runner.config.vocab_size
+    prefill, decode = runner_rates(runner, streams, a.prompt, vocab)
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = asyncio.new_event_loop
+
+    async def run_all() -> list[dict]:
+        await engine.start()
+        try:
+            await run_level(engine, 1, 1, 16, 4, vocab)  # warm: every step kind once
+            return [await run_level(engine, C, a.rounds, a.prompt, a.answer, vocab) for C in streams]
+        finally:
+            await engine.stop()
+
+    with asyncio.Runner(loop_factory=loop_factory) as r:
+        rows = r.run(run_all())
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M')}  model {a.model}  device {a.device}  prompt {a.prompt}  answer {a.answer}"
+          f"  rounds {a.rounds}  runner: prefill-512 {prefill:,.0f} tok/s")
+    print("| streams | tok/s | bound tok/s | engine / bound | TTFT p50 / p99 ms | ITL p50 / p99 ms | runner decode tok/s "
+          "| failed |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        C = row["streams"]
+        bound = 1.0 / (a.prompt / (a.answer * prefill) + 1.0 / decode[C]) if decode[C] == decode[C] else float("nan")
+        row.update(bound_tok_s=bound, runner_prefill_tok_s=prefill, runner_decode_tok_s=decode[C])
+        print(f"| {C} | {row['tok_s']:,.0f} | {bound:,.0f} | {row['tok_s'] / bound:.2f} | {row['ttft_p50_ms']:.0f} / "
+              f"{row['ttft_p99_ms']:.0f} | {row['itl_p50_ms']:.1f} / {row['itl_p99_ms']:.1f} | {decode[C]:,.0f} "
+              f"| {row['failed']} |")
+    print("\n| streams | step kind | steps | executor ms p50 / p99 | share of wall |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        by = step_kinds(str(tmp / "events.log"), row["t0_ns"], row["t1_ns"])
+        covered = 0.0
+        kinds = {}
+        for kind in ("decode-only", "mixed", "prefill-only"):
+            es = by.get(kind, [])
+            share = sum(es) / 1e9 / row["wall_s"]
+            covered += share
+            kinds[kind] = dict(steps=len(es), p50_ms=pct(es, 0.5) / 1e6, p99_ms=pct(es, 0.99) / 1e6, share=share)
+            if es:
+                print(f"| {row['streams']} | {kind} | {len(es)} | {pct(es, 0.5) / 1e6:.2f} / {pct(es, 0.99) / 1e6:.2f} "
+                      f"| {100 * share:.0f} % |")
+        print(f"| {row['streams']} | idle (no step running) | | | {100 * max(0.0, 1 - covered):.0f} % |")
+        row["steps"] = kinds
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

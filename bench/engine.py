@@ -3,6 +3,7 @@
     .venv/bin/python bench/engine.py --model smollm2-135m [--device cuda:0] [--streams 1,16,64]
         [--prompt 234] [--answer 128] [--rounds 2] [--server-args "--max-batch-size 256 ..."]
     .venv/bin/python bench/engine.py --model tiny ...      # a 2-layer random model: the host's cost alone
+    .venv/bin/python bench/engine.py --null-step-us 1650 ... # no model math, a make-believe device's steps
 
 Everything the server runs below HTTP runs here, as `python -m imp` builds it (`imp.server.load_engine`:
 admission, scheduler, KV allocator, executor, detok, the port's rendering; the event log to a file) on one
@@ -20,6 +21,10 @@ each answer --answer greedy tokens with ignore_eos. Reported per C:
   512-token prefill; C rows decoding at context --prompt, pipelined where the runner launches):
   a token costs its share of prompt at the prefill rate plus one decode row at batch C's rate,
   bound = 1 / (P / (A x prefill tok/s) + 1 / decode tok/s(C)), and the engine's share of it.
+
+With --null-step-us T (IMP_NULL_RUNNER, imp/model/null_runner.py) no model runs: each step lands T µs
+after the one before, pipelined as on a GPU, so a machine without one asks whether the host keeps a
+device of that step time busy (the bound is then C tokens every T µs, and prefill costs one step).
 
 The serving benchmarks (bench/serving.py on the GPU, bench/cpu_serving.py) send the same workload over
 HTTP; the difference between the two is the HTTP side's cost. --json FILE writes the rows.
@@ -61,7 +66,7 @@ def runner_rates(runner, streams: list[int], P: int, vocab: int, steps: int = 12
 
     greedy = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
     bs, rng = runner.block_size, np.random.default_rng(0)
-    if hasattr(runner, "launch"):  # the GPU runner: time what the device did
+    if str(getattr(runner, "device", "cpu")).startswith("cuda"):  # time what the device did
         import torch
 
         sync = torch.cuda.synchronize
@@ -83,7 +88,11 @@ def runner_rates(runner, streams: list[int], P: int, vocab: int, steps: int = 12
     Pp = 512
     table = tuple(range((Pp + bs - 1) // bs))
     toks = tuple(int(t) for t in rng.integers(LOW_ID, vocab, size=Pp))
-    prefill = Pp / timed(lambda: runner.step([SeqWork("p", toks, 0, table, True, greedy)]))
+    one = [SeqWork("p", toks, 0, table, True, greedy)]
+    if hasattr(runner, "launch"):  # as the executor runs it (a paced null runner's step is free)
+        prefill = Pp / timed(lambda: runner.collect(runner.launch(one)))
+    else:
+        prefill = Pp / timed(lambda: runner.step(one))
     decode = {}
     per = (P + steps + 8) // bs + 1
     for C in streams:
@@ -204,6 +213,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="requests per stream")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--server-args", default="", help="more `python -m imp` flags (--max-batch-size ...)")
+    ap.add_argument("--null-step-us", type=int, default=None,
+                    help="IMP_NULL_RUNNER: a runner that computes nothing, each step T us of a make-believe "
+                         "device, pipelined as a GPU (0: every step at once): the host's own cost")
+    ap.add_argument("--profile", type=int, default=0, help="cProfile the event loop's thread at this concurrency "
+                    "(one more level after the table's; top 30 by own time)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     streams = [int(s) for s in a.streams.split(",")]
@@ -222,6 +236,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m imp")
     add_serve_args(parser)
     cfg = config_from_args(parser.parse_args(argv))
+    if a.null_step_us is not None:
+        import os
+
+        os.environ["IMP_NULL_RUNNER"] = "1"
+        os.environ["IMP_NULL_STEP_US"] = str(a.null_step_us)
     from imp.server import load_engine
 
     engine, _text = load_engine(cfg)
@@ -239,7 +258,18 @@ def main() -> int:
         await engine.start()
         try:
             await run_level(engine, 1, 1, 16, 4, vocab)  # warm: every step kind once
-            return [await run_level(engine, C, a.rounds, a.prompt, a.answer, vocab) for C in streams]
+            rows = [await run_level(engine, C, a.rounds, a.prompt, a.answer, vocab) for C in streams]
+            if a.profile:
+                import cProfile
+                import pstats
+
+                prof = cProfile.Profile()
+                prof.enable()
+                row = await run_level(engine, a.profile, a.rounds, a.prompt, a.answer, vocab)
+                prof.disable()
+                print(f"\nprofile at {a.profile} streams: {row['tok_s']:,.0f} tok/s, the event loop's thread, by own time")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+            return rows
         finally:
             await engine.stop()
 
@@ -271,7 +301,8 @@ def main() -> int:
             if es:
                 print(f"| {row['streams']} | {kind} | {len(es)} | {pct(es, 0.5) / 1e6:.2f} / {pct(es, 0.99) / 1e6:.2f} "
                       f"| {100 * share:.0f} % |")
-        print(f"| {row['streams']} | idle (no step running) | | | {100 * max(0.0, 1 - covered):.0f} % |")
+        if covered <= 1.0:  # (a pipelined runner's steps overlap: no idle figure then)
+            print(f"| {row['streams']} | idle (no step running) | | | {100 * (1 - covered):.0f} % |")
         row["steps"] = kinds
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))

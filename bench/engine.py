@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -203,6 +204,75 @@ async def run_level(engine, C: int, rounds: int, P: int, A: int, vocab: int) -> 
                 itl_p50_ms=1e3 * pct(itl, 0.5), itl_p99_ms=1e3 * pct(itl, 0.99), t0_ns=t0_ns, t1_ns=time.time_ns())
 
 
+def _http_share(job: tuple) -> dict:
+    """One client process's share of an HTTP level: `streams` streams refilled until `total` requests
+    have finished, each a streamed /v1/completions with a token-id prompt (the engine level's workload)."""
+    url, streams, total, P, A, vocab, seed, start_at = job
+
+    async def go() -> dict:
+        import aiohttp
+
+        rng = np.random.default_rng(seed)
+        out = dict(ttft=[], itl=[], tokens=0, failed=0)
+        await asyncio.sleep(max(0.0, start_at - time.time()))  # every client process starts at once
+        out["start"] = time.time()
+        issued = [0]
+
+        async def one(s) -> None:
+            prompt = rng.integers(LOW_ID, vocab, size=P).tolist()
+            body = {"model": "bench", "prompt": prompt, "max_tokens": A, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            t0, prev = time.perf_counter(), None
+            async with s.post(url + "/v1/completions", json=body) as r:
+                if r.status != 200:
+                    out["failed"] += 1
+                    await r.read()
+                    return
+                async for raw in r.content:
+                    if not raw.startswith(b"data: {"):
+                        continue
+                    now = time.perf_counter()
+                    chunk = json.loads(raw[6:])
+                    if chunk.get("usage"):
+                        out["tokens"] += chunk["usage"]["completion_tokens"]
+                    if chunk.get("choices") and chunk["choices"][0].get("text"):
+                        if prev is None:
+                            out["ttft"].append(now - t0)
+                        else:
+                            out["itl"].append(now - prev)
+                        prev = now
+
+        async def worker(s) -> None:
+            while issued[0] < total:
+                issued[0] += 1
+                await one(s)
+
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600), connector=conn) as s:
+            await asyncio.gather(*(worker(s) for _ in range(streams)))
+        out["end"] = time.time()
+        return out
+
+    return asyncio.run(go())
+
+
+def run_http_level(pool, url: str, C: int, rounds: int, P: int, A: int, vocab: int, procs: int) -> dict:
+    """The engine level's workload through HTTP, the streams spread over `procs` client processes
+    (a pool started once); the wall is from the common start to the last process's last token."""
+    procs = max(1, min(procs, C))
+    start_at = time.time() + 0.5
+    jobs = [(url, C // procs + (i < C % procs), (C // procs + (i < C % procs)) * rounds, P, A, vocab, 1000 * C + i,
+             start_at) for i in range(procs)]
+    parts = pool.map(_http_share, jobs)
+    wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
+    ttft = [x for p in parts for x in p["ttft"]]
+    itl = [x for p in parts for x in p["itl"]]
+    tokens = sum(p["tokens"] for p in parts)
+    return dict(streams=C, requests=C * rounds, failed=sum(p["failed"] for p in parts), tokens=tokens, wall_s=wall,
+                tok_s=tokens / wall, ttft_p50_ms=1e3 * pct(ttft, 0.5), ttft_p99_ms=1e3 * pct(ttft, 0.99),
+                itl_p50_ms=1e3 * pct(itl, 0.5), itl_p99_ms=1e3 * pct(itl, 0.99))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m", help="a name, a GGUF path, or 'tiny'")
@@ -218,6 +288,9 @@ def main() -> int:
                          "device, pipelined as a GPU (0: every step at once): the host's own cost")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the event loop's thread at this concurrency "
                     "(one more level after the table's; top 30 by own time)")
+    ap.add_argument("--http", action="store_true", help="then the same workload through the real server's HTTP "
+                    "(/v1/completions, token-id prompts, streamed), started with the same flags")
+    ap.add_argument("--client-procs", type=int, default=4, help="--http: client processes")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     streams = [int(s) for s in a.streams.split(",")]
@@ -237,8 +310,6 @@ def main() -> int:
     add_serve_args(parser)
     cfg = config_from_args(parser.parse_args(argv))
     if a.null_step_us is not None:
-        import os
-
         os.environ["IMP_NULL_RUNNER"] = "1"
         os.environ["IMP_NULL_STEP_US"] = str(a.null_step_us)
     from imp.server import load_engine
@@ -304,6 +375,31 @@ def main() -> int:
         if covered <= 1.0:  # (a pipelined runner's steps overlap: no idle figure then)
             print(f"| {row['streams']} | idle (no step running) | | | {100 * (1 - covered):.0f} % |")
         row["steps"] = kinds
+    if a.http:
+        from tests.serverproc import ServerProcess
+
+        srv = ServerProcess(str(model), *argv[2:4], "--event-log", str(tmp / "server-events.log"), *argv[6:], log_path=tmp / "server.log",
+                            env={k: os.environ[k] for k in ("IMP_NULL_RUNNER", "IMP_NULL_STEP_US") if k in os.environ})
+        import multiprocessing as mp
+
+        try:
+            srv.wait_ready(900)
+            with mp.get_context("spawn").Pool(a.client_procs) as pool:
+                run_http_level(pool, srv.url, 1, 1, 16, 4, vocab, 1)  # warm
+                http = [run_http_level(pool, srv.url, C, a.rounds, a.prompt, a.answer, vocab, a.client_procs)
+                        for C in streams]
+        finally:
+            srv.stop()
+        print(f"\nthe same workload through HTTP (`python -m imp` with the same flags, /v1/completions streamed, "
+              f"{a.client_procs} client processes)")
+        print("| streams | engine tok/s | HTTP tok/s | HTTP / engine | HTTP TTFT p50 / p99 ms | HTTP ITL p50 / p99 ms "
+              "| failed |")
+        print("|---|---|---|---|---|---|---|")
+        for row, h in zip(rows, http):
+            row["http"] = h
+            print(f"| {row['streams']} | {row['tok_s']:,.0f} | {h['tok_s']:,.0f} | {h['tok_s'] / row['tok_s']:.2f} "
+                  f"| {h['ttft_p50_ms']:.0f} / {h['ttft_p99_ms']:.0f} | {h['itl_p50_ms']:.1f} / {h['itl_p99_ms']:.1f} "
+                  f"| {h['failed']} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -339,7 +339,7 @@ def main() -> int:
                 row = await run_level(engine, a.profile, a.rounds, a.prompt, a.answer, vocab)
                 prof.disable()
                 print(f"\nprofile at {a.profile} streams: {row['tok_s']:,.0f} tok/s, the event loop's thread, by own time")
-                pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+                pstats.Stats(prof).sort_stats(os.environ.get("IMP_PROFILE_SORT", "tottime")).print_stats(int(os.environ.get("IMP_PROFILE_TOP", "30")))
             return rows
         finally:
             await engine.stop()

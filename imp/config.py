@@ -16,6 +16,9 @@ class ServerConfig:
     block_size: int = 16
     max_batch_size: int = 64
     max_step_tokens: int = 512
+    # > 0: prompt chunks beside decode rows sized to keep such a step near this (imp/core/itl.py); 0 = off
+    # (off by default: on the CPU it trades rare 600 ms stalls for many 100 ms steps, PERFORMANCE.md "ITL")
+    itl_target_ms: float = 0.0
     max_tokens: int | None = None  # fixed default for max_tokens; None = rest of context
     max_output_tokens: int | None = None  # server-wide cap on every request's output (llama-server's -n)
     max_queued_tokens: int = 0
@@ -61,6 +64,7 @@ class ServerConfig:
             (self.block_size in (8, 16, 32, 64), "--block-size must be 8, 16, 32 or 64"),
             (self.max_batch_size >= 1, "--max-batch-size must be >= 1"),
             (self.max_step_tokens >= 16, "--max-step-tokens must be >= 16"),
+            (self.itl_target_ms >= 0, "--itl-target-ms must be >= 0 (0 = off)"),
             (self.kv_cache_tokens is None or self.kv_cache_tokens >= self.block_size, "--kv-cache-tokens too small"),
             (self.max_tokens is None or self.max_tokens >= 1, "--max-tokens must be >= 1"),
             (self.max_output_tokens is None or self.max_output_tokens >= 1, "--max-output-tokens must be >= 1"),
@@ -95,6 +99,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
     p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens)
+    p.add_argument("--itl-target-ms", type=float, default=d.itl_target_ms,
+                   help="size the prompt chunks that share a step with running streams so that the step takes "
+                        "about this long (or twice a decode step, if longer), from measured step times (default 0 = "
+                        "off: chunks of --max-step-tokens)")
     p.add_argument("--max-tokens", type=int, default=None, help="default max_tokens (else rest of context)")
     p.add_argument("--max-output-tokens", type=int, default=None,
                    help="cap every request's output at N tokens (a normal max_tokens / length stop)")
@@ -175,6 +183,7 @@ def api_servers(cfg: ServerConfig, cores: int) -> int:
 
 def pipeline_depth(cfg: ServerConfig) -> int:
     return cfg.pipeline_depth or (2 if cfg.device.startswith("cuda") else 1)
+
 
 
 def config_from_args(ns: argparse.Namespace) -> ServerConfig:

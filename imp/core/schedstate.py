@@ -32,11 +32,16 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     # in the plan, its encoding and the event log (1,000-token outputs: the log grew quadratically).
     # False: every share carries it (logs written before this field replay identically)
     history_once: bool = False
+    # > 0: a step that carries decode rows computes only as many prompt tokens as should fit in this
+    # many ns (at least one block's worth), from the step times the executor reported (`ItlBudget`), so
+    # a new prompt's chunk stalls the running streams for about this long, not for a whole
+    # max_step_tokens chunk. 0 = off (the policy before this field: logs written then replay identically)
+    itl_target_ns: int = 0
 
     def __post_init__(self):
         if min(self.num_blocks, self.block_size, self.max_context, self.max_batch_size,
                self.max_step_tokens, self.aging_ns) < 1 or self.request_timeout_ns < 0 \
-                or self.pipeline_depth not in (1, 2):
+                or self.pipeline_depth not in (1, 2) or self.itl_target_ns < 0:
             raise ValueError(f"bad SchedulerConfig {self}")
 
 

@@ -46,6 +46,7 @@ import collections
 import msgspec
 
 from imp.core.core import CoreError, Out
+from imp.core.itl import ItlBudget
 from imp.core.lifecycle import RequestBook
 from imp.core.schedstate import Phase, SchedulerConfig, Seq, Status, Work
 from imp.messages import (
@@ -72,6 +73,7 @@ class SchedulerCore(RequestBook):
         self.stalled = False  # a planned step came to nothing while another ran: wait for news
         self.step = 0
         self.kv = KvFigures(config.num_blocks, config.num_blocks, 0, 0, 0, config.block_size)
+        self.itl = ItlBudget(config.itl_target_ns, config.block_size, config.max_step_tokens)
 
     def handle(self, sender: str, msg: Msg) -> Out:
         out: Out = []
@@ -113,12 +115,18 @@ class SchedulerCore(RequestBook):
         ops, self.frees, self.batch = self.frees, [], []
         budget = c.max_step_tokens
         n_prompt = lambda s: len(s.req.prompt)  # noqa: E731
+        decodes = 0  # decode rows planned so far: they come first
         for s in sorted(self.running, key=lambda s: len(s.tokens) + s.pending - s.num_computed - s.ahead > 1):
             if budget == 0 or len(self.batch) == c.max_batch_size:  # decodes first, then prefill chunks
                 break
             start, vlen = s.num_computed + s.ahead, len(s.tokens) + s.pending
             if s.pending and (vlen - n_prompt(s) >= s.params.max_tokens or vlen >= self.max_len):
                 continue  # the token in flight is its last
+            if vlen - start > 1 and decodes and budget > (room := self._prompt_room(budget, decodes)):
+                budget = room  # the first prefill chunk beside decode rows: the ITL target's share
+                if budget == 0:
+                    break
+            decodes += vlen - start == 1
             n = min(vlen - start, budget)
             op = self._grow_op(s, start + n)
             ops += [op] if op else []
@@ -126,6 +134,8 @@ class SchedulerCore(RequestBook):
             s.ahead, s.pending = s.ahead + n, s.pending + w.sample
             self.batch.append(w)
             budget -= n
+        if decodes:  # new prompts beside decode rows: what is left of the ITL target's share
+            budget = min(budget, self._prompt_room(budget, decodes))
         reserved, counted, slots = self._reserved(), set(), c.max_batch_size - len(self.running)
         self.new_budget = budget  # what the new shares may compute once their cached part is known
         budget += max(0, c.admit_tokens - c.max_step_tokens)  # planning allowance for prompts the cache may hold
@@ -226,6 +236,7 @@ class SchedulerCore(RequestBook):
                     raise CoreError(f"step {msg.step} sampled nothing for {s.id} at {s.num_computed}")
                 self._sampled(s, t, out)
         self.steps += 1
+        self.itl.observe(msg.elapsed_ns, n_tokens - n_decode, n_decode)
         out.append(("metrics", StepStats(msg.step, len(batch), n_tokens, n_decode, msg.elapsed_ns)))
         self._advance(msg.now_ns, out)
         out.append(("metrics", self._figures()))
@@ -263,6 +274,12 @@ class SchedulerCore(RequestBook):
         return SeqWork(s.id, toks, start, s.table, sample, sent, gen_index=n_gen, history=hist, pending=pending)
 
     # ------------------------------------------------------------------ helpers
+
+    def _prompt_room(self, budget: int, decodes: int) -> int:
+        """Prompt tokens this step may still compute beside its `decodes` decode rows: the ITL
+        target's share (`ItlBudget.cap`) less the prompt tokens already planned."""
+        planned = sum(w.n for w in self.batch) - decodes
+        return max(0, min(budget, self.itl.cap() - planned))
 
     def _grow_op(self, s: Seq, positions: int) -> KvOp | None:
         """A grow when the table must grow or a written block filled up (to cache it)."""

@@ -45,6 +45,7 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
             request_timeout_ns=int(cfg.request_timeout_s * 1e9),
             max_context=max_context,
             pipeline_depth=pipeline_depth(cfg),
+            itl_target_ns=int(cfg.itl_target_ms * 1e6),
         )
     )
     return adm, sch, kv

@@ -1,0 +1,142 @@
+"""The ITL target (issue 33's admission that keeps latency, `--itl-target-ms`): a prompt chunk that
+shares a step with decode rows is cut to what the measured step costs say fits the target, a step
+without decode rows keeps the whole budget, and with the target off the plans are the ones before
+(imp/core/itl.py, imp/core/scheduler.py). Driven with the real scheduler and KV cores and a fake
+executor whose step times follow a known cost model."""
+
+from __future__ import annotations
+
+from imp.core.itl import ItlBudget
+from imp.core.kv import KvConfig, KvCore
+from imp.core.scheduler import SchedulerConfig, SchedulerCore
+from imp.messages import Enqueue, KvRequest, SampledToken, SamplingParams, StepPlan, StepResult, Submit
+
+MS = 1_000_000
+DECODE_NS, TOKEN_NS = 20 * MS, MS  # the fake device: a step = 20 ms with decode rows + 1 ms a prompt token
+
+
+def test_budget_from_measured_costs():
+    b = ItlBudget(60 * MS, 16, 512)
+    assert b.cap() == 512  # nothing measured yet
+    b.observe(20 * MS, 0, 8)  # a decode-only step
+    b.observe(20 * MS + 256 * MS, 256, 8)  # a mixed step: 256 prompt tokens at 1 ms beside the decode
+    assert (b.decode_ns, b.token_ns) == (20 * MS, MS)
+    assert b.cap() == 40  # (60 - 20) ms / 1 ms
+    b.observe(10 * MS, 8, 8)  # too few prompt tokens to say what one costs: ignored
+    assert b.token_ns == MS
+    assert ItlBudget(10 * MS, 16, 512).cap() == 512
+    slow = ItlBudget(21 * MS, 16, 512)  # a decode step near the target itself
+    slow.observe(20 * MS, 0, 4)
+    slow.observe(120 * MS, 100, 0)
+    assert slow.cap() == 16  # twice the decode step: 20 ms of prompt at 1.2 ms a token is 16 tokens
+    tiny = ItlBudget(30 * MS, 16, 512)
+    tiny.observe(5 * MS, 0, 4)
+    tiny.observe(500 * MS, 100, 0)
+    assert tiny.cap() == 16  # never below one block: a prompt always progresses
+    off = ItlBudget(0, 16, 512)
+    off.observe(20 * MS, 0, 8)
+    assert off.cap() == 512 and off.decode_ns == 0
+
+
+class Sim:
+    """Scheduler + KV cores, a fake executor: each StepPlan lands with the cost model's time."""
+
+    def __init__(self, itl_target_ns: int):
+        cfg = SchedulerConfig(num_blocks=512, block_size=16, max_context=4096, max_batch_size=16,
+                              max_step_tokens=512, history_once=True, itl_target_ns=itl_target_ns)
+        self.sch, self.kv = SchedulerCore(cfg), KvCore(KvConfig(num_blocks=512, block_size=16))
+        self.now, self.plans, self.queue = 0, [], []
+
+    def submit(self, rid: str, prompt_len: int, max_tokens: int) -> None:
+        sub = Submit(rid, tuple(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                     self.now)
+        self.queue += self.sch.handle("admission", Enqueue(sub, 4))
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            plan = None
+            while self.queue:
+                to, msg = self.queue.pop(0)
+                if to == "kv" and isinstance(msg, KvRequest):
+                    self.queue += self.kv.handle("scheduler", msg)
+                elif to == "scheduler":
+                    self.queue += self.sch.handle("kv", msg)
+                elif to == "executor" and isinstance(msg, StepPlan):
+                    plan = msg
+            if plan is None:
+                return
+            self.plans.append(plan)
+            prompt = sum(len(w.token_ids) for w in plan.seqs if not (len(w.token_ids) == 1 and w.sample))
+            decode = len(plan.seqs) - sum(1 for w in plan.seqs if not (len(w.token_ids) == 1 and w.sample))
+            elapsed = (DECODE_NS if decode else 0) + TOKEN_NS * prompt
+            self.now += elapsed
+            toks = tuple(SampledToken(w.seq_id, 7) for w in plan.seqs if w.sample)
+            self.queue += self.sch.handle("executor", StepResult(plan.step, toks, self.now, elapsed))
+
+
+def _prompt_rows(plan: StepPlan) -> int:
+    return sum(len(w.token_ids) for w in plan.seqs if len(w.token_ids) > 1)
+
+
+def _decode_rows(plan: StepPlan) -> int:
+    return sum(1 for w in plan.seqs if len(w.token_ids) == 1 and w.sample)
+
+
+def _run(itl_target_ns: int) -> Sim:
+    sim = Sim(itl_target_ns)
+    for i in range(4):  # four streams decoding
+        sim.submit(f"r{i}", 40, 400)
+    sim.run(30)
+    sim.submit("big", 1500, 8)  # then a long prompt arrives beside them
+    sim.run(40)
+    return sim
+
+
+def test_prompt_chunks_beside_decode_rows_fit_the_target():
+    sim = _run(60 * MS)
+    mixed = [p for p in sim.plans[30:] if _decode_rows(p) and _prompt_rows(p)]
+    assert mixed, "the long prompt shared steps with the streams"
+    # the budget's estimate: (60 - 20) ms / 1 ms = 40 prompt tokens beside the decode rows
+    assert max(_prompt_rows(p) for p in mixed[1:]) <= 40
+    assert all(DECODE_NS + TOKEN_NS * _prompt_rows(p) <= 60 * MS for p in mixed[1:])
+    # the long prompt still completes (the streams keep decoding meanwhile)
+    assert any(w.seq_id.startswith("big") and w.sample for p in sim.plans for w in p.seqs)
+
+
+def test_the_flag_reaches_the_scheduler_and_is_off_by_default():
+    import argparse
+
+    import pytest
+
+    from imp.config import ServerConfig, add_serve_args, config_from_args
+    from imp.engine.cores import build_cores
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    cfg = config_from_args(p.parse_args(["--itl-target-ms", "40"]))
+    assert build_cores(cfg, 64, 2048, "m")[1].config.itl_target_ns == 40 * MS
+    assert build_cores(ServerConfig(), 64, 2048, "m")[1].config.itl_target_ns == 0
+    with pytest.raises(ValueError, match="--itl-target-ms must be >= 0"):
+        ServerConfig(itl_target_ms=-1)
+
+
+def test_a_decode_step_past_the_target_still_lets_prompts_in():
+    b = ItlBudget(100 * MS, 16, 512)
+    b.observe(400 * MS, 0, 8)  # a large model on a CPU: decode alone takes 400 ms
+    b.observe(400 * MS + 256 * 5 * MS, 256, 8)  # 5 ms a prompt token
+    assert b.cap() == 80  # a mixed step of twice the decode: 400 ms of prompt = 80 tokens
+
+
+def test_off_keeps_the_plans_of_before():
+    a, b = _run(0), _run(0)
+    assert [p.seqs for p in a.plans] == [p.seqs for p in b.plans]
+    mixed = [p for p in a.plans[30:] if _decode_rows(p) and _prompt_rows(p)]
+    assert max(_prompt_rows(p) for p in mixed) > 400  # whole max_step_tokens chunks beside the decodes
+
+
+def test_a_step_without_decode_rows_keeps_the_whole_budget():
+    sim = Sim(60 * MS)
+    sim.sch.itl.decode_ns, sim.sch.itl.token_ns = DECODE_NS, TOKEN_NS  # costs known: the cap is 40
+    sim.submit("alone", 1000, 4)
+    sim.run(3)
+    assert [_prompt_rows(p) for p in sim.plans[:2]] == [512, 488]  # nobody waits on it: whole step budgets

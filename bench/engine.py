@@ -6,8 +6,9 @@
     .venv/bin/python bench/engine.py --null-step-us 1650 ... # no model math, a make-believe device's steps
 
 Everything the server runs below HTTP runs here, as `python -m imp` builds it (`imp.server.load_engine`:
-admission, scheduler, KV allocator, executor, detok, the port's rendering; the event log to a file) on one
-uvloop. At each concurrency C, C requests are in flight at all times (a finished one is replaced at once)
+admission, scheduler, KV allocator, executor, detok, ingress; the event log to a file) on one uvloop; each
+stream reads its request's token ids as the engine port hands them over (rendering them as text is the HTTP
+side's work, in an API-server process on a GPU host: `--http` measures it). At each concurrency C, C requests are in flight at all times (a finished one is replaced at once)
 until C x --rounds have finished; each prompt is --prompt random token ids (distinct: no prefix-cache hit),
 each answer --answer greedy tokens with ignore_eos. Reported per C:
 
@@ -166,7 +167,7 @@ def step_kinds(log_path: str, t0_ns: int, t1_ns: int) -> dict:
 
 async def run_level(engine, C: int, rounds: int, P: int, A: int, vocab: int) -> dict:
     from imp.engine.port import Submission
-    from imp.messages import Delta, SamplingParams
+    from imp.messages import Delta, FinishReason, SamplingParams
 
     rng = np.random.default_rng(C)
     total, issued = C * rounds, [0]
@@ -183,18 +184,27 @@ async def run_level(engine, C: int, rounds: int, P: int, A: int, vocab: int) -> 
             sub = Submission(f"eng-{C}-{i}", prompt, SamplingParams(max_tokens=A, temperature=0.0, ignore_eos=True))
             t0 = time.perf_counter()
             prev = None
-            async for item in engine.submit(sub):
-                now = time.perf_counter()
-                if type(item) is not Delta:
-                    failed[0] += 1
-                    break
-                if item.token_ids:
-                    tokens[0] += len(item.token_ids)
-                    if prev is None:
-                        ttft.append(now - t0)
-                    else:
-                        itl.append(now - prev)
-                    prev = now
+            # the raw handle: token ids as the engine hands them over; rendering text (detok, stop strings)
+            # is the HTTP side's, in an API-server process on a GPU host: --http measures it
+            handle = engine.open(sub)
+            try:
+                while True:
+                    item = await handle.queue.get()
+                    now = time.perf_counter()
+                    if type(item) is not Delta:
+                        failed[0] += 1
+                        break
+                    if item.token_ids:
+                        tokens[0] += len(item.token_ids)
+                        if prev is None:
+                            ttft.append(now - t0)
+                        else:
+                            itl.append(now - prev)
+                        prev = now
+                    if item.finish != FinishReason.NONE:
+                        break
+            finally:
+                engine.close(handle)
 
     t0_ns, t0 = time.time_ns(), time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(C)))

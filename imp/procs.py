@@ -84,6 +84,8 @@ def _run(coro) -> None:
 
 def engine_main(argv: list[str]) -> int:
     """`python -m imp _engine ...`: load the model, run the actors, serve the API servers."""
+    from imp.fetch import FetchError
+    from imp.formats.gguf_file import ModelFileError
     from imp.server import load_engine, open_responses_store, setup_logging
     from imp.settle import settle_after_boot
     from imp.store.sqlite import StoreOpenError
@@ -96,7 +98,11 @@ def engine_main(argv: list[str]) -> int:
     except (StoreOpenError, ValueError) as exc:
         _progress(f"cannot start: {exc}")
         return 2
-    engine, _text = load_engine(cfg, store)
+    try:
+        engine, _text = load_engine(cfg, store)
+    except (ModelFileError, FetchError) as exc:  # a wrong --model: one line, not a traceback
+        _progress(f"cannot start: {exc}")
+        return 2
     settle_after_boot()
     _run(_engine(cfg, engine, args["endpoint"], int(args["ready"])))
     return 0

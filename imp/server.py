@@ -330,9 +330,10 @@ def setup_logging(cfg: ServerConfig) -> None:
 def serve(cfg: ServerConfig) -> None:
     """One process: the engine and HTTP on one event loop (--api-servers 0; see imp.procs)."""
     setup_logging(cfg)
-    from imp.store.sqlite import StoreOpenError
-
+    from imp.fetch import FetchError
+    from imp.formats.gguf_file import ModelFileError
     from imp.http.access import load_api_keys
+    from imp.store.sqlite import StoreOpenError
 
     try:
         api_keys = load_api_keys(cfg.api_key, cfg.api_key_file)
@@ -340,7 +341,11 @@ def serve(cfg: ServerConfig) -> None:
     except (StoreOpenError, ValueError) as exc:
         _progress(f"cannot start: {exc}")
         sys.exit(2)
-    engine, text, embedder = load_engine(cfg, store, embedder=True, status_port=True)
+    try:
+        engine, text, embedder = load_engine(cfg, store, embedder=True, status_port=True)
+    except (ModelFileError, FetchError) as exc:  # a wrong --model: one line, not a traceback
+        _progress(f"cannot start: {exc}")
+        sys.exit(2)
     try:
         import uvloop
 

@@ -98,12 +98,27 @@ class _Cursor:
         return self.unpack(_SCALARS[t])[0]
 
 
+class ModelFileError(ValueError):
+    """A model file that cannot be read as what it says it is: the server says so in one line and exits."""
+
+
 def read_header(path) -> GGUFHeader:
+    try:
+        return _read_header(path)
+    except (struct.error, IndexError, UnicodeDecodeError, KeyError) as exc:  # a header cut short or garbled
+        raise ModelFileError(f"{path}: not a readable GGUF header ({type(exc).__name__}: {exc})") from exc
+    except ValueError as exc:
+        if isinstance(exc, ModelFileError):
+            raise
+        raise ModelFileError(f"{path}: {exc}") from exc  # an empty file (mmap), an unknown tensor type
+
+
+def _read_header(path) -> GGUFHeader:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         c = _Cursor(mm)
         magic, version, n_tensors, n_kv = c.unpack("<4sIQQ")
         if magic != b"GGUF" or version < 2:
-            raise ValueError(f"{path}: not a GGUF v2+ file")
+            raise ModelFileError(f"{path}: not a GGUF v2+ file")
         meta: dict[str, Any] = {}
         for _ in range(n_kv):
             key = c.string()
@@ -126,10 +141,10 @@ def read_header(path) -> GGUFHeader:
         # a row that is not whole blocks, or data past the end of the file, would be read as
         # garbage by every kernel (and out of bounds by some): refused here, naming the tensor
         if ne and (ne[0] == 0 or ne[0] % block):
-            raise ValueError(f"{path}: tensor {name}: a row of {ne[0]} values is not whole {qtype.name} blocks of {block}")
+            raise ModelFileError(f"{path}: tensor {name}: a row of {ne[0]} values is not whole {qtype.name} blocks of {block}")
         n = int(np.prod(ne, dtype=np.int64))
         if data_offset + off + n // block * type_size > size:
-            raise ValueError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
+            raise ModelFileError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
         tensors[name] = TensorInfo(name, tuple(int(x) for x in reversed(ne)), qtype,
                                    data_offset + off, n // block * type_size)
     return GGUFHeader(meta, tensors, data_offset)

@@ -185,7 +185,6 @@ def pipeline_depth(cfg: ServerConfig) -> int:
     return cfg.pipeline_depth or (2 if cfg.device.startswith("cuda") else 1)
 
 
-
 def config_from_args(ns: argparse.Namespace) -> ServerConfig:
     fields = ServerConfig.__dataclass_fields__
     return ServerConfig(**{k: v for k, v in vars(ns).items() if k in fields})

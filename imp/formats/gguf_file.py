@@ -105,12 +105,12 @@ class ModelFileError(ValueError):
 def read_header(path) -> GGUFHeader:
     try:
         return _read_header(path)
+    except ModelFileError:
+        raise
     except (struct.error, IndexError, UnicodeDecodeError, KeyError) as exc:  # a header cut short or garbled
         raise ModelFileError(f"{path}: not a readable GGUF header ({type(exc).__name__}: {exc})") from exc
-    except ValueError as exc:
-        if isinstance(exc, ModelFileError):
-            raise
-        raise ModelFileError(f"{path}: {exc}") from exc  # an empty file (mmap), an unknown tensor type
+    except ValueError as exc:  # an empty file (mmap), an unknown tensor type
+        raise ModelFileError(f"{path}: {exc}") from exc
 
 
 def _read_header(path) -> GGUFHeader:

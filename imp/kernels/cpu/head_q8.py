@@ -40,8 +40,8 @@ from imp.kernels.cpu.row_dot_loop import DP4, V8I, V16F, V16I, VNNI, _dpbusd512,
 F32, HALF, I8, I16, I32, I64 = ir.FloatType(), ir.HalfType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 V64B = ir.VectorType(I8, 64)
 ALIGN = 64
-# On AVX2 it runs one row and up to 4 tokens a call (_block_avx2): each 16-lane accumulator is two ymm
-# registers of AVX2's 16, so the VNNI tiles (4 rows x 4 tokens, 1 row x 8 or 16) spilled, and two threads
+# The packed loop takes every batch on both tiers. On AVX2 it runs one row and up to 4 tokens a call
+# (_block_avx2): each 16-lane accumulator is two ymm registers of AVX2's 16, so the VNNI tiles (4 rows x 4 tokens, 1 row x 8 or 16) spilled, and two threads
 # ran them no faster than one. Gemma's head, Zen 4 running Haswell code, 2 threads, ms at 1 / 2 / 4 / 8 / 16
 # tokens: the VNNI tiles 5.1 / 11.8 / 18.6 / 46.6 / 55.5, the file loop 10.4 / 10.5 / 19.2 / 26.0 / 47.7,
 # one row x 4 tokens 5.0 / 5.5 / 9.8 / 19.4 / 37.0 (2 rows x 2 tokens 5-9 % slower).

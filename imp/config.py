@@ -19,6 +19,10 @@ class ServerConfig:
     # > 0: prompt chunks beside decode rows sized to keep such a step near this (imp/core/itl.py); 0 = off
     # (off by default: on the CPU it trades rare 600 ms stalls for many 100 ms steps, PERFORMANCE.md "ITL")
     itl_target_ms: float = 0.0
+    # draft-free speculation (imp/core/spec.py) for requests that do not say ("speculative"): on / off; a
+    # draft is at most spec_draft_max tokens (0: never, whatever a request asks)
+    speculative: str = "on"
+    spec_draft_max: int = 8
     max_tokens: int | None = None  # fixed default for max_tokens; None = rest of context
     max_output_tokens: int | None = None  # server-wide cap on every request's output (llama-server's -n)
     max_queued_tokens: int = 0
@@ -65,6 +69,8 @@ class ServerConfig:
             (self.max_batch_size >= 1, "--max-batch-size must be >= 1"),
             (self.max_step_tokens >= 16, "--max-step-tokens must be >= 16"),
             (self.itl_target_ms >= 0, "--itl-target-ms must be >= 0 (0 = off)"),
+            (self.speculative in ("on", "off"), "--speculative must be on or off"),
+            (0 <= self.spec_draft_max <= 64, "--spec-draft-max must be 0..64"),
             (self.kv_cache_tokens is None or self.kv_cache_tokens >= self.block_size, "--kv-cache-tokens too small"),
             (self.max_tokens is None or self.max_tokens >= 1, "--max-tokens must be >= 1"),
             (self.max_output_tokens is None or self.max_output_tokens >= 1, "--max-output-tokens must be >= 1"),
@@ -103,6 +109,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="size the prompt chunks that share a step with running streams so that the step takes "
                         "about this long (or twice a decode step, if longer), from measured step times (default 0 = "
                         "off: chunks of --max-step-tokens)")
+    p.add_argument("--speculative", choices=("on", "off"), default=d.speculative,
+                   help="draft-free speculative decoding for requests that do not say (their \"speculative\"): "
+                        "the sequence's own prompt and output predict its next tokens, verified in one step; the "
+                        "output is the same token for token (default on; the CPU executor verifies drafts)")
+    p.add_argument("--spec-draft-max", type=int, default=d.spec_draft_max,
+                   help="most drafted tokens a step verifies for one sequence (0 = no speculation at all)")
     p.add_argument("--max-tokens", type=int, default=None, help="default max_tokens (else rest of context)")
     p.add_argument("--max-output-tokens", type=int, default=None,
                    help="cap every request's output at N tokens (a normal max_tokens / length stop)")

@@ -30,9 +30,9 @@ BODIES = {
 }
 # a value that switches each unimplemented feature on, and one that leaves it off
 ON = {"dry_multiplier": 0.8, "mirostat": 2, "banned_strings": ["Paris"], "banned_regex": ["P.*s"], "cfg_scale": 1.5,
-      "logit_lens": True, "speculative": True}
+      "logit_lens": True}
 OFF = {"dry_multiplier": 0, "mirostat": 0, "banned_strings": [], "banned_regex": [], "cfg_scale": 1,
-       "logit_lens": False, "speculative": False}
+       "logit_lens": False}
 
 
 @pytest.fixture

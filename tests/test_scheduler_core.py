@@ -82,14 +82,15 @@ class HoldKv:
 class Sim:
     def __init__(self, num_blocks=16, block_size=4, max_context=64, max_batch_size=8, max_step_tokens=16,
                  request_timeout_ns=0, aging_ns=20 * MS, max_queued_tokens=0, decode_reserve=8, pipeline_depth=1,
-                 admit_tokens=0, history_once=False, share_in_flight=False):
+                 admit_tokens=0, history_once=False, share_in_flight=False, spec_k_max=0, token=None):
         self.bs, self.num_blocks = block_size, num_blocks
+        self.token = token or (lambda seed, g, sid: fake_token(seed, g, sid))  # the fake model: (seed, index, seq)
         self.max_len = min(max_context, num_blocks * block_size)
         self.kv = KvCore(KvConfig(num_blocks, block_size, "fake", share_in_flight=share_in_flight))
         self.sched = SchedulerCore(SchedulerConfig(num_blocks, block_size, max_context, max_batch_size,
                                                    max_step_tokens, request_timeout_ns, aging_ns,
                                                    pipeline_depth=pipeline_depth, admit_tokens=admit_tokens,
-                                                   history_once=history_once))
+                                                   history_once=history_once, spec_k_max=spec_k_max))
         self.hold_kv = HoldKv(self.kv)
         self.adm = AdmissionCore(AdmissionConfig(num_blocks, block_size, max_context, max_queued_tokens,
                                                  admission_decode_tokens=decode_reserve))
@@ -175,7 +176,7 @@ class Sim:
         seed = m.params.seed + index
         out = []
         while True:
-            t = fake_token(seed, len(out), f"{req_id}#{index}")
+            t = self.token(seed, len(out), f"{req_id}#{index}")
             out.append(t)
             if t in m.params.stop_token_ids and not m.params.ignore_eos:
                 return out
@@ -203,31 +204,37 @@ class Sim:
             def expect(p, m=m, w=w):
                 if p < len(m.prompt):
                     return (m.salt, m.prompt[p])
-                return (m.salt, fake_token(w.params.seed, p - len(m.prompt), w.seq_id))
+                return (m.salt, self.token(w.params.seed, p - len(m.prompt), w.seq_id))
 
             end = w.start_pos + len(w.token_ids)
             assert len(w.token_ids) >= 1 and len(w.block_table) * bs >= end
             assert len(set(w.block_table)) == len(w.block_table)
             for i, t in enumerate(w.token_ids):
                 p = w.start_pos + i
-                assert (m.salt, t) == expect(p), (w.seq_id, p)
+                if i < len(w.token_ids) - w.draft:
+                    assert (m.salt, t) == expect(p), (w.seq_id, p)
                 b = w.block_table[p // bs]
                 assert writers.setdefault(b, w.seq_id) == w.seq_id, f"block {b} written by two sequences"
-                self.mem[b][p % bs] = expect(p)
+                self.mem[b][p % bs] = (m.salt, t)  # a draft token as fed: a wrong guess is garbage to write over
             ends.append((w, end, expect, m))
         out = []
         for w, end, expect, m in ends:  # attention reads, after the whole batch wrote
             req, index = w.seq_id.rsplit("#", 1)
             if (req, int(index)) in self.finish:
                 continue  # a share planned before its sequence ended (pipelined): what it reads is never used
-            for p in range(end):
+            draft = w.token_ids[len(w.token_ids) - w.draft:] if w.draft else ()
+            kept = 0  # a verify: the draft up to its first token the model does not sample there
+            while kept < len(draft) and draft[kept] == self.token(w.params.seed, w.gen_index + kept, w.seq_id):
+                kept += 1
+            for p in range(end - len(draft) + kept):  # what the rows that count read
                 assert self.mem[w.block_table[p // bs]][p % bs] == expect(p), (w.seq_id, p)
             if w.sample:
-                assert end == len(m.prompt) + w.gen_index
-                penalty = m.params.repetition_penalty != 1.0
+                assert end - len(draft) == len(m.prompt) + w.gen_index
+                penalty = m.params.needs_history  # penalties count them, a grammar follows them
                 gen = [expect(len(m.prompt) + g)[1] for g in range(w.gen_index)]
                 assert w.history == (tuple(gen) if penalty else ()), (w.history, gen)
-                out.append(SampledToken(w.seq_id, fake_token(w.params.seed, w.gen_index, w.seq_id)))
+                acc = tuple(SampledToken(w.seq_id, t) for t in draft[:kept])
+                out.append(SampledToken(w.seq_id, self.token(w.params.seed, w.gen_index + kept, w.seq_id), accepted=acc))
                 self.prev_sampled[w.seq_id] = out[-1].token_id
         record_samples(out, self.kept_hists)  # as the executor does before it sends the result
         return out
@@ -547,7 +554,14 @@ EXAMPLES = int(os.environ.get("IMP_SCHED_EXAMPLES", 200))  # each example: up to
 REQUEST = st.fixed_dictionaries(dict(
     length=st.integers(1, 40), family=st.integers(0, 2), n=st.integers(1, 3), priority=st.integers(0, 2),
     max_tokens=st.integers(1, 12), salt=st.sampled_from(["", "lora"]), ignore_eos=st.booleans(),
-    penalty=st.booleans(), pin=st.sampled_from(["", "", "cache", "s1", "s2"])))
+    penalty=st.booleans(), pin=st.sampled_from(["", "", "cache", "s1", "s2"]), spec=st.booleans()))
+
+
+def repeating_token(seed: int, gen_index: int, seq_id: str) -> int:
+    """A fake model that mostly repeats the prompts' 30-token cycle (`ids`), so that drafts are
+    often right, and one token in five is `fake_token`'s (so that some are wrong)."""
+    t = fake_token(seed, gen_index, seq_id)
+    return t if t % 5 == 0 else 1 + (seed + gen_index) % 30
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -556,16 +570,17 @@ class SchedulerMachine(RuleBasedStateMachine):
                 timeout=st.sampled_from([0, 0, 40 * MS]), max_queued=st.sampled_from([0, 0, 60]),
                 reserve=st.sampled_from([1, 8]), depth=st.sampled_from([1, 2]),
                 admit=st.sampled_from([0, 0, 8]), once=st.booleans(), share=st.booleans(),
-                first=st.lists(REQUEST, min_size=1, max_size=6))
+                spec=st.sampled_from([0, 0, 3, 8]), first=st.lists(REQUEST, min_size=1, max_size=6))
     def setup(self, num_blocks, block_size, max_batch_size, max_step_tokens, timeout, max_queued, reserve,
-              depth, admit, once, share, first):
+              depth, admit, once, share, spec, first):
         self.max_step_tokens = max_step_tokens
         self.sim = Sim(num_blocks, block_size, max_context=48, max_batch_size=max_batch_size,
                        max_step_tokens=max_step_tokens, request_timeout_ns=timeout, aging_ns=5 * MS,
                        max_queued_tokens=max_queued, decode_reserve=reserve,  # 1: preempts often
                        pipeline_depth=depth, admit_tokens=admit * max_step_tokens, history_once=once,
-                       share_in_flight=share)
+                       share_in_flight=share, spec_k_max=spec, token=repeating_token if spec else None)
         event(f"pipeline depth {depth}")
+        event(f"speculation up to {spec}")
         event(f"history once {once}")
         event(f"share in flight {share}")
         self.n = 0
@@ -577,7 +592,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.n += 1
         prompt = ids(r["length"], base=r["family"] * 10)  # families share prefixes: cache hits
         p = params(r["max_tokens"], seed=self.n * 7, ignore_eos=r["ignore_eos"],
-                   repetition_penalty=1.1 if r["penalty"] else 1.0)
+                   repetition_penalty=1.1 if r["penalty"] else 1.0, speculative=r["spec"])
         self.sim.submit(f"q{self.n}", prompt, p, n=r["n"], priority=r["priority"], salt=r["salt"],
                         cache_prompt=r["pin"] == "cache", session_id=r["pin"] if r["pin"] in ("s1", "s2") else "")
 
@@ -639,6 +654,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _teardown(self):
         sim = self.sim
         sim.drain()
+        drafts = [w.draft for p in sim.plans for w in p.seqs if w.draft]
+        event(f"verify shares: {'none' if not drafts else 'some' if len(drafts) < 10 else 'ten or more'}")
         sim.kv.audit()
         assert set(sim.finished) == set(sim.enqueued), "an admitted request never finished"
         # only pins may hold blocks once everything ended; closing the sessions frees theirs

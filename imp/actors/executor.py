@@ -122,10 +122,11 @@ def attach_state(plan: StepPlan, kept: dict[str, SamplingParams], hists: dict[st
 
 
 def record_samples(tokens, hists: dict[str, list[int]]) -> None:
-    """Append a step's sampled tokens to the histories kept for their sequences."""
+    """Append a step's sampled tokens (a verify's kept drafts first) to the histories kept for their sequences."""
     for t in tokens:
         h = hists.get(t.seq_id)
         if h is not None:
+            h.extend(a.token_id for a in t.accepted)
             h.append(t.token_id)
 
 

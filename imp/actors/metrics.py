@@ -174,6 +174,18 @@ class MetricsActor(Actor):
         self.c_swaps = c("imp_kv_swaps", "KV moved to host for want of blocks: always 0, imp recomputes a "
                          "preempted request, it never swaps")
         self.c_steps = c("imp_decode_batch_steps", "engine steps")
+        # speculation (imp/core/spec.py): in aggregate, and per draft source (the n-gram matcher; no file
+        # this server loads has an MTP head, so imp_spec_mtp_* stay 0). A verify step = one sequence's
+        # verify share; it emits its accepted drafts + 1
+        self.c_spec = {k: c(f"imp_spec_{k}", d) for k, d in (
+            ("drafted", "draft tokens fed to verify steps"), ("accepted", "draft tokens the model kept"),
+            ("verify_steps", "verify steps (one sequence's draft checked in one engine step)"),
+            ("miss_steps", "verify steps that kept none of their draft"))}
+        self.c_spec_src = {(src, k): c(f"imp_spec_{src}_{k}", f"{d} ({what})") for src, what in (
+            ("ngram", "the n-gram / suffix matcher over the request's prompt and output"),
+            ("mtp", "a trained MTP head: none is loaded, always 0")) for k, d in (
+            ("drafted", "draft tokens"), ("accepted", "draft tokens kept"), ("emitted", "tokens its verify steps emitted"),
+            ("verify_steps", "verify steps"), ("verify_wall_ms", "wall ms of the engine steps that verified its drafts"))}
         self.c_rows = c("imp_decode_batch_rows", "sequences summed over steps")
         self.c_gen = c("imp_tokens_generated", "completion tokens")
         self.c_prompt = c("imp_tokens_prompt", "prompt tokens")
@@ -236,6 +248,14 @@ class MetricsActor(Actor):
 
     def _step(self, msg: StepStats) -> None:
         self.rates.observe(msg, time.monotonic())
+        if msg.verify_rows:
+            for k, v in (("drafted", msg.drafted), ("accepted", msg.accepted), ("verify_steps", msg.verify_rows),
+                         ("miss_steps", msg.verify_misses)):
+                self.c_spec[k].inc(v)
+            for k, v in (("drafted", msg.drafted), ("accepted", msg.accepted),
+                         ("emitted", msg.accepted + msg.verify_rows), ("verify_steps", msg.verify_rows),
+                         ("verify_wall_ms", msg.elapsed_ns / 1e6)):
+                self.c_spec_src["ngram", k].inc(v)
         self.c_steps.inc()
         self.c_rows.inc(msg.num_seqs)
         self.g_batch_last.set(msg.num_seqs)

@@ -72,6 +72,10 @@ def server_attributes(m: RequestStats, t: Timeline) -> dict:
     }
     if t.ttft_s is not None:
         attrs["imp.ttft_ms"] = round(t.ttft_s * 1e3, 3)
+    if m.spec_verify_steps:  # a verify step ran for it (imp.http.pipeline.spec_usage: the usage keys' twins)
+        attrs.update({"imp.spec_drafted": m.spec_drafted, "imp.spec_accepted": m.spec_accepted,
+                      "imp.spec_emitted": m.spec_accepted + m.spec_verify_steps,
+                      "imp.spec_verify_steps": m.spec_verify_steps})
     return attrs
 
 

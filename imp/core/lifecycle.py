@@ -52,15 +52,23 @@ class RequestBook:
         self._set(r.seqs[0], Status.WAITING)
 
     def _sampled(self, s: Seq, t: SampledToken, out: Out) -> None:
-        s.tokens.append(t.token_id)
+        """The token(s) a step sampled for the sequence: a verify's kept drafts, then `t`; the first
+        that finishes the choice ends it, and what follows it is dropped."""
         p, r = s.params, s.req
-        if t.token_id in p.stop_token_ids and (not p.ignore_eos or p.constrained):  # a grammar ends at EOS
-            reason = FinishReason.STOP
-        elif len(s.tokens) - len(r.prompt) >= p.max_tokens or len(s.tokens) >= self.max_len:
-            reason = FinishReason.LENGTH
-        else:
-            reason = FinishReason.NONE
-        tout = self._token_out(s, [t.token_id], reason, [t] if p.logprobs >= 0 else [])
+        ts = (*t.accepted, msgspec.structs.replace(t, accepted=())) if t.accepted else (t,)
+        reason = FinishReason.NONE
+        for i, x in enumerate(ts):
+            s.tokens.append(x.token_id)
+            if x.token_id in p.stop_token_ids and (not p.ignore_eos or p.constrained):  # a grammar ends at EOS
+                reason = FinishReason.STOP
+            elif len(s.tokens) - len(r.prompt) >= p.max_tokens or len(s.tokens) >= self.max_len:
+                reason = FinishReason.LENGTH
+            if reason:
+                ts = ts[:i + 1]
+                s.num_computed = min(s.num_computed, len(s.tokens))  # past a dropped draft token: not its KV
+                break
+        ids = [x.token_id for x in ts] if len(ts) > 1 else [t.token_id]
+        tout = self._token_out(s, ids, reason, ts if p.logprobs >= 0 else [])
         if p.prompt_logprobs >= 0 and s.index == 0 and not s.plp_sent:
             tout = msgspec.structs.replace(tout, prompt_logprobs=tuple(s.plp))
             s.plp, s.plp_sent = [], True
@@ -183,5 +191,7 @@ class RequestBook:
         if not reason:
             return TokenOut(s.req.id, s.index, ids, logprobs=lp)
         return TokenOut(s.req.id, s.index, ids, reason, len(s.req.prompt), max(0, s.req.cached_tokens),
-                        len(s.tokens) - len(s.req.prompt), lp, error)
+                        len(s.tokens) - len(s.req.prompt), lp, error, spec_drafted=s.spec_drafted,
+                        spec_accepted=s.spec_accepted, spec_verify_steps=s.spec_verifies,
+                        spec_declined="no_mtp_head" if s.params.mtp_k > 0 else "")
 

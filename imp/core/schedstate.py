@@ -37,11 +37,15 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     # a new prompt's chunk stalls the running streams for about this long, not for a whole
     # max_step_tokens chunk. 0 = off (the policy before this field: logs written then replay identically)
     itl_target_ns: int = 0
+    # > 0: a speculative sequence's decode share may feed up to this many drafted tokens after its last one
+    # (imp.core.spec), verified in the same step. 0: never (the executor cannot verify drafts, or the server
+    # runs without speculation; logs written before this field replay identically)
+    spec_k_max: int = 0
 
     def __post_init__(self):
         if min(self.num_blocks, self.block_size, self.max_context, self.max_batch_size,
                self.max_step_tokens, self.aging_ns) < 1 or self.request_timeout_ns < 0 \
-                or self.pipeline_depth not in (1, 2) or self.itl_target_ns < 0:
+                or self.pipeline_depth not in (1, 2) or self.itl_target_ns < 0 or self.spec_k_max < 0:
             raise ValueError(f"bad SchedulerConfig {self}")
 
 
@@ -76,7 +80,8 @@ class Req:
 
 class Seq:
     __slots__ = ("id", "req", "index", "params", "tokens", "status", "num_computed", "num_reported", "table", "in_kv",
-                 "admit_no", "plp", "plp_sent", "epoch", "ahead", "pending", "send_params")
+                 "admit_no", "plp", "plp_sent", "epoch", "ahead", "pending", "send_params", "drafter", "spec_inflight",
+                 "spec_drafted", "spec_accepted", "spec_verifies")
 
     def __init__(self, req: Req, index: int, params):
         self.id, self.req, self.index, self.params = f"{req.id}#{index}", req, index, params
@@ -93,14 +98,19 @@ class Seq:
         self.epoch = 0  # results of in-flight work from an older epoch are ignored
         self.ahead = 0  # positions fed by steps in flight (this epoch), beyond num_computed
         self.pending = 0  # tokens those steps will sample (0 or 1), beyond len(tokens)
+        self.drafter = None  # imp.core.spec.Drafter, from its first draft on
+        self.spec_inflight = False  # a verify share of it is in flight: nothing more is planned until it lands
+        self.spec_drafted = self.spec_accepted = self.spec_verifies = 0
 
 
 class Work:
     """One sequence's share of the step being prepared or in flight: positions
     start .. start+n-1, sampling after the last when `sample`."""
 
-    __slots__ = ("seq", "n", "has_result", "new", "start", "sample", "epoch")
+    __slots__ = ("seq", "n", "has_result", "new", "start", "sample", "epoch", "draft")
 
-    def __init__(self, seq: Seq, n: int, has_result: bool, new: bool = False, start: int = 0, sample: bool = False):
+    def __init__(self, seq: Seq, n: int, has_result: bool, new: bool = False, start: int = 0, sample: bool = False,
+                 draft: tuple[int, ...] = ()):
         self.seq, self.n, self.has_result, self.new = seq, n, has_result, new
         self.start, self.sample, self.epoch = start, sample, seq.epoch
+        self.draft = draft  # the last len(draft) of its n positions feed drafted tokens (a verify share)

@@ -49,6 +49,7 @@ from imp.core.core import CoreError, Out
 from imp.core.itl import ItlBudget
 from imp.core.lifecycle import RequestBook
 from imp.core.schedstate import Phase, SchedulerConfig, Seq, Status, Work
+from imp.core.spec import Drafter
 from imp.messages import (
     Cancel, EndThinking, Enqueue, Figures, FinishReason, KvFigures, KvOp, KvReply, KvRequest, Msg, PENDING_TOKEN,
     QueueFigures, SessionClose, SeqWork, StepFailed, StepPlan, StepResult, StepStats, Tick, TokenBatch, TokenOut,
@@ -116,10 +117,15 @@ class SchedulerCore(RequestBook):
         budget = c.max_step_tokens
         n_prompt = lambda s: len(s.req.prompt)  # noqa: E731
         decodes = 0  # decode rows planned so far: they come first
+        spare = self._spec_spare(budget)  # (draft tokens, KV blocks) drafts may take: never a decode row's
         for s in sorted(self.running, key=lambda s: len(s.tokens) + s.pending - s.num_computed - s.ahead > 1):
             if budget == 0 or len(self.batch) == c.max_batch_size:  # decodes first, then prefill chunks
                 break
+            if s.spec_inflight:
+                continue  # how many of its positions the verify in flight keeps is not known yet
             start, vlen = s.num_computed + s.ahead, len(s.tokens) + s.pending
+            if s.pending and spare[0] and vlen - start == 1 and self._would_draft(s):
+                continue  # pipelined: a draft needs the token in flight; this step waits for it
             if s.pending and (vlen - n_prompt(s) >= s.params.max_tokens or vlen >= self.max_len):
                 continue  # the token in flight is its last
             if vlen - start > 1 and decodes and budget > (room := self._prompt_room(budget, decodes)):
@@ -128,12 +134,16 @@ class SchedulerCore(RequestBook):
                     break
             decodes += vlen - start == 1
             n = min(vlen - start, budget)
-            op = self._grow_op(s, start + n)
+            draft = self._draft(s, start, vlen, spare) if spare[0] and vlen - start == 1 and not s.pending else ()
+            if draft:
+                spare[0] -= len(draft)
+                s.spec_inflight = True
+            op = self._grow_op(s, start + n + len(draft))
             ops += [op] if op else []
-            w = Work(s, n, op is not None, start=start, sample=start + n == vlen)
-            s.ahead, s.pending = s.ahead + n, s.pending + w.sample
+            w = Work(s, n + len(draft), op is not None, start=start, sample=start + n == vlen, draft=draft)
+            s.ahead, s.pending = s.ahead + w.n, s.pending + w.sample
             self.batch.append(w)
-            budget -= n
+            budget -= w.n
         if decodes:  # new prompts beside decode rows: what is left of the ITL target's share
             budget = min(budget, self._prompt_room(budget, decodes))
         reserved, counted, slots = self._reserved(), set(), c.max_batch_size - len(self.running)
@@ -199,11 +209,14 @@ class SchedulerCore(RequestBook):
         keep = []
         for w in self.batch:
             s = w.seq
+            if w.draft:  # a verify that does not run (preempted, or its grow failed) holds nothing back
+                s.spec_inflight = False
             if s.status is Status.RUNNING and w.epoch == s.epoch:
                 if w.new and w.n == 0:  # admitted (KV allocated) past this step's budget: computes from the next
                     continue
                 if s not in failed:
                     keep.append(w)
+                    s.spec_inflight = bool(w.draft)
                 else:  # its grow failed: it sits this step out
                     s.ahead, s.pending = s.ahead - w.n, s.pending - w.sample
         self.batch, self.phase = [], Phase.IDLE
@@ -218,31 +231,42 @@ class SchedulerCore(RequestBook):
     def _on_result(self, msg: StepResult, out: Out) -> None:
         batch = self._landed(msg.step)
         sampled = {t.seq_id: t for t in msg.tokens}
-        n_tokens = n_decode = 0
+        n_tokens = n_decode = drafted = accepted = verifies = misses = 0
         for w in batch:
             s = w.seq
             n_tokens += w.n
-            n_decode += w.n == 1 and w.sample
+            n_decode += w.n - len(w.draft) == 1 and w.sample
+            if w.draft:
+                s.spec_inflight = False
             if s.status is not Status.RUNNING or w.epoch != s.epoch:
                 continue  # ended, preempted or redirected while the step ran: its results are dropped
-            s.num_computed += w.n
-            s.ahead, s.pending = s.ahead - w.n, s.pending - w.sample
             t = sampled.get(s.id)
+            kept = len(t.accepted) if w.draft and t is not None else 0
+            s.num_computed += w.n - len(w.draft) + kept  # the positions of rejected drafts are written again
+            s.ahead, s.pending = s.ahead - w.n, s.pending - w.sample
             if t is not None and t.prompt and not s.plp_sent:
                 last = s.plp[-1].position if s.plp else 0
                 s.plp += [e for e in t.prompt if e.position > last]  # a recompute scores again
             if w.sample:
-                if t is None or s.num_computed != len(s.tokens):
+                if t is None or s.num_computed != len(s.tokens) + kept or kept > len(w.draft):
                     raise CoreError(f"step {msg.step} sampled nothing for {s.id} at {s.num_computed}")
+                if w.draft:
+                    s.drafter.observe(len(w.draft), kept)
+                    s.spec_drafted, s.spec_accepted, s.spec_verifies = (s.spec_drafted + len(w.draft),
+                                                                        s.spec_accepted + kept, s.spec_verifies + 1)
+                    drafted, accepted, verifies, misses = (drafted + len(w.draft), accepted + kept, verifies + 1,
+                                                           misses + (kept == 0))
                 self._sampled(s, t, out)
         self.steps += 1
         self.itl.observe(msg.elapsed_ns, n_tokens - n_decode, n_decode)
-        out.append(("metrics", StepStats(msg.step, len(batch), n_tokens, n_decode, msg.elapsed_ns)))
+        out.append(("metrics", StepStats(msg.step, len(batch), n_tokens, n_decode, msg.elapsed_ns, drafted, accepted,
+                                         verifies, misses)))
         self._advance(msg.now_ns, out)
         out.append(("metrics", self._figures()))
 
     def _on_failed(self, msg: StepFailed, out: Out) -> None:
         for w in self._landed(msg.step):  # their KV may be garbage: the free reports nothing of this step
+            w.seq.spec_inflight = w.seq.spec_inflight and not w.draft
             if w.seq.status is Status.RUNNING and w.epoch == w.seq.epoch:
                 self._end(w.seq.req, FinishReason.ERROR, out, error=msg.error)
         self._advance(msg.now_ns, out)
@@ -255,6 +279,11 @@ class SchedulerCore(RequestBook):
         n_gen = max(known, end) - n_prompt
         sent = p if s.send_params else None  # the executor keeps them from the first share of an admission
         s.send_params = False
+        if w.draft:  # a verify: the last known token and the draft; it samples generated token known - n_prompt
+            hist = tuple(s.tokens[n_prompt:known]) if p.needs_history and (sent is not None or
+                                                                          not self.config.history_once) else ()
+            return SeqWork(s.id, (s.tokens[start], *w.draft), start, s.table, True, sent, gen_index=known - n_prompt,
+                           history=hist, draft=len(w.draft))
         if p.prompt_logprobs >= 0 and s.index == 0 and not s.plp_sent and end <= n_prompt:
             nxt = s.tokens[end] if end < n_prompt else -1
             return SeqWork(s.id, tuple(s.tokens[start:end]), start, s.table, sample, sent, gen_index=n_gen,
@@ -274,6 +303,41 @@ class SchedulerCore(RequestBook):
         return SeqWork(s.id, toks, start, s.table, sample, sent, gen_index=n_gen, history=hist, pending=pending)
 
     # ------------------------------------------------------------------ helpers
+
+    def _spec_spare(self, budget: int) -> list[int]:
+        """[draft tokens, KV blocks] this step's drafts may take: what is left of the token budget once
+        every running sequence has one row, and the free blocks beyond one per running sequence (a
+        draft must never make a decode wait, nor the pool so dry that someone is preempted)."""
+        if not self.config.spec_k_max:
+            return [0, 0]
+        n = len(self.running)
+        return [max(0, budget - n), max(0, self.kv.free - n)]
+
+    def _would_draft(self, s: Seq) -> bool:
+        """A speculative decode row whose known tokens end in something seen before."""
+        p = s.params
+        if not p.speculative or p.constrained or len(s.tokens) <= len(s.req.prompt):
+            return False
+        if s.drafter is None:
+            s.drafter = Drafter()
+        return s.drafter.matches(s.tokens)
+
+    def _draft(self, s: Seq, start: int, vlen: int, spare: list[int]) -> tuple[int, ...]:
+        """The drafted tokens to feed after a decode row's last token (imp.core.spec), within `spare`."""
+        p = s.params
+        if not p.speculative or p.constrained or vlen <= len(s.req.prompt):
+            return ()
+        bs = self.config.block_size
+        held = len(s.table) * bs  # positions its table holds; a draft may take `spare[1]` more blocks
+        cap = min(self.config.spec_k_max, spare[0], p.max_tokens - (vlen - len(s.req.prompt)) - 1,
+                  self.max_len - vlen - 1, max(held, -(-(start + 1) // bs) * bs) + spare[1] * bs - start - 1)
+        if cap <= 0:
+            return ()
+        if s.drafter is None:
+            s.drafter = Drafter()
+        draft = s.drafter.propose(s.tokens, cap)
+        spare[1] -= max(0, -(-(start + 1 + len(draft)) // bs) - max(len(s.table), -(-(start + 1) // bs)))
+        return draft
 
     def _prompt_room(self, budget: int, decodes: int) -> int:
         """Prompt tokens this step may still compute beside its `decodes` decode rows: the ITL

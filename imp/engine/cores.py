@@ -16,10 +16,11 @@ from imp.core.scheduler import SchedulerConfig, SchedulerCore
 ADMIT_FACTOR = 8
 
 
-def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprint: str, replicas: int = 1):
+def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprint: str, replicas: int = 1,
+                verifies_drafts: bool = False):
     """admission, scheduler, kv (lists of `replicas` each when > 1, wrapped to talk to
-    their own replica). Boot facts (pool size, context, fingerprint) go into each
-    core's frozen config, and the configs into the event-log header."""
+    their own replica). Boot facts (pool size, context, fingerprint, whether the executor
+    verifies drafts) go into each core's frozen config, and the configs into the event-log header."""
     kv = KvCore(KvConfig(num_blocks=num_blocks, block_size=cfg.block_size, fingerprint=fingerprint,
                          share_in_flight=True))
     adm = AdmissionCore(
@@ -32,7 +33,7 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
         )
     )
     if replicas > 1:
-        pairs = [build_cores(cfg, num_blocks, max_context, fingerprint)[1:] for _ in range(replicas)]
+        pairs = [build_cores(cfg, num_blocks, max_context, fingerprint, verifies_drafts=verifies_drafts)[1:] for _ in range(replicas)]
         return adm, [Routed(s, i) for i, (s, _) in enumerate(pairs)], [Routed(k, i) for i, (_, k) in enumerate(pairs)]
     sch = SchedulerCore(
         SchedulerConfig(
@@ -46,6 +47,7 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
             max_context=max_context,
             pipeline_depth=pipeline_depth(cfg),
             itl_target_ns=int(cfg.itl_target_ms * 1e6),
+            spec_k_max=cfg.spec_draft_max if verifies_drafts else 0,
         )
     )
     return adm, sch, kv

@@ -52,6 +52,8 @@ class ModelCard(_Value):
     retry_after_s: float  # what a 429 tells the client to wait
     device: str  # "cpu" | "cuda"
     created: int  # unix seconds the engine came up
+    speculative: bool = False  # a request that does not say speculates (--speculative on, and the executor verifies)
+    spec_draft_max: int = 0  # 0: this engine never speculates (the executor cannot verify drafts, or --spec-draft-max 0)
 
 
 class Rates(_Value):

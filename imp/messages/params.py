@@ -47,6 +47,12 @@ class SamplingParams(Struct):
     # /v1/score: the logprobs of these ids at each sampled position, in this order, in place of
     # the top-k (SampledToken.top); asked with logprobs >= 0, so the host sampler answers
     score_ids: tuple[int, ...] = ()
+    # draft-free speculation (imp.core.spec) for this sequence: the request's "speculative", else the
+    # server's --speculative. It never changes the output, only how many tokens a step may yield
+    speculative: bool = False
+    # {"speculative": {"mtp_k": N}}: the MTP head's chain depth asked for (-1 = not asked); no file
+    # this server loads has a head, so N > 0 is declined (usage says so) and the matcher runs
+    mtp_k: int = -1
 
     # The sampling policy, decided here once: every runner, sampler and the
     # scheduler ask these instead of re-testing the fields.

@@ -32,6 +32,10 @@ class StepStats(Msg):
     num_tokens: int
     num_decode: int
     elapsed_ns: int
+    drafted: int = 0  # draft tokens fed by verify shares
+    accepted: int = 0  # of those, kept
+    verify_rows: int = 0  # verify shares (each emitted its kept drafts + 1)
+    verify_misses: int = 0  # verify shares that kept none of their draft
 
 
 class RequestStats(Msg):
@@ -62,6 +66,10 @@ class RequestStats(Msg):
     finish_reasons: tuple[str, ...] = ()  # one per choice, OpenAI spelling ("stop", "length", ...)
     reject_code: str = ""  # the Reject's code when refused ("context_length_exceeded", ...)
     ignored_fields: tuple[str, ...] = ()  # body fields nobody defines, reported (imp.http.pipeline.fates)
+    # speculation, summed over the choices (TokenOut.spec_*): the span's imp.spec_* attributes
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_verify_steps: int = 0
 
 
 class Fault(Msg):

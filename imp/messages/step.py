@@ -31,6 +31,9 @@ class SampledToken(Struct):
     # prompt tokens scored this step (SeqWork.prompt_logprobs >= 0); token_id is -1
     # when the step sampled nothing for the sequence (a prefill chunk)
     prompt: tuple[PromptLogprob, ...] = ()
+    # a verify share (SeqWork.draft > 0): the draft tokens it kept, in order, each as sampled at its
+    # position; this token is sampled after the last of them (so a verify yields len(accepted) + 1)
+    accepted: tuple[SampledToken, ...] = ()
 
 
 class SeqWork(Struct):
@@ -71,6 +74,11 @@ class SeqWork(Struct):
     # sequence, and `history` lacks those `pending` tokens: the executor
     # supplies both (on the device, or from the results it already has).
     pending: int = 0
+    # Speculation (imp.core.spec): the last `draft` token_ids are a guess at what the sequence
+    # samples next, fed after its last known token. The runner samples every one of the draft+1
+    # positions as a decode step would (gen_index + j, the history with the draft's first j tokens)
+    # and keeps the draft up to the first position whose sample differs (SampledToken.accepted).
+    draft: int = 0
 
 
 PENDING_TOKEN = -1
@@ -180,6 +188,12 @@ class TokenOut(Msg):
     logprobs: tuple[SampledToken, ...] = ()
     error: str = ""
     prompt_logprobs: tuple[PromptLogprob, ...] = ()  # with the first token of choice 0
+    # speculation, with the finish: draft tokens fed, kept, and verify shares run (each emitted
+    # its kept ones + 1); declined: why a speculation asked for did not run ("" = it did, or none asked)
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_verify_steps: int = 0
+    spec_declined: str = ""
 
 
 class TokenBatch(Msg):

@@ -23,7 +23,8 @@ def head_rows(seqs: list[SeqWork]) -> tuple[list[int], dict[int, int], dict[int,
     """Which of a step's new-token rows the head runs on (both runners).
 
     Returns rows (indices into the step's N new tokens), sample_at (seq index ->
-    index in rows of its last token, for seqs that sample) and plp_at (seq index ->
+    index in rows of its last token, for seqs that sample; of the first of its draft + 1 last
+    tokens for a verify share, whose rows follow in order) and plp_at (seq index ->
     (first index in rows, count) for seqs scoring prompt tokens: row j scores the
     token at position start+j+1, the last one prompt_next when given).
     """
@@ -39,7 +40,7 @@ def head_rows(seqs: list[SeqWork]) -> tuple[list[int], dict[int, int], dict[int,
             rows.extend(range(base, base + count))
         if s.sample:
             sample_at[i] = len(rows)
-            rows.append(base + n - 1)
+            rows.extend(range(base + n - 1 - s.draft, base + n))
         base += n
     return rows, sample_at, plp_at
 

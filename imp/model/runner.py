@@ -34,6 +34,7 @@ from imp.model.governor import Governor, GovernorConfig
 from imp.model.paged import default_num_blocks
 from imp.model.rows import head_rows, host, with_prompt_logprobs
 from imp.sampling.cpu import sample
+from imp.sampling.verify import verify
 
 import numba
 import numpy as np
@@ -197,6 +198,8 @@ class ModelRunner:
             return host(self.model.forward(tokens, plan, self.cache, **kw))  # torch forwards: to numpy
 
     supports_lora = property(lambda self: isinstance(self.model, FusedModel))
+    # a share may feed drafted tokens (SeqWork.draft): every forward here scores any rows asked for
+    verifies_drafts = True
 
     def step(self, seqs: list[SeqWork], constraints=None, lora=None) -> list[SampledToken]:
         """forward + sampling, one SampledToken per seq with sample=True or prompt_logprobs >= 0.
@@ -219,8 +222,14 @@ class ModelRunner:
             plan.last_rows = torch.from_numpy(plan.last_rows)
         kw = self._lora_args(seqs, lora)
         logits = self._forward(tokens, plan, kw)  # [len(rows), vocab]
-        order = sorted(sample_at)
         drawn = {}
+        if self.verifies_drafts and any(seqs[i].draft for i in sample_at):  # verify shares: theirs
+            for i in [i for i in sample_at if seqs[i].draft]:
+                w, first = seqs[i], sample_at.pop(i)
+                if constraints is not None and w.params.constrained:
+                    raise ValueError(f"{w.seq_id}: a constrained sequence cannot verify a draft")
+                drawn[i] = verify(logits[first:first + w.draft + 1], w)
+        order = sorted(sample_at)
         if order:
             idx, works = [sample_at[i] for i in order], [seqs[i] for i in order]
             # the forward's logits are a fresh tensor: when every row is sampled in order and none is
@@ -229,5 +238,5 @@ class ModelRunner:
             sel = logits if whole else logits[idx]
             if constraints is not None:
                 constraints.apply(sel, works)
-            drawn = dict(zip(order, sample(sel, works, own=True)))
+            drawn.update(zip(order, sample(sel, works, own=True)))
         return with_prompt_logprobs(seqs, drawn, plp_at, logits)

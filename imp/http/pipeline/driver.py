@@ -21,6 +21,7 @@ import msgspec
 from aiohttp import web
 
 from imp.engine.port import EnginePort, LoraRefused, Submission
+from imp.http.pipeline.spec_usage import SpecTally
 from imp.http.errors import ApiError
 from imp.http.pipeline import fates
 from imp.http.pipeline.request import GenerateRequest
@@ -122,6 +123,7 @@ async def generate(port: EnginePort, req_id: str, prompt: list[int], params: Sam
     completion = [0] * req.n
     prompt_tokens, cached, finish, status = len(prompt), 0, "", 200
     finishes = [""] * req.n
+    spec = SpecTally()
     items = _with_keepalive(stream, KEEPALIVE_FIRST_S, KEEPALIVE_EVERY_S) if keepalive else stream
     try:
         async for item in items:
@@ -157,6 +159,7 @@ async def generate(port: EnginePort, req_id: str, prompt: list[int], params: Sam
             if item.finish != FinishReason.NONE:
                 finish = finish_label(item.finish)
                 finishes[item.index] = finish
+                spec.take(item)
             yield item
     finally:
         if items is not stream:
@@ -172,4 +175,5 @@ async def generate(port: EnginePort, req_id: str, prompt: list[int], params: Sam
             arrival_unix_ns=arrival_ns, first_token_unix_ns=first_ns, end_unix_ns=time.time_ns(),
             finish_reasons=tuple(f for f in finishes if f), reject_code=reject_code,
             ignored_fields=tuple(fates.label(n) for n in ignored),
+            spec_drafted=spec.drafted, spec_accepted=spec.accepted, spec_verify_steps=spec.verifies,
         ))

@@ -6,9 +6,8 @@ with a reason of its own). Before a body is parsed, the pipeline sorts the rest:
 
 - a field imp's API reference defines that this server does not implement yet (the
   sampling table's DRY, mirostat, banned strings and regexes, classifier-free guidance, the
-  logit lens; speculative decoding) is a 400 naming it — unless its value is the one that
-  turns the feature off (`"mirostat": 0`, `"dry_multiplier": 0`, `"speculative": false`,
-  as llama.cpp's web UI sends them), which is exactly what this server does. The knobs that
+  logit lens) is a 400 naming it — unless its value is the one that
+  turns the feature off (`"mirostat": 0`, `"dry_multiplier": 0`, as llama.cpp's web UI sends them), which is exactly what this server does. The knobs that
   only tune such a feature (`dry_base`, `mirostat_tau`, ...) have no effect while it is off,
   as in llama.cpp;
 - a field nobody defines is never dropped without a word: the answer carries
@@ -26,7 +25,7 @@ from imp.http.errors import ApiError
 
 log = logging.getLogger("imp.http")
 
-# imp's API reference defines these (its sampling table, "speculative"); not implemented yet.
+# imp's API reference defines these (its sampling table); not implemented yet.
 # name -> is this value the feature switched off (what this server does anyway)?
 _OFF_ZERO = (lambda v: v is None or v is False or (isinstance(v, (int, float)) and v == 0))
 NOT_YET: dict[str, object] = {
@@ -36,14 +35,12 @@ NOT_YET: dict[str, object] = {
     "banned_regex": (lambda v: v is None or v == []),
     "cfg_scale": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 1)),
     "logit_lens": _OFF_ZERO,
-    "speculative": (lambda v: v is None or v is False),
 }
 # they tune a NOT_YET feature and have no effect while it is off (llama.cpp does the same)
 TUNING = frozenset({"dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
                     "mirostat_tau", "mirostat_eta", "cfg_negative_prompt"})
 _WHAT = {"dry_multiplier": "DRY sampling", "mirostat": "mirostat sampling", "banned_strings": "banned strings",
-         "banned_regex": "banned regexes", "cfg_scale": "classifier-free guidance", "logit_lens": "the logit lens",
-         "speculative": "speculative decoding"}
+         "banned_regex": "banned regexes", "cfg_scale": "classifier-free guidance", "logit_lens": "the logit lens"}
 
 _SAFE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _said: set[tuple[str, str]] = set()  # (field, client) pairs logged already

@@ -152,6 +152,25 @@ def session_id(body: dict) -> str:
     return sid
 
 
+SPEC_CHAIN_CAP = 16  # {"speculative": {"mtp_k": N}}: N's bound when no MTP head is armed (the reference's)
+
+
+def speculative(body: dict) -> tuple[bool | None, int]:
+    """`speculative`: true / false switch every drafter (None: the server's --speculative); the object
+    form {"mtp_k": N} addresses the trained MTP head alone (0..16 here: no head is armed, so N > 0 is
+    declined at the finish) and leaves the matcher as the server runs it. -> (on, mtp_k; -1 = not asked)"""
+    v = body.get("speculative")
+    if v is None or isinstance(v, bool):
+        return v, -1
+    if not isinstance(v, dict):
+        raise bad("'speculative' must be true, false or an object {\"mtp_k\": N}", "speculative")
+    extra = [k for k in v if k != "mtp_k"]
+    if extra:
+        raise bad(f"'speculative.{extra[0]}' is not a field of speculative (it takes mtp_k)", f"speculative.{extra[0]}")
+    k = num(v, "mtp_k", 0, SPEC_CHAIN_CAP, integer=True, where="speculative.mtp_k")
+    return None, -1 if k is None else k
+
+
 def logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
     raw = body.get("logit_bias")
     if raw is None:

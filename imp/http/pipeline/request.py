@@ -67,6 +67,8 @@ class Sampling(_Value):
     seed: int | None = None  # None: one is drawn, so a request is reproducible from its log
     logit_bias: tuple[tuple[int, float], ...] = ()
     ignore_eos: bool = False
+    speculative: bool | None = None  # None: the server's --speculative
+    mtp_k: int = -1  # {"speculative": {"mtp_k": N}}; -1 = not asked
 
 
 class GenerateRequest(_Value):

@@ -176,6 +176,9 @@ def sampling_params(req: GenerateRequest, prompt_len: int, card: ModelCard, tm: 
         logprobs=logprobs,
         prompt_logprobs=prompt_lp,
         constraint=req.effective_constraint[0],
+        # the request's word, else the server's (on only where the executor verifies drafts)
+        speculative=card.speculative if s.speculative is None else s.speculative,
+        mtp_k=s.mtp_k,
     )
 
 

@@ -189,6 +189,7 @@ FIELDS = {
     "repetition_penalty": B.Num(0, lo_open=True),
     "seed": B.Num(integer=True),
     "ignore_eos": B.Bool(),
+    "speculative": B.Read(B.speculative),
     "stream": B.Bool(),
     **B.SCHEDULING,
 }
@@ -247,7 +248,8 @@ def parse(body: dict, template_source: str = "", *, count_only: bool = False) ->
         endpoint="messages", model=model, messages=messages, tools=plan.template_tools() if plan else (),
         continue_final_message=prefill, add_generation_prompt=not prefill, template_kwargs=kw,
         constraint=constraint, constraint_field=field, tool_plan=plan,
-        sampling=Sampling(**{k: f[k] for k in _SAMPLING}), max_tokens=f["max_tokens"],
+        sampling=Sampling(**{k: f[k] for k in _SAMPLING}, speculative=f["speculative"][0],
+                          mtp_k=f["speculative"][1]), max_tokens=f["max_tokens"],
         stop=tuple(s for s in stops or () if s), stream=f["stream"], priority=f["priority"],
         cache_prompt=f["cache_prompt"], session_id=f["session_id"], lora=f["lora"],
     )

@@ -16,6 +16,7 @@ import msgspec
 from imp.http.errors import ApiError, error_body
 from imp.http.pipeline.dialect import Job
 from imp.http.pipeline.reasoning import ThinkSplitter, split_delta
+from imp.http.pipeline.spec_usage import SpecTally
 from imp.messages import Delta, FinishReason
 from imp.tools import ArgsDelta, CallStart, Text, reprefix
 
@@ -37,10 +38,10 @@ def _stop(d: Delta | None, called: bool = False) -> tuple[str, str | None]:
     return ("tool_use" if called else "end_turn"), None
 
 
-def _usage(prompt: int, completion: int, cached: int) -> dict:
+def _usage(prompt: int, completion: int, cached: int, spec: dict | None = None) -> dict:
     # Anthropic counts input_tokens after the cache: input + cache_read = the whole prompt
     return {"input_tokens": prompt - cached, "output_tokens": completion,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached, **(spec or {})}
 
 
 def _tool_use_block(call) -> dict:
@@ -55,6 +56,7 @@ class AnthropicRenderer:
         self.plan = plan if plan is not None and plan.active else None
         self.splitter = ThinkSplitter(job.prompt.opens_think)
         self.prompt_len, self.cached, self.completion = len(job.prompt.ids), 0, 0
+        self.spec = SpecTally()
         self.text = self.thought = ""
         self.last: Delta | None = None  # the delta that finished the reply
         # the stream's state: the open block
@@ -69,6 +71,7 @@ class AnthropicRenderer:
     def _count(self, d: Delta) -> None:
         self.prompt_len, self.cached, self.completion = d.prompt_tokens or self.prompt_len, d.cached_tokens, \
             d.completion_tokens
+        self.spec.take(d)
         if d.finish != FinishReason.NONE:
             self.last = d
 
@@ -95,7 +98,7 @@ class AnthropicRenderer:
             content.append({"type": "text", "text": text})
         content += [_tool_use_block(c) for c in calls]
         return self._message(content, _stop(self.last, bool(calls)), _usage(self.prompt_len, self.completion,
-                                                                           self.cached))
+                                                                           self.cached, self.spec.fields()))
 
     # ------------------------------------------------------------------ server-sent events
 
@@ -168,7 +171,8 @@ class AnthropicRenderer:
         self.out.append(_event("content_block_stop", {"type": "content_block_stop", "index": self.index})
                         + _event("message_delta", {"type": "message_delta",
                                                    "delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
-                                                   "usage": _usage(self.prompt_len, self.completion, self.cached)})
+                                                   "usage": _usage(self.prompt_len, self.completion, self.cached,
+                                                                   self.spec.fields())})
                         + _event("message_stop", {"type": "message_stop"}))
         return self._flush()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 from imp.http.dialects.openai.logprobs import chat_content
+from imp.http.pipeline.spec_usage import SpecTally
 from imp.http.dialects.openai.wire import KEEPALIVE_COMMENT, error_event, fingerprint, sse_data, usage_json
 from imp.http.pipeline.dialect import Job
 from imp.http.pipeline.driver import finish_label
@@ -44,6 +45,7 @@ class ChatRenderer:
         self.lps: list[list] = [[] for _ in range(n)]
         self.finish = ["stop"] * n
         self.completion = [0] * n
+        self.spec = SpecTally()
         self.prompt_tokens, self.cached = len(job.prompt.ids), 0
         self.parsers = [self.tools.stream_parser() for _ in range(n)] if self.tools is not None else None
         self.called = [False] * n
@@ -58,9 +60,10 @@ class ChatRenderer:
     def _count(self, d: Delta) -> None:
         self.completion[d.index] = d.completion_tokens
         self.prompt_tokens, self.cached = d.prompt_tokens or self.prompt_tokens, d.cached_tokens
+        self.spec.take(d)
 
     def _usage(self) -> dict:
-        return usage_json(self.prompt_tokens, sum(self.completion), self.cached)
+        return usage_json(self.prompt_tokens, sum(self.completion), self.cached, self.spec.fields())
 
     # ------------------------------------------------------------------ one JSON body
 

@@ -7,6 +7,7 @@ prompt_logprobs come back per choice in vLLM's shape.
 from __future__ import annotations
 
 from imp.http.dialects.openai.logprobs import CompletionLogprobs, merge, prompt_logprobs_json
+from imp.http.pipeline.spec_usage import SpecTally
 from imp.http.dialects.openai.wire import KEEPALIVE_COMMENT, error_event, fingerprint, sse_data, usage_json
 from imp.http.pipeline.dialect import Job
 from imp.http.pipeline.driver import finish_label
@@ -29,6 +30,7 @@ class CompletionRenderer:
         self.lps: list[list] = [[] for _ in range(n)]
         self.finish = ["stop"] * n
         self.completion = [0] * n
+        self.spec = SpecTally()
         self.prompt_tokens, self.cached, self.plp = len(self.ids), 0, []
 
     @property
@@ -40,9 +42,10 @@ class CompletionRenderer:
             self.think.push(d.text)
         self.completion[d.index] = d.completion_tokens
         self.prompt_tokens, self.cached = d.prompt_tokens or self.prompt_tokens, d.cached_tokens
+        self.spec.take(d)
 
     def _usage(self) -> dict:
-        return usage_json(self.prompt_tokens, sum(self.completion), self.cached)
+        return usage_json(self.prompt_tokens, sum(self.completion), self.cached, self.spec.fields())
 
     # ------------------------------------------------------------------ one JSON body
 

@@ -25,6 +25,7 @@ SAMPLING = {
     "frequency_penalty": B.Num(-2, 2, default=0.0),
     "seed": B.Num(integer=True),
     "ignore_eos": B.Bool(),
+    "speculative": B.Read(B.speculative),
 }
 # what every OpenAI-family generation route takes besides its prompt and sampling
 COMMON = {
@@ -45,7 +46,7 @@ def sampling_of(f: dict, logit_bias: tuple) -> Sampling:
         temperature=f["temperature"], top_p=f["top_p"], top_k=f["top_k"], min_p=f["min_p"], typical_p=f["typical_p"],
         repetition_penalty=f["repetition_penalty"], presence_penalty=float(f["presence_penalty"]),
         frequency_penalty=float(f["frequency_penalty"]), seed=f["seed"], logit_bias=logit_bias,
-        ignore_eos=f["ignore_eos"])
+        ignore_eos=f["ignore_eos"], speculative=f["speculative"][0], mtp_k=f["speculative"][1])
 
 
 def sampling(body: dict, vocab_size: int) -> Sampling:

@@ -9,13 +9,16 @@ _enc = msgspec.json.Encoder()
 KEEPALIVE_COMMENT = b": keep-alive\n\n"  # a stream's keep-alive: an SSE comment (every client skips them)
 
 
-def usage_json(prompt: int, completion: int, cached: int) -> dict:
-    return {
+def usage_json(prompt: int, completion: int, cached: int, spec: dict | None = None) -> dict:
+    u = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if spec:  # imp.http.pipeline.spec_usage
+        u["completion_tokens_details"] = spec
+    return u
 
 
 def sse_data(obj) -> bytes:

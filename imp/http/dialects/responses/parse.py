@@ -268,7 +268,7 @@ TAKEN = frozenset({
     "model", "input", "instructions", "store", "previous_response_id", "metadata", "user", "include",
     "max_output_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "tools",
     "parallel_tool_calls", "tool_choice", "reasoning", "continue_final_message", "prompt_cache_key", "stream",
-    "priority", "cache_prompt", "session_id", "lora", *structured.FIELDS["responses"], *_REFUSED,
+    "priority", "cache_prompt", "session_id", "lora", "speculative", *structured.FIELDS["responses"], *_REFUSED,
     *B.TEMPLATE_FIELDS, *NO_OPS,
 })
 
@@ -353,6 +353,7 @@ def parse(body: dict, vocab_size: int, template_source: str = "",
         raise bad("'continue_final_message' needs the last input item to be an assistant message with text",
                   "input")
     sid = B.session_id(body)
+    spec = B.speculative(body)
     pck = B.string(body, "prompt_cache_key", "")
     return GenerateRequest(
         endpoint="responses", model=model, messages=messages, prompt_param="input",
@@ -360,7 +361,8 @@ def parse(body: dict, vocab_size: int, template_source: str = "",
         add_generation_prompt=not cont, template_kwargs=kw,
         sampling=Sampling(temperature=ex.temperature, top_p=ex.top_p, top_k=B.num(body, "top_k", -1, integer=True),
                           min_p=B.num(body, "min_p", 0, 1), seed=B.num(body, "seed", integer=True),
-                          repetition_penalty=B.num(body, "repetition_penalty", 0, lo_open=True)),
+                          repetition_penalty=B.num(body, "repetition_penalty", 0, lo_open=True),
+                          speculative=spec[0], mtp_k=spec[1]),
         max_tokens=ex.max_output_tokens, stream=B.boolean(body, "stream"),
         priority=B.num(body, "priority", -(2**31), 2**31 - 1, integer=True, default=0),
         cache_prompt=B.boolean(body, "cache_prompt"),

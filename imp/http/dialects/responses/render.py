@@ -22,6 +22,7 @@ from imp.http.dialects.responses import store as stored
 from imp.http.dialects.responses.parse import ResponsesExtras
 from imp.http.pipeline.dialect import Job
 from imp.http.pipeline.reasoning import ThinkSplitter, split_delta
+from imp.http.pipeline.spec_usage import SpecTally
 from imp.messages import Delta, FinishReason
 from imp.tools import ArgsDelta, CallEnd, CallStart, Text
 
@@ -59,9 +60,9 @@ class _Out:
         }
 
 
-def _usage(prompt: int, completion: int, cached: int, reasoning: int) -> dict:
+def _usage(prompt: int, completion: int, cached: int, reasoning: int, spec: dict | None = None) -> dict:
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning, **(spec or {})},
             "total_tokens": prompt + completion}
 
 
@@ -118,6 +119,7 @@ class ResponsesRenderer:
         self.prompt_len = len(job.prompt.ids)
         self.reasoning, self.text = "", ""
         self.completion = self.cached = self.reasoning_tokens = 0
+        self.spec = SpecTally()
         self.finish = FinishReason.NONE
         # the stream's state
         self.ev = _Events()
@@ -137,6 +139,7 @@ class ResponsesRenderer:
         r, c = split_delta(self.splitter, d)
         self.prompt_len = d.prompt_tokens or self.prompt_len
         self.cached, self.completion = d.cached_tokens, d.completion_tokens
+        self.spec.take(d)
         if r and not c:
             self.reasoning_tokens += len(d.token_ids)
         self.reasoning += r
@@ -148,7 +151,7 @@ class ResponsesRenderer:
     async def _close(self) -> None:
         """Status and usage once the generation ended; then the store."""
         o = self.out
-        o.usage = _usage(self.prompt_len, self.completion, self.cached, self.reasoning_tokens)
+        o.usage = _usage(self.prompt_len, self.completion, self.cached, self.reasoning_tokens, self.spec.fields())
         if self.cut:
             o.status, o.incomplete = "incomplete", {"reason": "max_output_tokens"}
         else:

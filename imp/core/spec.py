@@ -1,0 +1,123 @@
+"""Draft-free speculation: a sequence's drafts from its own prompt + output, and how many to ask for.
+
+Agents re-emit spans of their context (a file being edited, tool arguments quoting it, JSON
+skeletons). When the last few tokens of a sequence occurred before in its prompt or output, the
+tokens that followed them then are a guess at what follows now (prompt lookup / n-gram drafting,
+as vLLM's ngram proposer and llama.cpp's ngram-simple). The scheduler feeds the guess after the
+last token in one share; the executor samples every position as it would have one at a time and
+keeps the draft up to its first disagreement (imp/sampling/verify.py), so the output is the
+output without speculation, token for token, greedy or seeded.
+
+`Drafter` is per sequence and pure (no clock, no randomness): the same tokens give the same
+drafts, so a replayed log plans the same steps. It keeps two indexes of hashed n-grams (orders
+LONG and SHORT) -> the latest position where one ended, over every token but the last; a draft
+continues the latest earlier occurrence of the sequence's LONG-token suffix, else of its
+SHORT-token one. Hash collisions only make a bad draft: the verify step rejects it.
+
+The draft length k adapts per sequence from what its verifies accepted (all of a draft: twice
+as many next time, up to k_max; a miss at j: j + 1), and a sequence whose drafts keep missing
+stops drafting for a while (twice as long each time it happens), so text with nothing to copy
+pays for a few failed verifies and then nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+LONG, SHORT = 6, 3  # n-gram orders looked up, longest first
+K_START = 4  # a new sequence's first draft length
+_M = 0x9E3779B97F4A7C15  # odd 64-bit multiplier of the polynomial hash
+_MASK = (1 << 64) - 1
+WINDOW = 8  # verifies judged together for the cool-down
+LOW_ACCEPT = 0.25  # below this share of drafted tokens accepted over a window: stop drafting a while
+COOL_FIRST, COOL_MAX = 16, 512  # decode steps without drafts, doubling while the misses go on
+
+
+def _hashes(tokens: np.ndarray, n: int) -> np.ndarray:
+    """h[i] = the hash of tokens[i .. i+n-1] (uint64, wrapping), for every i with a whole n-gram."""
+    t = tokens.astype(np.uint64)
+    h = np.zeros(len(t) - n + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(n):
+            h = h * np.uint64(_M) + t[j:len(t) - n + 1 + j]
+    return h
+
+
+def _hash(tokens: list[int], end: int, n: int) -> int:
+    """The hash of tokens[end-n .. end-1], as `_hashes` computes it."""
+    h = 0
+    for t in tokens[end - n:end]:
+        h = (h * _M + t) & _MASK
+    return h
+
+
+class Drafter:
+    """One sequence's n-gram indexes and draft-length policy."""
+
+    __slots__ = ("index", "indexed", "k", "cool", "cool_len", "window_drafted", "window_accepted", "window_n")
+
+    def __init__(self):
+        self.index: tuple[dict[int, int], dict[int, int]] = ({}, {})  # LONG, SHORT: hash -> end position
+        self.indexed = 0  # n-grams ending before this position are in the indexes
+        self.k = K_START
+        self.cool = 0  # decode steps left without drafting
+        self.cool_len = COOL_FIRST
+        self.window_drafted = self.window_accepted = self.window_n = 0
+
+    def _extend(self, tokens: list[int], upto: int) -> None:
+        """Index the n-grams tokens[e-n .. e-1] for e = indexed .. upto-1 (e: where what followed starts)."""
+        start = self.indexed
+        if upto <= start:
+            return
+        if upto - start > 64:  # a prompt: hashed in numpy at once
+            for d, n in zip(self.index, (LONG, SHORT)):
+                lo = max(start, n)
+                if upto > lo:
+                    h = _hashes(np.asarray(tokens[lo - n:upto - 1], dtype=np.int64), n)  # ends lo .. upto-1
+                    d.update(zip(h.tolist(), range(lo, upto)))
+        else:
+            for d, n in zip(self.index, (LONG, SHORT)):
+                for end in range(max(start, n), upto):
+                    d[_hash(tokens, end, n)] = end
+        self.indexed = upto
+
+    def propose(self, tokens: list[int], k_cap: int) -> tuple[int, ...]:
+        """Up to min(self.k, k_cap) tokens to follow `tokens`, or () (nothing matched, or cooling)."""
+        k = min(self.k, k_cap)
+        if k <= 0:
+            return ()
+        if self.cool > 0:
+            self.cool -= 1
+            return ()
+        end = self._lookup(tokens)
+        return () if end is None else tuple(tokens[end:end + k])
+
+    def _lookup(self, tokens: list[int]) -> int | None:
+        """Where what followed the latest earlier occurrence of the longest suffix found starts."""
+        L = len(tokens)
+        self._extend(tokens, L)  # every n-gram that ends before the last token (the suffix itself ends at L)
+        for d, n in zip(self.index, (LONG, SHORT)):
+            end = d.get(_hash(tokens, L, n)) if L >= n else None
+            if end is not None and tokens[end - n:end] == tokens[L - n:L]:  # not a hash collision
+                return end
+        return None
+
+    def matches(self, tokens: list[int]) -> bool:
+        """Would a draft be asked for after these tokens (the same lookup as `propose`, nothing
+        changed but the index)? A pipelined sequence whose next token is in flight asks this of its
+        known tokens to decide whether to wait a step for that token and then draft."""
+        return self.cool == 0 and self._lookup(tokens) is not None
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A verify of `drafted` tokens kept `accepted`: the next draft length, and the cool-down."""
+        self.k = min(self.k * 2, 1 << 16) if accepted == drafted else accepted + 1
+        self.window_drafted += drafted
+        self.window_accepted += accepted
+        self.window_n += 1
+        if self.window_n == WINDOW:
+            if self.window_accepted < LOW_ACCEPT * self.window_drafted:
+                self.cool, self.cool_len = self.cool_len, min(self.cool_len * 2, COOL_MAX)
+                self.k = K_START
+            else:
+                self.cool_len = COOL_FIRST
+            self.window_drafted = self.window_accepted = self.window_n = 0

@@ -1,0 +1,47 @@
+"""Speculation in usage: one table of keys for every dialect (the API reference's six).
+
+When a verify step ran for a request, or it asked for the MTP head and did not get it, its usage
+carries imp_spec_drafted / _accepted / _emitted / _verify_steps and, on a decline,
+imp_spec_declined + imp_spec_declined_detail: chat and completions in
+usage.completion_tokens_details, Anthropic in the top-level usage, Responses in
+usage.output_tokens_details. Summed over a request's choices (n > 1).
+"""
+
+from __future__ import annotations
+
+from imp.messages import FinishReason
+
+DETAIL = {
+    "no_mtp_head": "this model file has no MTP head; the n-gram matcher ran as the server runs it",
+}
+
+
+class SpecTally:
+    """The finished choices' counters of one request."""
+
+    __slots__ = ("drafted", "accepted", "verifies", "declined")
+
+    def __init__(self):
+        self.drafted = self.accepted = self.verifies = 0
+        self.declined = ""
+
+    def take(self, d) -> None:
+        """A Delta (or TokenOut): only a finishing one carries its choice's counters."""
+        if d.finish == FinishReason.NONE:
+            return
+        out = getattr(d, "out", d)
+        self.drafted += out.spec_drafted
+        self.accepted += out.spec_accepted
+        self.verifies += out.spec_verify_steps
+        self.declined = self.declined or out.spec_declined
+
+    def fields(self) -> dict:
+        """The usage keys ({} when nothing speculative happened or was asked)."""
+        if not self.verifies and not self.declined:
+            return {}
+        u = {"imp_spec_drafted": self.drafted, "imp_spec_accepted": self.accepted,
+             "imp_spec_emitted": self.accepted + self.verifies, "imp_spec_verify_steps": self.verifies}
+        if self.declined:
+            u["imp_spec_declined"] = self.declined
+            u["imp_spec_declined_detail"] = DETAIL.get(self.declined, self.declined)
+        return u

@@ -1,0 +1,52 @@
+"""A verify share's samples: the draft kept up to the first position that samples otherwise.
+
+A share with `draft = d` fed the sequence's last token and d guessed ones; the forward gave
+logits after each of the d + 1 (rows [d+1, vocab]). Position j is sampled exactly as a decode
+step at that point would sample it: the same processing, uniform(seed, gen_index + j), the
+history with the draft's first j tokens (which, up to j, are the tokens the sequence generated).
+Draft token j is kept while it equals that sample; the first sample that differs (or the one
+after the whole draft) ends the share. So the tokens are those of decoding one at a time, for
+greedy and seeded sampling alike: with a guess that is a single token (no draft distribution),
+"keep it when the sample equals it" accepts it with probability p(guess) and otherwise yields a
+token drawn from p without it, which is the standard speculative rejection rule for a
+deterministic draft; the output distribution is unchanged, and so is each seed's output.
+
+Grammars: a constrained sequence never drafts (the scheduler's rule), so no mask is needed here.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from imp.messages import SampledToken, SeqWork
+from imp.sampling.cpu import sample_one
+
+
+def drafts(w: SeqWork) -> tuple[int, ...]:
+    return tuple(w.token_ids[len(w.token_ids) - w.draft:]) if w.draft else ()
+
+
+def verify(rows, w: SeqWork) -> SampledToken:
+    """rows [draft+1, vocab] fp32 (any array numpy reads) -> the last token sampled, its kept
+    draft tokens in `accepted`."""
+    rows = np.asarray(rows)
+    d = drafts(w)
+    if w.params.plain_greedy:  # every position an argmax: one op
+        ids = np.argmax(rows, axis=-1).tolist()
+        j = 0
+        while j < len(d) and ids[j] == d[j]:
+            j += 1
+        kept = tuple(SampledToken(w.seq_id, t) for t in d[:j])
+        return SampledToken(w.seq_id, ids[j], accepted=kept)
+    kept: list[SampledToken] = []
+    hist = tuple(w.history) if w.params.needs_history else ()
+    for j in range(len(d) + 1):
+        wj = w if j == 0 else msgspec.structs.replace(w, gen_index=w.gen_index + j, history=hist + d[:j] if
+                                                      w.params.needs_history else ())
+        t = sample_one(rows[j], wj)
+        if j < len(d) and t.token_id == d[j]:
+            kept.append(t)
+            continue
+        return msgspec.structs.replace(t, accepted=tuple(kept))
+    raise AssertionError("unreachable")

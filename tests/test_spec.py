@@ -49,6 +49,10 @@ def test_prompt_hashed_at_once_indexes_as_token_by_token():
     for end in range(1, len(toks) + 1):
         steps._extend(toks, end)
     assert bulk.index == steps.index and bulk.indexed == steps.indexed == len(toks)
+    looked = Drafter()  # as decoding calls it: a lookup a token, the suffix hashes reused as keys
+    for end in range(1, len(toks) + 1):
+        looked.propose(toks[:end], 4)
+    assert looked.index == bulk.index
 
 
 def test_draft_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
@@ -112,15 +116,18 @@ def test_verify_shares_give_the_same_tokens(copying, depth):
 def test_without_speculation_no_drafts(copying):
     sim = Sim(num_blocks=64, max_context=256, max_step_tokens=32, spec_k_max=8)
     sim.submit("plain", prompt(20), params(max_tokens=30, ignore_eos=True))
-    grammar = Constraint("regex", "[a-z]+")
+    grammar = Constraint("regex", "[a-z]+")  # a grammar masks each drafted position (the runner's part)
     sim.submit("constrained", prompt(20, 3), _spec_params(max_tokens=30, ignore_eos=True, constraint=grammar))
     sim.drain()
-    assert not _verifies(sim)
+    assert {w.seq_id for w in _verifies(sim)} == {"constrained#0"}
     assert sim.output("plain") == sim.expected("plain", 0)
+    assert sim.output("constrained") == sim.expected("constrained", 0)
     off = Sim(num_blocks=64, max_context=256, max_step_tokens=32, spec_k_max=0)
     off.submit("asked", prompt(20), _spec_params(max_tokens=30, ignore_eos=True))
     off.drain()
     assert not _verifies(off) and off.output("asked") == off.expected("asked", 0)
+    assert off.finish[("asked", 0)].spec_declined == "executor_cannot_verify"  # asked, and said why not
+    assert sim.finish[("plain", 0)].spec_declined == ""  # not asked: nothing to say
 
 
 def test_a_stop_inside_a_kept_draft_ends_the_choice_there(copying):

@@ -127,3 +127,16 @@ def test_gemma_greedy_and_seeded_output_unchanged(gemma_server):
     _same_with_and_without(gemma_server.url)
     # --speculative off: a request that does not say runs without it
     assert not details(chat(gemma_server.url, COPY, None, max_tokens=48))
+
+
+def test_smollm2_under_a_grammar_output_unchanged(imp_server):
+    """A json_schema answer quoting the file: each drafted position masked by the grammar as it
+    would be decoding one at a time; the same text with and without."""
+    schema = {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "file", "schema": schema, "strict": True}}
+    ask = COPY + ' Answer as JSON: {"code": "<the file>"}.'
+    off = chat(imp_server.url, ask, False, max_tokens=160, response_format=fmt)
+    on = chat(imp_server.url, ask, True, max_tokens=160, response_format=fmt)
+    assert text(on) == text(off)
+    assert details(on).get("imp_spec_verify_steps", 0) > 0, details(on)

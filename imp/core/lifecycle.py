@@ -193,5 +193,11 @@ class RequestBook:
         return TokenOut(s.req.id, s.index, ids, reason, len(s.req.prompt), max(0, s.req.cached_tokens),
                         len(s.tokens) - len(s.req.prompt), lp, error, spec_drafted=s.spec_drafted,
                         spec_accepted=s.spec_accepted, spec_verify_steps=s.spec_verifies,
-                        spec_declined="no_mtp_head" if s.params.mtp_k > 0 else "")
+                        spec_declined=self._declined(s.params))
+
+    def _declined(self, p) -> str:
+        """Why speculation the request asked for did not run ("" = it did, or none was asked)."""
+        if p.mtp_k > 0:
+            return "no_mtp_head"
+        return "executor_cannot_verify" if p.speculative and not self.config.spec_k_max else ""
 

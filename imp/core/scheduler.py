@@ -316,7 +316,7 @@ class SchedulerCore(RequestBook):
     def _would_draft(self, s: Seq) -> bool:
         """A speculative decode row whose known tokens end in something seen before."""
         p = s.params
-        if not p.speculative or p.constrained or len(s.tokens) <= len(s.req.prompt):
+        if not p.speculative or len(s.tokens) <= len(s.req.prompt):
             return False
         if s.drafter is None:
             s.drafter = Drafter()
@@ -325,7 +325,7 @@ class SchedulerCore(RequestBook):
     def _draft(self, s: Seq, start: int, vlen: int, spare: list[int]) -> tuple[int, ...]:
         """The drafted tokens to feed after a decode row's last token (imp.core.spec), within `spare`."""
         p = s.params
-        if not p.speculative or p.constrained or vlen <= len(s.req.prompt):
+        if not p.speculative or vlen <= len(s.req.prompt):
             return ()
         bs = self.config.block_size
         held = len(s.table) * bs  # positions its table holds; a draft may take `spare[1]` more blocks

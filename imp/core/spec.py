@@ -54,7 +54,8 @@ def _hash(tokens: list[int], end: int, n: int) -> int:
 class Drafter:
     """One sequence's n-gram indexes and draft-length policy."""
 
-    __slots__ = ("index", "indexed", "k", "cool", "cool_len", "window_drafted", "window_accepted", "window_n")
+    __slots__ = ("index", "indexed", "k", "cool", "cool_len", "window_drafted", "window_accepted", "window_n",
+                 "_looked")
 
     def __init__(self):
         self.index: tuple[dict[int, int], dict[int, int]] = ({}, {})  # LONG, SHORT: hash -> end position
@@ -63,6 +64,7 @@ class Drafter:
         self.cool = 0  # decode steps left without drafting
         self.cool_len = COOL_FIRST
         self.window_drafted = self.window_accepted = self.window_n = 0
+        self._looked: tuple[int, int, int] = (-1, 0, 0)  # the last lookup's suffix end and its two hashes
 
     def _extend(self, tokens: list[int], upto: int) -> None:
         """Index the n-grams tokens[e-n .. e-1] for e = indexed .. upto-1 (e: where what followed starts)."""
@@ -75,10 +77,11 @@ class Drafter:
                 if upto > lo:
                     h = _hashes(np.asarray(tokens[lo - n:upto - 1], dtype=np.int64), n)  # ends lo .. upto-1
                     d.update(zip(h.tolist(), range(lo, upto)))
-        else:
-            for d, n in zip(self.index, (LONG, SHORT)):
+        else:  # a token or a few since the last lookup, whose suffix hashes are the first keys here
+            looked, *hashes = self._looked
+            for d, n, h in zip(self.index, (LONG, SHORT), hashes):
                 for end in range(max(start, n), upto):
-                    d[_hash(tokens, end, n)] = end
+                    d[h if end == looked else _hash(tokens, end, n)] = end
         self.indexed = upto
 
     def propose(self, tokens: list[int], k_cap: int) -> tuple[int, ...]:
@@ -96,8 +99,10 @@ class Drafter:
         """Where what followed the latest earlier occurrence of the longest suffix found starts."""
         L = len(tokens)
         self._extend(tokens, L)  # every n-gram that ends before the last token (the suffix itself ends at L)
-        for d, n in zip(self.index, (LONG, SHORT)):
-            end = d.get(_hash(tokens, L, n)) if L >= n else None
+        hl, hs = (_hash(tokens, L, LONG) if L >= LONG else 0), (_hash(tokens, L, SHORT) if L >= SHORT else 0)
+        self._looked = (L, hl, hs)
+        for d, n, h in zip(self.index, (LONG, SHORT), (hl, hs)):
+            end = d.get(h) if L >= n else None
             if end is not None and tokens[end - n:end] == tokens[L - n:L]:  # not a hash collision
                 return end
         return None

@@ -226,9 +226,7 @@ class ModelRunner:
         if self.verifies_drafts and any(seqs[i].draft for i in sample_at):  # verify shares: theirs
             for i in [i for i in sample_at if seqs[i].draft]:
                 w, first = seqs[i], sample_at.pop(i)
-                if constraints is not None and w.params.constrained:
-                    raise ValueError(f"{w.seq_id}: a constrained sequence cannot verify a draft")
-                drawn[i] = verify(logits[first:first + w.draft + 1], w)
+                drawn[i] = verify(logits[first:first + w.draft + 1], w, constraints)
         order = sorted(sample_at)
         if order:
             idx, works = [sample_at[i] for i in order], [seqs[i] for i in order]

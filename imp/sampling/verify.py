@@ -11,7 +11,9 @@ greedy and seeded sampling alike: with a guess that is a single token (no draft 
 token drawn from p without it, which is the standard speculative rejection rule for a
 deterministic draft; the output distribution is unchanged, and so is each seed's output.
 
-Grammars: a constrained sequence never drafts (the scheduler's rule), so no mask is needed here.
+Grammars: position j's row is masked for the grammar's state after the history and the draft's
+first j tokens (the book syncs the sequence's matcher to exactly that, rolling back as needed),
+so a draft token the grammar forbids there is never sampled: the draft ends at it.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ def drafts(w: SeqWork) -> tuple[int, ...]:
     return tuple(w.token_ids[len(w.token_ids) - w.draft:]) if w.draft else ()
 
 
-def verify(rows, w: SeqWork) -> SampledToken:
-    """rows [draft+1, vocab] fp32 (any array numpy reads) -> the last token sampled, its kept
-    draft tokens in `accepted`."""
+def verify(rows, w: SeqWork, constraints=None) -> SampledToken:
+    """rows [draft+1, vocab] fp32 (any array numpy reads; a constrained share's are masked in
+    place, one by one) -> the last token sampled, its kept draft tokens in `accepted`.
+    constraints: the executor's ConstraintBook (imp.constrain.book), for a constrained share."""
     rows = np.asarray(rows)
     d = drafts(w)
     if w.params.plain_greedy:  # every position an argmax: one op
@@ -44,6 +47,8 @@ def verify(rows, w: SeqWork) -> SampledToken:
     for j in range(len(d) + 1):
         wj = w if j == 0 else msgspec.structs.replace(w, gen_index=w.gen_index + j, history=hist + d[:j] if
                                                       w.params.needs_history else ())
+        if constraints is not None and w.params.constrained:
+            constraints.apply(rows[j:j + 1], [wj])
         t = sample_one(rows[j], wj)
         if j < len(d) and t.token_id == d[j]:
             kept.append(t)

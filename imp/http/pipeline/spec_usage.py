@@ -13,6 +13,8 @@ from imp.messages import FinishReason
 
 DETAIL = {
     "no_mtp_head": "this model file has no MTP head; the n-gram matcher ran as the server runs it",
+    "executor_cannot_verify": "this engine does not verify drafts (the GPU executor does not yet, or the server "
+                              "runs with --spec-draft-max 0): the request decoded one token a step",
 }
 
 

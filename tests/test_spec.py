@@ -6,6 +6,7 @@ repeats itself (a draft can be right) and sometimes does not (a draft can be wro
 from __future__ import annotations
 
 import hashlib
+import math
 
 import numpy as np
 import pytest
@@ -212,3 +213,33 @@ def test_any_pool_and_budget_gives_the_tokens_of_one_at_a_time(num_blocks, block
     sim.kv.audit()
     kvf = sim.kv.figures()
     assert kvf.used == kvf.pinned == 0
+
+
+def test_step_cost_fits_the_line_and_prices_drafts():
+    c = spec.StepCost()
+    assert c.worth(1, 1, 0.5) == 1 << 16  # nothing measured: no cut
+    for i in range(64):  # a CPU-like step: 10 ms for the weights + 2 ms a row
+        rows = 1 + (i % 5) * 4
+        c.observe(rows, int((10 + 2 * rows) * 1e6))
+    assert abs(c.per_row_ms() - 2.0) < 1e-6
+    # one stream: a token costs a 12 ms step; a row 2 ms: drafts pay while alpha^i x 12 > 2
+    assert c.worth(1, 1, 0.9) == int(math.log(2 / 12) / math.log(0.9))  # 17
+    assert c.worth(1, 1, 0.1) == 0  # 0.1 x 12 < 2: not even one
+    # 16 streams: a 42 ms step, 2.6 ms a token, 2 ms a row: only a sure draft pays
+    assert c.worth(16, 16, 0.5) == 0
+    assert 0 < c.worth(16, 16, 0.97) < c.worth(1, 1, 0.97)
+    flat = spec.StepCost()
+    for _ in range(16):
+        flat.observe(16, 40_000_000)
+    assert flat.per_row_ms() is None  # rows never varied: the slope is unknown
+
+
+def test_acceptance_estimate_follows_the_verifies():
+    d = Drafter()
+    assert d.alpha == 0.5
+    for _ in range(6):
+        d.observe(8, 8)
+    high = d.alpha
+    for _ in range(6):
+        d.observe(8, 0)
+    assert high > 0.9 and d.alpha < 0.35

@@ -140,3 +140,24 @@ def test_smollm2_under_a_grammar_output_unchanged(imp_server):
     on = chat(imp_server.url, ask, True, max_tokens=160, response_format=fmt)
     assert text(on) == text(off)
     assert details(on).get("imp_spec_verify_steps", 0) > 0, details(on)
+
+
+def test_the_log_with_verify_steps_replays_identical(imp_server):
+    """Runs last in this module: the drafts (every verify share's tokens) are the scheduler's
+    decisions, on the log; replaying it plans the same steps."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    with urllib.request.urlopen(imp_server.url + "/metrics", timeout=30) as r:
+        metrics = r.read().decode()
+    verifies = float(re.search(r"^imp_spec_verify_steps_total (\S+)$", metrics, re.M).group(1))
+    accepted = float(re.search(r"^imp_spec_ngram_accepted_total (\S+)$", metrics, re.M).group(1))
+    assert verifies > 0 and accepted > 0
+    assert re.search(r"^imp_spec_mtp_drafted_total 0\.0$", metrics, re.M)  # no head: nothing from it
+    time.sleep(0.3)  # the writer thread flushes every 50 ms
+    res = subprocess.run([sys.executable, "-m", "imp", "replay", str(imp_server.event_log)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "identical" in res.stdout.strip().splitlines()[-1]

@@ -37,6 +37,16 @@ written again). Stale writes are harmless: a step writes only positions past
 the sequence's reported ones, in blocks it owns, and the executor runs steps
 in order, so a block freed and handed to another sequence is written by its
 new owner after the stale write.
+
+Speculation (spec_k_max > 0, a sequence whose params ask for it): a decode row may feed drafted
+tokens after its last one (imp.core.spec, from the sequence's own tokens), one share of 1 + k
+positions; the executor samples each as decoding would and keeps the draft up to its first miss
+(SampledToken.accepted). num_computed then moves by 1 + kept: the positions of rejected drafts are
+written again by the next step before anything reads them. Drafts take only what the step's token
+budget and the free blocks leave after one row and one block per running sequence, so they never
+hold a decode back or cause a preemption. Nothing more is planned for a sequence while its verify
+is in flight (how far it got is unknown); pipelined, a sequence that would draft waits a step for
+its token in flight instead of feeding PENDING_TOKEN.
 """
 
 from __future__ import annotations
@@ -49,7 +59,7 @@ from imp.core.core import CoreError, Out
 from imp.core.itl import ItlBudget
 from imp.core.lifecycle import RequestBook
 from imp.core.schedstate import Phase, SchedulerConfig, Seq, Status, Work
-from imp.core.spec import Drafter
+from imp.core.spec import Drafter, StepCost
 from imp.messages import (
     Cancel, EndThinking, Enqueue, Figures, FinishReason, KvFigures, KvOp, KvReply, KvRequest, Msg, PENDING_TOKEN,
     QueueFigures, SessionClose, SeqWork, StepFailed, StepPlan, StepResult, StepStats, Tick, TokenBatch, TokenOut,
@@ -75,6 +85,7 @@ class SchedulerCore(RequestBook):
         self.step = 0
         self.kv = KvFigures(config.num_blocks, config.num_blocks, 0, 0, 0, config.block_size)
         self.itl = ItlBudget(config.itl_target_ns, config.block_size, config.max_step_tokens)
+        self.cost = StepCost()  # what a step's rows cost: how long a draft still pays (imp.core.spec)
 
     def handle(self, sender: str, msg: Msg) -> Out:
         out: Out = []
@@ -259,6 +270,8 @@ class SchedulerCore(RequestBook):
                 self._sampled(s, t, out)
         self.steps += 1
         self.itl.observe(msg.elapsed_ns, n_tokens - n_decode, n_decode)
+        if self.config.spec_k_max:
+            self.cost.observe(n_tokens, msg.elapsed_ns)
         out.append(("metrics", StepStats(msg.step, len(batch), n_tokens, n_decode, msg.elapsed_ns, drafted, accepted,
                                          verifies, misses)))
         self._advance(msg.now_ns, out)
@@ -335,7 +348,9 @@ class SchedulerCore(RequestBook):
             return ()
         if s.drafter is None:
             s.drafter = Drafter()
-        draft = s.drafter.propose(s.tokens, cap)
+        rows = self.config.max_step_tokens - spare[0]  # one a running sequence and the drafts so far
+        cap = min(cap, self.cost.worth(len(self.running), rows, s.drafter.alpha))
+        draft = s.drafter.propose(s.tokens, cap) if cap > 0 else ()
         spare[1] -= max(0, -(-(start + 1 + len(draft)) // bs) - max(len(s.table), -(-(start + 1) // bs)))
         return draft
 

@@ -18,9 +18,18 @@ The draft length k adapts per sequence from what its verifies accepted (all of a
 as many next time, up to k_max; a miss at j: j + 1), and a sequence whose drafts keep missing
 stops drafting for a while (twice as long each time it happens), so text with nothing to copy
 pays for a few failed verifies and then nothing.
+
+What a drafted row costs depends on the batch: at one stream a step reads every weight for one
+row and a few more rows are nearly free; at 16 streams on a CPU the step is compute-bound and a
+draft row costs about what a decode row does. `StepCost` fits step time = fixed + per_row x rows
+from the steps' own executor times (on the log, so a replay decides the same), and a draft is cut
+where its next token's chance of being kept (the sequence's acceptance, `Drafter.alpha`) times
+the time a token takes now no longer pays for one more row.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -31,6 +40,50 @@ _MASK = (1 << 64) - 1
 WINDOW = 8  # verifies judged together for the cool-down
 LOW_ACCEPT = 0.25  # below this share of drafted tokens accepted over a window: stop drafting a while
 COOL_FIRST, COOL_MAX = 16, 512  # decode steps without drafts, doubling while the misses go on
+DECAY = 0.5  # of a sequence's acceptance counts, a verify: the last few verifies speak
+COST_DECAY = 1 / 32  # of StepCost's moments, a step
+
+
+class StepCost:
+    """Step time ~ fixed + per_row x rows, fitted online from the executor's step times (decayed
+    moments, a least-squares line); unknown until the steps' row counts vary."""
+
+    __slots__ = ("n", "r", "t", "rr", "rt")
+
+    def __init__(self):
+        self.n = 0
+        self.r = self.t = self.rr = self.rt = 0.0
+
+    def observe(self, rows: int, elapsed_ns: int) -> None:
+        if rows <= 0 or elapsed_ns <= 0:
+            return
+        w = 1.0 if self.n == 0 else COST_DECAY
+        self.n += 1
+        t = elapsed_ns / 1e6
+        self.r += w * (rows - self.r)
+        self.t += w * (t - self.t)
+        self.rr += w * (rows * rows - self.rr)
+        self.rt += w * (rows * t - self.rt)
+
+    def per_row_ms(self) -> float | None:
+        var = self.rr - self.r * self.r
+        if self.n < 8 or var < 0.25:
+            return None
+        return max(0.0, (self.rt - self.r * self.t) / var)
+
+    def worth(self, decode_rows: int, rows: int, alpha: float) -> int:
+        """The longest draft whose last token still pays for its row: alpha^i x (step time / decode
+        rows) > per-row cost, for a step of `rows` rows. A large number while the fit is unknown."""
+        b = self.per_row_ms()
+        if b is None or b <= 0.0:
+            return 1 << 16
+        step = max(self.t + b * (rows - self.r), b * rows)  # the line at `rows`, never below its own rows
+        gain = step / max(1, decode_rows)  # what a token costs now
+        if alpha <= 0.0 or gain <= b:
+            return 0
+        if alpha >= 1.0:
+            return 1 << 16
+        return int(math.log(b / gain) / math.log(alpha))
 
 
 def _hashes(tokens: np.ndarray, n: int) -> np.ndarray:
@@ -55,7 +108,7 @@ class Drafter:
     """One sequence's n-gram indexes and draft-length policy."""
 
     __slots__ = ("index", "indexed", "k", "cool", "cool_len", "window_drafted", "window_accepted", "window_n",
-                 "_looked")
+                 "_looked", "kept", "trials")
 
     def __init__(self):
         self.index: tuple[dict[int, int], dict[int, int]] = ({}, {})  # LONG, SHORT: hash -> end position
@@ -65,6 +118,7 @@ class Drafter:
         self.cool_len = COOL_FIRST
         self.window_drafted = self.window_accepted = self.window_n = 0
         self._looked: tuple[int, int, int] = (-1, 0, 0)  # the last lookup's suffix end and its two hashes
+        self.kept = self.trials = 0.0  # decayed counts: draft tokens kept, and kept + first misses
 
     def _extend(self, tokens: list[int], upto: int) -> None:
         """Index the n-grams tokens[e-n .. e-1] for e = indexed .. upto-1 (e: where what followed starts)."""
@@ -113,8 +167,15 @@ class Drafter:
         known tokens to decide whether to wait a step for that token and then draft."""
         return self.cool == 0 and self._lookup(tokens) is not None
 
+    @property
+    def alpha(self) -> float:
+        """The chance that the next draft token is kept, from the recent verifies (a prior of 1/2)."""
+        return (self.kept + 1.0) / (self.trials + 2.0)
+
     def observe(self, drafted: int, accepted: int) -> None:
         """A verify of `drafted` tokens kept `accepted`: the next draft length, and the cool-down."""
+        self.kept = DECAY * self.kept + accepted
+        self.trials = DECAY * self.trials + accepted + (accepted < drafted)
         self.k = min(self.k * 2, 1 << 16) if accepted == drafted else accepted + 1
         self.window_drafted += drafted
         self.window_accepted += accepted

@@ -242,11 +242,12 @@ class SchedulerCore(RequestBook):
     def _on_result(self, msg: StepResult, out: Out) -> None:
         batch = self._landed(msg.step)
         sampled = {t.seq_id: t for t in msg.tokens}
-        n_tokens = n_decode = drafted = accepted = verifies = misses = 0
+        n_tokens = n_decode = fed = drafted = accepted = verifies = misses = 0
         for w in batch:
             s = w.seq
             n_tokens += w.n
             n_decode += w.n - len(w.draft) == 1 and w.sample
+            fed += len(w.draft)
             if w.draft:
                 s.spec_inflight = False
             if s.status is not Status.RUNNING or w.epoch != s.epoch:
@@ -270,7 +271,7 @@ class SchedulerCore(RequestBook):
                 self._sampled(s, t, out)
         self.steps += 1
         self.itl.observe(msg.elapsed_ns, n_tokens - n_decode, n_decode)
-        if self.config.spec_k_max:
+        if self.config.spec_k_max and n_tokens == n_decode + fed:  # decode and draft rows only: their cost
             self.cost.observe(n_tokens, msg.elapsed_ns)
         out.append(("metrics", StepStats(msg.step, len(batch), n_tokens, n_decode, msg.elapsed_ns, drafted, accepted,
                                          verifies, misses)))

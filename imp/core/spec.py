@@ -22,7 +22,8 @@ pays for a few failed verifies and then nothing.
 What a drafted row costs depends on the batch: at one stream a step reads every weight for one
 row and a few more rows are nearly free; at 16 streams on a CPU the step is compute-bound and a
 draft row costs about what a decode row does. `StepCost` fits step time = fixed + per_row x rows
-from the steps' own executor times (on the log, so a replay decides the same), and a draft is cut
+from the executor times of the steps without prompt rows (on the log, so a replay decides the
+same), and a draft is cut
 where its next token's chance of being kept (the sequence's acceptance, `Drafter.alpha`) times
 the time a token takes now no longer pays for one more row.
 """
@@ -46,7 +47,9 @@ COST_DECAY = 1 / 32  # of StepCost's moments, a step
 
 class StepCost:
     """Step time ~ fixed + per_row x rows, fitted online from the executor's step times (decayed
-    moments, a least-squares line); unknown until the steps' row counts vary."""
+    moments, a least-squares line); unknown until the steps' row counts vary. The scheduler feeds
+    it the steps of decode and draft rows only: a prompt chunk's rows cost otherwise (a line
+    through 512-row chunks says a one-row step is nearly free, which a decode step is not)."""
 
     __slots__ = ("n", "r", "t", "rr", "rt")
 

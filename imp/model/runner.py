@@ -223,10 +223,9 @@ class ModelRunner:
         kw = self._lora_args(seqs, lora)
         logits = self._forward(tokens, plan, kw)  # [len(rows), vocab]
         drawn = {}
-        if self.verifies_drafts and any(seqs[i].draft for i in sample_at):  # verify shares: theirs
-            for i in [i for i in sample_at if seqs[i].draft]:
-                w, first = seqs[i], sample_at.pop(i)
-                drawn[i] = verify(logits[first:first + w.draft + 1], w, constraints)
+        for i in [i for i in sample_at if seqs[i].draft]:  # verify shares: each its draft + 1 rows
+            w, first = seqs[i], sample_at.pop(i)
+            drawn[i] = verify(logits[first:first + w.draft + 1], w, constraints)
         order = sorted(sample_at)
         if order:
             idx, works = [sample_at[i] for i in order], [seqs[i] for i in order]

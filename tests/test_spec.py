@@ -243,3 +243,5 @@ def test_acceptance_estimate_follows_the_verifies():
     for _ in range(6):
         d.observe(8, 0)
     assert high > 0.9 and d.alpha < 0.35
+    d.observe(8, 8)  # a run starts again: the last verify speaks for the next token at once
+    assert d.alpha == 0.9

@@ -111,7 +111,7 @@ class Drafter:
     """One sequence's n-gram indexes and draft-length policy."""
 
     __slots__ = ("index", "indexed", "k", "cool", "cool_len", "window_drafted", "window_accepted", "window_n",
-                 "_looked", "kept", "trials")
+                 "_looked", "kept", "trials", "last")
 
     def __init__(self):
         self.index: tuple[dict[int, int], dict[int, int]] = ({}, {})  # LONG, SHORT: hash -> end position
@@ -122,6 +122,7 @@ class Drafter:
         self.window_drafted = self.window_accepted = self.window_n = 0
         self._looked: tuple[int, int, int] = (-1, 0, 0)  # the last lookup's suffix end and its two hashes
         self.kept = self.trials = 0.0  # decayed counts: draft tokens kept, and kept + first misses
+        self.last = 0.0  # the same estimate from the last verify alone
 
     def _extend(self, tokens: list[int], upto: int) -> None:
         """Index the n-grams tokens[e-n .. e-1] for e = indexed .. upto-1 (e: where what followed starts)."""
@@ -172,13 +173,16 @@ class Drafter:
 
     @property
     def alpha(self) -> float:
-        """The chance that the next draft token is kept, from the recent verifies (a prior of 1/2)."""
-        return (self.kept + 1.0) / (self.trials + 2.0)
+        """The chance that the next draft token is kept, from the recent verifies (a prior of 1/2), or
+        from the last one where that says more: a copy comes in runs (a whole stretch of the file, then
+        the change), so inside a run the next token is likelier than the average says."""
+        return max((self.kept + 1.0) / (self.trials + 2.0), self.last)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A verify of `drafted` tokens kept `accepted`: the next draft length, and the cool-down."""
         self.kept = DECAY * self.kept + accepted
         self.trials = DECAY * self.trials + accepted + (accepted < drafted)
+        self.last = (accepted + 1.0) / (accepted + (accepted < drafted) + 2.0)
         self.k = min(self.k * 2, 1 << 16) if accepted == drafted else accepted + 1
         self.window_drafted += drafted
         self.window_accepted += accepted

@@ -244,4 +244,6 @@ def test_acceptance_estimate_follows_the_verifies():
         d.observe(8, 0)
     assert high > 0.9 and d.alpha < 0.35
     d.observe(8, 8)  # a run starts again: the last verify speaks for the next token at once
-    assert d.alpha == 0.9
+    assert d.alpha == 1.0
+    d.observe(8, 6)
+    assert d.alpha == 6 / 7

@@ -122,7 +122,7 @@ class Drafter:
         self.window_drafted = self.window_accepted = self.window_n = 0
         self._looked: tuple[int, int, int] = (-1, 0, 0)  # the last lookup's suffix end and its two hashes
         self.kept = self.trials = 0.0  # decayed counts: draft tokens kept, and kept + first misses
-        self.last = 0.0  # the same estimate from the last verify alone
+        self.last = 0.0  # the last verify alone, without a prior: kept / (kept + its miss)
 
     def _extend(self, tokens: list[int], upto: int) -> None:
         """Index the n-grams tokens[e-n .. e-1] for e = indexed .. upto-1 (e: where what followed starts)."""
@@ -182,7 +182,7 @@ class Drafter:
         """A verify of `drafted` tokens kept `accepted`: the next draft length, and the cool-down."""
         self.kept = DECAY * self.kept + accepted
         self.trials = DECAY * self.trials + accepted + (accepted < drafted)
-        self.last = (accepted + 1.0) / (accepted + (accepted < drafted) + 2.0)
+        self.last = accepted / (accepted + (accepted < drafted)) if accepted else 0.0  # a whole draft kept: 1
         self.k = min(self.k * 2, 1 << 16) if accepted == drafted else accepted + 1
         self.window_drafted += drafted
         self.window_accepted += accepted

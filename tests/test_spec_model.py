@@ -70,14 +70,20 @@ def test_smollm2_greedy_and_seeded_output_unchanged(imp_server):
     assert d["imp_spec_accepted"] >= 0.3 * d["imp_spec_drafted"], d
 
 
-def test_smollm2_batched_with_plain_neighbours(imp_server):
-    url = imp_server.url
-    prompts = [COPY, PROSE, COPY.replace("exactly", "verbatim"), "List ten colours, one per line."]
+def _batched(url: str) -> list[dict]:
+    """Four requests at once, the even ones speculative: each text equal to its text alone."""
+    prompts = [COPY, PROSE, COPY.replace("again", "once more"), "List ten colours, one per line."]
     alone = [text(chat(url, p, False, max_tokens=96)) for p in prompts]
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         together = list(pool.map(lambda ip: chat(url, ip[1], ip[0] % 2 == 0, max_tokens=96), enumerate(prompts)))
     assert [text(o) for o in together] == alone
-    assert details(together[0])["imp_spec_verify_steps"] > 0
+    return together
+
+
+def test_smollm2_batched_with_plain_neighbours(imp_server):
+    # SmolLM2 keeps few drafts; whether a 4-row step still prices them in depends on measured step
+    # times, so only the texts are held here (Gemma below copies: its verifies run batched)
+    _batched(imp_server.url)
 
 
 def test_usage_in_every_dialect_and_bad_values(imp_server):
@@ -125,6 +131,8 @@ def gemma_server(tmp_path_factory):
 
 def test_gemma_greedy_and_seeded_output_unchanged(gemma_server):
     _same_with_and_without(gemma_server.url)
+    together = _batched(gemma_server.url)  # a copy run keeps its drafts beside three other rows
+    assert details(together[0])["imp_spec_verify_steps"] > 0
     # --speculative off: a request that does not say runs without it
     assert not details(chat(gemma_server.url, COPY, None, max_tokens=48))
 

@@ -122,7 +122,10 @@ class Drafter:
         self.window_drafted = self.window_accepted = self.window_n = 0
         self._looked: tuple[int, int, int] = (-1, 0, 0)  # the last lookup's suffix end and its two hashes
         self.kept = self.trials = 0.0  # decayed counts: draft tokens kept, and kept + first misses
-        self.last = 0.0  # the last verify alone, without a prior: kept / (kept + its miss)
+        # the last verify alone, without a prior: kept / (kept + its miss); 1 before the first, so that a
+        # sequence always gets one draft to show what it copies (a prior of 1/2 in a priced batch could
+        # keep it from ever drafting)
+        self.last = 1.0
 
     def _extend(self, tokens: list[int], upto: int) -> None:
         """Index the n-grams tokens[e-n .. e-1] for e = indexed .. upto-1 (e: where what followed starts)."""

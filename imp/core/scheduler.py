@@ -327,14 +327,18 @@ class SchedulerCore(RequestBook):
         n = len(self.running)
         return [max(0, budget - n), max(0, self.kv.free - n)]
 
+    @staticmethod
+    def _drafter(s: Seq) -> Drafter:
+        if s.drafter is None:  # from its first decode that might draft: its prompt is indexed then
+            s.drafter = Drafter()
+        return s.drafter
+
     def _would_draft(self, s: Seq) -> bool:
         """A speculative decode row whose known tokens end in something seen before."""
         p = s.params
         if not p.speculative or len(s.tokens) <= len(s.req.prompt):
             return False
-        if s.drafter is None:
-            s.drafter = Drafter()
-        return s.drafter.matches(s.tokens)
+        return self._drafter(s).matches(s.tokens)
 
     def _draft(self, s: Seq, start: int, vlen: int, spare: list[int]) -> tuple[int, ...]:
         """The drafted tokens to feed after a decode row's last token (imp.core.spec), within `spare`."""
@@ -347,11 +351,10 @@ class SchedulerCore(RequestBook):
                   self.max_len - vlen - 1, max(held, -(-(start + 1) // bs) * bs) + spare[1] * bs - start - 1)
         if cap <= 0:
             return ()
-        if s.drafter is None:
-            s.drafter = Drafter()
+        d = self._drafter(s)
         rows = self.config.max_step_tokens - spare[0]  # one a running sequence and the drafts so far
-        cap = min(cap, self.cost.worth(len(self.running), rows, s.drafter.alpha))
-        draft = s.drafter.propose(s.tokens, cap) if cap > 0 else ()
+        cap = min(cap, self.cost.worth(len(self.running), rows, d.alpha))
+        draft = d.propose(s.tokens, cap) if cap > 0 else ()
         spare[1] -= max(0, -(-(start + 1 + len(draft)) // bs) - max(len(s.table), -(-(start + 1) // bs)))
         return draft
 

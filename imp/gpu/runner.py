@@ -49,6 +49,7 @@ from imp.gpu.forward import Forward
 from imp.gpu.graphs import DecodeGraphs
 from imp.gpu.lora import DeviceLoras
 from imp.gpu.inputs import Landing, check, eager_meta
+from imp.gpu.mixed import MixedGraphs, prompt_buckets
 from imp.gpu.linear import FUSED_CREDIT_US
 from imp.gpu.weights import GGUFSource, Weights, load_weights
 from imp.kernels.cuda import runtime as cuda_rt
@@ -72,7 +73,8 @@ RING = 4  # pinned buffers for sampled ids: a step's slot is reused 4 launches l
 class GpuModelRunner:
     def __init__(self, src: GGUFSource, num_blocks: int, block_size: int, device: str = "cuda:0",
                  kv_dtype=torch.bfloat16, dense: bool | None = None, graphs: bool = True, max_graph_batch: int = 64,
-                 tune: bool = True, int8_act: bool = False, batch_invariant: bool = False):
+                 tune: bool = True, int8_act: bool = False, batch_invariant: bool = False,
+                 max_prompt_rows: int | None = 512):
         cfg: ModelConfig = src.config
         self.config = cfg
         self.metadata = src.metadata
@@ -121,6 +123,12 @@ class GpuModelRunner:
         # matmuls per row kind (_eager_logits); batch invariant: every row is on the GEMM already
         self._split_mixed = not batch_invariant and any(m.q8 and (self.w.dense or m.mm) for L in self.w.layers
                                                         for m in (L.wqkv, L.wo, L.w13, L.w2))
+        # steps with prompt rows: graphs per (prompt rows, decode rows) bucket pair (imp.gpu.mixed), for the
+        # bf16 cache's paged prefill kernel; None: such steps run eagerly
+        self.mixed: MixedGraphs | None = None
+        if graphs and buckets and max_prompt_rows and kv_dtype == torch.bfloat16 and cfg.head_dim in (64, 128):
+            self.mixed = MixedGraphs(prompt_buckets(max_prompt_rows), buckets, self.graphs.max_blocks, block_size,
+                                     cfg.vocab_size, self.device, self._split_mixed)
         if graphs and buckets:
             self._capture_or_fall_back()
 
@@ -164,6 +172,15 @@ class GpuModelRunner:
         except Exception as e:  # noqa: BLE001
             self.graphs.graphs.clear()
             self.notes.append(f"graph capture failed, eager decode: {type(e).__name__}: {str(e)[:200]}")
+            log.warning(self.notes[-1])
+            torch.cuda.synchronize(self.device)
+        if self.mixed is None:
+            return
+        try:
+            self.mixed.capture(self.fwd)
+        except Exception as e:  # noqa: BLE001
+            self.mixed = None
+            self.notes.append(f"mixed-step graph capture failed, eager prompts: {type(e).__name__}: {str(e)[:200]}")
             log.warning(self.notes[-1])
             torch.cuda.synchronize(self.device)
 
@@ -257,6 +274,14 @@ class GpuModelRunner:
         la = self._lora_arg(seqs, lora)
         if la is None and self.graphs.fits(seqs):
             return self._sample_and_land(self.graphs.replay(seqs, src), seqs, constraints)
+        pair = self.mixed.fits(seqs) if la is None and self.mixed is not None else None
+        if pair is not None:  # prompt rows beside decodes, or alone: a graph of its bucket pair
+            logits, head_at = self.mixed.replay(seqs, pair, src)
+            order = sorted(head_at)
+            if not order:
+                return self._landed([], None, [])
+            sel = logits.index_select(0, cuda_rt.to_device([head_at[i] for i in order], torch.int64, self.device))
+            return self._sample_and_land(sel, [seqs[i] for i in order], constraints)
         rows, sample_at, plp_at = head_rows(seqs)
         logits = self._eager_logits(seqs, rows, src, la)  # rows == []: KV only
         order = sorted(sample_at)

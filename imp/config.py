@@ -50,6 +50,9 @@ class ServerConfig:
     # do not depend on what shares its steps (vLLM's VLLM_BATCH_INVARIANT, SGLang's deterministic inference);
     # the CPU runner is batch invariant always
     batch_invariant: bool = False
+    # GPU CUDA graphs: "all" (decode steps and steps with prompt rows, imp.gpu.mixed), "decode" (prompt steps
+    # eager: a shorter boot, less memory) or "off" (every step eager)
+    gpu_graphs: str = "all"
     # API-server processes in front of one engine process (0 = HTTP in the engine's own
     # process; -1 = auto: 0 on CPU, where the cores are the model's, else from the cores)
     api_servers: int = -1
@@ -81,6 +84,7 @@ class ServerConfig:
             (self.shutdown_timeout_s >= 0, "--shutdown-timeout must be >= 0"),
             (self.device == "cpu" or self.device.startswith("cuda"), "--device must be cpu or cuda[:N]"),
             (self.gpu_activations in ("fp32", "int8"), "--gpu-activations must be fp32 or int8"),
+            (self.gpu_graphs in ("all", "decode", "off"), "--gpu-graphs must be all, decode or off"),
             (not self.batch_invariant or self.gpu_activations == "int8",
              "--batch-invariant needs --gpu-activations int8 (the fp32 path's matmuls are cuBLAS's)"),
             (self.pipeline_depth in (0, 1, 2), "--pipeline-depth must be 1 or 2 (0 = auto)"),
@@ -149,6 +153,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-activations", choices=("fp32", "int8"), default=d.gpu_activations,
                    help="GPU matmuls of quantized weights at decode: int8 activations (default; dp4a, as "
                         "llama.cpp: faster at small batches, the CPU runner's numerics) or fp32 ones")
+    p.add_argument("--gpu-graphs", choices=("all", "decode", "off"), default=d.gpu_graphs,
+                   help="GPU CUDA graphs: all (default: decode steps and steps with prompt rows), decode (prompt "
+                        "steps eager: shorter boot, less memory) or off (every step eager)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="GPU: every matmul on the int8 GEMM, so a request's tokens do not depend on the requests "
                         "beside it (slower at one stream and in prefill; the CPU path is invariant always)")

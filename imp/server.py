@@ -173,7 +173,8 @@ def _load_models(cfg: ServerConfig) -> _Models:
                                                device=device, max_graph_batch=cfg.max_batch_size,
                                                int8_act=cfg.gpu_activations == "int8",
                                                batch_invariant=cfg.batch_invariant,
-                                               max_prompt_rows=cfg.max_step_tokens)
+                                               graphs=cfg.gpu_graphs != "off",
+                                               max_prompt_rows=cfg.max_step_tokens if cfg.gpu_graphs == "all" else 0)
         return lambda: ModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens,
                                         num_threads=cfg.threads, adaptive_threads=not cfg.fixed_threads)
 

@@ -108,6 +108,7 @@ class Sim:
         self.rejected: dict[str, Reject] = {}
         self.tokens: dict[tuple[str, int], list[int]] = {}
         self.finish: dict[tuple[str, int], TokenOut] = {}
+        self.spec: dict[tuple[str, int], list[int]] = {}  # [drafted, accepted, verify steps] summed over TokenOuts
         self.figures: Figures | None = None
         self.plans: list[StepPlan] = []
         # scheduler-side view for the ordering invariant
@@ -253,6 +254,8 @@ class Sim:
                 key = (m.req_id, m.index)
                 assert key not in self.finish, f"output after the end of {key}"
                 self.tokens.setdefault(key, []).extend(m.token_ids)
+                sp = self.spec.setdefault(key, [0, 0, 0])
+                sp[0], sp[1], sp[2] = sp[0] + m.spec_drafted, sp[1] + m.spec_accepted, sp[2] + m.spec_verify_steps
                 if m.finish:
                     self.finish[key] = m
             elif isinstance(m, Reject):

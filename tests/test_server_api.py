@@ -304,3 +304,30 @@ def test_ids_on_every_response(imp_server):
     assert status == 404 and headers["X-Request-Id"] == long[:128]
     status, headers, data = raw(imp_server, "GET", "/v1/completions")
     assert status == 405 and json.loads(data)["error"]["message"] and headers["X-Request-Id"]
+
+
+# --------------------------------------------------------------------------- usage when a stop string ends
+
+def test_a_stop_string_keeps_the_usage_in_every_dialect(cl, imp_server):
+    """The renderer ends such a choice, not the scheduler (whose own last TokenOut, with the counts, comes
+    after the client's end): completion_tokens counts the tokens through the one that completed the stop
+    string, in each dialect that has stop strings (Responses has none), streamed or not."""
+    msgs = [{"role": "user", "content": "Count from 1 to 30, separated by commas."}]
+    full = cl.chat.completions.create(model="m", messages=msgs, max_tokens=80, temperature=0)
+    text = full.choices[0].message.content
+    stop = next(s for s in (" 7,", "7", " 3,", "3") if s in text)
+    cut = cl.chat.completions.create(model="m", messages=msgs, max_tokens=80, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == text[:text.index(stop)]
+    n = cut.usage.completion_tokens
+    assert 0 < n < full.usage.completion_tokens and cut.usage.prompt_tokens == full.usage.prompt_tokens
+    chunks = list(cl.chat.completions.create(model="m", messages=msgs, max_tokens=80, temperature=0, stop=[stop],
+                                             stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == n and chunks[-1].usage.prompt_tokens == cut.usage.prompt_tokens
+    st, _, body = raw(imp_server, "POST", "/v1/messages", {"model": "m", "max_tokens": 80, "messages": msgs,
+                                                            "temperature": 0, "stop_sequences": [stop]})
+    a = json.loads(body)
+    assert st == 200 and a["stop_reason"] == "stop_sequence" and a["usage"]["output_tokens"] == n
+    st, _, body = raw(imp_server, "POST", "/v1/completions", {"model": "m", "max_tokens": 80, "temperature": 0,
+                                                               "prompt": "1, 2, 3, 4, 5,", "stop": [" 9"]})
+    c = json.loads(body)
+    assert st == 200 and c["choices"][0]["finish_reason"] == "stop" and c["usage"]["completion_tokens"] > 0, c

@@ -228,6 +228,8 @@ def test_metrics_snapshot_json_and_prometheus(imp_server):
     row = rows[0]
     assert row["state"] in ("queued", "prefill", "decode") and row["max_tokens"] == 40
     assert row["prompt_tokens"] > 5 and row["elapsed_s"] >= 0
+    # the server speculates by default: the row holds its drafter's rounds and accept rate
+    assert set(row["speculative"]) == {"rounds", "drafted", "accepted", "accept_rate"}, row
     st, _, snap = jraw(imp_server, "GET", "/v1/metrics")
     s = snap["server"]
     assert st == 200 and all(r["id"] != row["id"] for r in s["requests"])  # released when it ended
@@ -302,3 +304,29 @@ def test_plan_and_estimate_with_replicas():
     e = estimate(16 * 120, max_tokens=None, n=1, kv=kv(200), bytes_per_token=None, max_context=4096,
                  prefill_tok_s=None, queued_prompt_tokens=0, model="m", replica_kv=[full, empty])
     assert (e["fits_now"], e["fits_drained"]) == (False, False)  # 120 blocks: more than one pool holds
+
+
+@pytest.mark.slow
+def test_a_live_row_counts_its_verifies_and_is_null_without_a_drafter(imp_server):
+    """GET /v1/metrics' request rows: `speculative` is null for a request without a drafter, else its rounds
+    (verify steps), draft tokens fed and kept, and their ratio, growing while it runs."""
+    copy = "Repeat this list exactly: " + ", ".join(str(i) for i in range(100, 190))
+    for spec in (True, False):
+        out, seen = {}, []
+        body = {"model": "x", "messages": [{"role": "user", "content": copy}], "max_tokens": 200, "temperature": 0,
+                "speculative": spec, "ignore_eos": True}
+        t = threading.Thread(target=lambda: out.update(r=jraw(imp_server, "POST", "/v1/chat/completions", body)))
+        t.start()
+        while t.is_alive():
+            seen += jraw(imp_server, "GET", "/v1/metrics")[2]["server"]["requests"]
+            time.sleep(0.05)
+        t.join()
+        assert out["r"][0] == 200 and seen
+        if not spec:
+            assert all(r["speculative"] is None for r in seen)
+            continue
+        last = seen[-1]["speculative"]
+        assert last["rounds"] > 0 and 0 < last["accepted"] <= last["drafted"], seen[-1]
+        assert last["accept_rate"] == round(last["accepted"] / last["drafted"], 3)
+        rounds = [r["speculative"]["rounds"] for r in seen]
+        assert rounds == sorted(rounds)

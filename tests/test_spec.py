@@ -107,7 +107,8 @@ def test_verify_shares_give_the_same_tokens(copying, depth):
         assert sim.output(f"r{i}") == sim.expected(f"r{i}", 0)
         fin = sim.finish[(f"r{i}", 0)]
         assert fin.finish == FinishReason.LENGTH and fin.completion_tokens == 60
-        assert fin.spec_verify_steps > 0 and 0 < fin.spec_accepted <= fin.spec_drafted
+        drafted, accepted, verifies = sim.spec[(f"r{i}", 0)]  # each TokenOut carries its verifies' counters
+        assert verifies > 0 and 0 < accepted <= drafted
     vs = _verifies(sim)
     assert vs and max(w.draft for w in vs) > spec.K_START  # the draft grew while it was right
     assert len(vs) < 4 * 60 / 2  # most tokens came several a step

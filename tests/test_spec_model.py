@@ -98,6 +98,12 @@ def test_usage_in_every_dialect_and_bad_values(imp_server):
     st, c = post(url, "/v1/completions", {"model": "m", "max_tokens": 64, "prompt": SOURCE + SOURCE[:200],
                                           "temperature": 0, "speculative": True})
     assert st == 200 and c["usage"]["completion_tokens_details"]["imp_spec_accepted"] > 0
+    # a stop string ends the choice (the renderer does, not the scheduler): the verifies before it still count
+    full = text(chat(url, COPY, True, max_tokens=96))
+    stop = full[int(len(full) * 0.7):][:12]
+    cut = chat(url, COPY, True, max_tokens=96, stop=[stop])
+    assert cut["choices"][0]["finish_reason"] == "stop" and text(cut) == full[:full.index(stop)]
+    assert details(cut)["imp_spec_verify_steps"] > 0 and 0 < cut["usage"]["completion_tokens"] < 96
     # the object form asks for an MTP head this file does not have: declined, the matcher still runs
     st, m = post(url, "/v1/chat/completions", {"model": "m", "max_tokens": 64, "messages": msgs, "temperature": 0,
                                                "speculative": {"mtp_k": 2}})

@@ -49,6 +49,8 @@ class RequestHandle:
     prompt_tokens: int = 0
     max_tokens: int = 0
     generated: int = 0  # tokens delivered so far, all choices
+    speculative: bool = False  # a drafter runs for it (params.speculative)
+    spec: list = field(default_factory=lambda: [0, 0, 0])  # verify rounds, draft tokens fed, kept: all choices
 
     @property
     def done(self) -> bool:
@@ -88,7 +90,7 @@ class IngressActor(Actor):
         if req_id in self.handles:
             raise ValueError(f"duplicate request id {req_id}")
         h = self.handles[req_id] = RequestHandle(req_id, n, prompt_tokens=len(prompt),
-                                                 max_tokens=params.max_tokens)
+                                                 max_tokens=params.max_tokens, speculative=params.speculative)
         self.send("detok", DetokOpen(req_id, n, tuple(stop or ()), True, tuple(prompt_tail or ())))
         self.send(
             "admission",
@@ -148,6 +150,9 @@ class IngressActor(Actor):
                 "elapsed_s": round(now - h.arrival, 3),
                 "ttft_s": None if ttft is None else round(ttft, 3),
                 "decode_tok_s": round((h.generated - h.n) / dec, 1) if dec > 0 and h.generated > h.n else None,
+                "speculative": {"rounds": h.spec[0], "drafted": h.spec[1], "accepted": h.spec[2],
+                                "accept_rate": round(h.spec[2] / h.spec[1], 3) if h.spec[1] else None}
+                if h.speculative else None,
             })
         order = {"queued": 0, "prefill": 1, "decode": 2}
         rows.sort(key=lambda r: order[r["state"]])  # stable: by arrival within a state
@@ -197,6 +202,9 @@ class IngressActor(Actor):
         h = self.handles.get(msg.req_id)
         if h is None:
             return  # handler gone (cancelled); the scheduler was told
+        if msg.out.spec_verify_steps:  # the verifies since this choice's last TokenOut
+            sp, o = h.spec, msg.out
+            sp[0], sp[1], sp[2] = sp[0] + o.spec_verify_steps, sp[1] + o.spec_drafted, sp[2] + o.spec_accepted
         if msg.token_ids:
             h.generated += len(msg.token_ids)
             if h.first_token_at == 0.0:

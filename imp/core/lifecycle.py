@@ -187,13 +187,23 @@ class RequestBook:
         return self._reserved_running
 
     def _token_out(self, s: Seq, ids, reason: FinishReason, lp, error: str = "") -> TokenOut:
+        """Every TokenOut carries the speculation counters of the verifies since the choice's one before, and
+        a choice's first one a speculation decline (when there is one) as its last one does, so that a choice
+        a stop string ends (the renderer ends it, not the scheduler) still reports them. (Its cache hit is on
+        the last one only: a first TokenOut carrying it would change every captured log's outputs.)"""
         ids, lp = tuple(ids), tuple(lp)
+        sd, sa, sv = s.spec_drafted, s.spec_accepted, s.spec_verifies
+        s.spec_drafted = s.spec_accepted = s.spec_verifies = 0
+        first, s.opened = not s.opened, True
         if not reason:
-            return TokenOut(s.req.id, s.index, ids, logprobs=lp)
+            declined = self._declined(s.params) if first else ""
+            if not sv and not declined:
+                return TokenOut(s.req.id, s.index, ids, logprobs=lp)
+            return TokenOut(s.req.id, s.index, ids, logprobs=lp, spec_drafted=sd, spec_accepted=sa,
+                            spec_verify_steps=sv, spec_declined=declined)
         return TokenOut(s.req.id, s.index, ids, reason, len(s.req.prompt), max(0, s.req.cached_tokens),
-                        len(s.tokens) - len(s.req.prompt), lp, error, spec_drafted=s.spec_drafted,
-                        spec_accepted=s.spec_accepted, spec_verify_steps=s.spec_verifies,
-                        spec_declined=self._declined(s.params))
+                        len(s.tokens) - len(s.req.prompt), lp, error, spec_drafted=sd, spec_accepted=sa,
+                        spec_verify_steps=sv, spec_declined=self._declined(s.params))
 
     def _declined(self, p) -> str:
         """Why speculation the request asked for did not run ("" = it did, or none was asked)."""

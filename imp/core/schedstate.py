@@ -81,7 +81,7 @@ class Req:
 class Seq:
     __slots__ = ("id", "req", "index", "params", "tokens", "status", "num_computed", "num_reported", "table", "in_kv",
                  "admit_no", "plp", "plp_sent", "epoch", "ahead", "pending", "send_params", "drafter", "spec_inflight",
-                 "spec_drafted", "spec_accepted", "spec_verifies")
+                 "spec_drafted", "spec_accepted", "spec_verifies", "opened")
 
     def __init__(self, req: Req, index: int, params):
         self.id, self.req, self.index, self.params = f"{req.id}#{index}", req, index, params
@@ -100,7 +100,8 @@ class Seq:
         self.pending = 0  # tokens those steps will sample (0 or 1), beyond len(tokens)
         self.drafter = None  # imp.core.spec.Drafter, from its first draft on
         self.spec_inflight = False  # a verify share of it is in flight: nothing more is planned until it lands
-        self.spec_drafted = self.spec_accepted = self.spec_verifies = 0
+        self.spec_drafted = self.spec_accepted = self.spec_verifies = 0  # since its last TokenOut
+        self.opened = False  # its first TokenOut has gone (that one carries the prompt's counts)
 
 
 class Work:

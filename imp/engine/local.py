@@ -391,7 +391,7 @@ class LocalEngine:
         now = time.monotonic()
         live = ()
         if with_live:
-            live = tuple(LiveRow(**row) for row in ing.live_rows(now, m.queue.waiting))
+            live = tuple(msgspec.convert(row, LiveRow) for row in ing.live_rows(now, m.queue.waiting))
         return Snapshot(
             kv=m.kv, replica_kv=tuple(m.replica_kv()), queue=m.queue, rates=Rates(**m.rates.snapshot(now)),
             suspended=ing.suspended, draining=self.draining, fault=self.fault, rejections=ing.rejections,

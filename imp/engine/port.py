@@ -67,6 +67,15 @@ class Rates(_Value):
     prefill_tokens_total: int = 0
 
 
+class SpecRow(_Value):
+    """A live request's drafter (imp.core.spec) so far: verify rounds, draft tokens fed and kept."""
+
+    rounds: int
+    drafted: int
+    accepted: int
+    accept_rate: float | None  # accepted / drafted; None before the first draft
+
+
 class LiveRow(_Value):
     """One live request as /v1/metrics lists it."""
 
@@ -79,6 +88,7 @@ class LiveRow(_Value):
     elapsed_s: float
     ttft_s: float | None = None
     decode_tok_s: float | None = None
+    speculative: SpecRow | None = None  # None: no drafter runs for it (the reference's `speculative: null`)
 
 
 class Snapshot(_Value):

@@ -23,25 +23,29 @@ from imp.text.stops import StopMatcher
 
 
 class _Choice:
-    __slots__ = ("detok", "stops", "done", "closed")
+    __slots__ = ("detok", "stops", "done", "closed", "generated")
 
     def __init__(self, detok, stops: list[str]):
         self.detok = detok
         self.stops = StopMatcher(stops)
         self.done = False  # the client has its last delta; later tokens are dropped
         self.closed = False  # the scheduler has finished this choice
+        # what a stop string's last delta reports as completion_tokens (the scheduler's own last TokenOut comes
+        # after the client's end and is dropped): tokens generated through the one that completed the stop string
+        self.generated = 0
 
 
 class Renderer:
     """One request's text: `render(TokenOut)` -> (the Delta to send or None, whether a
     stop string ended that choice just now, so it should be cancelled upstream)."""
 
-    __slots__ = ("tokenizer", "op", "choices")
+    __slots__ = ("tokenizer", "op", "choices", "prompt_len")
 
-    def __init__(self, tokenizer, op: DetokOpen):
+    def __init__(self, tokenizer, op: DetokOpen, prompt_len: int = 0):
         self.tokenizer = tokenizer
         self.op = op
         self.choices: dict[int, _Choice] = {}
+        self.prompt_len = prompt_len  # what a stop string's last delta reports as prompt_tokens
 
     def _choice(self, index: int) -> _Choice:
         ch = self.choices.get(index)
@@ -60,6 +64,7 @@ class Renderer:
             if final:
                 ch.closed = True
             return None, False
+        ch.generated += len(m.token_ids)
         text = ch.detok.push(m.token_ids)
         if final:
             text += ch.detok.flush()
@@ -68,6 +73,8 @@ class Renderer:
         if stopped:
             ch.done = True
             finish = FinishReason.STOP
+            if not final:
+                m = msgspec.structs.replace(m, prompt_tokens=self.prompt_len, completion_tokens=ch.generated)
         elif final:
             out += ch.stops.flush()
         if final:
@@ -86,7 +93,10 @@ def merge(a: Delta, b: Delta) -> Delta:
     ao, bo = a.out, b.out
     out = msgspec.structs.replace(
         bo, token_ids=ao.token_ids + bo.token_ids, logprobs=ao.logprobs + bo.logprobs,
-        prompt_tokens=bo.prompt_tokens or ao.prompt_tokens, prompt_logprobs=ao.prompt_logprobs or bo.prompt_logprobs)
+        prompt_tokens=bo.prompt_tokens or ao.prompt_tokens, cached_tokens=bo.cached_tokens or ao.cached_tokens,
+        prompt_logprobs=ao.prompt_logprobs or bo.prompt_logprobs, spec_drafted=ao.spec_drafted + bo.spec_drafted,
+        spec_accepted=ao.spec_accepted + bo.spec_accepted, spec_verify_steps=ao.spec_verify_steps + bo.spec_verify_steps,
+        spec_declined=bo.spec_declined or ao.spec_declined)
     return Delta(out, a.text + b.text, b.finish, b.stop_str)
 
 
@@ -106,7 +116,8 @@ class RenderedStream:
         self.req_id = sub.req_id
         self.n = sub.n
         self.queue = queue
-        self.renderer = Renderer(tokenizer, DetokOpen(sub.req_id, sub.n, sub.stop, True, sub.prompt[-4:]))
+        self.renderer = Renderer(tokenizer, DetokOpen(sub.req_id, sub.n, sub.stop, True, sub.prompt[-4:]),
+                                 len(sub.prompt))
         self.stop_choice = stop_choice
         self.on_end = on_end
         self.ended = False

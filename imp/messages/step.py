@@ -188,8 +188,10 @@ class TokenOut(Msg):
     logprobs: tuple[SampledToken, ...] = ()
     error: str = ""
     prompt_logprobs: tuple[PromptLogprob, ...] = ()  # with the first token of choice 0
-    # speculation, with the finish: draft tokens fed, kept, and verify shares run (each emitted
-    # its kept ones + 1); declined: why a speculation asked for did not run ("" = it did, or none asked)
+    # prompt_tokens, cached_tokens and completion_tokens on a choice's last TokenOut.
+    # Speculation, on every TokenOut: draft tokens fed, kept, and verify shares run (each emitted its kept ones
+    # + 1) since the choice's TokenOut before; declined (first and last): why a speculation asked for did not
+    # run ("" = it did, or none asked)
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_verify_steps: int = 0

@@ -154,12 +154,12 @@ async def generate(port: EnginePort, req_id: str, prompt: list[int], params: Sam
                 if item.index == 0:
                     last = now
             prompt_tokens = item.prompt_tokens or prompt_tokens
-            cached = item.cached_tokens
+            cached = item.cached_tokens or cached
             completion[item.index] = item.completion_tokens
+            spec.take(item)
             if item.finish != FinishReason.NONE:
                 finish = finish_label(item.finish)
                 finishes[item.index] = finish
-                spec.take(item)
             yield item
     finally:
         if items is not stream:

@@ -9,8 +9,6 @@ usage.output_tokens_details. Summed over a request's choices (n > 1).
 
 from __future__ import annotations
 
-from imp.messages import FinishReason
-
 DETAIL = {
     "no_mtp_head": "this model file has no MTP head; the n-gram matcher ran as the server runs it",
     "executor_cannot_verify": "this engine does not verify drafts (the GPU executor does not yet, or the server "
@@ -28,9 +26,8 @@ class SpecTally:
         self.declined = ""
 
     def take(self, d) -> None:
-        """A Delta (or TokenOut): only a finishing one carries its choice's counters."""
-        if d.finish == FinishReason.NONE:
-            return
+        """Every Delta (or TokenOut) a client gets: each carries the counters of the verifies since its
+        choice's one before (imp.core.lifecycle), so a choice a stop string ends keeps what it had."""
         out = getattr(d, "out", d)
         self.drafted += out.spec_drafted
         self.accepted += out.spec_accepted

@@ -69,7 +69,7 @@ class AnthropicRenderer:
         return self.splitter.thinking
 
     def _count(self, d: Delta) -> None:
-        self.prompt_len, self.cached, self.completion = d.prompt_tokens or self.prompt_len, d.cached_tokens, \
+        self.prompt_len, self.cached, self.completion = d.prompt_tokens or self.prompt_len, d.cached_tokens or self.cached, \
             d.completion_tokens
         self.spec.take(d)
         if d.finish != FinishReason.NONE:

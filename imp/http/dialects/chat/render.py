@@ -59,7 +59,7 @@ class ChatRenderer:
 
     def _count(self, d: Delta) -> None:
         self.completion[d.index] = d.completion_tokens
-        self.prompt_tokens, self.cached = d.prompt_tokens or self.prompt_tokens, d.cached_tokens
+        self.prompt_tokens, self.cached = d.prompt_tokens or self.prompt_tokens, d.cached_tokens or self.cached
         self.spec.take(d)
 
     def _usage(self) -> dict:

@@ -41,7 +41,7 @@ class CompletionRenderer:
         if d.index == 0:
             self.think.push(d.text)
         self.completion[d.index] = d.completion_tokens
-        self.prompt_tokens, self.cached = d.prompt_tokens or self.prompt_tokens, d.cached_tokens
+        self.prompt_tokens, self.cached = d.prompt_tokens or self.prompt_tokens, d.cached_tokens or self.cached
         self.spec.take(d)
 
     def _usage(self) -> dict:

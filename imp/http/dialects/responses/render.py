@@ -138,7 +138,7 @@ class ResponsesRenderer:
     def _take(self, d: Delta) -> tuple[str, str]:
         r, c = split_delta(self.splitter, d)
         self.prompt_len = d.prompt_tokens or self.prompt_len
-        self.cached, self.completion = d.cached_tokens, d.completion_tokens
+        self.cached, self.completion = d.cached_tokens or self.cached, d.completion_tokens
         self.spec.take(d)
         if r and not c:
             self.reasoning_tokens += len(d.token_ids)

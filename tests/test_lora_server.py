@@ -162,3 +162,22 @@ def test_adapters_survive_suspend_and_unload_frees_their_name(lora_server):
     assert st == 200 and again["id"] == max(ids.values()) + 1, again  # ids are never reused
     st, h = call(url, "/health")
     assert st == 200 and h["kv_blocks_used"] == 0, h  # nothing leaked: every block is free or cached
+
+
+def test_speculation_under_an_adapter_gives_the_adapter_s_tokens(lora_server):
+    """A verify share of an adapter's request runs its draft rows with the adapter's deltas: the text with
+    speculation equals the text without, alone and beside the base model's and another adapter's requests,
+    and verify steps did run (the prompt is a list to copy)."""
+    url = lora_server.url
+    loaded(url)
+    copy = "Repeat this list exactly: " + ", ".join(str(i) for i in range(300, 360))
+    msgs = [{"role": "user", "content": copy}]
+    kws = ({}, {"lora": "style"}, {"lora": "other"})
+    off = [chat(url, messages=msgs, max_tokens=48, speculative=False, **kw)[0] for kw in kws]
+    on = [chat(url, messages=msgs, max_tokens=48, speculative=True, **kw) for kw in kws]
+    assert [t for t, _ in on] == off
+    assert any(u.get("completion_tokens_details", {}).get("imp_spec_verify_steps", 0) > 0 for _, u in on[1:]), on
+    assert off[1] != off[0] or off[2] != off[0]  # the adapters change the text (else this tests nothing)
+    with concurrent.futures.ThreadPoolExecutor(3) as ex:
+        together = list(ex.map(lambda kw: chat(url, messages=msgs, max_tokens=48, speculative=True, **kw)[0], kws))
+    assert together == off

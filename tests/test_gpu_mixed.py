@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from imp.gpu.inputs import eager_meta
@@ -123,3 +124,65 @@ def test_steps_a_graph_cannot_take_go_eager():
     assert fits([chunk(20)] + [one] * 65, PBS, DBS) is None  # past the largest decode bucket
     assert fits([chunk(2)] * (MAX_CHUNKS + 1), PBS, DBS) is None  # more shares than head slots
     assert prompt_buckets(512) == (16, 32, 64, 128, 256, 512) and prompt_buckets(600)[-1] == 1024
+
+
+# --------------------------------------------------------------------------- on the GPU (marked: skipped without)
+
+def _gpu_runner(tmp_path_factory, int8_act: bool):
+    from imp.kernels.cuda import runtime
+
+    if not runtime.available():
+        pytest.skip("needs CUDA and CuPy")
+    from gguf import GGMLQuantizationType as T
+
+    from imp.gpu.runner import GpuModelRunner
+    from tests.fixtures.synth import write_synthetic_gguf
+
+    path = tmp_path_factory.mktemp("mixed") / "m.gguf"
+    write_synthetic_gguf(path, qtype=T.Q4_0, embed_qtype=T.Q8_0, tied=False, n_layers=2, d_model=256, n_heads=4,
+                         n_kv_heads=2, d_ff=512, vocab=512)
+    return GpuModelRunner.load(str(path), num_blocks=96, block_size=BS, max_graph_batch=8, int8_act=int8_act,
+                               max_prompt_rows=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("int8_act", [False, True])
+def test_a_mixed_graph_gives_the_eager_step_s_logits(tmp_path_factory, int8_act):
+    """Prompt chunks (fresh and after a cached prefix) beside decodes: the graph of the step's bucket pair
+    gives each head row the eager step's logits (the same kernels; only the matmuls' row counts differ, which
+    cuBLAS may round differently) and the same greedy token; the graph ran, not the eager path."""
+    gpu = _gpu_runner(tmp_path_factory, int8_act)
+    assert gpu.mixed is not None and len(gpu.mixed.graphs) == 4 * 5, gpu.notes  # Pb 16..128 x Db 0,1,2,4,8
+    rng = random.Random(3)
+    # context first: three sequences' prompts, so the decodes and the cached-prefix chunk have KV to read
+    ctx = [[rng.randint(3, 500) for _ in range(n)] for n in (40, 23, 70)]
+    tables = [tuple(range(10 * i, 10 * i + 8)) for i in range(6)]
+    gpu.step([SeqWork(seq_id=f"c{i}", token_ids=tuple(p), start_pos=0, block_table=tables[i], sample=True, params=G)
+              for i, p in enumerate(ctx)])
+    seqs = [SeqWork(seq_id="c0", token_ids=(7,), start_pos=40, block_table=tables[0], sample=True, params=G),
+            SeqWork(seq_id="c2", token_ids=tuple(rng.randint(3, 500) for _ in range(19)), start_pos=70,
+                    block_table=tables[2], sample=True, params=G),  # a chunk after 70 cached positions
+            SeqWork(seq_id="n3", token_ids=tuple(rng.randint(3, 500) for _ in range(33)), start_pos=0,
+                    block_table=tables[3], sample=False, params=G),  # a middle chunk: no head row
+            SeqWork(seq_id="c1", token_ids=(9,), start_pos=23, block_table=tables[1], sample=True, params=G),
+            SeqWork(seq_id="n4", token_ids=tuple(rng.randint(3, 500) for _ in range(5)), start_pos=0,
+                    block_table=tables[4], sample=True, params=G)]
+    pair = gpu.mixed.fits(seqs)
+    assert pair == (64, 2)
+    with torch.inference_mode():
+        logits, head_at = gpu.mixed.replay(seqs, pair)
+        graph = {i: logits[r].clone() for i, r in head_at.items()}
+        rows, sample_at, _ = head_rows(seqs)
+        eager = gpu._eager_logits(seqs, rows, {}, None)
+    assert sorted(graph) == sorted(sample_at) == [0, 1, 3, 4]
+    for i, at in sample_at.items():
+        e, g = eager[at].float(), graph[i].float()
+        assert torch.allclose(g, e, rtol=1e-3, atol=1e-3 * float(e.abs().max())), (i, float((g - e).abs().max()))
+        assert int(g.argmax()) == int(e.argmax())
+    # and through launch/collect: the graph path answers the same tokens as with the graphs off
+    want = [t.token_id for t in gpu.step(seqs)]
+    saved, gpu.mixed = gpu.mixed, None
+    try:
+        assert [t.token_id for t in gpu.step(seqs)] == want
+    finally:
+        gpu.mixed = saved

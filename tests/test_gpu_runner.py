@@ -297,3 +297,40 @@ def test_fill_pending_kernel():
         got = tokens.cuda()
         fill_pending(got, rows.cuda(), src.cuda(), sampled.cuda(), k)
         assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_verify_shares_give_the_one_at_a_time_tokens(tmp_path_factory, graphs):
+    """Draft-free speculation on the GPU runner: a verify share (the last known token + a draft) keeps its
+    draft up to the first position that samples otherwise and samples there, as decoding one token at a
+    time does; beside a plain decode and a prompt chunk in the same step (decode graph, mixed graph or
+    eager), for greedy and seeded sampling."""
+    from imp.gpu.runner import GpuModelRunner
+
+    path = _model(tmp_path_factory, T.Q8_0)
+    gpu = GpuModelRunner.load(path, num_blocks=96, block_size=BS, dense=False, graphs=graphs, max_graph_batch=16,
+                              int8_act=False)  # every matmul the fp32 GEMV: a row's bits do not depend on its batch
+    assert gpu.verifies_drafts
+    p, table = PROMPTS[1], tuple(range(0, 8))
+    for params in (GREEDY, SamplingParams(max_tokens=64, temperature=0.9, top_p=0.9, seed=5)):
+        first = gpu.step([SeqWork(seq_id="a", token_ids=tuple(p), start_pos=0, block_table=table, sample=True,
+                                  params=params)])[0].token_id
+        toks = [first]
+        for g in range(1, 10):  # one at a time
+            toks.append(gpu.step([SeqWork(seq_id="a", token_ids=(toks[-1],), start_pos=len(p) + g - 1,
+                                          block_table=table, sample=True, params=params, gen_index=g)])[0].token_id)
+        other = SeqWork(seq_id="b", token_ids=(PROMPTS[0][-1],), start_pos=len(PROMPTS[0]) - 1,
+                        block_table=tuple(range(20, 24)), sample=True, params=params)
+        chunk = SeqWork(seq_id="c", token_ids=tuple(PROMPTS[3]), start_pos=0, block_table=tuple(range(30, 34)),
+                        sample=True, params=params)
+        gpu.step([SeqWork(seq_id="b", token_ids=tuple(PROMPTS[0][:-1]), start_pos=0, block_table=other.block_table,
+                          sample=False, params=params)])
+        for draft, keep in ((toks[1:6], 5), (toks[1:3] + [toks[3] ^ 1] + toks[4:5], 2), ([toks[1] ^ 1], 0)):
+            share = SeqWork(seq_id="a", token_ids=(toks[0], *draft), start_pos=len(p), block_table=table,
+                            sample=True, params=params, gen_index=1, draft=len(draft))
+            for beside in ([], [other], [other, chunk]):
+                out = {t.seq_id: t for t in gpu.step([share, *beside])}
+                a = out["a"]
+                assert [t.token_id for t in a.accepted] == toks[1:1 + keep], (draft, beside)
+                assert a.token_id == toks[1 + keep], (draft, beside)
+                assert set(out) == {"a", *(w.seq_id for w in beside)}

@@ -128,3 +128,48 @@ def test_by_kind_runs_each_row_range_on_its_kind_s_kernel(monkeypatch):
     out = lin.by_kind(3, torch.randn(5, 64))
     assert out[:3].eq(7).all() and out[3:].eq(-1).all() and got == [(2, 64)]  # decode rows alone quantized
     assert lin.by_kind(5, torch.randn(5, 64)).eq(7).all() and len(got) == 1  # no decode rows: no GEMV
+
+
+class NextTokenForward:
+    """A model whose greedy next token is the fed token + 1 (one-hot logits over 64 ids)."""
+
+    def __call__(self, m, lora=None):
+        rows = m.out_rows.long()
+        return torch.nn.functional.one_hot((m.tokens.long()[rows] + 1) % 64, 64).float()
+
+
+def test_verify_step_flattens_drafts_into_one_token_rows_and_keeps_the_agreeing_prefix(monkeypatch):
+    """The GPU runner's verify step (`_verify_step`), on the CPU with a next-token-is-token+1 model: each verify
+    share's drafted positions run as one-token rows in the step's order (a longer share's leading tokens as a
+    chunk that samples nothing), the plain rows are sampled as usual, and a draft is kept up to the first
+    position whose greedy token differs, in the order of the step's sampled shares."""
+    from imp.gpu.inputs import Landing
+
+    r = _runner(True)
+    r.fwd = NextTokenForward()
+    r.graphs = type("NoGraphs", (), {"fits": staticmethod(lambda seqs: False)})()
+    r.mixed, r.use_numba_sampling = None, False
+    r._landed = lambda ids, ring, tokens, event=None: Landing(ids, None, None, tokens)
+    seen = []
+
+    def sample_and_land(logits, seqs, constraints=None):
+        seen.append([s.seq_id for s in seqs])
+        ids = logits.argmax(-1).tolist()
+        from imp.messages import SampledToken
+        return Landing([s.seq_id for s in seqs], None, None, [SampledToken(s.seq_id, t) for s, t in zip(seqs, ids)])
+
+    monkeypatch.setattr(r, "_sample_and_land", sample_and_land)
+    g = SamplingParams(max_tokens=8)
+    seqs = [
+        SeqWork(seq_id="v0", token_ids=(10, 11, 12, 20), start_pos=30, block_table=(0, 1, 2), sample=True, params=g,
+                draft=3),  # keeps 11, 12; 20 is wrong: samples 13
+        SeqWork(seq_id="d", token_ids=(40,), start_pos=5, block_table=(3,), sample=True, params=g),
+        SeqWork(seq_id="p", token_ids=tuple(range(50, 58)), start_pos=0, block_table=(4,), sample=True, params=g),
+        SeqWork(seq_id="v1", token_ids=(1, 2, 3, 4, 5), start_pos=60, block_table=tuple(range(5, 10)), sample=True,
+                params=g, draft=2),  # 1, 2 written as a chunk; 3 known, draft 4, 5 all kept: samples 6
+    ]
+    out = r._verify_step(seqs, {}, None, None).tokens
+    assert [t.seq_id for t in out] == ["v0", "d", "p", "v1"]
+    assert [(t.token_id, [a.token_id for a in t.accepted]) for t in out] == [
+        (13, [11, 12]), (41, []), (58, []), (6, [4, 5])]
+    assert seen == [["d", "p"]]  # only the plain rows through the device sampler

@@ -17,7 +17,7 @@ ADMIT_FACTOR = 8
 
 
 def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprint: str, replicas: int = 1,
-                verifies_drafts: bool = False):
+                verifies_drafts: bool = False, draft_max: int | None = None):
     """admission, scheduler, kv (lists of `replicas` each when > 1, wrapped to talk to
     their own replica). Boot facts (pool size, context, fingerprint, whether the executor
     verifies drafts) go into each core's frozen config, and the configs into the event-log header."""
@@ -33,7 +33,8 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
         )
     )
     if replicas > 1:
-        pairs = [build_cores(cfg, num_blocks, max_context, fingerprint, verifies_drafts=verifies_drafts)[1:] for _ in range(replicas)]
+        pairs = [build_cores(cfg, num_blocks, max_context, fingerprint, verifies_drafts=verifies_drafts,
+                             draft_max=draft_max)[1:] for _ in range(replicas)]
         return adm, [Routed(s, i) for i, (s, _) in enumerate(pairs)], [Routed(k, i) for i, (_, k) in enumerate(pairs)]
     sch = SchedulerCore(
         SchedulerConfig(
@@ -47,7 +48,7 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
             max_context=max_context,
             pipeline_depth=pipeline_depth(cfg),
             itl_target_ns=int(cfg.itl_target_ms * 1e6),
-            spec_k_max=cfg.spec_draft_max if verifies_drafts else 0,
+            spec_k_max=(cfg.spec_draft_max if draft_max is None else draft_max) if verifies_drafts else 0,
         )
     )
     return adm, sch, kv

@@ -84,8 +84,10 @@ class LocalEngine:
         self.draining = False
         self.actors: list = []
         verifies = all(getattr(x, "verifies_drafts", False) for x in self.runners)
+        # the longest draft every executor verifies with a decode row's numerics (the GPU's int8 GEMV rows)
+        draft_max = min([cfg.spec_draft_max] + [getattr(x, "max_draft", cfg.spec_draft_max) for x in self.runners])
         self.adm, schs, kvs = build_cores(cfg, r.num_blocks, self.max_context, r.fingerprint,
-                                          replicas=len(self.runners), verifies_drafts=verifies)
+                                          replicas=len(self.runners), verifies_drafts=verifies, draft_max=draft_max)
         self.schs, self.kvs = (schs, kvs) if len(self.runners) > 1 else ([schs], [kvs])
         self.card = ModelCard(
             name=name, path=path, fingerprint=r.fingerprint, context_length=self.max_context,
@@ -94,8 +96,8 @@ class LocalEngine:
             max_batch_size=cfg.max_batch_size, max_queued_tokens=cfg.max_queued_tokens,
             retry_after_s=self.adm.config.retry_after_s,
             device="cuda" if cfg.device.startswith("cuda") else "cpu", created=int(self.started_at),
-            speculative=verifies and cfg.spec_draft_max > 0 and cfg.speculative == "on",
-            spec_draft_max=cfg.spec_draft_max if verifies else 0,
+            speculative=verifies and draft_max > 0 and cfg.speculative == "on",
+            spec_draft_max=draft_max if verifies else 0,
         )
 
     # ------------------------------------------------------------------ lifecycle

@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 
+import msgspec
 import numpy as np
 import torch
 
@@ -50,7 +51,7 @@ from imp.gpu.graphs import DecodeGraphs
 from imp.gpu.lora import DeviceLoras
 from imp.gpu.inputs import Landing, check, eager_meta
 from imp.gpu.mixed import MixedGraphs, prompt_buckets
-from imp.gpu.linear import FUSED_CREDIT_US
+from imp.gpu.linear import FUSED_CREDIT_US, GEMV_MAX_ROWS
 from imp.gpu.weights import GGUFSource, Weights, load_weights
 from imp.kernels.cuda import runtime as cuda_rt
 from imp.kernels.cuda import kv_write as k_kv
@@ -61,6 +62,7 @@ from imp.model.runner import DEFAULT_KV_TOKENS
 from imp.sampling import gpu as sampler
 from imp.sampling import pending
 from imp.sampling.counts import HistoryCounts
+from imp.sampling.verify import drafts
 
 log = logging.getLogger("imp.gpu")
 
@@ -272,6 +274,8 @@ class GpuModelRunner:
         if not seqs:
             return self._landed([], None, [])
         la = self._lora_arg(seqs, lora)
+        if any(s.draft for s in seqs):
+            return self._verify_step(seqs, src, constraints, la)
         if la is None and self.graphs.fits(seqs):
             return self._sample_and_land(self.graphs.replay(seqs, src), seqs, constraints)
         pair = self.mixed.fits(seqs) if la is None and self.mixed is not None else None
@@ -297,6 +301,86 @@ class GpuModelRunner:
             drawn = dict(zip(order, self.collect(self._sample_and_land(sel, [seqs[i] for i in order], constraints))))
         out = with_prompt_logprobs(seqs, drawn, plp_at, logits)
         return Landing([t.seq_id for t in out], None, None, out)
+
+    # a share may feed drafted tokens (SeqWork.draft): `_verify_step`; at most GEMV_MAX_ROWS - 1 of them, so
+    # that alone a verify share's rows take the int8 GEMV a one-token decode takes (the same bits: the same
+    # greedy tokens with speculation as without)
+    verifies_drafts = True
+    max_draft = GEMV_MAX_ROWS - 1
+
+    def _verify_step(self, seqs: list[SeqWork], src: dict[int, int], constraints, la) -> Landing:
+        """A step with verify shares. Each one's last draft + 1 positions run as one-token rows (its tokens
+        before them, if any, as a chunk that samples nothing), so the step takes the decode graph or a mixed
+        graph like any other and each drafted position gets a decode row's numerics and attention (its
+        own KV, written in the layer before attention reads it). The plain rows are sampled on the device
+        as usual; each verify share's rows are drawn position by position (`_verify`) and its draft kept up
+        to the first position that samples otherwise. Not pipelined: the step's tokens are known on return
+        (the scheduler plans nothing more for a verifying sequence until they land)."""
+        flat: list[SeqWork] = []
+        fsrc: dict[int, int] = {}
+        verifies: dict[int, tuple[SeqWork, int]] = {}  # flat index of a share's first drafted row -> (share, rows)
+        for i, s in enumerate(seqs):
+            if not s.draft:
+                if i in src:
+                    fsrc[len(flat)] = src[i]
+                flat.append(s)
+                continue
+            n, d = len(s.token_ids), s.draft
+            head = n - d - 1  # positions before the last known token: written, not sampled
+            if head:
+                flat.append(msgspec.structs.replace(s, token_ids=s.token_ids[:head], sample=False, draft=0,
+                                                    prompt_logprobs=-1))
+            verifies[len(flat)] = (s, d + 1)
+            flat.extend(msgspec.structs.replace(s, seq_id=f"{s.seq_id}\x1fdraft{j}", token_ids=(s.token_ids[head + j],),
+                                                start_pos=s.start_pos + head + j, sample=True, draft=0,
+                                                prompt_logprobs=-1, pending=0) for j in range(d + 1))
+        drafted = {k + j for k, (_, c) in verifies.items() for j in range(c)}
+        logits, row_of, plp_at = self._head_logits(flat, fsrc, la)
+        plain = [k for k in sorted(row_of) if k not in drafted]
+        drawn: dict[int, SampledToken] = {}
+        if plain:
+            sel = logits.index_select(0, cuda_rt.to_device([row_of[k] for k in plain], torch.int64, self.device))
+            drawn = dict(zip(plain, self.collect(self._sample_and_land(sel, [flat[k] for k in plain], constraints))))
+        else:
+            self._landed([], None, [])
+        for k, (s, c) in verifies.items():
+            idx = cuda_rt.to_device([row_of[k + j] for j in range(c)], torch.int64, self.device)
+            drawn[k] = self._verify(logits.index_select(0, idx), s, constraints)
+        out = with_prompt_logprobs(flat, drawn, plp_at, logits) if plp_at else [drawn[k] for k in sorted(drawn)]
+        return Landing([t.seq_id for t in out], None, None, out)
+
+    def _verify(self, rows: torch.Tensor, w: SeqWork, constraints) -> SampledToken:
+        """rows [draft+1, V] (a fresh tensor) of one verify share -> its last sampled token, the kept draft in
+        `accepted`. Position j is drawn by this runner's own sampler as a decode step there would draw it
+        (gen_index + j, the history with the draft's first j tokens, the grammar state after them), so a
+        seed gives the same tokens with drafts as without: the CPU verifier's inverse-CDF draw is not the
+        device's Gumbel-max one (imp.sampling.gpu)."""
+        d = drafts(w)
+        hist = tuple(w.history) if w.params.needs_history else ()
+        works = [w if j == 0 else msgspec.structs.replace(w, gen_index=w.gen_index + j, history=hist + d[:j]
+                                                          if w.params.needs_history else ())
+                 for j in range(len(d) + 1)]
+        if constraints is not None and w.params.constrained:
+            for j, wj in enumerate(works):  # one at a time: the book follows the sequence's matcher to each state
+                constraints.apply(rows[j:j + 1], [wj])
+        ids, tokens = sampler.draw_ids(rows, works, self.use_numba_sampling, None, None)
+        tokens = tokens or [SampledToken(seq_id=w.seq_id, token_id=t) for t in ids.tolist()]
+        j = 0
+        while j < len(d) and tokens[j].token_id == d[j]:
+            j += 1
+        return msgspec.structs.replace(tokens[j], accepted=tuple(tokens[:j]))
+
+    def _head_logits(self, seqs: list[SeqWork], src: dict[int, int], la):
+        """(logits, share index -> its sample row in logits, plp_at) by the decode graph, a mixed graph or
+        eagerly, as `_launch` picks."""
+        if la is None and self.graphs.fits(seqs):
+            return self.graphs.replay(seqs, src), {i: i for i in range(len(seqs))}, {}
+        pair = self.mixed.fits(seqs) if la is None and self.mixed is not None else None
+        if pair is not None:
+            logits, head_at = self.mixed.replay(seqs, pair, src)
+            return logits, head_at, {}
+        rows, sample_at, plp_at = head_rows(seqs)
+        return self._eager_logits(seqs, rows, src, la), sample_at, plp_at
 
     def _eager_logits(self, seqs: list[SeqWork], rows: list[int], src: dict[int, int], la) -> torch.Tensor:
         """The head's rows of an eager step. With int8 decode and prompts dense or on the int8 GEMM

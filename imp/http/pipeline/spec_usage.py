@@ -11,8 +11,8 @@ from __future__ import annotations
 
 DETAIL = {
     "no_mtp_head": "this model file has no MTP head; the n-gram matcher ran as the server runs it",
-    "executor_cannot_verify": "this engine does not verify drafts (the GPU executor does not yet, or the server "
-                              "runs with --spec-draft-max 0): the request decoded one token a step",
+    "executor_cannot_verify": "this engine does not verify drafts (the server runs with --spec-draft-max 0): "
+                              "the request decoded one token a step",
 }
 
 

@@ -27,4 +27,13 @@ engine)
     grep -v "^\s*$" $OUT/engine_$g.txt | tail -40
     for f in $TMPDIR/imp-engine-bench-*/server.log; do [ -f "$f" ] && tail -5 "$f"; done
   done ;;
+smol)  # the real SmolLM2, carried in two calls (.dev1/ then .dev2/: the 64 MiB carry limit)
+  [ -f /tmp/smolreal.gguf ] || { cat .dev1/smol.part1 .dev2/smol.part2 > /tmp/smolreal.gguf && sha256sum /tmp/smolreal.gguf; } ;;
+spec)
+  timeout ${SPEC_S:-200} python3 bench/spec.py --model /tmp/smolreal.gguf --server-args "--device cuda:0" \
+    --streams ${SPEC_STREAMS:-1,16} --prompts ${SPEC_PROMPTS:-8} --max-tokens 256 --workloads ${SPEC_WL:-code,prose} \
+    --json $OUT/spec.json > $OUT/spec.txt 2>&1; echo "spec rc $?"; grep -v "^\s*$" $OUT/spec.txt | tail -30 ;;
+server)
+  IMP_TEST_MODEL=/tmp/smolreal.gguf timeout ${SERVER_S:-200} python3 -m pytest -q -p no:cacheprovider -m gpu -x \
+    -o faulthandler_timeout=120 tests/test_gpu_server.py -k "${SERVER_K:-concurrent or replay or constrained}" 2>&1 | tail -8 ;;
 esac; done

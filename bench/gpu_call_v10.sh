@@ -27,8 +27,8 @@ engine)
     grep -v "^\s*$" $OUT/engine_$g.txt | tail -40
     for f in $TMPDIR/imp-engine-bench-*/server.log; do [ -f "$f" ] && tail -5 "$f"; done
   done ;;
-smol)  # the real SmolLM2, carried in two calls (.dev1/ then .dev2/: the 64 MiB carry limit)
-  [ -f /tmp/smolreal.gguf ] || { cat .dev1/smol.part1 .dev2/smol.part2 > /tmp/smolreal.gguf && sha256sum /tmp/smolreal.gguf; } ;;
+smol)  # the real SmolLM2, carried in two calls (.dev1/, .dev2/, .dev3/ in three calls: the 64 MiB carry limit)
+  [ -f /tmp/smolreal.gguf ] || { cat .dev1/smolpart.0 .dev2/smolpart.1 .dev3/smolpart.2 > /tmp/smolreal.gguf && sha256sum /tmp/smolreal.gguf; } ;;
 spec)
   timeout ${SPEC_S:-200} python3 bench/spec.py --model /tmp/smolreal.gguf --server-args "--device cuda:0" \
     --streams ${SPEC_STREAMS:-1,16} --prompts ${SPEC_PROMPTS:-8} --max-tokens 256 --workloads ${SPEC_WL:-code,prose} \

@@ -11,6 +11,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; python3 --versio
 export PYTHONPATH=/tmp/site
 [ -f /tmp/smol.gguf ] || python3 bench/write_synth.py 135m-q4_1 /tmp/smol.gguf 2>&1 | tail -1
 git log --oneline -1
+for d in .dev1 .dev2 .dev3; do [ -d $d ] && cp $d/* /tmp/ 2>/dev/null; done; ls /tmp/smolpart.* 2>/dev/null
 for w in $WHAT; do case $w in
 tests)
   timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider -m gpu -x -o faulthandler_timeout=120 \
@@ -28,7 +29,7 @@ engine)
     for f in $TMPDIR/imp-engine-bench-*/server.log; do [ -f "$f" ] && tail -5 "$f"; done
   done ;;
 smol)  # the real SmolLM2, carried in two calls (.dev1/, .dev2/, .dev3/ in three calls: the 64 MiB carry limit)
-  [ -f /tmp/smolreal.gguf ] || { cat .dev1/smolpart.0 .dev2/smolpart.1 .dev3/smolpart.2 > /tmp/smolreal.gguf && sha256sum /tmp/smolreal.gguf; } ;;
+  [ -f /tmp/smolreal.gguf ] || { cat /tmp/smolpart.0 /tmp/smolpart.1 /tmp/smolpart.2 > /tmp/smolreal.gguf && sha256sum /tmp/smolreal.gguf; } ;;
 spec)
   timeout ${SPEC_S:-200} python3 bench/spec.py --model /tmp/smolreal.gguf --server-args "--device cuda:0" \
     --streams ${SPEC_STREAMS:-1,16} --prompts ${SPEC_PROMPTS:-8} --max-tokens 256 --workloads ${SPEC_WL:-code,prose} \

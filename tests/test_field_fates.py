@@ -91,17 +91,24 @@ async def test_strict_fields_refuses_an_unknown_field_in_the_dialects_words(make
     assert r.status == 200
 
 
+HONOURED = {"dry_multiplier": ("/v1/chat/completions", "/v1/completions")}  # routes that implement it
+
+
 @pytest.mark.parametrize("path", list(BODIES))
 @pytest.mark.parametrize("name", sorted(NOT_YET))
 async def test_a_reference_field_not_implemented_yet_is_a_400_naming_it(make, path, name):
     c = await make()
     r = await c.post(path, json=dict(BODIES[path], **{name: ON[name]}))
     body = await r.json()
+    if path in HONOURED.get(name, ()):
+        assert r.status == 200, body
+        return
     assert r.status == 400, body
     err = body["error"]
-    assert name in err["message"] and "not implemented" in err["message"]
+    code = "unsupported_parameter" if name in HONOURED else "not_implemented"
+    assert name in err["message"] and ("not implemented" in err["message"] or code != "not_implemented")
     if path != "/v1/messages":
-        assert err["param"] == name and err["code"] == "not_implemented"
+        assert err["param"] == name and err["code"] == code
     # the value that turns it off is what this server does: honoured, not reported
     r = await c.post(path, json=dict(BODIES[path], **{name: OFF[name]}, dry_base=1.75, mirostat_tau=5.0))
     assert r.status == 200, await r.text()

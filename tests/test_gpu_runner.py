@@ -334,3 +334,23 @@ def test_verify_shares_give_the_one_at_a_time_tokens(tmp_path_factory, graphs):
                 assert [t.token_id for t in a.accepted] == toks[1:1 + keep], (draft, beside)
                 assert a.token_id == toks[1 + keep], (draft, beside)
                 assert set(out) == {"a", *(w.seq_id for w in beside)}
+
+
+def test_dry_rows_take_the_host_sampler_beside_device_rows(tmp_path_factory):
+    """A DRY row in a GPU step is sampled on the host with its context (prompt tail + history): the token that
+    would extend the repeat, made the argmax by a logit bias, is not drawn with DRY and is without it."""
+    from imp.gpu.runner import GpuModelRunner
+    from imp.messages import Dry
+
+    path = _model(tmp_path_factory, T.Q8_0)
+    gpu = GpuModelRunner.load(path, num_blocks=64, block_size=BS, max_graph_batch=4)
+    rep = (5, 6, 7, 8) * 3 + (5, 6, 7)  # the repeat goes on with 8
+    bias = ((8, 60.0),)
+    plain = SamplingParams(max_tokens=4, logit_bias=bias)
+    dry = SamplingParams(max_tokens=4, logit_bias=bias, dry=Dry(multiplier=1e4, allowed_length=1, last_n=-1, prefix=rep))
+    for params, want_eight in ((plain, True), (dry, False)):
+        out = gpu.step([SeqWork(seq_id="a", token_ids=rep, start_pos=0, block_table=[0], sample=True, params=params),
+                        SeqWork(seq_id="b", token_ids=[1, 2, 3], start_pos=0, block_table=[1], sample=True,
+                                params=GREEDY)])
+        assert [t.seq_id for t in out] == ["a", "b"]
+        assert (out[0].token_id == 8) == want_eight, params

@@ -331,3 +331,36 @@ def test_a_stop_string_keeps_the_usage_in_every_dialect(cl, imp_server):
                                                                "prompt": "1, 2, 3, 4, 5,", "stop": [" 9"]})
     c = json.loads(body)
     assert st == 200 and c["choices"][0]["finish_reason"] == "stop" and c["usage"]["completion_tokens"] > 0, c
+
+
+# --------------------------------------------------------------------------- DRY
+
+def test_dry_breaks_a_loop_deterministically_and_bad_values_are_400s(imp_server):
+    """llama.cpp's DRY fields on the OpenAI routes: a prompt in a loop continues the loop without DRY and
+    leaves it with DRY (the same text every time, with speculation or without); out-of-range values are
+    400s naming the field; a route that does not take DRY says so."""
+    loop = {"model": "m", "prompt": "one two three four one two three four one two three", "max_tokens": 12,
+            "temperature": 0}
+
+    def text(**kw):
+        st, _, body = raw(imp_server, "POST", "/v1/completions", {**loop, **kw})
+        assert st == 200, body
+        return json.loads(body)["choices"][0]["text"]
+
+    plain = text()
+    assert "four one two three" in plain
+    on = dict(dry_multiplier=2.0, dry_allowed_length=1)
+    dry = text(**on)
+    assert dry != plain and "four one two three" not in dry
+    assert text(**on, speculative=True) == text(**on, speculative=False) == dry
+    assert text(dry_multiplier=2.0, dry_allowed_length=1, dry_penalty_last_n=0) == plain  # last_n 0: off
+    st, _, body = raw(imp_server, "POST", "/v1/chat/completions", {
+        "model": "m", "max_tokens": 8, "messages": MSGS, "dry_multiplier": 0.8, "dry_sequence_breakers": ["\n", "###"]})
+    assert st == 200, body
+    for bad in ({"dry_base": 0.5}, {"dry_multiplier": -1}, {"dry_allowed_length": 1.5}, {"dry_penalty_last_n": -2},
+                {"dry_sequence_breakers": []}, {"dry_sequence_breakers": ["a", 3]}):
+        st, _, body = raw(imp_server, "POST", "/v1/completions", {**loop, "dry_multiplier": 1.0, **bad})
+        assert st == 400 and json.loads(body)["error"]["param"] == next(iter(bad)), (bad, body)
+    st, _, body = raw(imp_server, "POST", "/v1/messages", {"model": "m", "max_tokens": 8, "messages": MSGS,
+                                                            "dry_multiplier": 0.8})
+    assert st == 400 and "chat/completions" in json.loads(body)["error"]["message"]

@@ -52,7 +52,7 @@ from typing import Union
 from imp.messages.base import FinishReason, Msg, Struct
 from imp.messages.ops import KvForget, LoraLoad, LoraState, LoraUnload, MemoryState, Reload, Unload
 from imp.messages.output import Delta, DeltaBatch, DetokClose, DetokOpen
-from imp.messages.params import Constraint, SamplingParams
+from imp.messages.params import Constraint, Dry, SamplingParams
 from imp.messages.reports import Fault, Figures, QueueFigures, RequestStats, StepStats
 from imp.messages.request import (Cancel, EndThinking, Enqueue, Finished, Reject, Resume, SessionClose, Submit,
                                   Suspend, Tick)
@@ -110,7 +110,7 @@ Message = Union[
 
 __all__ = [
     "SCHEMA_VERSION", "Message", "Msg", "Struct", "FinishReason", "PENDING_TOKEN",
-    "Constraint", "SamplingParams",
+    "Constraint", "Dry", "SamplingParams",
     "Submit", "Reject", "Enqueue", "Cancel", "EndThinking", "SessionClose", "Suspend", "Resume", "Finished", "Tick",
     "KvOp", "KvResult", "KvFigures", "KvRequest", "KvReply", "SeqWork", "SampledToken", "PromptLogprob",
     "StepPlan", "StepResult", "StepFailed", "TokenOut", "TokenBatch",

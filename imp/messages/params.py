@@ -18,6 +18,20 @@ class Constraint(Struct):
     strict: bool = False
 
 
+class Dry(Struct):
+    """DRY (imp.sampling.dry, llama.cpp's fields): a token extending a repeat of length L >= allowed_length in
+    the last `last_n` tokens of prompt + output (-1: all) loses multiplier * base ^ (L - allowed_length);
+    breakers: (head token, tail tokens) pairs of the sequence breakers (imp.sampling.dry.breaker_table);
+    prefix: the prompt's last tokens inside the window."""
+
+    multiplier: float
+    base: float = 1.75
+    allowed_length: int = 2
+    last_n: int = 64
+    breakers: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    prefix: tuple[int, ...] = ()
+
+
 class SamplingParams(Struct):
     """Resolved sampling settings (defaults already applied by ingress)."""
 
@@ -53,6 +67,7 @@ class SamplingParams(Struct):
     # {"speculative": {"mtp_k": N}}: the MTP head's chain depth asked for (-1 = not asked); no file
     # this server loads has a head, so N > 0 is declined (usage says so) and the matcher runs
     mtp_k: int = -1
+    dry: Dry | None = None  # DRY sampling (None: off)
 
     # The sampling policy, decided here once: every runner, sampler and the
     # scheduler ask these instead of re-testing the fields.
@@ -77,15 +92,16 @@ class SamplingParams(Struct):
         is a function of them): the scheduler sends them with a sequence's first share after
         each admission, and the executor keeps them (SchedulerConfig.history_once; before it,
         with every share that samples)."""
-        return self.penalized or self.constraint is not None
+        return self.penalized or self.constraint is not None or self.dry is not None
 
     @property
     def plain_greedy(self) -> bool:
         """Argmax of the raw logits, nothing else asked: a batch of these is one argmax."""
         return (self.greedy and self.logprobs < 0 and not self.logit_bias and not self.penalized
-                and self.constraint is None)
+                and self.constraint is None and self.dry is None)
 
     @property
     def host_sampled(self) -> bool:
-        """Needs the CPU sampler even on a GPU (logprobs, typical_p, score_ids)."""
-        return self.logprobs >= 0 or (self.typical_p < 1.0 and not self.greedy) or bool(self.score_ids)
+        """Needs the CPU sampler even on a GPU (logprobs, typical_p, score_ids, DRY)."""
+        return (self.logprobs >= 0 or (self.typical_p < 1.0 and not self.greedy) or bool(self.score_ids)
+                or self.dry is not None)

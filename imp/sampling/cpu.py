@@ -1,7 +1,7 @@
 """Sampling as plain functions over one sequence's logits row [vocab], in numpy.
 
-Order of processing (as in HF / vLLM):
-    logit_bias -> penalties (over SeqWork.history) -> temperature ->
+Order of processing (as in HF / vLLM; DRY where llama.cpp's chain has it):
+    logit_bias -> penalties (over SeqWork.history) -> DRY -> temperature ->
     top_k -> top_p -> min_p -> typical_p -> draw
 Greedy (temperature 0) takes the argmax of the biased, penalized logits.
 
@@ -21,7 +21,9 @@ it in place.
 from __future__ import annotations
 
 import hashlib
+
 from imp.messages import SampledToken, SamplingParams, SeqWork
+from imp.sampling import dry
 
 import numpy as np
 
@@ -153,6 +155,8 @@ def process(logits, work: SeqWork, own: bool = False) -> np.ndarray:
     x = row.astype(_F, copy=False)
     x = apply_logit_bias(x, p.logit_bias)
     x = apply_penalties(x, work.history, p, own=own or x is not row)  # a fresh x is ours anyway
+    if p.dry is not None:  # after the penalties, before temperature: llama.cpp's chain order
+        x = dry.apply(x, p.dry, work.history, own=own or x is not row)
     if p.greedy:
         return x
     x = x / _F(p.temperature)

@@ -29,7 +29,7 @@ log = logging.getLogger("imp.http")
 # name -> is this value the feature switched off (what this server does anyway)?
 _OFF_ZERO = (lambda v: v is None or v is False or (isinstance(v, (int, float)) and v == 0))
 NOT_YET: dict[str, object] = {
-    "dry_multiplier": _OFF_ZERO,
+    "dry_multiplier": _OFF_ZERO,  # honoured by the OpenAI-family routes (chat, completions): listed there
     "mirostat": _OFF_ZERO,
     "banned_strings": (lambda v: v is None or v == []),
     "banned_regex": (lambda v: v is None or v == []),
@@ -41,6 +41,9 @@ TUNING = frozenset({"dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry
                     "mirostat_tau", "mirostat_eta", "cfg_negative_prompt"})
 _WHAT = {"dry_multiplier": "DRY sampling", "mirostat": "mirostat sampling", "banned_strings": "banned strings",
          "banned_regex": "banned regexes", "cfg_scale": "classifier-free guidance", "logit_lens": "the logit lens"}
+
+# implemented on some routes (they list the field and honour it): where, for the others' 400
+ELSEWHERE = {"dry_multiplier": "the OpenAI-family routes (/v1/chat/completions, /v1/completions)"}
 
 _SAFE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _said: set[tuple[str, str]] = set()  # (field, client) pairs logged already
@@ -62,6 +65,10 @@ def sort(body: dict, known: frozenset[str], *, strict: bool, unknown_message) ->
         off = NOT_YET.get(name)
         if off is not None:
             if not off(value):
+                if name in ELSEWHERE:
+                    raise ApiError(400, f"'{name}': {_WHAT[name]} is taken by {ELSEWHERE[name]}, not by this "
+                                        f"route; leave it out (or send the value that turns it off)",
+                                   param=name, code="unsupported_parameter")
                 raise ApiError(400, f"'{name}': {_WHAT[name]} is in imp's API reference but not implemented "
                                     f"yet; leave it out (or send the value that turns it off)",
                                param=name, code="not_implemented")

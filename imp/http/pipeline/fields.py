@@ -145,6 +145,19 @@ def stop_list(body: dict, name: str = "stop") -> tuple[str, ...]:
     return tuple(s for s in v if s)
 
 
+def dry_breakers(body: dict, name: str = "dry_sequence_breakers") -> tuple[str, ...] | None:
+    """llama.cpp's DRY sequence breakers: a non-empty list of non-empty strings (None: the default set).
+    A breaker past 40 bytes is cut there, as llama.cpp cuts it (imp.sampling.dry.MAX_CHAR_LEN)."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v):
+        raise bad(f"'{name}' must be a non-empty list of non-empty strings", name)
+    if len(v) > 64 or any(len(x) > 256 for x in v):
+        raise bad(f"'{name}' takes at most 64 strings of at most 256 characters", name)
+    return tuple(v)
+
+
 def session_id(body: dict) -> str:
     sid = string(body, "session_id", "")
     if len(sid) > 256 or any(not c.isprintable() for c in sid):

@@ -69,6 +69,12 @@ class Sampling(_Value):
     ignore_eos: bool = False
     speculative: bool | None = None  # None: the server's --speculative
     mtp_k: int = -1  # {"speculative": {"mtp_k": N}}; -1 = not asked
+    # DRY (llama.cpp's fields): multiplier 0 = off; None = llama.cpp's default
+    dry_multiplier: float = 0.0
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: tuple[str, ...] | None = None
 
 
 class GenerateRequest(_Value):

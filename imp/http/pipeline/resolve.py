@@ -18,7 +18,8 @@ from imp.http.pipeline.reasoning import prompt_opens_think
 from imp.http.pipeline.request import GenerateRequest
 from imp.constrain.errors import ConstraintError
 from imp.http.pipeline.structured import COMPILE_TIMEOUT_S, compile_checked
-from imp.messages import Constraint, SamplingParams
+from imp.messages import Constraint, Dry, SamplingParams
+from imp.text import dry_breakers
 from imp.text.chat_template import TemplateError
 from imp.text.fim import build_infill
 from imp.text.model import TextModel
@@ -149,8 +150,37 @@ def max_tokens(req: GenerateRequest, prompt_len: int, card: ModelCard, fixed_def
     return min(mt, cap) if cap else mt
 
 
+_BREAKERS: dict[tuple[int, tuple[str, ...]], tuple] = {}  # (tokenizer id, breakers) -> imp.sampling.dry table
+_BREAKERS_MAX = 32
+
+
+async def dry_params(req: GenerateRequest, prompt_ids, tm: TextModel) -> Dry | None:
+    """The request's DRY settings (llama.cpp's defaults where it gave none), None when off. The breakers'
+    table (a walk of the vocabulary) is kept per breaker set and made off the loop the first time."""
+    s = req.sampling
+    last_n = 64 if s.dry_penalty_last_n is None else s.dry_penalty_last_n
+    if s.dry_multiplier == 0.0 or last_n == 0:
+        return None
+    strings = dry_breakers.DEFAULT_BREAKERS if s.dry_sequence_breakers is None else s.dry_sequence_breakers
+    key = (id(tm.tokenizer), tuple(strings))
+    table = _BREAKERS.get(key)
+    if table is None:
+        tok = tm.tokenizer
+        pieces = getattr(tok, "_piece_bytes", None) or [tok.piece_bytes(i) for i in range(tok.vocab_size)]
+        table = await asyncio.to_thread(dry_breakers.breaker_table, pieces, strings,
+                                        lambda b: tok.encode(b.decode("utf-8", "replace")))
+        if len(_BREAKERS) >= _BREAKERS_MAX:
+            _BREAKERS.pop(next(iter(_BREAKERS)))
+        _BREAKERS[key] = table
+    prefix = tuple(prompt_ids) if last_n < 0 else tuple(prompt_ids[max(0, len(prompt_ids) - last_n):])
+    return Dry(multiplier=float(s.dry_multiplier), base=float(1.75 if s.dry_base is None else s.dry_base),
+               allowed_length=2 if s.dry_allowed_length is None else int(s.dry_allowed_length), last_n=int(last_n),
+               breakers=table, prefix=prefix)
+
+
 def sampling_params(req: GenerateRequest, prompt_len: int, card: ModelCard, tm: TextModel,
-                    fixed_max_tokens: int | None = None, cap: int | None = None) -> SamplingParams:
+                    fixed_max_tokens: int | None = None, cap: int | None = None, dry: Dry | None = None
+                    ) -> SamplingParams:
     s, d = req.sampling, tm.defaults
     top_k = d.top_k if s.top_k is None else s.top_k
     # top_k: 0 (or unset) is 50, as the reference says; negative or >= vocabulary is off
@@ -179,6 +209,7 @@ def sampling_params(req: GenerateRequest, prompt_len: int, card: ModelCard, tm: 
         # the request's word, else the server's (on only where the executor verifies drafts)
         speculative=card.speculative if s.speculative is None else s.speculative,
         mtp_k=s.mtp_k,
+        dry=dry,
     )
 
 

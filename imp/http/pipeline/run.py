@@ -75,7 +75,8 @@ async def run(request: web.Request, dialect: Dialect, headers: dict[str, str]) -
     resolve.check_size(req, tm, port.card)
     # on a worker thread: templating and tokenizing a large prompt never stall other streams
     prompt = await asyncio.to_thread(dialect.render_prompt, req, tm)
-    params = resolve.sampling_params(req, len(prompt.ids), port.card, tm, cfg.max_tokens, cfg.max_output_tokens)
+    params = resolve.sampling_params(req, len(prompt.ids), port.card, tm, cfg.max_tokens, cfg.max_output_tokens,
+                                     await resolve.dry_params(req, prompt.ids, tm))
     rid = f"{dialect.id_prefix}{uuid.uuid4().hex[:24]}"
     client_id = request.get("client_request_id")
     request["response_id"] = client_id or rid

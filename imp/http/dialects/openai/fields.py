@@ -26,6 +26,12 @@ SAMPLING = {
     "seed": B.Num(integer=True),
     "ignore_eos": B.Bool(),
     "speculative": B.Read(B.speculative),
+    # DRY, llama.cpp's names and meanings (imp.sampling.dry); base below 1 would make it reward repeats
+    "dry_multiplier": B.Num(0, default=0.0),
+    "dry_base": B.Num(1),
+    "dry_allowed_length": B.Num(0, integer=True),
+    "dry_penalty_last_n": B.Num(-1, integer=True),
+    "dry_sequence_breakers": B.Read(B.dry_breakers),
 }
 # what every OpenAI-family generation route takes besides its prompt and sampling
 COMMON = {
@@ -46,7 +52,9 @@ def sampling_of(f: dict, logit_bias: tuple) -> Sampling:
         temperature=f["temperature"], top_p=f["top_p"], top_k=f["top_k"], min_p=f["min_p"], typical_p=f["typical_p"],
         repetition_penalty=f["repetition_penalty"], presence_penalty=float(f["presence_penalty"]),
         frequency_penalty=float(f["frequency_penalty"]), seed=f["seed"], logit_bias=logit_bias,
-        ignore_eos=f["ignore_eos"], speculative=f["speculative"][0], mtp_k=f["speculative"][1])
+        ignore_eos=f["ignore_eos"], speculative=f["speculative"][0], mtp_k=f["speculative"][1],
+        dry_multiplier=float(f["dry_multiplier"]), dry_base=f["dry_base"], dry_allowed_length=f["dry_allowed_length"],
+        dry_penalty_last_n=f["dry_penalty_last_n"], dry_sequence_breakers=f["dry_sequence_breakers"])
 
 
 def sampling(body: dict, vocab_size: int) -> Sampling:

@@ -84,6 +84,8 @@ class Harness:
         while self.inflight:
             plan = self.inflight.popleft()
             self.pending_fed += sum(w.pending for w in plan.seqs)
+            if plan.freed:  # as the executor actor does: the runner forgets freed sequences' state
+                self.runner.forget(plan.freed)
             seqs = resolve_pending(attach_state(plan, self.kept, self.hists), self.last)  # as the executor actor does
             toks = self.runner.step(seqs) if seqs else []
             record_samples(toks, self.hists)
@@ -182,3 +184,31 @@ def test_penalized_requests_alone_batched_preempted_and_pipelined_are_identical(
         assert small.tokens == alone
     piped = run(400, depth=2)
     assert piped.pending_fed > 0 and piped.tokens == alone
+
+
+def test_mirostat_alone_batched_preempted_and_pipelined_are_identical(runner, prompts):
+    """Mirostat's state (mu) lives with the runner from step to step and with the scheduler through each
+    SampledToken, so a seeded mirostat request draws the same tokens alone, batched, after a preemption (the
+    re-admission brings the mu of its last kept token) and pipelined."""
+    ps = prompts[:5]
+
+    def run(num_blocks, version, depth=1, reserve=None, only=None):
+        h = Harness(runner, num_blocks=num_blocks, depth=depth, reserve_decode=reserve)
+        for i, p in enumerate(ps):
+            if only is None or i == only:
+                sp = SamplingParams(max_tokens=GEN, temperature=1.0, stop_token_ids=(), seed=7 + i,
+                                    mirostat=version, mirostat_tau=3.0, mirostat_eta=0.2)
+                h.now += 1
+                h._drain(h.router.send([("ingress", "admission", Submit(f"r{i}", tuple(p), sp, h.now))]))
+        h.run()
+        return h
+
+    need = max(len(p) for p in ps) + GEN
+    for version in (1, 2):
+        alone = {f"r{i}": run(400, version, only=i).tokens[f"r{i}"] for i in range(len(ps))}
+        assert run(400, version).tokens == alone
+        for depth in (1, 2):
+            small = run(need // 16 + 3, version, depth=depth, reserve=1)
+            assert small.scheduler.preemptions > 0
+            assert small.tokens == alone, (version, depth)
+        assert run(400, version, depth=2).tokens == alone

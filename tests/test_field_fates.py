@@ -91,7 +91,8 @@ async def test_strict_fields_refuses_an_unknown_field_in_the_dialects_words(make
     assert r.status == 200
 
 
-HONOURED = {"dry_multiplier": ("/v1/chat/completions", "/v1/completions")}  # routes that implement it
+HONOURED = {"dry_multiplier": ("/v1/chat/completions", "/v1/completions"),  # routes that implement it
+            "mirostat": ("/v1/chat/completions", "/v1/completions")}
 
 
 @pytest.mark.parametrize("path", list(BODIES))

@@ -354,3 +354,21 @@ def test_dry_rows_take_the_host_sampler_beside_device_rows(tmp_path_factory):
                                 params=GREEDY)])
         assert [t.seq_id for t in out] == ["a", "b"]
         assert (out[0].token_id == 8) == want_eight, params
+
+
+def test_mirostat_rows_take_the_host_sampler_and_keep_mu(tmp_path_factory):
+    """A mirostat row in a GPU step is drawn on the host (imp.sampling.mirostat) and its mu kept by the runner
+    from step to step: the same tokens as the CPU sampler chained by hand on the same logits."""
+    from imp.gpu.runner import GpuModelRunner
+
+    path = _model(tmp_path_factory, T.Q8_0)
+    gpu = GpuModelRunner.load(path, num_blocks=64, block_size=BS, max_graph_batch=4)
+    p = SamplingParams(max_tokens=8, temperature=1.0, seed=3, mirostat=2, mirostat_tau=2.0, mirostat_eta=0.5)
+    out = gpu.step([SeqWork(seq_id="m", token_ids=[1, 2, 3], start_pos=0, block_table=[0], sample=True, params=p,
+                            mu=4.0)])
+    assert out[0].mu is not None and out[0].mu != 4.0
+    t2 = gpu.step([SeqWork(seq_id="m", token_ids=[out[0].token_id], start_pos=3, block_table=[0], sample=True,
+                           params=p, gen_index=1)])[0]
+    assert t2.mu is not None and len(gpu._mirostat) == 1
+    gpu.forget(["m"])
+    assert len(gpu._mirostat) == 0

@@ -364,3 +364,25 @@ def test_dry_breaks_a_loop_deterministically_and_bad_values_are_400s(imp_server)
     st, _, body = raw(imp_server, "POST", "/v1/messages", {"model": "m", "max_tokens": 8, "messages": MSGS,
                                                             "dry_multiplier": 0.8})
     assert st == 400 and "chat/completions" in json.loads(body)["error"]["message"]
+
+
+def test_mirostat_is_seeded_and_its_bad_values_are_400s(imp_server):
+    """llama.cpp's mirostat fields on the OpenAI routes: a seed gives the same text (with speculation or without),
+    another tau another text; out-of-range values are 400s naming the field."""
+    body = {"model": "m", "prompt": "Once upon a time, in a small village by the sea,", "max_tokens": 24,
+            "temperature": 1.0, "seed": 5, "mirostat": 2, "mirostat_tau": 3.0, "mirostat_eta": 0.2}
+
+    def text(**kw):
+        st, _, out = raw(imp_server, "POST", "/v1/completions", {**body, **kw})
+        assert st == 200, out
+        return json.loads(out)["choices"][0]["text"]
+
+    a = text()
+    assert a == text() == text(speculative=True) == text(speculative=False)
+    assert text(mirostat_tau=9.0) != a or text(mirostat=1) != a
+    st, _, out = raw(imp_server, "POST", "/v1/chat/completions", {
+        "model": "m", "max_tokens": 8, "messages": MSGS, "mirostat": 1, "temperature": 0.7})
+    assert st == 200, out
+    for bad in ({"mirostat": 3}, {"mirostat": 1.5}, {"mirostat_tau": -1}, {"mirostat_eta": "x"}):
+        st, _, out = raw(imp_server, "POST", "/v1/completions", {**body, **bad})
+        assert st == 400 and json.loads(out)["error"]["param"] == next(iter(bad)), (bad, out)

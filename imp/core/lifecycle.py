@@ -67,6 +67,8 @@ class RequestBook:
                 ts = ts[:i + 1]
                 s.num_computed = min(s.num_computed, len(s.tokens))  # past a dropped draft token: not its KV
                 break
+        if ts[-1].mu is not None:  # mirostat's state after the last token kept (a re-admission resumes it)
+            s.mu = ts[-1].mu
         ids = [x.token_id for x in ts] if len(ts) > 1 else [t.token_id]
         tout = self._token_out(s, ids, reason, ts if p.logprobs >= 0 else [])
         if p.prompt_logprobs >= 0 and s.index == 0 and not s.plp_sent:

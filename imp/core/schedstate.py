@@ -81,7 +81,7 @@ class Req:
 class Seq:
     __slots__ = ("id", "req", "index", "params", "tokens", "status", "num_computed", "num_reported", "table", "in_kv",
                  "admit_no", "plp", "plp_sent", "epoch", "ahead", "pending", "send_params", "drafter", "spec_inflight",
-                 "spec_drafted", "spec_accepted", "spec_verifies", "opened")
+                 "spec_drafted", "spec_accepted", "spec_verifies", "opened", "mu")
 
     def __init__(self, req: Req, index: int, params):
         self.id, self.req, self.index, self.params = f"{req.id}#{index}", req, index, params
@@ -102,6 +102,7 @@ class Seq:
         self.spec_inflight = False  # a verify share of it is in flight: nothing more is planned until it lands
         self.spec_drafted = self.spec_accepted = self.spec_verifies = 0  # since its last TokenOut
         self.opened = False  # its first TokenOut has gone (that one carries the prompt's counts)
+        self.mu: float | None = None  # mirostat's state after its last kept token (SampledToken.mu)
 
 
 class Work:

@@ -293,15 +293,17 @@ class SchedulerCore(RequestBook):
         n_gen = max(known, end) - n_prompt
         sent = p if s.send_params else None  # the executor keeps them from the first share of an admission
         s.send_params = False
+        # mirostat: its state with the first share of an admission (2 tau before any draw); the runner keeps it
+        mu = (2.0 * p.mirostat_tau if s.mu is None else s.mu) if sent is not None and p.mirostat else None
         if w.draft:  # a verify: the last known token and the draft; it samples generated token known - n_prompt
             hist = tuple(s.tokens[n_prompt:known]) if p.needs_history and (sent is not None or
                                                                           not self.config.history_once) else ()
             return SeqWork(s.id, (s.tokens[start], *w.draft), start, s.table, True, sent, gen_index=known - n_prompt,
-                           history=hist, draft=len(w.draft))
+                           history=hist, draft=len(w.draft), mu=mu)
         if p.prompt_logprobs >= 0 and s.index == 0 and not s.plp_sent and end <= n_prompt:
             nxt = s.tokens[end] if end < n_prompt else -1
             return SeqWork(s.id, tuple(s.tokens[start:end]), start, s.table, sample, sent, gen_index=n_gen,
-                           prompt_logprobs=p.prompt_logprobs, prompt_next=nxt)
+                           prompt_logprobs=p.prompt_logprobs, prompt_next=nxt, mu=mu)
         toks, pending = tuple(s.tokens[start:end]), max(0, end - known)  # a result may have landed since planning
         if pending:  # depth 2: only the token the step in flight samples is unknown
             if pending > 1 or w.n != 1:
@@ -314,7 +316,7 @@ class SchedulerCore(RequestBook):
             hist = tuple(s.tokens[n_prompt:known]) if sent is not None else ()  # keeps it, appends its samples)
         else:
             hist = tuple(s.tokens[n_prompt:end]) if sample else ()
-        return SeqWork(s.id, toks, start, s.table, sample, sent, gen_index=n_gen, history=hist, pending=pending)
+        return SeqWork(s.id, toks, start, s.table, sample, sent, gen_index=n_gen, history=hist, pending=pending, mu=mu)
 
     # ------------------------------------------------------------------ helpers
 

@@ -62,7 +62,8 @@ from imp.model.runner import DEFAULT_KV_TOKENS
 from imp.sampling import gpu as sampler
 from imp.sampling import pending
 from imp.sampling.counts import HistoryCounts
-from imp.sampling.verify import drafts
+from imp.sampling.mirostat import MirostatState
+from imp.sampling.verify import drafts, verify
 
 log = logging.getLogger("imp.gpu")
 
@@ -95,6 +96,7 @@ class GpuModelRunner:
         self._sampled = torch.zeros(MAX_SAMPLED, dtype=torch.int32, device=self.device)  # last step's ids
         self._prev_rows: dict[str, int] = {}  # seq id -> index in _sampled, for the next step's PENDING_TOKEN
         self._counts = HistoryCounts()  # penalty counts kept across steps (imp.sampling.counts)
+        self._mirostat = MirostatState()  # mirostat's mu by sequence (its rows are sampled on the host)
         self._prev: Landing | None = None
         self._dev_loras = None  # imp.gpu.lora.DeviceLoras, made at the first adapter step
         self._ring = [torch.zeros(MAX_SAMPLED, dtype=torch.int32).pin_memory() for _ in range(RING)]
@@ -204,8 +206,9 @@ class GpuModelRunner:
     supports_lora = True  # adapter rows run eagerly and unfused (imp.gpu.lora)
 
     def forget(self, seq_ids) -> None:
-        """Freed sequences (the executor passes each plan's `freed`): their penalty counts go."""
+        """Freed sequences (the executor passes each plan's `freed`): their penalty counts and mirostat state go."""
         self._counts.forget(seq_ids)
+        self._mirostat.forget(seq_ids)
 
     def step(self, seqs: list[SeqWork], constraints=None, lora=None) -> list[SampledToken]:
         return self.collect(self.launch(seqs, constraints, lora))
@@ -269,7 +272,7 @@ class GpuModelRunner:
         return self._dev_loras, self._dev_loras.rows(seqs, sum(len(w.token_ids) for w in seqs))
 
     def _launch(self, seqs: list[SeqWork], constraints=None, lora=None) -> Landing:
-        seqs = pending.known(seqs, self._prev_rows)
+        seqs = self._mirostat.fill(pending.known(seqs, self._prev_rows))
         src = pending.pending_rows(seqs, self._prev_rows)
         if not seqs:
             return self._landed([], None, [])
@@ -355,6 +358,10 @@ class GpuModelRunner:
         (gen_index + j, the history with the draft's first j tokens, the grammar state after them), so a
         seed gives the same tokens with drafts as without: the CPU verifier's inverse-CDF draw is not the
         device's Gumbel-max one (imp.sampling.gpu)."""
+        if w.params.mirostat:  # the host sampler's draws chained through mu (imp.sampling.verify)
+            t = verify(rows.float().cpu().numpy(), w, constraints)
+            self._mirostat.keep([t])
+            return t
         d = drafts(w)
         hist = tuple(w.history) if w.params.needs_history else ()
         works = [w if j == 0 else msgspec.structs.replace(w, gen_index=w.gen_index + j, history=hist + d[:j]
@@ -423,6 +430,8 @@ class GpuModelRunner:
         if constraints is not None:
             constraints.apply(logits, seqs)  # in place: masked tokens -inf, before bias and the rest
         ids, tokens = sampler.draw_ids(logits, seqs, self.use_numba_sampling, dev_pending, self._counts)
+        if tokens is not None:
+            self._mirostat.keep(tokens)
         B = len(seqs)
         self._sampled[:B].copy_(ids)
         ring = self._ring[self._ring_i]

@@ -68,6 +68,11 @@ class SamplingParams(Struct):
     # this server loads has a head, so N > 0 is declined (usage says so) and the matcher runs
     mtp_k: int = -1
     dry: Dry | None = None  # DRY sampling (None: off)
+    # mirostat (imp.sampling.mirostat, llama.cpp's): 1 or 2 replaces top-k/top-p/min-p/typical with a cut that
+    # steers each token's surprise to tau; 0 = off
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
 
     # The sampling policy, decided here once: every runner, sampler and the
     # scheduler ask these instead of re-testing the fields.
@@ -98,10 +103,10 @@ class SamplingParams(Struct):
     def plain_greedy(self) -> bool:
         """Argmax of the raw logits, nothing else asked: a batch of these is one argmax."""
         return (self.greedy and self.logprobs < 0 and not self.logit_bias and not self.penalized
-                and self.constraint is None and self.dry is None)
+                and self.constraint is None and self.dry is None and not self.mirostat)
 
     @property
     def host_sampled(self) -> bool:
-        """Needs the CPU sampler even on a GPU (logprobs, typical_p, score_ids, DRY)."""
+        """Needs the CPU sampler even on a GPU (logprobs, typical_p, score_ids, DRY, mirostat)."""
         return (self.logprobs >= 0 or (self.typical_p < 1.0 and not self.greedy) or bool(self.score_ids)
-                or self.dry is not None)
+                or self.dry is not None or self.mirostat > 0)

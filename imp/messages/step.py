@@ -34,6 +34,9 @@ class SampledToken(Struct):
     # a verify share (SeqWork.draft > 0): the draft tokens it kept, in order, each as sampled at its
     # position; this token is sampled after the last of them (so a verify yields len(accepted) + 1)
     accepted: tuple[SampledToken, ...] = ()
+    # mirostat: the sequence's mu after this draw (imp.sampling.mirostat); the scheduler keeps it for a
+    # re-admission, so a preempted sequence goes on with the same state
+    mu: float | None = None
 
 
 class SeqWork(Struct):
@@ -79,6 +82,9 @@ class SeqWork(Struct):
     # positions as a decode step would (gen_index + j, the history with the draft's first j tokens)
     # and keeps the draft up to the first position whose sample differs (SampledToken.accepted).
     draft: int = 0
+    # mirostat: the sequence's mu as the scheduler knows it, with the first share of an admission (None after
+    # it: the runner's own); the runner keeps it from step to step (imp.sampling.mirostat.MirostatState)
+    mu: float | None = None
 
 
 PENDING_TOKEN = -1

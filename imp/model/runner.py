@@ -34,6 +34,7 @@ from imp.model.governor import Governor, GovernorConfig
 from imp.model.paged import default_num_blocks
 from imp.model.rows import head_rows, host, with_prompt_logprobs
 from imp.sampling.cpu import sample
+from imp.sampling.mirostat import MirostatState
 from imp.sampling.verify import verify
 
 import numba
@@ -91,6 +92,7 @@ class ModelRunner:
             dt = kv_dtype if isinstance(kv_dtype, torch.dtype) else getattr(torch, paged.dtype_name(kv_dtype))
             self.cache = KVCache.allocate(self.config, num_blocks, block_size, dt)
         self._lock = threading.Lock()
+        self._mirostat = MirostatState()  # mirostat's mu by sequence, from step to step
         self.num_threads = min(num_threads or team.default_threads(), numba.config.NUMBA_NUM_THREADS)
         self.governor = Governor(GovernorConfig(self.num_threads, len(os.sched_getaffinity(0))),
                                  enabled=adaptive_threads and self.fused)
@@ -212,7 +214,17 @@ class ModelRunner:
         """
         return team.run(self._step, seqs, constraints, lora)
 
+    def forget(self, seq_ids) -> None:
+        """Freed sequences (the executor passes each plan's `freed`): their mirostat state goes."""
+        self._mirostat.forget(seq_ids)
+
     def _step(self, seqs: list[SeqWork], constraints, lora) -> list[SampledToken]:
+        seqs = self._mirostat.fill(seqs)
+        out = self._sampled(seqs, constraints, lora)
+        self._mirostat.keep(out)
+        return out
+
+    def _sampled(self, seqs: list[SeqWork], constraints, lora) -> list[SampledToken]:
         tokens, plan = self._prepare(seqs)
         rows, sample_at, plp_at = head_rows(seqs)
         plan.last_rows = np.asarray(rows, dtype=np.int64)

@@ -2,7 +2,7 @@
 
 Order of processing (as in HF / vLLM; DRY where llama.cpp's chain has it):
     logit_bias -> penalties (over SeqWork.history) -> DRY -> temperature ->
-    top_k -> top_p -> min_p -> typical_p -> draw
+    top_k -> top_p -> min_p -> typical_p -> draw   (mirostat: its own cut and draw after temperature)
 Greedy (temperature 0) takes the argmax of the biased, penalized logits.
 
 Determinism: the draw for a sequence depends only on (params.seed, gen_index):
@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 
 from imp.messages import SampledToken, SamplingParams, SeqWork
-from imp.sampling import dry
+from imp.sampling import dry, mirostat
 
 import numpy as np
 
@@ -160,6 +160,8 @@ def process(logits, work: SeqWork, own: bool = False) -> np.ndarray:
     if p.greedy:
         return x
     x = x / _F(p.temperature)
+    if p.mirostat:  # its own cut replaces the filters (llama.cpp's chain: bias, temperature, mirostat)
+        return x
     x = top_k_filter(x, p.top_k)
     x = top_p_filter(x, p.top_p)
     x = min_p_filter(x, p.min_p)
@@ -180,9 +182,17 @@ def sample_one(logits, work: SeqWork, own: bool = False) -> SampledToken:
     """logits [vocab] fp32 -> the sequence's next token (and logprobs if asked); own: see process."""
     p = work.params
     x = process(logits, work, own)
-    token = argmax(x) if p.greedy else draw(x, uniform(p.seed, work.gen_index))
+    mu = None
+    if p.mirostat:  # the draw from mirostat's cut; logprobs are those of the cut distribution
+        token, ids, probs, mu = mirostat.sample(x, p.mirostat, p.mirostat_tau, p.mirostat_eta, work.mu,
+                                                uniform(p.seed, work.gen_index), p.greedy)
+        if p.logprobs >= 0:
+            x = np.full(x.shape[-1], _NEG_INF, _F)
+            x[ids] = np.log(probs)
+    else:
+        token = argmax(x) if p.greedy else draw(x, uniform(p.seed, work.gen_index))
     if p.logprobs < 0:
-        return SampledToken(seq_id=work.seq_id, token_id=token)
+        return SampledToken(seq_id=work.seq_id, token_id=token, mu=mu)
     logp = np.maximum(np.nan_to_num(log_softmax(x), nan=LOGPROB_FLOOR), _F(LOGPROB_FLOOR))
     top: tuple[tuple[int, float], ...] = ()
     if p.score_ids:  # the caller's candidates, in its order (/v1/score)
@@ -190,7 +200,7 @@ def sample_one(logits, work: SeqWork, own: bool = False) -> SampledToken:
     elif p.logprobs > 0:
         vals, ids = topk(logp, p.logprobs)
         top = tuple(zip(ids.tolist(), vals.tolist()))
-    return SampledToken(seq_id=work.seq_id, token_id=token, logprob=float(logp[token]), top=top)
+    return SampledToken(seq_id=work.seq_id, token_id=token, logprob=float(logp[token]), top=top, mu=mu)
 
 
 def sample(logits, works: list[SeqWork], own: bool = False) -> list[SampledToken]:

@@ -5,7 +5,7 @@ Semantics follow `imp.sampling.cpu` (the reference): bias -> penalties ->
 is Gumbel-max with noise hashed from (seed, gen_index, token id), so it depends
 only on the sequence, like the CPU sampler's inverse-CDF draw; the two draw *different* tokens
 from the same distribution (only greedy tokens compare across them). Rows that
-need the host (`SamplingParams.host_sampled`: logprobs, typical_p, DRY) go to the CPU
+need the host (`SamplingParams.host_sampled`: logprobs, typical_p, DRY, mirostat) go to the CPU
 sampler row by row. The kernels are `imp.kernels.cuda.sampling`.
 """
 
@@ -45,14 +45,15 @@ def sample_rows(logits: torch.Tensor, seqs: list[SeqWork], use_numba: bool = Tru
         ids = torch.argmax(logits, dim=-1).tolist()
         return [SampledToken(seq_id=s.seq_id, token_id=t) for s, t in zip(seqs, ids)]
     cpu = [i for i, s in enumerate(seqs)  # score: the CPU sampler's; DRY: its context walk is the host's
-           if (s.params.typical_p < 1.0 and not s.params.greedy) or s.params.score_ids or s.params.dry is not None]
+           if (s.params.typical_p < 1.0 and not s.params.greedy) or s.params.score_ids or s.params.dry is not None
+           or s.params.mirostat]
     dev = [i for i in range(len(seqs)) if i not in set(cpu)]
     out: dict[int, SampledToken] = {}
     if dev:
         sel = logits if len(dev) == len(seqs) else logits.index_select(0, to_device(dev, torch.int64, logits.device))
         for i, t in zip(dev, sample(sel, [seqs[i] for i in dev], use_numba)):
             out[i] = t
-    for i in cpu:  # typical_p, score_ids, DRY: the CPU sampler, row by row
+    for i in cpu:  # typical_p, score_ids, DRY, mirostat: the CPU sampler, row by row
         out[i] = sample_one(logits[i].float().cpu(), seqs[i])
     return [out[i] for i in range(len(seqs))]
 

@@ -44,12 +44,14 @@ def verify(rows, w: SeqWork, constraints=None) -> SampledToken:
         return SampledToken(w.seq_id, ids[j], accepted=kept)
     kept: list[SampledToken] = []
     hist = tuple(w.history) if w.params.needs_history else ()
+    mu = w.mu  # mirostat: each position's state is the one after the kept draft before it
     for j in range(len(d) + 1):
         wj = w if j == 0 else msgspec.structs.replace(w, gen_index=w.gen_index + j, history=hist + d[:j] if
-                                                      w.params.needs_history else ())
+                                                      w.params.needs_history else (), mu=mu)
         if constraints is not None and w.params.constrained:
             constraints.apply(rows[j:j + 1], [wj])
         t = sample_one(rows[j], wj)
+        mu = t.mu
         if j < len(d) and t.token_id == d[j]:
             kept.append(t)
             continue

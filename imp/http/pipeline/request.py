@@ -75,6 +75,9 @@ class Sampling(_Value):
     dry_allowed_length: int | None = None
     dry_penalty_last_n: int | None = None
     dry_sequence_breakers: tuple[str, ...] | None = None
+    mirostat: int = 0  # 1 or 2 (llama.cpp's); 0 = off
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
 
 
 class GenerateRequest(_Value):

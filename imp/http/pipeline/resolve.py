@@ -210,6 +210,9 @@ def sampling_params(req: GenerateRequest, prompt_len: int, card: ModelCard, tm: 
         speculative=card.speculative if s.speculative is None else s.speculative,
         mtp_k=s.mtp_k,
         dry=dry,
+        mirostat=int(s.mirostat),
+        mirostat_tau=float(5.0 if s.mirostat_tau is None else s.mirostat_tau),
+        mirostat_eta=float(0.1 if s.mirostat_eta is None else s.mirostat_eta),
     )
 
 

@@ -32,6 +32,10 @@ SAMPLING = {
     "dry_allowed_length": B.Num(0, integer=True),
     "dry_penalty_last_n": B.Num(-1, integer=True),
     "dry_sequence_breakers": B.Read(B.dry_breakers),
+    # mirostat v1 / v2, llama.cpp's names and defaults (imp.sampling.mirostat)
+    "mirostat": B.Num(0, 2, integer=True, default=0),
+    "mirostat_tau": B.Num(0),
+    "mirostat_eta": B.Num(0),
 }
 # what every OpenAI-family generation route takes besides its prompt and sampling
 COMMON = {
@@ -54,7 +58,8 @@ def sampling_of(f: dict, logit_bias: tuple) -> Sampling:
         frequency_penalty=float(f["frequency_penalty"]), seed=f["seed"], logit_bias=logit_bias,
         ignore_eos=f["ignore_eos"], speculative=f["speculative"][0], mtp_k=f["speculative"][1],
         dry_multiplier=float(f["dry_multiplier"]), dry_base=f["dry_base"], dry_allowed_length=f["dry_allowed_length"],
-        dry_penalty_last_n=f["dry_penalty_last_n"], dry_sequence_breakers=f["dry_sequence_breakers"])
+        dry_penalty_last_n=f["dry_penalty_last_n"], dry_sequence_breakers=f["dry_sequence_breakers"],
+        mirostat=f["mirostat"], mirostat_tau=f["mirostat_tau"], mirostat_eta=f["mirostat_eta"])
 
 
 def sampling(body: dict, vocab_size: int) -> Sampling:

@@ -357,8 +357,8 @@ def test_dry_rows_take_the_host_sampler_beside_device_rows(tmp_path_factory):
 
 
 def test_mirostat_rows_take_the_host_sampler_and_keep_mu(tmp_path_factory):
-    """A mirostat row in a GPU step is drawn on the host (imp.sampling.mirostat) and its mu kept by the runner
-    from step to step: the same tokens as the CPU sampler chained by hand on the same logits."""
+    """A mirostat row in a GPU step is drawn on the host (imp.sampling.mirostat): its SampledToken carries the
+    mu after the draw, the runner keeps it for the sequence's next share and forgets it when freed."""
     from imp.gpu.runner import GpuModelRunner
 
     path = _model(tmp_path_factory, T.Q8_0)

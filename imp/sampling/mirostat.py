@@ -34,31 +34,44 @@ def _softmax32(x: np.ndarray) -> np.ndarray:
     return (e / e.sum(dtype=_F)).astype(_F)
 
 
+def _sorted(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """ids ordered by x descending (ties: lower id first, as a stable sort of the whole row would)."""
+    return ids[np.lexsort((ids, -x[ids]))]
+
+
 def cut(x: np.ndarray, version: int, mu: float) -> tuple[np.ndarray, np.ndarray]:
     """x: processed logits [V] float32 (after temperature). -> (ids kept, most probable first; their
-    probabilities renormalized, float32)."""
-    order = np.argsort(-x, kind="stable")
-    xs = x[order]
-    finite = int(np.isfinite(xs).sum()) or 1
-    order, xs = order[:finite], xs[:finite]
-    p = _softmax32(xs)
-    if version == 2:
-        with np.errstate(divide="ignore"):
-            over = -np.log2(p) > _F(mu)
-        n = int(np.argmax(over)) if over.any() else len(p)
+    probabilities renormalized, float32). Only the candidates are sorted (a whole 262k row took 30 ms)."""
+    V = x.shape[-1]
+    top = int(np.argmax(x))
+    with np.errstate(under="ignore"):
+        e = np.exp(x - x[top], dtype=_F)  # float32, as llama.cpp's softmax
+    S = _F(e.sum(dtype=_F))
+    if version == 2:  # keep p >= 2^-mu, i.e. e >= S 2^-mu: a prefix of the sorted candidates
+        ids = np.nonzero(e >= S * _F(np.exp2(-np.float64(mu))))[0]
+        ids = _sorted(x, ids) if ids.size else np.array([top])
     else:
-        m = min(M - 1, len(p) - 1)
-        i = np.arange(m, dtype=_F)
+        m = min(M, V)
+        head = np.argpartition(-x, m - 1)[:m] if m < V else np.arange(V)
+        head = _sorted(x, head)
+        p = e[head] / S
+        n = m - 1
+        i = np.arange(n, dtype=_F)
         t = np.log((i + _F(2)) / (i + _F(1))).astype(_F)
         with np.errstate(divide="ignore", invalid="ignore"):
-            b = np.log(p[:m] / p[1:m + 1]).astype(_F)
-        s_hat = _F((t * b).sum(dtype=_F) / (t * t).sum(dtype=_F)) if m > 0 else _F(1)
+            b = np.log(p[:n] / p[1:n + 1]).astype(_F)
+        s_hat = _F((t * b).sum(dtype=_F) / (t * t).sum(dtype=_F)) if n > 0 else _F(1)
         eps = s_hat - _F(1)
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-            k = np.power((eps * np.power(_F(2), _F(mu))) / (_F(1) - np.power(_F(len(x)), -eps)), _F(1) / s_hat)
-        n = int(k) if np.isfinite(k) and k < len(p) else len(p)
-    n = max(1, n)
-    return order[:n], _softmax32(xs[:n])
+            k = np.power((eps * np.power(_F(2), _F(mu))) / (_F(1) - np.power(_F(V), -eps)), _F(1) / s_hat)
+        k = max(1, int(k)) if np.isfinite(k) and k < V else V
+        if k <= m:
+            ids = head[:k]
+        else:
+            ids = np.argpartition(-x, k - 1)[:k] if k < V else np.arange(V)
+            ids = _sorted(x, ids)
+    ids = ids[np.isfinite(x[ids])] if not np.isfinite(x[ids[-1]]) else ids
+    return ids, _softmax32(x[ids])
 
 
 def sample(x: np.ndarray, version: int, tau: float, eta: float, mu: float | None, u: float, greedy: bool

@@ -192,3 +192,38 @@ def test_draws_follow_the_distribution_and_never_pick_a_filtered_token():
     for tok, pr in ((3, 0.5), (7, 0.25), (50, 0.15), (99, 0.10)):
         freq = (drawn == tok).mean()
         assert abs(freq - pr) < 5 * math.sqrt(pr * (1 - pr) / n), (tok, freq, pr)
+
+
+def test_filtered_rows_take_the_short_paths_with_the_same_bits():
+    """top_p and the draw look only at the live tokens when a filter (top_k) left few: the same kept set
+    and the same token as the whole-row forms (kept here as the reference), ties included."""
+    import numpy as np
+
+    from imp.sampling import cpu
+
+    neg = np.float32(-np.inf)
+
+    def top_p_whole(x, top_p):
+        order = np.argsort(-x, kind="stable")
+        p = cpu.softmax(x[order]).astype(np.float64)
+        before = np.cumsum(p) - p
+        drop = np.empty(x.shape[-1], dtype=bool)
+        drop[order] = before >= top_p
+        return np.where(drop, neg, x)
+
+    def draw_whole(x, u):
+        e = np.exp(x.astype(np.float64) - float(x.max()))
+        cdf = np.cumsum(e)
+        return min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), x.shape[-1] - 1)
+
+    rng = np.random.default_rng(1)
+    for trial in range(600):
+        V = int(rng.choice([50, 1000, 49152]))
+        x = (rng.standard_normal(V) * rng.uniform(0.1, 5)).astype(np.float32)
+        if trial % 3 == 0:
+            x = np.round(x, 1).astype(np.float32)  # ties
+        y = cpu.top_k_filter(x, int(rng.integers(1, max(2, V // 3))))
+        tp, u = float(rng.uniform(0.05, 0.999)), float(rng.uniform())
+        a, b = top_p_whole(y, tp), cpu.top_p_filter(y, tp)
+        assert np.array_equal(a, b), trial
+        assert draw_whole(a, u) == cpu.draw(b, u), trial

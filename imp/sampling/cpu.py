@@ -117,10 +117,23 @@ def top_k_filter(x: np.ndarray, k: int) -> np.ndarray:
 def top_p_filter(x: np.ndarray, top_p: float) -> np.ndarray:
     if top_p >= 1.0:
         return x
+    V = x.shape[-1]
+    live = np.flatnonzero(x != _NEG_INF)
+    if live.size < V // 2:  # after top_k: sort the live tokens only, the same bits (a 262k row: 6 -> 0.3 ms)
+        order = live[np.argsort(-x[live], kind="stable")]
+        e = np.exp(x[order] - x[order[0]])
+        whole = np.zeros(V, _F)  # the sorted row's exp, zeros where -inf: summed as the whole row was
+        whole[:e.size] = e
+        p = (e / whole.sum()).astype(np.float64)
+        before = np.cumsum(p) - p
+        out = np.full(V, _NEG_INF, _F)
+        keep = order[before < top_p]
+        out[keep] = x[keep]
+        return out
     order = np.argsort(-x, kind="stable")
     p = softmax(x[order]).astype(np.float64)
     before = np.cumsum(p) - p  # mass strictly before each token, largest first
-    drop = np.empty(x.shape[-1], dtype=bool)
+    drop = np.empty(V, dtype=bool)
     drop[order] = before >= top_p  # drop a token once the mass before it reaches top_p (keeps >= 1)
     return np.where(drop, _NEG_INF, x)
 
@@ -172,6 +185,12 @@ def process(logits, work: SeqWork, own: bool = False) -> np.ndarray:
 def draw(x: np.ndarray, u: float) -> int:
     """The token at u in [0, 1) of softmax(x)'s cumulative distribution (float64). A token of
     probability 0 (filtered, masked: -inf) is never drawn: the CDF does not rise at it."""
+    live = np.flatnonzero(x != _NEG_INF)
+    if live.size < x.shape[-1] // 2:  # filtered: the CDF over the live tokens only (a -inf adds exactly 0)
+        e = np.exp(x[live].astype(np.float64) - float(x.max()))
+        cdf = np.cumsum(e)
+        i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+        return int(live[min(i, live.size - 1)])
     e = np.exp(x.astype(np.float64) - float(x.max()))
     cdf = np.cumsum(e)
     i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))

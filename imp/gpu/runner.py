@@ -5,14 +5,20 @@ aligned loads, `imp.kernels.cuda.gemv_fp32_act`); the KV cache is paged in devic
 ([n_layers, num_blocks, block_size, Hkv, D], bf16 by default). The same
 `SeqWork` list goes in, the same `SampledToken` list comes out.
 
-A step takes one of two paths:
+A step takes one of three paths:
   decode graph: every sequence feeds one token and samples it, and the batch
       fits a captured bucket (1, 2, 4, ... max_graph_batch). Inputs go into
       static device buffers in ONE host->device copy; the whole forward
       (embedding, 9 kernels a layer, head) replays as one CUDA graph.
-  eager: anything else (prefill chunks, mixed steps, prompt logprobs): the
-      same kernels launched one by one; the prompt rows' attention in one
-      `paged_prefill_attention` launch a layer (bf16 cache; torch SDPA per chunk for fp32).
+  mixed graph: prompt chunks, alone or beside one-token rows, within the
+      captured (prompt rows, decode rows) buckets (`imp.gpu.mixed`): the
+      same, one graph per bucket pair (bf16 cache).
+  eager: anything else (prompt logprobs, LoRA adapter rows, past the
+      buckets): the same kernels launched one by one; the prompt rows'
+      attention in one `paged_prefill_attention` launch a layer (torch SDPA
+      per chunk for an fp32 cache).
+A verify share (speculation) runs its drafted positions as one-token rows of
+one of these (`_verify_step`).
 
 Per layer (decode): add+RMSNorm -> QKV GEMV -> RoPE -> KV write (Numba) ->
 paged attention -> O GEMV -> add+RMSNorm -> gate/up GEMV -> SiLU*up -> down
@@ -279,18 +285,9 @@ class GpuModelRunner:
         la = self._lora_arg(seqs, lora)
         if any(s.draft for s in seqs):
             return self._verify_step(seqs, src, constraints, la)
-        if la is None and self.graphs.fits(seqs):
+        if la is None and self.graphs.fits(seqs):  # every row samples: the graph's logits as they are
             return self._sample_and_land(self.graphs.replay(seqs, src), seqs, constraints)
-        pair = self.mixed.fits(seqs) if la is None and self.mixed is not None else None
-        if pair is not None:  # prompt rows beside decodes, or alone: a graph of its bucket pair
-            logits, head_at = self.mixed.replay(seqs, pair, src)
-            order = sorted(head_at)
-            if not order:
-                return self._landed([], None, [])
-            sel = logits.index_select(0, cuda_rt.to_device([head_at[i] for i in order], torch.int64, self.device))
-            return self._sample_and_land(sel, [seqs[i] for i in order], constraints)
-        rows, sample_at, plp_at = head_rows(seqs)
-        logits = self._eager_logits(seqs, rows, src, la)  # rows == []: KV only
+        logits, sample_at, plp_at = self._head_logits(seqs, src, la)  # a mixed graph, or eager
         order = sorted(sample_at)
         if not plp_at:
             if not order:
@@ -336,7 +333,8 @@ class GpuModelRunner:
             verifies[len(flat)] = (s, d + 1)
             flat.extend(msgspec.structs.replace(s, seq_id=f"{s.seq_id}\x1fdraft{j}", token_ids=(s.token_ids[head + j],),
                                                 start_pos=s.start_pos + head + j, sample=True, draft=0,
-                                                prompt_logprobs=-1, pending=0) for j in range(d + 1))
+                                                prompt_logprobs=-1, pending=0)
+                        for j in range(d + 1))
         drafted = {k + j for k, (_, c) in verifies.items() for j in range(c)}
         logits, row_of, plp_at = self._head_logits(flat, fsrc, la)
         plain = [k for k in sorted(row_of) if k not in drafted]

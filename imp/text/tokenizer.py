@@ -297,6 +297,10 @@ class Tokenizer:
         """The bytes token i stands for (its text for specials)."""
         return self._piece_bytes[i]
 
+    def pieces(self) -> Sequence[bytes]:
+        """Every token's bytes, id order (a PackedBytes: one blob, searched as one by imp.text.dry_breakers)."""
+        return self._piece_bytes
+
     def id_to_piece(self, i: int) -> str:
         """The vocabulary entry as the GGUF spells it."""
         return self._tokens[i]

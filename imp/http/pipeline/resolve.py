@@ -166,7 +166,7 @@ async def dry_params(req: GenerateRequest, prompt_ids, tm: TextModel) -> Dry | N
     table = _BREAKERS.get(key)
     if table is None:
         tok = tm.tokenizer
-        pieces = getattr(tok, "_piece_bytes", None) or [tok.piece_bytes(i) for i in range(tok.vocab_size)]
+        pieces = tok.pieces() if hasattr(tok, "pieces") else [tok.piece_bytes(i) for i in range(tok.vocab_size)]
         table = await asyncio.to_thread(dry_breakers.breaker_table, pieces, strings,
                                         lambda b: tok.encode(b.decode("utf-8", "replace")))
         if len(_BREAKERS) >= _BREAKERS_MAX:

@@ -19,9 +19,10 @@ class ServerConfig:
     # > 0: prompt chunks beside decode rows sized to keep such a step near this (imp/core/itl.py); 0 = off
     # (off by default: on the CPU it trades rare 600 ms stalls for many 100 ms steps, PERFORMANCE.md "ITL")
     itl_target_ms: float = 0.0
-    # draft-free speculation (imp/core/spec.py) for requests that do not say ("speculative"): on / off; a
-    # draft is at most spec_draft_max tokens (0: never, whatever a request asks)
-    speculative: str = "on"
+    # draft-free speculation (imp/core/spec.py) for requests that do not say ("speculative"): on / off / auto
+    # (on where the executor says so: the CPU's; the GPU's verify steps are not pipelined and not yet measured,
+    # so there a request asks for it); a draft is at most spec_draft_max tokens (0: never, whatever a request asks)
+    speculative: str = "auto"
     spec_draft_max: int = 8
     max_tokens: int | None = None  # fixed default for max_tokens; None = rest of context
     max_output_tokens: int | None = None  # server-wide cap on every request's output (llama-server's -n)
@@ -72,7 +73,7 @@ class ServerConfig:
             (self.max_batch_size >= 1, "--max-batch-size must be >= 1"),
             (self.max_step_tokens >= 16, "--max-step-tokens must be >= 16"),
             (self.itl_target_ms >= 0, "--itl-target-ms must be >= 0 (0 = off)"),
-            (self.speculative in ("on", "off"), "--speculative must be on or off"),
+            (self.speculative in ("on", "off", "auto"), "--speculative must be on, off or auto"),
             (0 <= self.spec_draft_max <= 64, "--spec-draft-max must be 0..64"),
             (self.kv_cache_tokens is None or self.kv_cache_tokens >= self.block_size, "--kv-cache-tokens too small"),
             (self.max_tokens is None or self.max_tokens >= 1, "--max-tokens must be >= 1"),
@@ -113,10 +114,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="size the prompt chunks that share a step with running streams so that the step takes "
                         "about this long (or twice a decode step, if longer), from measured step times (default 0 = "
                         "off: chunks of --max-step-tokens)")
-    p.add_argument("--speculative", choices=("on", "off"), default=d.speculative,
+    p.add_argument("--speculative", choices=("on", "off", "auto"), default=d.speculative,
                    help="draft-free speculative decoding for requests that do not say (their \"speculative\"): "
                         "the sequence's own prompt and output predict its next tokens, verified in one step; the "
-                        "output is the same token for token (default on; the CPU executor verifies drafts)")
+                        "output is the same token for token (default auto: on with the CPU executor; with the GPU's, for the "
+                        "requests that ask, until its verify steps are measured)")
     p.add_argument("--spec-draft-max", type=int, default=d.spec_draft_max,
                    help="most drafted tokens a step verifies for one sequence (0 = no speculation at all)")
     p.add_argument("--max-tokens", type=int, default=None, help="default max_tokens (else rest of context)")

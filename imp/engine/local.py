@@ -96,7 +96,8 @@ class LocalEngine:
             max_batch_size=cfg.max_batch_size, max_queued_tokens=cfg.max_queued_tokens,
             retry_after_s=self.adm.config.retry_after_s,
             device="cuda" if cfg.device.startswith("cuda") else "cpu", created=int(self.started_at),
-            speculative=verifies and draft_max > 0 and cfg.speculative == "on",
+            speculative=verifies and draft_max > 0 and (cfg.speculative == "on" or cfg.speculative == "auto" and all(
+                getattr(x, "speculates_by_default", True) for x in self.runners)),
             spec_draft_max=draft_max if verifies else 0,
         )
 

@@ -307,6 +307,9 @@ class GpuModelRunner:
     # greedy tokens with speculation as without)
     verifies_drafts = True
     max_draft = GEMV_MAX_ROWS - 1
+    # --speculative auto leaves it to the requests here: a verify step waits for its tokens (not pipelined)
+    # and has not been measured on a GPU yet
+    speculates_by_default = False
 
     def _verify_step(self, seqs: list[SeqWork], src: dict[int, int], constraints, la) -> Landing:
         """A step with verify shares. Each one's last draft + 1 positions run as one-token rows (its tokens

@@ -101,7 +101,7 @@ class Seq:
         self.drafter = None  # imp.core.spec.Drafter, from its first draft on
         self.spec_inflight = False  # a verify share of it is in flight: nothing more is planned until it lands
         self.spec_drafted = self.spec_accepted = self.spec_verifies = 0  # since its last TokenOut
-        self.opened = False  # its first TokenOut has gone (that one carries the prompt's counts)
+        self.opened = False  # its first TokenOut has gone (that one carries a speculation decline)
         self.mu: float | None = None  # mirostat's state after its last kept token (SampledToken.mu)
 
 

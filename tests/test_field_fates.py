@@ -91,8 +91,9 @@ async def test_strict_fields_refuses_an_unknown_field_in_the_dialects_words(make
     assert r.status == 200
 
 
-HONOURED = {"dry_multiplier": ("/v1/chat/completions", "/v1/completions"),  # routes that implement it
-            "mirostat": ("/v1/chat/completions", "/v1/completions")}
+_OPENAI = ("/v1/chat/completions", "/v1/completions")
+HONOURED = {"dry_multiplier": _OPENAI, "mirostat": _OPENAI, "banned_strings": _OPENAI,  # routes that implement it
+            "banned_regex": _OPENAI}
 
 
 @pytest.mark.parametrize("path", list(BODIES))
@@ -116,13 +117,16 @@ async def test_a_reference_field_not_implemented_yet_is_a_400_naming_it(make, pa
     assert "imp-ignored-fields" not in r.headers
 
 
-async def test_banned_strings_no_longer_answers_paris(make):
-    """The issue's case: banned_strings was dropped without a word; now it is a 400 naming it."""
+async def test_banned_strings_reach_the_engine(make):
+    """The issue's case: banned_strings was dropped without a word; now the engine gets it (the rewind itself:
+    tests/test_banned.py, and on the real model tests/test_server_api.py)."""
     c = await make()
     r = await c.post("/v1/chat/completions", json={
-        "model": "m", "temperature": 0, "banned_strings": ["Paris"],
+        "model": "m", "temperature": 0, "banned_strings": ["Paris"], "banned_regex": ["Lyon|Nice"],
         "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}]})
-    assert r.status == 400 and (await r.json())["error"]["param"] == "banned_strings"
+    assert r.status == 200, await r.text()
+    p = c.engine.submissions[-1].params
+    assert p.banned_strings == ("Paris",) and p.banned_regex == ("Lyon|Nice",)
 
 
 @pytest.mark.parametrize("capture", ["claude_code_request.json", "claude_code_tool_result_request.json",

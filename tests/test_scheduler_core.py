@@ -102,6 +102,7 @@ class Sim:
         self.prev_sampled: dict[str, int] = {}  # what the last executed plan sampled, by sequence
         self.kept_params: dict = {}  # SamplingParams by sequence, as the executor keeps them
         self.kept_hists: dict = {}  # penalized sequences' generated tokens, as the executor keeps them
+        self.drawn: dict[tuple[str, int], int] = {}  # (sequence, generated index) -> its latest sampled token
         self.submits: dict[str, Submit] = {}
         self.enqueued: dict[str, Enqueue] = {}
         self.finished: dict[str, FinishReason] = {}
@@ -205,7 +206,9 @@ class Sim:
             def expect(p, m=m, w=w):
                 if p < len(m.prompt):
                     return (m.salt, m.prompt[p])
-                return (m.salt, self.token(w.params.seed, p - len(m.prompt), w.seq_id))
+                g = p - len(m.prompt)  # a rewound sequence's latest draw there (banned phrases)
+                d = self.drawn.get((w.seq_id, g))
+                return (m.salt, d if d is not None else self.token(w.params.seed, g, w.seq_id))
 
             end = w.start_pos + len(w.token_ids)
             assert len(w.token_ids) >= 1 and len(w.block_table) * bs >= end
@@ -235,10 +238,20 @@ class Sim:
                 gen = [expect(len(m.prompt) + g)[1] for g in range(w.gen_index)]
                 assert w.history == (tuple(gen) if penalty else ()), (w.history, gen)
                 acc = tuple(SampledToken(w.seq_id, t) for t in draft[:kept])
-                out.append(SampledToken(w.seq_id, self.token(w.params.seed, w.gen_index + kept, w.seq_id), accepted=acc))
+                g = w.gen_index + kept
+                out.append(SampledToken(w.seq_id, self.draw(w.params.seed, g, w.seq_id, w.banned), accepted=acc))
+                self.drawn[(w.seq_id, g)] = out[-1].token_id
                 self.prev_sampled[w.seq_id] = out[-1].token_id
         record_samples(out, self.kept_hists)  # as the executor does before it sends the result
         return out
+
+    def draw(self, seed, g, sid, banned=()):
+        """The fake model's token, or with banned ones (a rewind's) the first of its retries not banned."""
+        t, k = self.token(seed, g, sid), 0
+        while t in banned:
+            k += 1
+            t = self.token(seed, g, f"{sid}/{k}")
+        return t
 
     # ------------------------------------------------------------- observation
 

@@ -366,6 +366,56 @@ def test_dry_breaks_a_loop_deterministically_and_bad_values_are_400s(imp_server)
     assert st == 400 and "chat/completions" in json.loads(body)["error"]["message"]
 
 
+def test_banned_phrases_never_reach_the_client_stream_or_not(cl, imp_server):
+    """banned_strings / banned_regex (imp.core.banned): the greedy answer names Paris; banned (without case),
+    the text never does, streamed or not (the same text), usage counts the rewinds, logprobs stay one per
+    token, the KV pool is whole afterwards; bad values and the refused pairs are 400s naming the field."""
+    msgs = [{"role": "user", "content": "What is the capital of France? One sentence."}]
+
+    def chat(stream=False, **kw):
+        r = cl.chat.completions.create(model="m", messages=msgs, max_tokens=30, temperature=0, stream=stream,
+                                       **({"stream_options": {"include_usage": True}} if stream else {}),
+                                       extra_body=kw)
+        if not stream:
+            return r.choices[0].message.content, r.usage
+        parts, usage = [], None
+        for ev in r:
+            parts += [c.delta.content or "" for c in ev.choices]
+            usage = ev.usage or usage
+        return "".join(parts), usage
+
+    plain, _ = chat()
+    assert "Paris" in plain
+    for kw in ({"banned_strings": ["paris"]}, {"banned_regex": [r"[Pp]ar[a-z]*"]}):
+        text, usage = chat(**kw)
+        assert "paris" not in text.lower() and text, (kw, text)
+        assert usage.completion_tokens_details.model_extra["imp_banned_rewinds"] >= 1
+        assert chat(stream=True, **kw)[0] == text
+    r = cl.chat.completions.create(model="m", messages=msgs, max_tokens=30, temperature=0.8, seed=3, n=2,
+                                   logprobs=True, extra_body={"banned_strings": ["Paris", "France"]})
+    for c in r.choices:
+        assert "paris" not in c.message.content.lower() or r.usage.completion_tokens_details.model_extra.get(
+            "imp_banned_rewinds", 0) >= 64  # the rewinds spent: the phrases pass (the reference's rule)
+        assert len(c.logprobs.content) > 0
+    assert sum(len(c.logprobs.content) for c in r.choices) == r.usage.completion_tokens
+    health = json.loads(raw(imp_server, "GET", "/health")[2])
+    assert health["kv_blocks_used"] == 0 and health["kv_blocks_reserved"] == 0
+    body = {"model": "m", "messages": msgs, "max_tokens": 8}
+    for bad, field in (({"banned_strings": [""]}, "banned_strings"), ({"banned_strings": ["x"] * 65}, "banned_strings"),
+                       ({"banned_strings": ["é" * 129]}, "banned_strings"), ({"banned_regex": ["("]}, "banned_regex"),
+                       ({"banned_regex": ["a*"]}, "banned_regex"), ({"banned_regex": ["x"] * 17}, "banned_regex"),
+                       ({"banned_strings": ["x"], "mirostat": 2}, "banned_strings"),
+                       ({"banned_strings": ["x"], "response_format": {"type": "json_object"}}, "banned_strings"),
+                       ({"banned_regex": ["x"], "tool_choice": "required", "tools": [{"type": "function", "function": {
+                           "name": "f", "parameters": {"type": "object", "properties": {}}}}]}, "banned_regex")):
+        st, _, out = raw(imp_server, "POST", "/v1/chat/completions", {**body, **bad})
+        assert st == 400 and json.loads(out)["error"]["param"] == field, (bad, out)
+    st, _, out = raw(imp_server, "POST", "/v1/chat/completions", {**body, "banned_strings": []})  # [] = off
+    assert st == 200, out
+    st, _, out = raw(imp_server, "POST", "/v1/messages", {**body, "banned_strings": ["x"]})
+    assert st == 400 and "chat/completions" in json.loads(out)["error"]["message"]
+
+
 def test_mirostat_is_seeded_and_its_bad_values_are_400s(imp_server):
     """llama.cpp's mirostat fields on the OpenAI routes: a seed gives the same text (with speculation or without),
     another tau another text; out-of-range values are 400s naming the field."""

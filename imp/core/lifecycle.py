@@ -1,8 +1,15 @@
 """A request's life in the scheduler, from Enqueue to Finished: its sequences' states (`_set`,
 the one place they change), the tokens a step sampled and the finish decision they bring
 (EOS / stop token, max_tokens, context end), cancels, timeouts, end_thinking, preemption,
-and the prompt pins of cache_prompt and sessions. `SchedulerCore` (imp.core.scheduler)
-is this book plus the step.
+and the prompt pins of cache_prompt and sessions, and banned phrases' rewinds. `SchedulerCore`
+(imp.core.scheduler) is this book plus the step.
+
+Banned strings / regexes (params.banned; the text watch is imp.core.banned): a token that completes
+a phrase rewinds the sequence to the generated token the phrase starts in, bans that token at that
+index (the next share that samples there carries it: SeqWork.banned) and recomputes from there as a
+preempted sequence does (its blocks freed, so a full block of the old text stays a valid cache entry
+and the kept text's blocks come back as cache hits; nothing cached is ever written over). Tokens a
+phrase may still reach are held back, so a banned phrase never reaches the client.
 
 n > 1: sibling i is f"{req_id}#{i}" with seed + i. The siblings wait (HELD)
 until the first has computed the prompt, then fork its full prompt blocks.
@@ -14,9 +21,10 @@ from __future__ import annotations
 
 import msgspec
 
+from imp.core.banned import BanWatch, Texts
 from imp.core.core import CoreError, Out
 from imp.core.schedstate import Req, SchedulerConfig, Seq, Status
-from imp.messages import Enqueue, Finished, FinishReason, KvOp, Reject, SampledToken, TokenOut
+from imp.messages import Enqueue, Finished, FinishReason, KvOp, Reject, SampledToken, TokenOut, TokenTexts
 
 
 class RequestBook:
@@ -31,7 +39,8 @@ class RequestBook:
         self.frees: list[KvOp] = []  # for the next KvRequest (frees, pins, unpins)
         self.sessions: dict[str, int] = {}  # session id -> last use (ns), oldest first
         self.now = 0
-        self.preemptions = self.cancellations = self.timeouts = self.steps = 0
+        self.preemptions = self.cancellations = self.timeouts = self.steps = self.rewinds = 0
+        self.texts: Texts | None = None  # the vocabulary's text, for banned phrases (a TokenTexts)
         self._orders = self._admits = 0
         self._reserved_running = 0  # sum of reserved over requests with a running sequence (kept by _set)
 
@@ -46,16 +55,25 @@ class RequestBook:
             return
         self._orders += 1
         r = self.requests[m.req_id] = Req(m, self._orders, min(e.reserved_blocks, self.config.num_blocks))
+        if m.params.banned and self.texts is None:
+            raise CoreError(f"{m.req_id} has banned phrases but no TokenTexts came before it")
         for i in range(m.n):
             p = m.params if i == 0 else msgspec.structs.replace(m.params, seed=(m.params.seed + i) % (1 << 63))
             r.seqs.append(Seq(r, i, p))
+            if p.banned:
+                r.seqs[-1].watch = BanWatch(self.texts, p.banned_strings, p.banned_regex)
         self._set(r.seqs[0], Status.WAITING)
+
+    def _texts(self, m: TokenTexts) -> None:
+        self.texts = Texts(m.blob, m.offsets)
 
     def _sampled(self, s: Seq, t: SampledToken, out: Out) -> None:
         """The token(s) a step sampled for the sequence: a verify's kept drafts, then `t`; the first
         that finishes the choice ends it, and what follows it is dropped."""
         p, r = s.params, s.req
         ts = (*t.accepted, msgspec.structs.replace(t, accepted=())) if t.accepted else (t,)
+        if s.watch is not None:
+            return self._sampled_watched(s, ts, out)
         reason = FinishReason.NONE
         for i, x in enumerate(ts):
             s.tokens.append(x.token_id)
@@ -80,11 +98,71 @@ class RequestBook:
         if reason:
             self._finish(s, reason, out)
 
+    def _sampled_watched(self, s: Seq, ts: tuple[SampledToken, ...], out: Out) -> None:
+        """`_sampled` for a sequence with banned phrases: each token through the watch first; one that
+        completes a phrase rewinds (and drops what follows it); what no phrase can reach any more goes out."""
+        p, r, w = s.params, s.req, s.watch
+        n_prompt, reason = len(r.prompt), FinishReason.NONE
+        for x in ts:
+            s.tokens.append(x.token_id)
+            if p.logprobs >= 0:
+                s.held_lp.append(x)
+            at = w.push(x.token_id)
+            if at is not None:  # a phrase completed: never past what went out (a regex's reach is unbounded)
+                self._rewind(s, max(at, s.emitted))
+                if s.index == 0 and len(r.seqs) > 1:
+                    self._release_siblings(r)
+                return
+            if x.token_id in p.stop_token_ids and (not p.ignore_eos or p.constrained):
+                reason = FinishReason.STOP
+            elif len(s.tokens) - n_prompt >= p.max_tokens or len(s.tokens) >= self.max_len:
+                reason = FinishReason.LENGTH
+            if reason:
+                break
+        if s.index == 0 and len(r.seqs) > 1:
+            self._release_siblings(r)
+        if reason:
+            self._flush(s, reason, out)
+            self._finish(s, reason, out)
+        else:
+            self._flush(s, reason, out, upto=w.safe())
+
+    def _flush(self, s: Seq, reason: FinishReason, out: Out, upto: int | None = None, error: str = "",
+               extra: tuple[int, ...] = ()) -> None:
+        """Send a watched sequence's held tokens up to generated index `upto` (None: all), then `extra`."""
+        n_prompt, gen = len(s.req.prompt), len(s.tokens) - len(s.req.prompt) - len(extra)
+        upto = gen if upto is None else min(upto, gen)
+        ids = tuple(s.tokens[n_prompt + s.emitted:n_prompt + upto]) + extra
+        if not ids and not reason:
+            return
+        lp, s.held_lp = s.held_lp[:upto - s.emitted], s.held_lp[upto - s.emitted:]
+        s.emitted = max(s.emitted, upto) + len(extra)
+        out.append(("detok", self._token_out(s, ids, reason, lp if s.params.logprobs >= 0 else [], error)))
+
+    def _rewind(self, s: Seq, keep: int) -> None:
+        """Back to the first `keep` generated tokens; the next one (where the phrase started) banned there.
+        Recomputed as after a preemption: its blocks are freed (hashed as written first) and it waits."""
+        n_prompt = len(s.req.prompt)
+        banned = s.tokens[n_prompt + keep]
+        s.watch.rewind(keep)
+        s.bans = {g: b for g, b in s.bans.items() if g < keep}  # later indices had another context
+        s.bans[keep] = s.bans.get(keep, ()) + (banned,)
+        if s.in_kv:
+            self._free(s)
+        s.num_computed = s.num_reported = 0
+        del s.tokens[n_prompt + keep:]
+        del s.held_lp[keep - s.emitted:]
+        self._set(s, Status.WAITING)
+        self.rewinds += 1
+
     def _end(self, r: Req, reason: FinishReason, out: Out, error: str = "", index: int = -1) -> None:
         """End the request's unfinished choices (index: just that one)."""
         for s in r.seqs:
             if s.status is not Status.FINISHED and index in (-1, s.index):
-                out.append(("detok", self._token_out(s, [], reason, [], error)))
+                if s.watch is not None:  # what it held goes with its end (no phrase is complete in it)
+                    self._flush(s, reason, out, error=error)
+                else:
+                    out.append(("detok", self._token_out(s, [], reason, [], error)))
                 self._finish(s, reason, out)
 
     def _end_thinking(self, r: Req, ids: list[int], out: Out) -> None:
@@ -101,6 +179,11 @@ class RequestBook:
             s.epoch, s.ahead, s.pending = s.epoch + 1, 0, 0  # work in flight fed the old context
             s.tokens.extend(ids)
             s.send_params = True  # the executor's kept history has a dropped token and lacks ids: send it anew
+            if s.watch is not None:  # forced text is the client's, not the model's: out with what was held
+                for x in ids:
+                    s.watch.push(x)
+                self._flush(s, FinishReason.NONE, out, extra=tuple(ids))
+                continue
             out.append(("detok", self._token_out(s, tuple(ids), FinishReason.NONE, ())))
 
     def _finish(self, s: Seq, reason: FinishReason, out: Out) -> None:
@@ -205,11 +288,14 @@ class RequestBook:
                             spec_verify_steps=sv, spec_declined=declined)
         return TokenOut(s.req.id, s.index, ids, reason, len(s.req.prompt), max(0, s.req.cached_tokens),
                         len(s.tokens) - len(s.req.prompt), lp, error, spec_drafted=sd, spec_accepted=sa,
-                        spec_verify_steps=sv, spec_declined=self._declined(s.params))
+                        spec_verify_steps=sv, spec_declined=self._declined(s.params),
+                        banned_rewinds=s.watch.rewinds if s.watch is not None else 0)
 
     def _declined(self, p) -> str:
         """Why speculation the request asked for did not run ("" = it did, or none was asked)."""
         if p.mtp_k > 0:
             return "no_mtp_head"
-        return "executor_cannot_verify" if p.speculative and not self.config.spec_k_max else ""
+        if p.speculative and not self.config.spec_k_max:
+            return "executor_cannot_verify"
+        return "banned_phrases" if p.speculative and p.banned else ""  # a rewind would cut the drafter's text
 

@@ -81,7 +81,7 @@ class Req:
 class Seq:
     __slots__ = ("id", "req", "index", "params", "tokens", "status", "num_computed", "num_reported", "table", "in_kv",
                  "admit_no", "plp", "plp_sent", "epoch", "ahead", "pending", "send_params", "drafter", "spec_inflight",
-                 "spec_drafted", "spec_accepted", "spec_verifies", "opened", "mu")
+                 "spec_drafted", "spec_accepted", "spec_verifies", "opened", "mu", "watch", "bans", "emitted", "held_lp")
 
     def __init__(self, req: Req, index: int, params):
         self.id, self.req, self.index, self.params = f"{req.id}#{index}", req, index, params
@@ -103,6 +103,13 @@ class Seq:
         self.spec_drafted = self.spec_accepted = self.spec_verifies = 0  # since its last TokenOut
         self.opened = False  # its first TokenOut has gone (that one carries a speculation decline)
         self.mu: float | None = None  # mirostat's state after its last kept token (SampledToken.mu)
+        # banned phrases (imp.core.banned, params.banned): the text watch, the tokens banned at a generated
+        # index (by rewinds), how many generated tokens have gone out (the rest are held back: a phrase may
+        # still complete), and the held ones' SampledTokens when logprobs are asked
+        self.watch = None
+        self.bans: dict[int, tuple[int, ...]] = {}
+        self.emitted = 0
+        self.held_lp: list = []
 
 
 class Work:

@@ -63,6 +63,7 @@ from imp.core.spec import Drafter, StepCost
 from imp.messages import (
     Cancel, EndThinking, Enqueue, Figures, FinishReason, KvFigures, KvOp, KvReply, KvRequest, Msg, PENDING_TOKEN,
     QueueFigures, SessionClose, SeqWork, StepFailed, StepPlan, StepResult, StepStats, Tick, TokenBatch, TokenOut,
+    TokenTexts,
 )
 
 __all__ = ["SchedulerConfig", "SchedulerCore"]
@@ -106,6 +107,8 @@ class SchedulerCore(RequestBook):
             self._advance(msg.now_ns, out)
         elif isinstance(msg, SessionClose):
             self._close_session(msg.session_id)
+        elif isinstance(msg, TokenTexts):
+            self._texts(msg)
         elif isinstance(msg, KvReply):
             self._on_kv(msg, out)
         elif isinstance(msg, StepResult):
@@ -300,10 +303,11 @@ class SchedulerCore(RequestBook):
                                                                           not self.config.history_once) else ()
             return SeqWork(s.id, (s.tokens[start], *w.draft), start, s.table, True, sent, gen_index=known - n_prompt,
                            history=hist, draft=len(w.draft), mu=mu)
+        banned = s.bans.get(n_gen, ()) if sample and s.bans else ()  # a rewind's bans at the index it samples
         if p.prompt_logprobs >= 0 and s.index == 0 and not s.plp_sent and end <= n_prompt:
             nxt = s.tokens[end] if end < n_prompt else -1
             return SeqWork(s.id, tuple(s.tokens[start:end]), start, s.table, sample, sent, gen_index=n_gen,
-                           prompt_logprobs=p.prompt_logprobs, prompt_next=nxt, mu=mu)
+                           prompt_logprobs=p.prompt_logprobs, prompt_next=nxt, mu=mu, banned=banned)
         toks, pending = tuple(s.tokens[start:end]), max(0, end - known)  # a result may have landed since planning
         if pending:  # depth 2: only the token the step in flight samples is unknown
             if pending > 1 or w.n != 1:
@@ -316,7 +320,8 @@ class SchedulerCore(RequestBook):
             hist = tuple(s.tokens[n_prompt:known]) if sent is not None else ()  # keeps it, appends its samples)
         else:
             hist = tuple(s.tokens[n_prompt:end]) if sample else ()
-        return SeqWork(s.id, toks, start, s.table, sample, sent, gen_index=n_gen, history=hist, pending=pending, mu=mu)
+        return SeqWork(s.id, toks, start, s.table, sample, sent, gen_index=n_gen, history=hist, pending=pending, mu=mu,
+                       banned=banned)
 
     # ------------------------------------------------------------------ helpers
 
@@ -338,14 +343,14 @@ class SchedulerCore(RequestBook):
     def _would_draft(self, s: Seq) -> bool:
         """A speculative decode row whose known tokens end in something seen before."""
         p = s.params
-        if not p.speculative or len(s.tokens) <= len(s.req.prompt):
+        if not p.speculative or p.banned or len(s.tokens) <= len(s.req.prompt):  # a rewind cuts the drafter's text
             return False
         return self._drafter(s).matches(s.tokens)
 
     def _draft(self, s: Seq, start: int, vlen: int, spare: list[int]) -> tuple[int, ...]:
         """The drafted tokens to feed after a decode row's last token (imp.core.spec), within `spare`."""
         p = s.params
-        if not p.speculative or vlen <= len(s.req.prompt):
+        if not p.speculative or p.banned or vlen <= len(s.req.prompt):
             return ()
         bs = self.config.block_size
         held = len(s.table) * bs  # positions its table holds; a draft may take `spare[1]` more blocks

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import numpy as np
 
 from imp.actors.base import Bus, CoreActor
 from imp.actors.clock import ClockActor
@@ -33,7 +34,7 @@ from imp.engine.port import (LiveRow, LoraInfo, LoraRefused, ModelCard, Rates, R
 from imp.engine.render import RenderedStream
 from imp.log.eventlog import EventLog, LogHeader
 from imp.store.actor import StoreActor
-from imp.messages import (SCHEMA_VERSION, Cancel, FinishReason, KvFigures, KvForget, LoraLoad, LoraUnload,
+from imp.messages import (SCHEMA_VERSION, Cancel, TokenTexts, FinishReason, KvFigures, KvForget, LoraLoad, LoraUnload,
                           Reload, RequestStats, Unload)
 
 log = logging.getLogger("imp.engine")
@@ -78,6 +79,7 @@ class LocalEngine:
         self._lora_users: dict[int, int] = {}  # adapter id -> requests running with it
         self.runners = list(runners)
         self.tokenizer = detok_tokenizer  # submit's stream renders text with it (imp.engine.render)
+        self._texts_sent = False  # the schedulers have the token texts (banned phrases)
         r = self.runners[0]
         self.max_context = int(r.config.context_length)
         self.started_at = time.time()
@@ -175,6 +177,8 @@ class LocalEngine:
         if self.idle_suspended:  # the executor reloads at this request's first step
             self.idle_suspended = False
             log.info("[idle-unload] request %s wakes the model", sub.req_id)
+        if sub.params.banned:
+            self._send_texts()
         handle = self.ingress.submit(
             sub.req_id, sub.prompt, sub.params, n=sub.n, priority=sub.priority, stop=sub.stop,
             salt=sub.salt, prompt_tail=sub.prompt[-4:], cache_prompt=sub.cache_prompt,
@@ -183,6 +187,17 @@ class LocalEngine:
         if lid:
             self._lora_users[lid] = self._lora_users.get(lid, 0) + 1
         return handle
+
+    def _send_texts(self) -> None:
+        """Before the first request with banned phrases: every scheduler gets the token texts (on the log,
+        so a replay needs no model); the same inbox then brings the request, after them."""
+        if self._texts_sent:
+            return
+        blob, offsets = self.tokenizer.shown_pieces()
+        msg = TokenTexts(blob, np.ascontiguousarray(offsets, dtype="<i8").tobytes())
+        for sch in self.schs:
+            self.bus.send("ingress", sch.name, msg)
+        self._texts_sent = True
 
     def close(self, handle, lora_id: int = 0) -> None:
         """The reader is done with a request: released if it ran to its end, else cancelled

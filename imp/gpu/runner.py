@@ -68,6 +68,7 @@ from imp.model.runner import DEFAULT_KV_TOKENS
 from imp.sampling import gpu as sampler
 from imp.sampling import pending
 from imp.sampling.counts import HistoryCounts
+from imp.sampling.cpu import apply_bans
 from imp.sampling.mirostat import MirostatState
 from imp.sampling.verify import drafts, verify
 
@@ -430,6 +431,8 @@ class GpuModelRunner:
             seqs = [pending.fill(s, prev[s.seq_id]) if s.pending and s.params.needs_history else s for s in seqs]
         if constraints is not None:
             constraints.apply(logits, seqs)  # in place: masked tokens -inf, before bias and the rest
+        if any(s.banned for s in seqs):
+            apply_bans(logits, seqs)  # a banned phrase's first token at the index it started: -inf
         ids, tokens = sampler.draw_ids(logits, seqs, self.use_numba_sampling, dev_pending, self._counts)
         if tokens is not None:
             self._mirostat.keep(tokens)

@@ -55,7 +55,7 @@ from imp.messages.output import Delta, DeltaBatch, DetokClose, DetokOpen
 from imp.messages.params import Constraint, Dry, SamplingParams
 from imp.messages.reports import Fault, Figures, QueueFigures, RequestStats, StepStats
 from imp.messages.request import (Cancel, EndThinking, Enqueue, Finished, Reject, Resume, SessionClose, Submit,
-                                  Suspend, Tick)
+                                  Suspend, Tick, TokenTexts)
 from imp.messages.step import (PENDING_TOKEN, KvFigures, KvOp, KvReply, KvRequest, KvResult, PromptLogprob,
                                SampledToken, SeqWork, StepFailed, StepPlan, StepResult, TokenBatch, TokenOut)
 from imp.messages.store import (ChainLink, StoreDelete, StoreGet, StoreGetChain, StoreItem, StoreListInputItems,
@@ -75,6 +75,7 @@ Message = Union[
     SessionClose,
     Finished,
     Tick,
+    TokenTexts,
     Suspend,
     Resume,
     KvRequest,
@@ -112,6 +113,7 @@ __all__ = [
     "SCHEMA_VERSION", "Message", "Msg", "Struct", "FinishReason", "PENDING_TOKEN",
     "Constraint", "Dry", "SamplingParams",
     "Submit", "Reject", "Enqueue", "Cancel", "EndThinking", "SessionClose", "Suspend", "Resume", "Finished", "Tick",
+    "TokenTexts",
     "KvOp", "KvResult", "KvFigures", "KvRequest", "KvReply", "SeqWork", "SampledToken", "PromptLogprob",
     "StepPlan", "StepResult", "StepFailed", "TokenOut", "TokenBatch",
     "DetokOpen", "DetokClose", "Delta", "DeltaBatch",

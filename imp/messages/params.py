@@ -73,9 +73,18 @@ class SamplingParams(Struct):
     mirostat: int = 0
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
+    # banned phrases (imp.core.banned): a completed one rewinds the sequence to the token it starts in and
+    # bans that token there (SeqWork.banned); strings match ASCII-case-insensitively, regexes are Python `re`
+    banned_strings: tuple[str, ...] = ()
+    banned_regex: tuple[str, ...] = ()
 
     # The sampling policy, decided here once: every runner, sampler and the
     # scheduler ask these instead of re-testing the fields.
+    @property
+    def banned(self) -> bool:
+        """Banned strings or regexes: the scheduler watches the text and rewinds."""
+        return bool(self.banned_strings or self.banned_regex)
+
     @property
     def greedy(self) -> bool:
         """The draw is an argmax (of the biased, penalized logits)."""

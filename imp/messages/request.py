@@ -89,3 +89,13 @@ class Tick(Msg):
     """clock -> scheduler: the time, for timeouts and aging."""
 
     now_ns: int
+
+
+class TokenTexts(Msg):
+    """engine -> scheduler, before the first request with banned strings or regexes: every token's
+    text (special tokens empty), so the scheduler's rewind decisions (imp.core.banned) need no
+    tokenizer and a replay no model. offsets: n + 1 little-endian int64, item i is
+    blob[offsets[i]:offsets[i + 1]]."""
+
+    blob: bytes
+    offsets: bytes

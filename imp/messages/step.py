@@ -85,6 +85,9 @@ class SeqWork(Struct):
     # mirostat: the sequence's mu as the scheduler knows it, with the first share of an admission (None after
     # it: the runner's own); the runner keeps it from step to step (imp.sampling.mirostat.MirostatState)
     mu: float | None = None
+    # banned phrases (imp.core.banned): tokens the sampled position may not take (the ones a rewind
+    # found a banned phrase starting in there); the runner masks them -inf before anything samples
+    banned: tuple[int, ...] = ()
 
 
 PENDING_TOKEN = -1
@@ -202,6 +205,7 @@ class TokenOut(Msg):
     spec_accepted: int = 0
     spec_verify_steps: int = 0
     spec_declined: str = ""
+    banned_rewinds: int = 0  # banned phrases: the rewinds the choice took (on its last TokenOut)
 
 
 class TokenBatch(Msg):

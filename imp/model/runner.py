@@ -33,7 +33,7 @@ from imp.model import paged, team
 from imp.model.governor import Governor, GovernorConfig
 from imp.model.paged import default_num_blocks
 from imp.model.rows import head_rows, host, with_prompt_logprobs
-from imp.sampling.cpu import sample
+from imp.sampling.cpu import apply_bans, sample
 from imp.sampling.mirostat import MirostatState
 from imp.sampling.verify import verify
 
@@ -247,5 +247,7 @@ class ModelRunner:
             sel = logits if whole else logits[idx]
             if constraints is not None:
                 constraints.apply(sel, works)
+            if any(w.banned for w in works):  # sel is its own rows (a copy, or logits no plp row reads)
+                apply_bans(sel, works)
             drawn.update(zip(order, sample(sel, works, own=True)))
         return with_prompt_logprobs(seqs, drawn, plp_at, logits)

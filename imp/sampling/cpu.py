@@ -63,6 +63,15 @@ def topk(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return x[ids], ids
 
 
+def apply_bans(logits, works) -> None:
+    """In place on logits [len(works), V] (numpy, or a torch tensor on any device): each share's
+    banned tokens (SeqWork.banned: a banned phrase started there) -inf, before anything samples, so
+    no sampler, greedy or not, can draw them and logprobs read them as probability 0."""
+    for i, w in enumerate(works):
+        if w.banned:
+            logits[i, list(w.banned)] = float("-inf")
+
+
 def apply_logit_bias(logits: np.ndarray, bias: tuple[tuple[int, float], ...]) -> np.ndarray:
     """A new row with bias[id] added (ids past the vocabulary ignored; repeats add up)."""
     if not bias:

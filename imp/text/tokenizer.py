@@ -301,6 +301,19 @@ class Tokenizer:
         """Every token's bytes, id order (a PackedBytes: one blob, searched as one by imp.text.dry_breakers)."""
         return self._piece_bytes
 
+    def shown_pieces(self) -> tuple[bytes, np.ndarray]:
+        """Every token's bytes as a client sees them, special tokens empty (the text banned phrases are
+        matched on, imp.core.banned): (blob, offsets [n + 1] int64), item i = blob[offsets[i]:offsets[i + 1]]."""
+        pb = self._piece_bytes
+        offsets = np.asarray(pb.offsets, dtype=np.int64)
+        if not self._special:
+            return pb.blob, offsets
+        keep = np.ones(len(offsets) - 1, dtype=bool)
+        keep[np.fromiter(self._special, dtype=np.int64)] = False
+        out = np.zeros_like(offsets)
+        np.cumsum(np.diff(offsets) * keep, out=out[1:])
+        return pb.join(np.flatnonzero(keep).tolist()), out
+
     def id_to_piece(self, i: int) -> str:
         """The vocabulary entry as the GGUF spells it."""
         return self._tokens[i]

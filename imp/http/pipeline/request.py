@@ -78,6 +78,8 @@ class Sampling(_Value):
     mirostat: int = 0  # 1 or 2 (llama.cpp's); 0 = off
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
+    banned_strings: tuple[str, ...] = ()  # phrases that rewind (imp.core.banned)
+    banned_regex: tuple[str, ...] = ()
 
 
 class GenerateRequest(_Value):

@@ -126,6 +126,22 @@ def _chat(req: GenerateRequest, tm: TextModel) -> Prompt:
     return Prompt(ids, "".join(t for t, _ in parts), prompt_opens_think(tail))
 
 
+def check_banned(req: GenerateRequest) -> None:
+    """Banned phrases rewind what the model wrote; a grammar's state, a forced tool call and mirostat's mu
+    would each have to be rewound with it (the API reference refuses the pairs)."""
+    s = req.sampling
+    if not (s.banned_strings or s.banned_regex):
+        return
+    name = "banned_strings" if s.banned_strings else "banned_regex"
+    c, field = req.effective_constraint
+    if c is not None:
+        raise bad(f"'{name}' cannot be combined with '{field}' (a constrained output is not rewound)", name,
+                  "unsupported_combination")
+    if s.mirostat:
+        raise bad(f"'{name}' cannot be combined with 'mirostat' (its state is not rewound)", name,
+                  "unsupported_combination")
+
+
 def check_context(req: GenerateRequest, prompt_len: int, card: ModelCard) -> int:
     """Room left for the reply; a prompt that fills the context is a 400."""
     remaining = card.context_length - prompt_len
@@ -182,6 +198,7 @@ def sampling_params(req: GenerateRequest, prompt_len: int, card: ModelCard, tm: 
                     fixed_max_tokens: int | None = None, cap: int | None = None, dry: Dry | None = None
                     ) -> SamplingParams:
     s, d = req.sampling, tm.defaults
+    banned = bool(s.banned_strings or s.banned_regex)
     top_k = d.top_k if s.top_k is None else s.top_k
     # top_k: 0 (or unset) is 50, as the reference says; negative or >= vocabulary is off
     top_k = 50 if top_k == 0 else (0 if top_k < 0 or top_k >= card.vocab_size else top_k)
@@ -206,13 +223,16 @@ def sampling_params(req: GenerateRequest, prompt_len: int, card: ModelCard, tm: 
         logprobs=logprobs,
         prompt_logprobs=prompt_lp,
         constraint=req.effective_constraint[0],
-        # the request's word, else the server's (on only where the executor verifies drafts)
-        speculative=card.speculative if s.speculative is None else s.speculative,
+        # the request's word, else the server's (on only where the executor verifies drafts; not by default
+        # beside banned phrases, whose rewinds cut the drafter's text)
+        speculative=(card.speculative and not banned) if s.speculative is None else s.speculative,
         mtp_k=s.mtp_k,
         dry=dry,
         mirostat=int(s.mirostat),
         mirostat_tau=float(5.0 if s.mirostat_tau is None else s.mirostat_tau),
         mirostat_eta=float(0.1 if s.mirostat_eta is None else s.mirostat_eta),
+        banned_strings=s.banned_strings,
+        banned_regex=s.banned_regex,
     )
 
 

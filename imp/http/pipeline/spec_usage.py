@@ -13,16 +13,18 @@ DETAIL = {
     "no_mtp_head": "this model file has no MTP head; the n-gram matcher ran as the server runs it",
     "executor_cannot_verify": "this engine does not verify drafts (the server runs with --spec-draft-max 0): "
                               "the request decoded one token a step",
+    "banned_phrases": "banned strings or regexes rewind the text the drafter reads: the request decoded one "
+                      "token a step",
 }
 
 
 class SpecTally:
     """The finished choices' counters of one request."""
 
-    __slots__ = ("drafted", "accepted", "verifies", "declined")
+    __slots__ = ("drafted", "accepted", "verifies", "declined", "rewinds")
 
     def __init__(self):
-        self.drafted = self.accepted = self.verifies = 0
+        self.drafted = self.accepted = self.verifies = self.rewinds = 0
         self.declined = ""
 
     def take(self, d) -> None:
@@ -33,12 +35,15 @@ class SpecTally:
         self.accepted += out.spec_accepted
         self.verifies += out.spec_verify_steps
         self.declined = self.declined or out.spec_declined
+        self.rewinds += out.banned_rewinds
 
     def fields(self) -> dict:
-        """The usage keys ({} when nothing speculative happened or was asked)."""
+        """The usage keys ({} when nothing speculative happened or was asked, and no banned phrase rewound);
+        imp_banned_rewinds: the rewinds banned strings / regexes took (imp.core.banned), when any."""
+        u = {"imp_banned_rewinds": self.rewinds} if self.rewinds else {}
         if not self.verifies and not self.declined:
-            return {}
-        u = {"imp_spec_drafted": self.drafted, "imp_spec_accepted": self.accepted,
+            return u
+        u |= {"imp_spec_drafted": self.drafted, "imp_spec_accepted": self.accepted,
              "imp_spec_emitted": self.accepted + self.verifies, "imp_spec_verify_steps": self.verifies}
         if self.declined:
             u["imp_spec_declined"] = self.declined

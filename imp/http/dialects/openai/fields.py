@@ -36,6 +36,9 @@ SAMPLING = {
     "mirostat": B.Num(0, 2, integer=True, default=0),
     "mirostat_tau": B.Num(0),
     "mirostat_eta": B.Num(0),
+    # banned phrases with rewind (imp.core.banned): TabbyAPI's strings, and regexes
+    "banned_strings": B.Read(B.banned_strings),
+    "banned_regex": B.Read(B.banned_regex),
 }
 # what every OpenAI-family generation route takes besides its prompt and sampling
 COMMON = {
@@ -59,7 +62,8 @@ def sampling_of(f: dict, logit_bias: tuple) -> Sampling:
         ignore_eos=f["ignore_eos"], speculative=f["speculative"][0], mtp_k=f["speculative"][1],
         dry_multiplier=float(f["dry_multiplier"]), dry_base=f["dry_base"], dry_allowed_length=f["dry_allowed_length"],
         dry_penalty_last_n=f["dry_penalty_last_n"], dry_sequence_breakers=f["dry_sequence_breakers"],
-        mirostat=f["mirostat"], mirostat_tau=f["mirostat_tau"], mirostat_eta=f["mirostat_eta"])
+        mirostat=f["mirostat"], mirostat_tau=f["mirostat_tau"], mirostat_eta=f["mirostat_eta"],
+        banned_strings=f["banned_strings"], banned_regex=f["banned_regex"])
 
 
 def sampling(body: dict, vocab_size: int) -> Sampling:

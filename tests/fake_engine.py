@@ -61,7 +61,7 @@ class FakeEngine:
             name="fake-model", path="/models/fake-model.gguf", fingerprint="0" * 64,
             context_length=context_length, vocab_size=self.tm.tokenizer.vocab_size, block_size=16, kv_blocks=256,
             kv_bytes_per_token=4096, replicas=1, max_batch_size=8, max_queued_tokens=0, retry_after_s=1.0,
-            device="cpu", created=1_700_000_000,
+            device="cpu", created=1_700_000_000, logit_lens=True,
         )
         self.submissions: list[Submission] = []
         self.cancelled: list[str] = []

@@ -93,7 +93,7 @@ async def test_strict_fields_refuses_an_unknown_field_in_the_dialects_words(make
 
 _OPENAI = ("/v1/chat/completions", "/v1/completions")
 HONOURED = {"dry_multiplier": _OPENAI, "mirostat": _OPENAI, "banned_strings": _OPENAI,  # routes that implement it
-            "banned_regex": _OPENAI}
+            "banned_regex": _OPENAI, "logit_lens": ("/v1/chat/completions",)}
 
 
 @pytest.mark.parametrize("path", list(BODIES))
@@ -207,3 +207,17 @@ async def test_the_anthropic_sdk_with_every_messages_parameter(make):
     r = await sdk.messages.with_raw_response.count_tokens(**common, speed="standard", user_profile_id="p",
                                                            workspace_id="w")
     assert r.http_response.status_code == 200 and "imp-ignored-fields" not in r.headers
+
+
+async def test_the_logit_lens_is_a_400_where_an_executor_cannot_keep_the_residuals(make):
+    """The GPU executor (and the torch CPU forward) keep no per-layer residual: the card says so, and a
+    request asking is told which engine it is talking to, before anything runs."""
+    import msgspec
+
+    c = await make()
+    c.engine.card = msgspec.structs.replace(c.engine.card, logit_lens=False, device="cuda")
+    r = await c.post("/v1/chat/completions", json={"model": "m", "logit_lens": True,
+                                                   "messages": [{"role": "user", "content": "hi"}]})
+    body = await r.json()
+    assert r.status == 400 and body["error"]["param"] == "logit_lens" and "cuda" in body["error"]["message"]
+    assert not c.engine.submissions

@@ -416,6 +416,35 @@ def test_banned_phrases_never_reach_the_client_stream_or_not(cl, imp_server):
     assert st == 400 and "chat/completions" in json.loads(out)["error"]["message"]
 
 
+def test_the_logit_lens_rides_on_each_content_entry_stream_or_not(cl, imp_server):
+    """logit_lens: one {layer, rank, logprob, entropy, top} per layer on every content entry (it implies
+    logprobs), the last layer's the sampled row's at temperature 0 without penalties; the same streamed;
+    the text is the text without it; bad values, and the routes without it, are 400s naming it."""
+    body = dict(model="m", messages=MSGS, max_tokens=5, temperature=0, extra_body={"repetition_penalty": 1.0})
+    plain = cl.chat.completions.create(**body)
+    r = cl.chat.completions.create(**{**body, "extra_body": {"repetition_penalty": 1.0, "logit_lens": 3}})
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens
+    for e in entries:
+        lens = e.model_extra["logit_lens"]
+        assert [x["layer"] for x in lens] == list(range(30)) and all(len(x["top"]) == 3 for x in lens)
+        assert lens[-1]["rank"] == 1 and abs(lens[-1]["logprob"] - e.logprob) < 1e-3
+        assert lens[-1]["top"][0]["token"] == e.token
+    streamed = [c.logprobs.content for ev in cl.chat.completions.create(
+        **{**body, "stream": True, "extra_body": {"repetition_penalty": 1.0, "logit_lens": 3}})
+        for c in ev.choices if c.logprobs]
+    got = [e.model_extra["logit_lens"] for part in streamed for e in part]
+    assert [[x["rank"] for x in L] for L in got] == [[x["rank"] for x in e.model_extra["logit_lens"]]
+                                                    for e in entries]
+    for bad in (21, -1, "yes", 2.5):
+        st, _, out = raw(imp_server, "POST", "/v1/chat/completions", {"model": "m", "messages": MSGS, "logit_lens": bad})
+        assert st == 400 and json.loads(out)["error"]["param"] == "logit_lens", (bad, out)
+    for path, extra in (("/v1/completions", {"prompt": PROMPT}), ("/v1/messages", {"messages": MSGS, "max_tokens": 4})):
+        st, _, out = raw(imp_server, "POST", path, {"model": "m", "logit_lens": True, **extra})
+        assert st == 400 and "chat/completions" in json.loads(out)["error"]["message"], out
+
+
 def test_mirostat_is_seeded_and_its_bad_values_are_400s(imp_server):
     """llama.cpp's mirostat fields on the OpenAI routes: a seed gives the same text (with speculation or without),
     another tau another text; out-of-range values are 400s naming the field."""

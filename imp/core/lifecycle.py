@@ -297,5 +297,7 @@ class RequestBook:
             return "no_mtp_head"
         if p.speculative and not self.config.spec_k_max:
             return "executor_cannot_verify"
-        return "banned_phrases" if p.speculative and p.banned else ""  # a rewind would cut the drafter's text
+        if p.speculative and not p.drafts:  # a rewind would cut the drafter's text; the lens wants each token
+            return "banned_phrases" if p.banned else "logit_lens"
+        return ""
 

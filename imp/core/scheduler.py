@@ -343,14 +343,14 @@ class SchedulerCore(RequestBook):
     def _would_draft(self, s: Seq) -> bool:
         """A speculative decode row whose known tokens end in something seen before."""
         p = s.params
-        if not p.speculative or p.banned or len(s.tokens) <= len(s.req.prompt):  # a rewind cuts the drafter's text
+        if not p.drafts or len(s.tokens) <= len(s.req.prompt):
             return False
         return self._drafter(s).matches(s.tokens)
 
     def _draft(self, s: Seq, start: int, vlen: int, spare: list[int]) -> tuple[int, ...]:
         """The drafted tokens to feed after a decode row's last token (imp.core.spec), within `spare`."""
         p = s.params
-        if not p.speculative or p.banned or vlen <= len(s.req.prompt):
+        if not p.drafts or vlen <= len(s.req.prompt):
             return ()
         bs = self.config.block_size
         held = len(s.table) * bs  # positions its table holds; a draft may take `spare[1]` more blocks

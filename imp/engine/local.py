@@ -101,6 +101,7 @@ class LocalEngine:
             speculative=verifies and draft_max > 0 and (cfg.speculative == "on" or cfg.speculative == "auto" and all(
                 getattr(x, "speculates_by_default", True) for x in self.runners)),
             spec_draft_max=draft_max if verifies else 0,
+            logit_lens=all(getattr(x, "supports_logit_lens", False) for x in self.runners),
         )
 
     # ------------------------------------------------------------------ lifecycle

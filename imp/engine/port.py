@@ -54,6 +54,7 @@ class ModelCard(_Value):
     created: int  # unix seconds the engine came up
     speculative: bool = False  # a request that does not say speculates (--speculative on, and the executor verifies)
     spec_draft_max: int = 0  # 0: this engine never speculates (the executor cannot verify drafts, or --spec-draft-max 0)
+    logit_lens: bool = False  # every executor keeps each layer's residual (the fused CPU forward)
 
 
 class Rates(_Value):

@@ -77,6 +77,8 @@ class SamplingParams(Struct):
     # bans that token there (SeqWork.banned); strings match ASCII-case-insensitively, regexes are Python `re`
     banned_strings: tuple[str, ...] = ()
     banned_regex: tuple[str, ...] = ()
+    # the logit lens: top N per layer (0 = off); SampledToken.lens
+    logit_lens: int = 0
 
     # The sampling policy, decided here once: every runner, sampler and the
     # scheduler ask these instead of re-testing the fields.
@@ -84,6 +86,12 @@ class SamplingParams(Struct):
     def banned(self) -> bool:
         """Banned strings or regexes: the scheduler watches the text and rewinds."""
         return bool(self.banned_strings or self.banned_regex)
+
+    @property
+    def drafts(self) -> bool:
+        """Drafted tokens may be fed for it (speculation asked): not where a rewind cuts the text the
+        drafter reads (banned phrases), nor where each token wants its own forward (the logit lens)."""
+        return self.speculative and not self.banned and not self.logit_lens
 
     @property
     def greedy(self) -> bool:

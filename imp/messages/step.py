@@ -23,6 +23,17 @@ class PromptLogprob(Struct):
     top: tuple[tuple[int, float], ...] = ()
 
 
+class LensLayer(Struct):
+    """The logit lens at one layer (params.logit_lens): the final norm and LM head on the residual after
+    that layer, its raw distribution: the sampled token's rank (1 = the most likely) and logprob, the
+    entropy in nats, and the top N (token id, logprob)."""
+
+    rank: int
+    logprob: float
+    entropy: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class SampledToken(Struct):
     seq_id: str
     token_id: int
@@ -37,6 +48,8 @@ class SampledToken(Struct):
     # mirostat: the sequence's mu after this draw (imp.sampling.mirostat); the scheduler keeps it for a
     # re-admission, so a preempted sequence goes on with the same state
     mu: float | None = None
+    # the logit lens (params.logit_lens > 0): one entry per layer, first layer first
+    lens: tuple[LensLayer, ...] = ()
 
 
 class SeqWork(Struct):

@@ -150,10 +150,11 @@ class FusedModel:
         raw, qtype, dim = self.tok_embd
         return np.array(dequantize(raw[tokens], qtype, (len(tokens), dim)), dtype=np.float32)
 
-    def forward(self, tokens, plan, cache, lora=None) -> np.ndarray:
+    def forward(self, tokens, plan, cache, lora=None, keep_rows=None):
         """tokens [N] -> logits [B, vocab] fp32 at plan.last_rows. plan: paged.RowsPlan (or a
         torch AttnPlan: its CPU tensors are read as numpy). lora: (lo, la, lb, scale, row slots
-        [N]) from imp.model.lora, or None."""
+        [N]) from imp.model.lora, or None. keep_rows (the logit lens): rows whose residual after
+        each layer is kept; then (logits, residuals [L, len(keep_rows), d]) are returned."""
         cfg = self.cfg
         tokens, positions = np.asarray(tokens, dtype=np.int64), np.asarray(plan.positions, dtype=np.int64)
         x = self.embed(tokens)  # [N, d] fp32
@@ -163,14 +164,35 @@ class FusedModel:
         top = int(positions.max()) if positions.size else 0
         cos_g, sin_g = self.rope_g.upto(top)
         cos_l, sin_l = self.rope_l.upto(top)
-        cf.forward_layers(
-            self.blob, self.mats, self.fv, self.fo, self.sliding, x,
-            positions, np.asarray(plan.slots, dtype=np.int64), plan.tables, plan.row_tab,
-            cos_g, sin_g, cos_l, sin_l, kc, vc, cache.num_blocks, cache.block_size,
-            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.window, self.neox, self.act,
-            np.float32(cfg.rms_eps), np.float32(self.scale),
-            *(lora if lora is not None else (*self._no_lora, np.full(x.shape[0], -1, np.int64))), self.kinds,
-        )
+        lo = lora if lora is not None else (*self._no_lora, np.full(x.shape[0], -1, np.int64))
+
+        def layers(a: int, b: int):  # layers a..b-1: their slices of every per-layer array (the same types)
+            per = kc.size // cfg.n_layers
+            whole = (a, b) == (0, cfg.n_layers)
+            cut = (lambda v: v) if whole else (lambda v: np.ascontiguousarray(v[a:b]))
+            cf.forward_layers(
+                self.blob, cut(self.mats), self.fv, cut(self.fo), cut(self.sliding), x,
+                positions, np.asarray(plan.slots, dtype=np.int64), plan.tables, plan.row_tab,
+                cos_g, sin_g, cos_l, sin_l, kc[a * per:b * per], vc[a * per:b * per], cache.num_blocks,
+                cache.block_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.window, self.neox, self.act,
+                np.float32(cfg.rms_eps), np.float32(self.scale),
+                lo[0] if whole else np.ascontiguousarray(lo[0][:, a:b]), *lo[1:], self.kinds,
+            )
+
+        resid = None
+        if keep_rows is None:
+            layers(0, cfg.n_layers)
+        else:  # one layer at a time, the kept rows' residual after each (the same arithmetic as one call)
+            keep = np.asarray(keep_rows, dtype=np.int64)
+            resid = np.empty((cfg.n_layers, keep.size, cfg.d_model), np.float32)
+            for layer in range(cfg.n_layers):
+                layers(layer, layer + 1)
+                resid[layer] = x[keep]
+        logits = self._final(x, plan)
+        return logits if resid is None else (logits, resid)
+
+    def _final(self, x: np.ndarray, plan) -> np.ndarray:
+        cfg = self.cfg
         rows = np.asarray(plan.last_rows, dtype=np.int64)
         if rows.size == 0:
             return np.empty((0, cfg.vocab_size), np.float32)
@@ -181,6 +203,27 @@ class FusedModel:
             cap = np.float32(self.final_softcap)
             logits = np.tanh(logits / cap) * cap
         return logits
+
+    def lens(self, resid: np.ndarray, token: int, top_n: int) -> list[tuple[int, float, float, list]]:
+        """The logit lens of one row: resid [L, d] (its residual after each layer) -> per layer (rank of
+        `token` (1 = the most likely), its logprob, the entropy in nats, the top_n (id, logprob)) of the raw
+        distribution the final norm and LM head give that residual."""
+        cfg = self.cfg
+        h = np.empty_like(resid)
+        cf._rms_norm_rows(np.ascontiguousarray(resid), self.out_norm, 0, np.float32(cfg.rms_eps), h)
+        z = self.head_logits(h).astype(np.float64)  # [L, vocab]
+        if self.final_softcap:
+            z = np.tanh(z / self.final_softcap) * self.final_softcap
+        z -= z.max(axis=1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+        out = []
+        for row in logp:
+            ent = float(-(np.exp(row) * row).sum())
+            top = np.argpartition(-row, top_n - 1)[:top_n]
+            top = top[np.lexsort((top, -row[top]))]  # largest first, ties: lower id first
+            out.append((1 + int((row > row[token]).sum()), float(row[token]), ent,
+                        [(int(i), float(row[i])) for i in top]))
+        return out
 
     def compile_layer_parts(self, cache) -> None:
         """Compile the layers' non-GEMM kernels with the types forward() gives them, running

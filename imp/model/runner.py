@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from imp.messages import SampledToken, SeqWork
+from imp.messages import LensLayer, SampledToken, SeqWork
 from imp.model.fused import FusedModel, Unsupported
 from imp.formats.gguf_loader import ModelConfig, open_gguf
 from imp.model import paged, team
@@ -37,6 +37,7 @@ from imp.sampling.cpu import apply_bans, sample
 from imp.sampling.mirostat import MirostatState
 from imp.sampling.verify import verify
 
+import msgspec
 import numba
 import numpy as np
 
@@ -197,7 +198,13 @@ class ModelRunner:
     def _forward(self, tokens, plan, kw):
         with self._lock:
             self._threads()
-            return host(self.model.forward(tokens, plan, self.cache, **kw))  # torch forwards: to numpy
+            out = self.model.forward(tokens, plan, self.cache, **kw)
+            if "keep_rows" in kw:  # (logits, residuals): the logit lens (fused only)
+                return out
+            return host(out)  # torch forwards: to numpy
+
+    # the logit lens reads each layer's residual (FusedModel.forward keep_rows): the fused GGUF forward only
+    supports_logit_lens = property(lambda self: self.fused)
 
     supports_lora = property(lambda self: isinstance(self.model, FusedModel))
     # a share may feed drafted tokens (SeqWork.draft): every forward here scores any rows asked for
@@ -233,7 +240,14 @@ class ModelRunner:
 
             plan.last_rows = torch.from_numpy(plan.last_rows)
         kw = self._lora_args(seqs, lora)
-        logits = self._forward(tokens, plan, kw)  # [len(rows), vocab]
+        lens = [i for i in sample_at if seqs[i].params.logit_lens > 0 and not seqs[i].draft]
+        if lens:
+            if not self.supports_logit_lens:
+                raise ValueError("the logit lens needs the fused GGUF forward")
+            kw["keep_rows"] = [rows[sample_at[i]] for i in lens]
+            logits, resid = self._forward(tokens, plan, kw)
+        else:
+            logits = self._forward(tokens, plan, kw)  # [len(rows), vocab]
         drawn = {}
         for i in [i for i in sample_at if seqs[i].draft]:  # verify shares: each its draft + 1 rows
             w, first = seqs[i], sample_at.pop(i)
@@ -250,4 +264,9 @@ class ModelRunner:
             if any(w.banned for w in works):  # sel is its own rows (a copy, or logits no plp row reads)
                 apply_bans(sel, works)
             drawn.update(zip(order, sample(sel, works, own=True)))
+        for k, i in enumerate(lens):  # the sampled token's rank and logprob at every layer
+            t = drawn[i]
+            layers = self.model.lens(resid[:, k], t.token_id, seqs[i].params.logit_lens)
+            drawn[i] = msgspec.structs.replace(t, lens=tuple(LensLayer(r, lp, e, tuple(top))
+                                                             for r, lp, e, top in layers))
         return with_prompt_logprobs(seqs, drawn, plp_at, logits)

@@ -198,6 +198,18 @@ def banned_regex(body: dict, name: str = "banned_regex") -> tuple[str, ...]:
     return tuple(v)
 
 
+def logit_lens(body: dict, name: str = "logit_lens") -> int:
+    """true = the top 5 per layer, 1..20 = the top N, false / 0 / absent = off."""
+    v = body.get(name)
+    if v is None or v is False or v == 0:
+        return 0
+    if v is True:
+        return 5
+    if isinstance(v, int) and 1 <= v <= 20:
+        return v
+    raise bad(f"'{name}' must be true, false or an integer 1..20 (the top N per layer)", name)
+
+
 def session_id(body: dict) -> str:
     sid = string(body, "session_id", "")
     if len(sid) > 256 or any(not c.isprintable() for c in sid):

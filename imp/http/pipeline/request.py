@@ -80,6 +80,7 @@ class Sampling(_Value):
     mirostat_eta: float | None = None
     banned_strings: tuple[str, ...] = ()  # phrases that rewind (imp.core.banned)
     banned_regex: tuple[str, ...] = ()
+    logit_lens: int = 0  # top N per layer (chat)
 
 
 class GenerateRequest(_Value):

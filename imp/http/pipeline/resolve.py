@@ -126,10 +126,14 @@ def _chat(req: GenerateRequest, tm: TextModel) -> Prompt:
     return Prompt(ids, "".join(t for t, _ in parts), prompt_opens_think(tail))
 
 
-def check_banned(req: GenerateRequest) -> None:
-    """Banned phrases rewind what the model wrote; a grammar's state, a forced tool call and mirostat's mu
-    would each have to be rewound with it (the API reference refuses the pairs)."""
+def check_sampling_table(req: GenerateRequest, card: ModelCard) -> None:
+    """The pairs the API reference refuses, and what this engine cannot do. Banned phrases rewind what the
+    model wrote; a grammar's state, a forced tool call and mirostat's mu would each have to be rewound
+    with it. The logit lens needs each layer's residual: the fused CPU forward keeps it, not the GPU's."""
     s = req.sampling
+    if s.logit_lens and not card.logit_lens:
+        raise bad(f"'logit_lens' is not available on this engine ({card.device}): it needs the CPU executor's fused "
+                  "GGUF forward", "logit_lens", "unsupported_parameter")
     if not (s.banned_strings or s.banned_regex):
         return
     name = "banned_strings" if s.banned_strings else "banned_regex"
@@ -198,7 +202,7 @@ def sampling_params(req: GenerateRequest, prompt_len: int, card: ModelCard, tm: 
                     fixed_max_tokens: int | None = None, cap: int | None = None, dry: Dry | None = None
                     ) -> SamplingParams:
     s, d = req.sampling, tm.defaults
-    banned = bool(s.banned_strings or s.banned_regex)
+    one_at_a_time = bool(s.banned_strings or s.banned_regex or s.logit_lens)  # SamplingParams.drafts
     top_k = d.top_k if s.top_k is None else s.top_k
     # top_k: 0 (or unset) is 50, as the reference says; negative or >= vocabulary is off
     top_k = 50 if top_k == 0 else (0 if top_k < 0 or top_k >= card.vocab_size else top_k)
@@ -225,7 +229,7 @@ def sampling_params(req: GenerateRequest, prompt_len: int, card: ModelCard, tm: 
         constraint=req.effective_constraint[0],
         # the request's word, else the server's (on only where the executor verifies drafts; not by default
         # beside banned phrases, whose rewinds cut the drafter's text)
-        speculative=(card.speculative and not banned) if s.speculative is None else s.speculative,
+        speculative=(card.speculative and not one_at_a_time) if s.speculative is None else s.speculative,
         mtp_k=s.mtp_k,
         dry=dry,
         mirostat=int(s.mirostat),
@@ -233,6 +237,7 @@ def sampling_params(req: GenerateRequest, prompt_len: int, card: ModelCard, tm: 
         mirostat_eta=float(0.1 if s.mirostat_eta is None else s.mirostat_eta),
         banned_strings=s.banned_strings,
         banned_regex=s.banned_regex,
+        logit_lens=int(s.logit_lens),
     )
 
 

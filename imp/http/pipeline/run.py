@@ -71,7 +71,7 @@ async def run(request: web.Request, dialect: Dialect, headers: dict[str, str]) -
     req, extra = await dialect.parse(body, ParseContext(tm, port))
     if dry:  # the capacity estimate; nothing runs
         return web.json_response(await estimate_for(request, req))
-    resolve.check_banned(req)
+    resolve.check_sampling_table(req, port.card)
     await resolve.compile_constraint(req, request.app[keys.GRAMMARS])
     resolve.check_size(req, tm, port.card)
     # on a worker thread: templating and tokenizing a large prompt never stall other streams

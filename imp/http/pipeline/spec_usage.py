@@ -15,6 +15,7 @@ DETAIL = {
                               "the request decoded one token a step",
     "banned_phrases": "banned strings or regexes rewind the text the drafter reads: the request decoded one "
                       "token a step",
+    "logit_lens": "the logit lens reads every layer of each token's own forward: the request decoded one token a step",
 }
 
 

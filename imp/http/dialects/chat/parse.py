@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 
+import msgspec
+
 from imp.http.dialects.openai import fields as openai_fields
 from imp.http.errors import bad
 from imp.http.pipeline import fields as B
@@ -39,7 +41,8 @@ _PARTS = Parts(text=frozenset({"text", "input_text"}),
                media=frozenset({"image_url", "input_image", "image", "input_audio", "audio", "video", "video_url", "file"}))
 # the scalar fields, read in one pass (messages, tools, response_format and the template's
 # options have readers of their own above and in imp.http.pipeline)
-FIELDS = {**openai_fields.COMMON, **openai_fields.SAMPLING, **openai_fields.LOGPROBS}
+FIELDS = {**openai_fields.COMMON, **openai_fields.SAMPLING, **openai_fields.LOGPROBS,
+          "logit_lens": B.Read(B.logit_lens)}  # chat only (the API reference's row)
 # every top-level field the chat route takes: honoured, without effect by nature (NO_OPS), or
 # refused with its reason (_REFUSED, request templates); the pipeline reports any other
 TAKEN = frozenset({
@@ -187,6 +190,8 @@ def parse(body: dict, vocab_size: int, template_source: str = "") -> GenerateReq
     logprobs, top = f["logprobs"], f["top_logprobs"]
     if top is not None and not logprobs:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    if f["logit_lens"]:  # it implies logprobs: the lens rides on each content entry
+        logprobs, sampling = True, msgspec.structs.replace(sampling, logit_lens=f["logit_lens"])
     return GenerateRequest(
         endpoint="chat_completions", model=model, messages=messages, **opts, sampling=sampling,
         max_tokens=c.max_tokens, n=c.n, stop=c.stop, stream=c.stream, include_usage=c.include_usage,

@@ -32,6 +32,10 @@ def chat_content(tok, items, top_n: int) -> list[dict]:
     for st in items:
         e = _chat_entry(tok, st.token_id, st.logprob)
         e["top_logprobs"] = [_chat_entry(tok, t, lp) for t, lp in st.top[:top_n]]
+        if st.lens:  # the logit lens: one entry per layer, first layer first
+            e["logit_lens"] = [{"layer": i, "rank": x.rank, "logprob": _num(x.logprob), "entropy": _num(x.entropy),
+                                "top": [{"token": token_text(tok, t), "logprob": _num(lp)} for t, lp in x.top]}
+                               for i, x in enumerate(st.lens)]
         out.append(e)
     return out
 

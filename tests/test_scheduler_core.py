@@ -119,9 +119,10 @@ class Sim:
 
     # ------------------------------------------------------------- driving
 
-    def submit(self, req_id, prompt, params, n=1, priority=0, salt="", cache_prompt=False, session_id=""):
+    def submit(self, req_id, prompt, params, n=1, priority=0, salt="", cache_prompt=False, session_id="",
+               cfg_prompt=()):
         m = Submit(req_id, tuple(prompt), params, self.now, n, priority, salt,
-                   cache_prompt=cache_prompt, session_id=session_id)
+                   cache_prompt=cache_prompt, session_id=session_id, cfg_prompt=tuple(cfg_prompt))
         self.submits[req_id] = m
         self._collect(self.router.send([("ingress", "admission", m)]))
 
@@ -191,24 +192,27 @@ class Sim:
         bs, writers, ends = self.bs, {}, []
         prev, self.prev_sampled = self.prev_sampled, {}
         # KeyError: a share came without params never sent, or with less history kept than it needs
+        ends_of = {w.seq_id: w.start_pos + len(w.token_ids) for w in plan.seqs}
         for w in attach_state(plan, self.kept_params, self.kept_hists):
-            req, index = w.seq_id.rsplit("#", 1)
+            req, index, prompt, main_id = self._who(w.seq_id)
             m = self.submits[req]
-            assert w.params.seed == m.params.seed + int(index)
+            assert w.params.seed == m.params.seed + int(index) or main_id != w.seq_id
+            if w.guide:  # classifier-free guidance: the shadow's share ends at the same generated index
+                assert w.sample and ends_of[w.guide] - len(m.cfg_prompt) == ends_of[w.seq_id] - len(m.prompt), w
             assert w.pending <= 1 and (PENDING_TOKEN in w.token_ids) == (w.pending == 1), w
             if w.pending:
                 assert w.token_ids == (PENDING_TOKEN,) and w.sample, w
                 if w.seq_id not in prev:  # the step that sampled it failed: the sequence has ended
-                    assert (req, int(index)) in self.finish, f"{w.seq_id}: nothing to resolve its token from"
+                    assert (req, index) in self.finish, f"{w.seq_id}: nothing to resolve its token from"
                     continue
                 w = fill(w, prev[w.seq_id])  # as the executor does
 
-            def expect(p, m=m, w=w):
-                if p < len(m.prompt):
-                    return (m.salt, m.prompt[p])
-                g = p - len(m.prompt)  # a rewound sequence's latest draw there (banned phrases)
-                d = self.drawn.get((w.seq_id, g))
-                return (m.salt, d if d is not None else self.token(w.params.seed, g, w.seq_id))
+            def expect(p, m=m, prompt=prompt, main_id=main_id, seed=m.params.seed + index):
+                if p < len(prompt):
+                    return (m.salt, prompt[p])
+                g = p - len(prompt)  # a rewound sequence's latest draw there (banned phrases); a shadow's: its choice's
+                d = self.drawn.get((main_id, g))
+                return (m.salt, d if d is not None else self.token(seed, g, main_id))
 
             end = w.start_pos + len(w.token_ids)
             assert len(w.token_ids) >= 1 and len(w.block_table) * bs >= end
@@ -220,11 +224,11 @@ class Sim:
                 b = w.block_table[p // bs]
                 assert writers.setdefault(b, w.seq_id) == w.seq_id, f"block {b} written by two sequences"
                 self.mem[b][p % bs] = (m.salt, t)  # a draft token as fed: a wrong guess is garbage to write over
-            ends.append((w, end, expect, m))
+            ends.append((w, end, expect, m, prompt))
         out = []
-        for w, end, expect, m in ends:  # attention reads, after the whole batch wrote
-            req, index = w.seq_id.rsplit("#", 1)
-            if (req, int(index)) in self.finish:
+        for w, end, expect, m, prompt in ends:  # attention reads, after the whole batch wrote
+            req, index, _, _ = self._who(w.seq_id)
+            if (req, index) in self.finish:
                 continue  # a share planned before its sequence ended (pipelined): what it reads is never used
             draft = w.token_ids[len(w.token_ids) - w.draft:] if w.draft else ()
             kept = 0  # a verify: the draft up to its first token the model does not sample there
@@ -233,7 +237,7 @@ class Sim:
             for p in range(end - len(draft) + kept):  # what the rows that count read
                 assert self.mem[w.block_table[p // bs]][p % bs] == expect(p), (w.seq_id, p)
             if w.sample:
-                assert end - len(draft) == len(m.prompt) + w.gen_index
+                assert end - len(draft) == len(prompt) + w.gen_index
                 penalty = m.params.needs_history  # penalties count them, a grammar follows them
                 gen = [expect(len(m.prompt) + g)[1] for g in range(w.gen_index)]
                 assert w.history == (tuple(gen) if penalty else ()), (w.history, gen)
@@ -244,6 +248,15 @@ class Sim:
                 self.prev_sampled[w.seq_id] = out[-1].token_id
         record_samples(out, self.kept_hists)  # as the executor does before it sends the result
         return out
+
+    def _who(self, seq_id):
+        """(request, choice index, the prompt the sequence decodes after, its choice's id): a shadow
+        ("r#0.cfg", classifier-free guidance) decodes its choice's tokens after the request's cfg_prompt."""
+        req, index = seq_id.rsplit("#", 1)
+        shadow = index.endswith(".cfg")
+        index = int(index.removesuffix(".cfg"))
+        m = self.submits[req]
+        return req, index, m.cfg_prompt if shadow else m.prompt, f"{req}#{index}"
 
     def draw(self, seed, g, sid, banned=()):
         """The fake model's token, or with banned ones (a rewind's) the first of its retries not banned."""

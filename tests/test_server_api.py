@@ -438,11 +438,46 @@ def test_the_logit_lens_rides_on_each_content_entry_stream_or_not(cl, imp_server
     assert [[x["rank"] for x in L] for L in got] == [[x["rank"] for x in e.model_extra["logit_lens"]]
                                                     for e in entries]
     for bad in (21, -1, "yes", 2.5):
-        st, _, out = raw(imp_server, "POST", "/v1/chat/completions", {"model": "m", "messages": MSGS, "logit_lens": bad})
+        st, _, out = raw(imp_server, "POST", "/v1/chat/completions",
+                         {"model": "m", "messages": MSGS, "logit_lens": bad})
         assert st == 400 and json.loads(out)["error"]["param"] == "logit_lens", (bad, out)
     for path, extra in (("/v1/completions", {"prompt": PROMPT}), ("/v1/messages", {"messages": MSGS, "max_tokens": 4})):
         st, _, out = raw(imp_server, "POST", path, {"model": "m", "logit_lens": True, **extra})
         assert st == 400 and "chat/completions" in json.loads(out)["error"]["message"], out
+
+
+def test_cfg_scale_guides_by_the_system_message_and_refuses_what_it_cannot_guide(cl, imp_server):
+    """Classifier-free guidance on chat: the same greedy text every time, streamed or not, another text than
+    without it (the system message pushed harder), another again with a negative prompt; the pool whole after;
+    the pairs the reference refuses (no system message nor negative prompt, tools, banned strings) and n > 1
+    are 400s naming cfg_scale; a route without it says which route has it."""
+    msgs = [{"role": "system", "content": "You are a pirate. Always talk like a pirate."},
+            {"role": "user", "content": "Tell me about the sea in one sentence."}]
+    body = dict(model="m", messages=msgs, max_tokens=24, temperature=0)
+
+    def text(stream=False, **kw):
+        r = cl.chat.completions.create(**body, stream=stream, extra_body=kw)
+        if not stream:
+            return r.choices[0].message.content
+        return "".join(c.delta.content or "" for ev in r for c in ev.choices)
+
+    plain, guided = text(), text(cfg_scale=3)
+    assert guided != plain and guided == text(cfg_scale=3) == text(stream=True, cfg_scale=3)
+    assert text(cfg_scale=3, cfg_negative_prompt="You are a polite librarian.") not in (plain, guided)
+    assert text(cfg_scale=1) == plain  # 1 = off
+    health = json.loads(raw(imp_server, "GET", "/health")[2])
+    assert health["kv_blocks_used"] == 0 and health["kv_blocks_reserved"] == 0
+    req = {"model": "m", "messages": msgs, "max_tokens": 4, "cfg_scale": 2}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    for bad in ({"messages": msgs[1:]}, {"tools": tools}, {"banned_strings": ["x"]}, {"n": 2}, {"cfg_scale": 11},
+                {"cfg_scale": 0.5}):
+        st, _, out = raw(imp_server, "POST", "/v1/chat/completions", {**req, **bad})
+        assert st == 400 and json.loads(out)["error"]["param"] == "cfg_scale", (bad, out)
+    st, _, out = raw(imp_server, "POST", "/v1/chat/completions", {**req, "messages": msgs[1:],
+                                                                  "cfg_negative_prompt": "Be dull."})
+    assert st == 200, out  # no system message, but a negative prompt: guided
+    st, _, out = raw(imp_server, "POST", "/v1/messages", {**req, "messages": msgs[1:]})
+    assert st == 400 and "chat/completions" in json.loads(out)["error"]["message"]
 
 
 def test_mirostat_is_seeded_and_its_bad_values_are_400s(imp_server):

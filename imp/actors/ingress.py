@@ -86,6 +86,7 @@ class IngressActor(Actor):
         prompt_tail: list[int] | None = None,
         cache_prompt: bool = False,
         session_id: str = "",
+        cfg_prompt: tuple[int, ...] = (),
     ) -> RequestHandle:
         if req_id in self.handles:
             raise ValueError(f"duplicate request id {req_id}")
@@ -95,7 +96,7 @@ class IngressActor(Actor):
         self.send(
             "admission",
             Submit(req_id, tuple(prompt), params, time.monotonic_ns(), n, priority, salt,
-                   cache_prompt, session_id),
+                   cache_prompt, session_id, tuple(cfg_prompt)),
         )
         return h
 

@@ -103,6 +103,9 @@ class AdmissionCore:
         if n_prompt + 1 > capacity:
             return reject(400, "context_length_exceeded",
                           f"prompt of {n_prompt} tokens exceeds KV capacity of {capacity} tokens")
+        if len(m.cfg_prompt) + 1 > min(capacity, c.max_context):
+            return reject(400, "context_length_exceeded",
+                          f"the guidance prompt of {len(m.cfg_prompt)} tokens exceeds the KV capacity or context")
         if n_prompt + 1 > c.max_context:
             return reject(400, "context_length_exceeded",
                           f"prompt of {n_prompt} tokens exceeds the model context of {c.max_context} tokens")
@@ -117,6 +120,8 @@ class AdmissionCore:
         self.inflight[m.req_id] = n_prompt
         self.queued_tokens += n_prompt
         reserved = self.reserve(n_prompt, m.params.max_tokens, m.n)
+        if m.cfg_prompt:  # classifier-free guidance: each choice's shadow holds a sequence of its own
+            reserved = min(c.num_blocks, reserved + m.n * self.reserve(len(m.cfg_prompt), m.params.max_tokens, 1))
         r = pick(self.loads, self.sessions.get(m.session_id) if m.session_id else None)
         if m.session_id:
             self.sessions.pop(m.session_id, None)

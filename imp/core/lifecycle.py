@@ -24,7 +24,8 @@ import msgspec
 from imp.core.banned import BanWatch, Texts
 from imp.core.core import CoreError, Out
 from imp.core.schedstate import Req, SchedulerConfig, Seq, Status
-from imp.messages import Enqueue, Finished, FinishReason, KvOp, Reject, SampledToken, TokenOut, TokenTexts
+from imp.messages import (Enqueue, Finished, FinishReason, KvOp, Reject, SampledToken, SamplingParams, TokenOut,
+                          TokenTexts)
 
 
 class RequestBook:
@@ -62,7 +63,13 @@ class RequestBook:
             r.seqs.append(Seq(r, i, p))
             if p.banned:
                 r.seqs[-1].watch = BanWatch(self.texts, p.banned_strings, p.banned_regex)
+            if p.cfg_scale != 1.0 and m.cfg_prompt:  # its shadow (imp.core.guide): a plain greedy row, never drawn
+                s = r.seqs[-1]
+                s.shadow = Seq(r, i, SamplingParams(max_tokens=p.max_tokens, stop_token_ids=p.stop_token_ids,
+                                                    lora=p.lora), prompt=m.cfg_prompt, guided=s)
         self._set(r.seqs[0], Status.WAITING)
+        if r.seqs[0].shadow is not None:
+            self._set(r.seqs[0].shadow, Status.WAITING)
 
     def _texts(self, m: TokenTexts) -> None:
         self.texts = Texts(m.blob, m.offsets)
@@ -79,12 +86,15 @@ class RequestBook:
             s.tokens.append(x.token_id)
             if x.token_id in p.stop_token_ids and (not p.ignore_eos or p.constrained):  # a grammar ends at EOS
                 reason = FinishReason.STOP
-            elif len(s.tokens) - len(r.prompt) >= p.max_tokens or len(s.tokens) >= self.max_len:
+            elif len(s.tokens) - len(r.prompt) >= p.max_tokens or len(s.tokens) >= self.max_len or (
+                    s.shadow is not None and len(s.shadow.tokens) + 1 >= self.max_len):
                 reason = FinishReason.LENGTH
             if reason:
                 ts = ts[:i + 1]
                 s.num_computed = min(s.num_computed, len(s.tokens))  # past a dropped draft token: not its KV
                 break
+        if s.shadow is not None:  # the shadow decodes the choice's tokens
+            s.shadow.tokens.extend(x.token_id for x in ts)
         if ts[-1].mu is not None:  # mirostat's state after the last token kept (a re-admission resumes it)
             s.mu = ts[-1].mu
         ids = [x.token_id for x in ts] if len(ts) > 1 else [t.token_id]
@@ -178,6 +188,10 @@ class RequestBook:
                 continue
             s.epoch, s.ahead, s.pending = s.epoch + 1, 0, 0  # work in flight fed the old context
             s.tokens.extend(ids)
+            if s.shadow is not None:
+                g = s.shadow
+                g.epoch, g.ahead, g.pending = g.epoch + 1, 0, 0
+                g.tokens.extend(ids)
             s.send_params = True  # the executor's kept history has a dropped token and lacks ids: send it anew
             if s.watch is not None:  # forced text is the client's, not the model's: out with what was held
                 for x in ids:
@@ -190,6 +204,11 @@ class RequestBook:
         if s.in_kv:
             self._free(s)
         self._set(s, Status.FINISHED)
+        g = s.shadow
+        if g is not None and g.status is not Status.FINISHED:  # its shadow ends with it
+            if g.in_kv:
+                self._free(g)
+            self._set(g, Status.FINISHED)
         if s.index == 0:  # ended before its first token (a cancel of choice 0): don't strand them
             self._release_siblings(s.req)
         if s.req.n_live == 0:
@@ -210,6 +229,8 @@ class RequestBook:
         for sib in r.seqs[1:]:
             if sib.status is Status.HELD:
                 self._set(sib, Status.WAITING)
+                if sib.shadow is not None:
+                    self._set(sib.shadow, Status.WAITING)
 
     def _advance(self, now_ns: int, out: Out) -> None:
         self.now = max(self.now, now_ns)
@@ -245,7 +266,7 @@ class RequestBook:
                 self._reserved_running += s.req.reserved
             self._admits += 1
             s.admit_no = self._admits
-        elif new is Status.FINISHED:
+        elif new is Status.FINISHED and s.guided is None:  # a shadow is not a choice
             s.req.n_live -= 1
         assert len(self.running) <= self.config.max_batch_size
 

@@ -81,11 +81,20 @@ class Req:
 class Seq:
     __slots__ = ("id", "req", "index", "params", "tokens", "status", "num_computed", "num_reported", "table", "in_kv",
                  "admit_no", "plp", "plp_sent", "epoch", "ahead", "pending", "send_params", "drafter", "spec_inflight",
-                 "spec_drafted", "spec_accepted", "spec_verifies", "opened", "mu", "watch", "bans", "emitted", "held_lp")
+                 "spec_drafted", "spec_accepted", "spec_verifies", "opened", "mu", "watch", "bans", "emitted", "held_lp",
+                 "n_prompt", "shadow", "guided")
 
-    def __init__(self, req: Req, index: int, params):
+    def __init__(self, req: Req, index: int, params, prompt: tuple[int, ...] | None = None,
+                 guided: Seq | None = None):
         self.id, self.req, self.index, self.params = f"{req.id}#{index}", req, index, params
-        self.tokens = list(req.prompt)  # prompt + generated
+        self.tokens = list(req.prompt if prompt is None else prompt)  # prompt + generated
+        self.n_prompt = len(self.tokens)
+        # classifier-free guidance: a choice's shadow sequence (decoding the same tokens after another prompt),
+        # and on the shadow the choice it guides (imp.core.guide)
+        self.shadow: Seq | None = None
+        self.guided = guided
+        if guided is not None:
+            self.id = f"{req.id}#{index}.cfg"
         self.status = Status.HELD
         self.num_computed = 0  # positions whose KV is written
         self.num_reported = 0  # of those, reported to kv (for prefix hashing)

@@ -56,6 +56,7 @@ import collections
 import msgspec
 
 from imp.core.core import CoreError, Out
+from imp.core.guide import paired_share, unpaired
 from imp.core.itl import ItlBudget
 from imp.core.lifecycle import RequestBook
 from imp.core.schedstate import Phase, SchedulerConfig, Seq, Status, Work
@@ -129,14 +130,14 @@ class SchedulerCore(RequestBook):
             return
         ops, self.frees, self.batch = self.frees, [], []
         budget = c.max_step_tokens
-        n_prompt = lambda s: len(s.req.prompt)  # noqa: E731
+        n_prompt = lambda s: s.n_prompt  # noqa: E731
         decodes = 0  # decode rows planned so far: they come first
         spare = self._spec_spare(budget)  # (draft tokens, KV blocks) drafts may take: never a decode row's
         for s in sorted(self.running, key=lambda s: len(s.tokens) + s.pending - s.num_computed - s.ahead > 1):
             if budget == 0 or len(self.batch) == c.max_batch_size:  # decodes first, then prefill chunks
                 break
-            if s.spec_inflight:
-                continue  # how many of its positions the verify in flight keeps is not known yet
+            if s.spec_inflight or s.guided is not None:
+                continue  # a verify in flight: how many positions it keeps is unknown; a shadow: with its choice
             start, vlen = s.num_computed + s.ahead, len(s.tokens) + s.pending
             if s.pending and spare[0] and vlen - start == 1 and self._would_draft(s):
                 continue  # pipelined: a draft needs the token in flight; this step waits for it
@@ -148,6 +149,11 @@ class SchedulerCore(RequestBook):
                     break
             decodes += vlen - start == 1
             n = min(vlen - start, budget)
+            gn = 0
+            if s.shadow is not None:  # classifier-free guidance: it samples only beside its shadow (imp.core.guide)
+                n, gn, _ = paired_share(s, start, vlen, n, budget, c.max_batch_size - len(self.batch))
+                if n == 0 and gn == 0:
+                    continue
             draft = self._draft(s, start, vlen, spare) if spare[0] and vlen - start == 1 and not s.pending else ()
             if draft:
                 spare[0] -= len(draft)
@@ -155,9 +161,10 @@ class SchedulerCore(RequestBook):
             op = self._grow_op(s, start + n + len(draft))
             ops += [op] if op else []
             w = Work(s, n + len(draft), op is not None, start=start, sample=start + n == vlen, draft=draft)
-            s.ahead, s.pending = s.ahead + w.n, s.pending + w.sample
-            self.batch.append(w)
-            budget -= w.n
+            for w in ([w] if w.n else []) + ([self._shadow_work(s.shadow, gn, ops)] if gn else []):
+                w.seq.ahead, w.seq.pending = w.seq.ahead + w.n, w.seq.pending + w.sample
+                self.batch.append(w)
+                budget -= w.n
         if decodes:  # new prompts beside decode rows: what is left of the ITL target's share
             budget = min(budget, self._prompt_room(budget, decodes))
         reserved, counted, slots = self._reserved(), set(), c.max_batch_size - len(self.running)
@@ -173,7 +180,7 @@ class SchedulerCore(RequestBook):
                 reserved += r.reserved
                 counted.add(r.id)
             lead = r.seqs[0]
-            if (s.index > 0 and len(s.tokens) == len(r.prompt) and lead.status is Status.RUNNING
+            if (s.index > 0 and s.guided is None and len(s.tokens) == len(r.prompt) and lead.status is Status.RUNNING
                     and lead.num_computed >= (len(r.prompt) - 1) // c.block_size * c.block_size):
                 ops.append(KvOp("fork", s.id, len(s.tokens), tuple(s.tokens), parent=lead.id, salt=r.salt))
             else:
@@ -206,11 +213,13 @@ class SchedulerCore(RequestBook):
                 if s.status is Status.FINISHED:  # ended while the op was in flight
                     self._free(s)
                     continue
-                if s.index == 0 and s.req.cached_tokens < 0:
+                if s.index == 0 and s.guided is None and s.req.cached_tokens < 0:
                     s.req.cached_tokens = res.cached_tokens
                 self._set(s, Status.RUNNING)
                 w.start, w.epoch = s.num_computed, s.epoch
                 w.n = min(w.n, len(s.tokens) - w.start, self.new_budget)  # the cached part is free
+                if s.shadow is not None or s.guided is not None:  # a guided pair samples only together
+                    w.n = min(w.n, len(s.tokens) - 1 - w.start)
                 self.new_budget -= w.n
                 w.sample = w.start + w.n == len(s.tokens)
                 s.ahead, s.pending = w.n, int(w.sample)
@@ -221,6 +230,9 @@ class SchedulerCore(RequestBook):
                     failed.append(s)
         self._preempt_for(failed)
         keep = []
+        lost = unpaired([w for w in self.batch if w.seq not in failed and w.seq.status is Status.RUNNING
+                         and w.epoch == w.seq.epoch and not (w.new and w.n == 0)])
+        failed += [x for x in lost if x not in failed]
         for w in self.batch:
             s = w.seq
             if w.draft:  # a verify that does not run (preempted, or its grow failed) holds nothing back
@@ -262,6 +274,8 @@ class SchedulerCore(RequestBook):
             if t is not None and t.prompt and not s.plp_sent:
                 last = s.plp[-1].position if s.plp else 0
                 s.plp += [e for e in t.prompt if e.position > last]  # a recompute scores again
+            if w.sample and s.guided is not None:
+                continue  # a shadow's row served its choice's draw; its tokens are the choice's (lifecycle)
             if w.sample:
                 if t is None or s.num_computed != len(s.tokens) + kept or kept > len(w.draft):
                     raise CoreError(f"step {msg.step} sampled nothing for {s.id} at {s.num_computed}")
@@ -292,7 +306,7 @@ class SchedulerCore(RequestBook):
     def _work(self, w: Work) -> SeqWork:
         s, p = w.seq, w.seq.params
         start, end, sample = w.start, w.start + w.n, w.sample
-        n_prompt, known = len(s.req.prompt), len(s.tokens)
+        n_prompt, known = s.n_prompt, len(s.tokens)
         n_gen = max(known, end) - n_prompt
         sent = p if s.send_params else None  # the executor keeps them from the first share of an admission
         s.send_params = False
@@ -320,8 +334,9 @@ class SchedulerCore(RequestBook):
             hist = tuple(s.tokens[n_prompt:known]) if sent is not None else ()  # keeps it, appends its samples)
         else:
             hist = tuple(s.tokens[n_prompt:end]) if sample else ()
+        guide = s.shadow.id if sample and s.shadow is not None else ""  # paired: its shadow samples beside it
         return SeqWork(s.id, toks, start, s.table, sample, sent, gen_index=n_gen, history=hist, pending=pending, mu=mu,
-                       banned=banned)
+                       banned=banned, guide=guide)
 
     # ------------------------------------------------------------------ helpers
 
@@ -343,18 +358,18 @@ class SchedulerCore(RequestBook):
     def _would_draft(self, s: Seq) -> bool:
         """A speculative decode row whose known tokens end in something seen before."""
         p = s.params
-        if not p.drafts or len(s.tokens) <= len(s.req.prompt):
+        if not p.drafts or len(s.tokens) <= s.n_prompt:
             return False
         return self._drafter(s).matches(s.tokens)
 
     def _draft(self, s: Seq, start: int, vlen: int, spare: list[int]) -> tuple[int, ...]:
         """The drafted tokens to feed after a decode row's last token (imp.core.spec), within `spare`."""
         p = s.params
-        if not p.drafts or vlen <= len(s.req.prompt):
+        if not p.drafts or vlen <= s.n_prompt:
             return ()
         bs = self.config.block_size
         held = len(s.table) * bs  # positions its table holds; a draft may take `spare[1]` more blocks
-        cap = min(self.config.spec_k_max, spare[0], p.max_tokens - (vlen - len(s.req.prompt)) - 1,
+        cap = min(self.config.spec_k_max, spare[0], p.max_tokens - (vlen - s.n_prompt) - 1,
                   self.max_len - vlen - 1, max(held, -(-(start + 1) // bs) * bs) + spare[1] * bs - start - 1)
         if cap <= 0:
             return ()
@@ -364,6 +379,14 @@ class SchedulerCore(RequestBook):
         draft = d.propose(s.tokens, cap) if cap > 0 else ()
         spare[1] -= max(0, -(-(start + 1 + len(draft)) // bs) - max(len(s.table), -(-(start + 1) // bs)))
         return draft
+
+    def _shadow_work(self, g: Seq, n: int, ops: list) -> Work:
+        """A shadow's share of n positions from where it stands (it samples when it reaches its end: beside
+        its choice, imp.core.guide)."""
+        start = g.num_computed + g.ahead
+        op = self._grow_op(g, start + n)
+        ops += [op] if op else []
+        return Work(g, n, op is not None, start=start, sample=start + n == len(g.tokens))
 
     def _prompt_room(self, budget: int, decodes: int) -> int:
         """Prompt tokens this step may still compute beside its `decodes` decode rows: the ITL

@@ -33,6 +33,7 @@ class Submission(_Value):
     salt: str = ""  # prefix-cache key of an adapter (LoRA) or a prompt-scoring request
     cache_prompt: bool = False
     session_id: str = ""
+    cfg_prompt: tuple[int, ...] = ()  # classifier-free guidance: the shadow sequence's prompt
 
 
 class ModelCard(_Value):

@@ -68,7 +68,7 @@ from imp.model.runner import DEFAULT_KV_TOKENS
 from imp.sampling import gpu as sampler
 from imp.sampling import pending
 from imp.sampling.counts import HistoryCounts
-from imp.sampling.cpu import apply_bans
+from imp.sampling.cpu import apply_bans, apply_guidance
 from imp.sampling.mirostat import MirostatState
 from imp.sampling.verify import drafts, verify
 
@@ -429,6 +429,8 @@ class GpuModelRunner:
             # a grammar's state follows the token in flight (and a host-sampled row reads it): on the host
             prev = dict(zip(self._prev.seq_ids, self._prev.ids()))
             seqs = [pending.fill(s, prev[s.seq_id]) if s.pending and s.params.needs_history else s for s in seqs]
+        if any(s.guide for s in seqs):
+            apply_guidance(logits, seqs)  # l_b + s (l_a - l_b) on the device, before the masks
         if constraints is not None:
             constraints.apply(logits, seqs)  # in place: masked tokens -inf, before bias and the rest
         if any(s.banned for s in seqs):

@@ -79,6 +79,9 @@ class SamplingParams(Struct):
     banned_regex: tuple[str, ...] = ()
     # the logit lens: top N per layer (0 = off); SampledToken.lens
     logit_lens: int = 0
+    # classifier-free guidance (llama.cpp's cfg_scale): > 1 samples from l_b + s (l_a - l_b), l_b the shadow
+    # sequence's logits (Submit.cfg_prompt) at the same position (SeqWork.guide); 1 = off
+    cfg_scale: float = 1.0
 
     # The sampling policy, decided here once: every runner, sampler and the
     # scheduler ask these instead of re-testing the fields.
@@ -90,8 +93,9 @@ class SamplingParams(Struct):
     @property
     def drafts(self) -> bool:
         """Drafted tokens may be fed for it (speculation asked): not where a rewind cuts the text the
-        drafter reads (banned phrases), nor where each token wants its own forward (the logit lens)."""
-        return self.speculative and not self.banned and not self.logit_lens
+        drafter reads (banned phrases), nor where each token wants its own forward (the logit lens) or a
+        shadow's row beside it (classifier-free guidance)."""
+        return self.speculative and not self.banned and not self.logit_lens and self.cfg_scale == 1.0
 
     @property
     def greedy(self) -> bool:

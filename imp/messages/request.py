@@ -25,6 +25,9 @@ class Submit(Msg):
     salt: str = ""
     cache_prompt: bool = False  # pin the prompt's full KV blocks against eviction
     session_id: str = ""  # pin the prompt for the session's next turn (until closed/expired)
+    # classifier-free guidance (params.cfg_scale > 1): the shadow sequence's prompt (the conversation without
+    # its system message, or with the negative prompt as one); it decodes the choice's tokens beside it
+    cfg_prompt: tuple[int, ...] = ()
 
 
 class Reject(Msg):

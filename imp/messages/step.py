@@ -101,6 +101,9 @@ class SeqWork(Struct):
     # banned phrases (imp.core.banned): tokens the sampled position may not take (the ones a rewind
     # found a banned phrase starting in there); the runner masks them -inf before anything samples
     banned: tuple[int, ...] = ()
+    # classifier-free guidance: the seq_id of this share's shadow, whose share in the same step samples at the
+    # same generated index; the runner samples this row from l_b + cfg_scale (l_a - l_b), l_b the shadow's
+    guide: str = ""
 
 
 PENDING_TOKEN = -1

@@ -33,7 +33,7 @@ from imp.model import paged, team
 from imp.model.governor import Governor, GovernorConfig
 from imp.model.paged import default_num_blocks
 from imp.model.rows import head_rows, host, with_prompt_logprobs
-from imp.sampling.cpu import apply_bans, sample
+from imp.sampling.cpu import apply_bans, apply_guidance, sample
 from imp.sampling.mirostat import MirostatState
 from imp.sampling.verify import verify
 
@@ -259,6 +259,8 @@ class ModelRunner:
             # scored for prompt logprobs (read below), sample from it as it is instead of a copy
             whole = not plp_at and idx == list(range(logits.shape[0]))
             sel = logits if whole else logits[idx]
+            if any(w.guide for w in works):
+                apply_guidance(sel, works)
             if constraints is not None:
                 constraints.apply(sel, works)
             if any(w.banned for w in works):  # sel is its own rows (a copy, or logits no plp row reads)

@@ -72,6 +72,19 @@ def apply_bans(logits, works) -> None:
             logits[i, list(w.banned)] = float("-inf")
 
 
+def apply_guidance(logits, works) -> None:
+    """Classifier-free guidance, in place on logits [len(works), V] (numpy or torch, any device): a row whose
+    share names its shadow (SeqWork.guide, the shadow's share among `works`) becomes l_b + s (l_a - l_b), l_a
+    its own logits, l_b the shadow's, s its params.cfg_scale (llama.cpp's formula), before anything else."""
+    at = None
+    for i, w in enumerate(works):
+        if w.guide:
+            at = at if at is not None else {x.seq_id: j for j, x in enumerate(works)}
+            j = at[w.guide]  # the scheduler plans the two in one step (imp.core.guide)
+            b = logits[j]
+            logits[i] = b + w.params.cfg_scale * (logits[i] - b)
+
+
 def apply_logit_bias(logits: np.ndarray, bias: tuple[tuple[int, float], ...]) -> np.ndarray:
     """A new row with bias[id] added (ids past the vocabulary ignored; repeats add up)."""
     if not bias:

@@ -96,7 +96,8 @@ def with_lora(port: EnginePort, req: GenerateRequest, params: SamplingParams, sa
 
 async def generate(port: EnginePort, req_id: str, prompt: list[int], params: SamplingParams,
                    req: GenerateRequest, *, salt: str = "", request: web.Request | None = None,
-                   keepalive: bool = False, ignored: tuple[str, ...] = ()) -> AsyncIterator[Delta | None]:
+                   keepalive: bool = False, ignored: tuple[str, ...] = (),
+                   cfg_prompt: tuple[int, ...] = ()) -> AsyncIterator[Delta | None]:
     """request: the HTTP request (its client id and W3C traceparent go into the request's
     figures, for the trace and the request log). keepalive: yield None after a silence
     (KEEPALIVE_*), for a streaming dialect to write its own keep-alive; a refusal that comes
@@ -109,7 +110,7 @@ async def generate(port: EnginePort, req_id: str, prompt: list[int], params: Sam
     try:
         stream = port.submit(Submission(
             req_id=req_id, prompt=tuple(prompt), params=params, n=req.n, priority=req.priority, stop=req.stop,
-            salt=salt, cache_prompt=req.cache_prompt, session_id=req.session_id,
+            salt=salt, cache_prompt=req.cache_prompt, session_id=req.session_id, cfg_prompt=tuple(cfg_prompt),
         ))
     except LoraRefused as exc:  # unloaded between the name check and the submit
         raise ApiError(exc.status, exc.message, code=exc.code, param="lora") from None

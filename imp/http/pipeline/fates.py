@@ -45,7 +45,7 @@ _WHAT = {"dry_multiplier": "DRY sampling", "mirostat": "mirostat sampling", "ban
 # implemented on some routes (they list the field and honour it): where, for the others' 400
 _OPENAI = "the OpenAI-family routes (/v1/chat/completions, /v1/completions)"
 ELSEWHERE = {"dry_multiplier": _OPENAI, "mirostat": _OPENAI, "banned_strings": _OPENAI, "banned_regex": _OPENAI,
-             "logit_lens": "/v1/chat/completions"}
+             "logit_lens": "/v1/chat/completions", "cfg_scale": "/v1/chat/completions"}
 
 _SAFE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _said: set[tuple[str, str]] = set()  # (field, client) pairs logged already

@@ -81,6 +81,8 @@ class Sampling(_Value):
     banned_strings: tuple[str, ...] = ()  # phrases that rewind (imp.core.banned)
     banned_regex: tuple[str, ...] = ()
     logit_lens: int = 0  # top N per layer (chat)
+    cfg_scale: float = 1.0  # classifier-free guidance (chat); 1 = off
+    cfg_negative_prompt: str | None = None  # the shadow's system message (None: the conversation without one)
 
 
 class GenerateRequest(_Value):

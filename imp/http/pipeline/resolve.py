@@ -12,10 +12,12 @@ import asyncio
 import secrets
 from dataclasses import dataclass
 
+import msgspec
+
 from imp.engine.port import ModelCard
 from imp.http.errors import bad
 from imp.http.pipeline.reasoning import prompt_opens_think
-from imp.http.pipeline.request import GenerateRequest
+from imp.http.pipeline.request import GenerateRequest, Message
 from imp.constrain.errors import ConstraintError
 from imp.http.pipeline.structured import COMPILE_TIMEOUT_S, compile_checked
 from imp.messages import Constraint, Dry, SamplingParams
@@ -134,6 +136,15 @@ def check_sampling_table(req: GenerateRequest, card: ModelCard) -> None:
     if s.logit_lens and not card.logit_lens:
         raise bad(f"'logit_lens' is not available on this engine ({card.device}): it needs the CPU executor's fused "
                   "GGUF forward", "logit_lens", "unsupported_parameter")
+    if s.cfg_scale != 1.0:
+        why = ("the conversation has no system message to leave out, and no 'cfg_negative_prompt' was given"
+               if s.cfg_negative_prompt is None and not any(m.role in ("system", "developer") for m in req.messages)
+               else "tools are not guided (a call's arguments would be pushed off their schema)" if req.tools
+               or req.tool_plan is not None
+               else "banned phrases rewind one sequence, not its shadow" if s.banned_strings or s.banned_regex
+               else "each choice would need a shadow of its own; send n = 1" if req.n > 1 else "")
+        if why:
+            raise bad(f"'cfg_scale': {why}", "cfg_scale", "unsupported_combination")
     if not (s.banned_strings or s.banned_regex):
         return
     name = "banned_strings" if s.banned_strings else "banned_regex"
@@ -144,6 +155,18 @@ def check_sampling_table(req: GenerateRequest, card: ModelCard) -> None:
     if s.mirostat:
         raise bad(f"'{name}' cannot be combined with 'mirostat' (its state is not rewound)", name,
                   "unsupported_combination")
+
+
+def guidance_messages(req: GenerateRequest) -> GenerateRequest | None:
+    """The shadow's conversation of a guided request (cfg_scale != 1): without its system messages, or with
+    cfg_negative_prompt as the one system message; None when the request is not guided."""
+    s = req.sampling
+    if s.cfg_scale == 1.0:
+        return None
+    rest = tuple(m for m in req.messages if m.role not in ("system", "developer"))
+    if s.cfg_negative_prompt is not None:
+        rest = (Message(role="system", content=s.cfg_negative_prompt), *rest)
+    return msgspec.structs.replace(req, messages=rest)
 
 
 def check_context(req: GenerateRequest, prompt_len: int, card: ModelCard) -> int:
@@ -202,7 +225,7 @@ def sampling_params(req: GenerateRequest, prompt_len: int, card: ModelCard, tm: 
                     fixed_max_tokens: int | None = None, cap: int | None = None, dry: Dry | None = None
                     ) -> SamplingParams:
     s, d = req.sampling, tm.defaults
-    one_at_a_time = bool(s.banned_strings or s.banned_regex or s.logit_lens)  # SamplingParams.drafts
+    one_at_a_time = bool(s.banned_strings or s.banned_regex or s.logit_lens or s.cfg_scale != 1.0)  # .drafts
     top_k = d.top_k if s.top_k is None else s.top_k
     # top_k: 0 (or unset) is 50, as the reference says; negative or >= vocabulary is off
     top_k = 50 if top_k == 0 else (0 if top_k < 0 or top_k >= card.vocab_size else top_k)
@@ -238,6 +261,7 @@ def sampling_params(req: GenerateRequest, prompt_len: int, card: ModelCard, tm: 
         banned_strings=s.banned_strings,
         banned_regex=s.banned_regex,
         logit_lens=int(s.logit_lens),
+        cfg_scale=float(s.cfg_scale),
     )
 
 

@@ -76,6 +76,8 @@ async def run(request: web.Request, dialect: Dialect, headers: dict[str, str]) -
     resolve.check_size(req, tm, port.card)
     # on a worker thread: templating and tokenizing a large prompt never stall other streams
     prompt = await asyncio.to_thread(dialect.render_prompt, req, tm)
+    shadow = resolve.guidance_messages(req)  # classifier-free guidance: the shadow sequence's prompt
+    cfg_ids = tuple((await asyncio.to_thread(dialect.render_prompt, shadow, tm)).ids) if shadow is not None else ()
     params = resolve.sampling_params(req, len(prompt.ids), port.card, tm, cfg.max_tokens, cfg.max_output_tokens,
                                      await resolve.dry_params(req, prompt.ids, tm))
     rid = f"{dialect.id_prefix}{uuid.uuid4().hex[:24]}"
@@ -86,7 +88,7 @@ async def run(request: web.Request, dialect: Dialect, headers: dict[str, str]) -
     out = dialect.renderer(job)
     with live_requests(request).track(rid, client_id, lambda: out.thinking):
         deltas = generate(port, rid, prompt.ids, params, req, request=request,
-                          keepalive=req.stream and dialect.keepalive, ignored=ignored)
+                          keepalive=req.stream and dialect.keepalive, ignored=ignored, cfg_prompt=cfg_ids)
         async with contextlib.aclosing(deltas):
             if req.stream:
                 return await _stream(request, dialect, out, deltas, headers, rid)

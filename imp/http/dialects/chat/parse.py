@@ -42,7 +42,8 @@ _PARTS = Parts(text=frozenset({"text", "input_text"}),
 # the scalar fields, read in one pass (messages, tools, response_format and the template's
 # options have readers of their own above and in imp.http.pipeline)
 FIELDS = {**openai_fields.COMMON, **openai_fields.SAMPLING, **openai_fields.LOGPROBS,
-          "logit_lens": B.Read(B.logit_lens)}  # chat only (the API reference's row)
+          "logit_lens": B.Read(B.logit_lens),  # chat only (the API reference's rows)
+          "cfg_scale": B.Num(1, 10, default=1.0), "cfg_negative_prompt": B.Str()}
 # every top-level field the chat route takes: honoured, without effect by nature (NO_OPS), or
 # refused with its reason (_REFUSED, request templates); the pipeline reports any other
 TAKEN = frozenset({
@@ -192,6 +193,9 @@ def parse(body: dict, vocab_size: int, template_source: str = "") -> GenerateReq
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     if f["logit_lens"]:  # it implies logprobs: the lens rides on each content entry
         logprobs, sampling = True, msgspec.structs.replace(sampling, logit_lens=f["logit_lens"])
+    if f["cfg_scale"] != 1.0:
+        sampling = msgspec.structs.replace(sampling, cfg_scale=float(f["cfg_scale"]),
+                                           cfg_negative_prompt=f["cfg_negative_prompt"])
     return GenerateRequest(
         endpoint="chat_completions", model=model, messages=messages, **opts, sampling=sampling,
         max_tokens=c.max_tokens, n=c.n, stop=c.stop, stream=c.stream, include_usage=c.include_usage,

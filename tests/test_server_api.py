@@ -480,6 +480,34 @@ def test_cfg_scale_guides_by_the_system_message_and_refuses_what_it_cannot_guide
     assert st == 400 and "chat/completions" in json.loads(out)["error"]["message"]
 
 
+def test_the_sampling_table_mixed_with_plain_neighbours_gives_the_alone_texts(imp_server):
+    """DRY, mirostat, banned strings, guidance, the logit lens and plain requests at once: each text is the one
+    it gets alone (the shared server's event log, with these in it, is replayed by test_server_e2e)."""
+    sysmsg = [{"role": "system", "content": "You are a pirate."}, *MSGS]
+    bodies = [{"messages": MSGS, "dry_multiplier": 0.8},
+              {"messages": MSGS, "mirostat": 2, "temperature": 0.9, "seed": 4},
+              {"messages": MSGS, "banned_strings": ["Paris"]},
+              {"messages": sysmsg, "cfg_scale": 2.5},
+              {"messages": MSGS, "logit_lens": 2},
+              {"messages": MSGS}, {"messages": sysmsg, "temperature": 0.7, "seed": 9}]
+
+    def text(b):
+        st, _, out = raw(imp_server, "POST", "/v1/chat/completions", {"model": "m", "max_tokens": 16, "temperature": 0,
+                                                                      **b})
+        assert st == 200, out
+        return json.loads(out)["choices"][0]["message"]["content"]
+
+    alone = [text(b) for b in bodies]
+    got: dict[int, str] = {}
+    threads = [threading.Thread(target=lambda i=i, b=b: got.__setitem__(i, text(b))) for i, b in enumerate(bodies)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[i] for i in range(len(bodies))] == alone
+    assert "Paris" not in alone[2]
+
+
 def test_mirostat_is_seeded_and_its_bad_values_are_400s(imp_server):
     """llama.cpp's mirostat fields on the OpenAI routes: a seed gives the same text (with speculation or without),
     another tau another text; out-of-range values are 400s naming the field."""

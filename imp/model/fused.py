@@ -51,6 +51,17 @@ def _mat(tensors, name: str) -> list[int]:
     return [info.offset, rows, qd.row_bytes(int(info.qtype), cols), int(info.qtype)]
 
 
+def _kth_bound(z: np.ndarray, k: int) -> np.ndarray:
+    """Per row of z [R, V], a value at most its k-th largest (so `row >= bound` holds the top k): the k-th
+    largest of the rows' chunk maxima (k chunk maxima are k values at least that large). Few values pass it."""
+    R, V = z.shape
+    C = 256
+    if V % C or V // C < 1 or C < k:
+        return np.partition(z, V - k, axis=1)[:, V - k]
+    cm = z.reshape(R, C, V // C).max(axis=2)
+    return np.partition(cm, C - k, axis=1)[:, C - k]
+
+
 class FusedModel:
     def __init__(self, cfg: ModelConfig, tensors):
         if not hasattr(tensors, "raw"):
@@ -211,18 +222,23 @@ class FusedModel:
         cfg = self.cfg
         h = np.empty_like(resid)
         cf._rms_norm_rows(np.ascontiguousarray(resid), self.out_norm, 0, np.float32(cfg.rms_eps), h)
-        z = self.head_logits(h).astype(np.float64)  # [L, vocab]
+        z = self.head_logits(h)  # [L, vocab] fp32
         if self.final_softcap:
-            z = np.tanh(z / self.final_softcap) * self.final_softcap
-        z -= z.max(axis=1, keepdims=True)
-        logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+            z = np.tanh(z / np.float32(self.final_softcap)) * np.float32(self.final_softcap)
+        z -= z.max(axis=1, keepdims=True)  # every layer at once, in place (float32, as the sampler's logprobs)
+        e = np.exp(z)
+        s = e.sum(axis=1, keepdims=True)
+        z -= np.log(s)  # log-softmax
+        ent = -np.einsum("lv,lv->l", e, z) / s[:, 0]  # entropy in nats: -sum p log p
+        at = z[:, token].copy()
+        rank = 1 + (z > at[:, None]).sum(axis=1)
+        thr = _kth_bound(z, top_n)
         out = []
-        for row in logp:
-            ent = float(-(np.exp(row) * row).sum())
-            top = np.argpartition(-row, top_n - 1)[:top_n]
-            top = top[np.lexsort((top, -row[top]))]  # largest first, ties: lower id first
-            out.append((1 + int((row > row[token]).sum()), float(row[token]), ent,
-                        [(int(i), float(row[i])) for i in top]))
+        for layer in range(z.shape[0]):
+            cand = np.flatnonzero(z[layer] >= thr[layer])  # holds the top_n (argpartition: 16 ms for 30 x 49k)
+            ids = cand[np.lexsort((cand, -z[layer, cand]))][:top_n]  # largest first, ties: lower id first
+            out.append((int(rank[layer]), float(at[layer]), float(ent[layer]),
+                        [(int(i), float(z[layer, i])) for i in ids]))
         return out
 
     def compile_layer_parts(self, cache) -> None:

@@ -4,9 +4,10 @@ Each dialect lists every top-level field it takes (`Dialect.fields`: the ones it
 the ones that are without effect by their nature on a local server, and the ones it refuses
 with a reason of its own). Before a body is parsed, the pipeline sorts the rest:
 
-- a field imp's API reference defines that this server does not implement yet (the
-  sampling table's DRY, mirostat, banned strings and regexes, classifier-free guidance, the
-  logit lens) is a 400 naming it — unless its value is the one that
+- a field imp's API reference defines that this route does not implement (the sampling
+  table's DRY, mirostat, banned strings and regexes on Messages and Responses; classifier-free
+  guidance and the logit lens anywhere but chat) is a 400 naming it and the routes that take
+  it, or (`ELSEWHERE` lacking it) `not_implemented` — unless its value is the one that
   turns the feature off (`"mirostat": 0`, `"dry_multiplier": 0`, as llama.cpp's web UI sends them), which is exactly what this server does. The knobs that
   only tune such a feature (`dry_base`, `mirostat_tau`, ...) have no effect while it is off,
   as in llama.cpp;
@@ -25,7 +26,8 @@ from imp.http.errors import ApiError
 
 log = logging.getLogger("imp.http")
 
-# imp's API reference defines these (its sampling table); not implemented yet.
+# imp's API reference defines these (its sampling table); the routes that implement one list it among their
+# fields, the others refuse it (ELSEWHERE says where it is taken).
 # name -> is this value the feature switched off (what this server does anyway)?
 _OFF_ZERO = (lambda v: v is None or v is False or (isinstance(v, (int, float)) and v == 0))
 NOT_YET: dict[str, object] = {

@@ -399,7 +399,7 @@ def test_banned_phrases_never_reach_the_client_stream_or_not(cl, imp_server):
         assert len(c.logprobs.content) > 0
     assert sum(len(c.logprobs.content) for c in r.choices) == r.usage.completion_tokens
     health = json.loads(raw(imp_server, "GET", "/health")[2])
-    assert health["kv_blocks_used"] == 0 and health["kv_blocks_reserved"] == 0
+    assert health["kv_blocks_used"] == health["kv_blocks_pinned"] and health["kv_blocks_reserved"] == 0, health
     body = {"model": "m", "messages": msgs, "max_tokens": 8}
     for bad, field in (({"banned_strings": [""]}, "banned_strings"), ({"banned_strings": ["x"] * 65}, "banned_strings"),
                        ({"banned_strings": ["é" * 129]}, "banned_strings"), ({"banned_regex": ["("]}, "banned_regex"),
@@ -466,7 +466,7 @@ def test_cfg_scale_guides_by_the_system_message_and_refuses_what_it_cannot_guide
     assert text(cfg_scale=3, cfg_negative_prompt="You are a polite librarian.") not in (plain, guided)
     assert text(cfg_scale=1) == plain  # 1 = off
     health = json.loads(raw(imp_server, "GET", "/health")[2])
-    assert health["kv_blocks_used"] == 0 and health["kv_blocks_reserved"] == 0
+    assert health["kv_blocks_used"] == health["kv_blocks_pinned"] and health["kv_blocks_reserved"] == 0, health
     req = {"model": "m", "messages": msgs, "max_tokens": 4, "cfg_scale": 2}
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     for bad in ({"messages": msgs[1:]}, {"tools": tools}, {"banned_strings": ["x"]}, {"n": 2}, {"cfg_scale": 11},

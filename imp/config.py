@@ -30,6 +30,10 @@ class ServerConfig:
     request_timeout_s: float = 0.0
     lora_dir: str | None = None  # POST /admin/lora/load reads adapters from under this directory only
     idle_unload_s: float = 0.0  # release the model after this many idle seconds (0 = never)
+    # the prefix cache's disk tier (imp/actors/kvtier.py): every cached KV block written through to this
+    # directory, read back on a later hit (after eviction, suspend, idle unload or a restart); None = none
+    prompt_cache_dir: str | None = None
+    prompt_cache_gb: float = 8.0  # the tier's size; the least recently used blocks go first
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long admitted requests may run on
     chat_template: str | None = None
     embedding_model: str | None = None  # /v1/embeddings and /v1/rerank (a sentence-transformers BERT)
@@ -82,6 +86,7 @@ class ServerConfig:
             (self.request_timeout_s >= 0, "--request-timeout must be >= 0"),
             (self.rate_limit >= 0, "--rate-limit must be >= 0 (requests per minute; 0 = off)"),
             (self.idle_unload_s >= 0, "--idle-unload-seconds must be >= 0 (0 = off)"),
+            (self.prompt_cache_gb > 0, "--prompt-cache-gb must be > 0"),
             (self.shutdown_timeout_s >= 0, "--shutdown-timeout must be >= 0"),
             (self.device == "cpu" or self.device.startswith("cuda"), "--device must be cpu or cuda[:N]"),
             (self.gpu_activations in ("fp32", "int8"), "--gpu-activations must be fp32 or int8"),
@@ -131,6 +136,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-unload-seconds", dest="idle_unload_s", type=float, default=0.0,
                    help="release the weights and KV pool after N s without a request; the next one reloads "
                         "them inside itself (0 = off)")
+    p.add_argument("--prompt-cache-dir", default=None,
+                   help="keep the prefix cache's KV blocks in this directory too (a disk tier): a prompt seen "
+                        "before, even before a restart, is read back instead of computed")
+    p.add_argument("--prompt-cache-gb", type=float, default=d.prompt_cache_gb,
+                   help="the disk tier's size in GB (least recently used blocks dropped first)")
     p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=d.shutdown_timeout_s,
                    help="on SIGTERM, seconds the admitted requests may run on (new ones get 503 draining)")
     p.add_argument("--chat-template", default=None, help="jinja file overriding the model's template")

@@ -31,7 +31,8 @@ from imp.core.kv import KvConfig, KvCore
 from imp.core.scheduler import SchedulerConfig, SchedulerCore
 from imp.core.router import Router, route
 from imp.messages import (
-    PENDING_TOKEN, Cancel, Enqueue, Figures, Finished, FinishReason, KvReply, KvRequest, Reject, SampledToken,
+    PENDING_TOKEN, Cancel, Enqueue, Figures, Finished, FinishReason, KvDrop, KvLoad, KvLoaded, KvReply, KvRequest,
+    KvSave, Reject, SampledToken,
     SamplingParams, SessionClose, StepFailed, StepPlan, StepResult, Submit, Tick, TokenBatch, TokenOut,
 )
 
@@ -82,11 +83,16 @@ class HoldKv:
 class Sim:
     def __init__(self, num_blocks=16, block_size=4, max_context=64, max_batch_size=8, max_step_tokens=16,
                  request_timeout_ns=0, aging_ns=20 * MS, max_queued_tokens=0, decode_reserve=8, pipeline_depth=1,
-                 admit_tokens=0, history_once=False, share_in_flight=False, spec_k_max=0, token=None):
+                 admit_tokens=0, history_once=False, share_in_flight=False, spec_k_max=0, token=None, tier_blocks=0,
+                 disk=None):
         self.bs, self.num_blocks = block_size, num_blocks
         self.token = token or (lambda seed, g, sid: fake_token(seed, g, sid))  # the fake model: (seed, index, seq)
         self.max_len = min(max_context, num_blocks * block_size)
-        self.kv = KvCore(KvConfig(num_blocks, block_size, "fake", share_in_flight=share_in_flight))
+        self.kv = KvCore(KvConfig(num_blocks, block_size, "fake", share_in_flight=share_in_flight,
+                                  tier_blocks=tier_blocks))
+        self.disk = {} if disk is None else disk  # the disk tier's files: key -> a block's (salt, token) slots
+        self.loads: list = []  # KvLoads the executor has not done yet (it does them before its next step)
+        self.spoil: set[bytes] = set()  # keys whose file a load finds corrupt
         self.sched = SchedulerCore(SchedulerConfig(num_blocks, block_size, max_context, max_batch_size,
                                                    max_step_tokens, request_timeout_ns, aging_ns,
                                                    pipeline_depth=pipeline_depth, admit_tokens=admit_tokens,
@@ -150,6 +156,14 @@ class Sim:
 
     def step(self, fail=False) -> bool:
         """Run the oldest plan in flight (or, with none, let a held KvRequest through)."""
+        if self.loads:  # the executor's inbox: tier loads came before any plan they precede
+            for m in self.loads:
+                ok = m.key in self.disk and m.key not in self.spoil
+                if ok:
+                    self.mem[m.block] = list(self.disk[m.key])
+                self._collect(self.router.send([("executor", "kv", KvLoaded(m.key, m.block, ok))]))
+            self.loads = []
+            return True
         if not self.inflight:
             return self.release_kv()
         plan = self.inflight.popleft()
@@ -286,6 +300,12 @@ class Sim:
                     self.finish[key] = m
             elif isinstance(m, Reject):
                 self.rejected[m.req_id] = m
+            elif isinstance(m, KvSave):  # the executor writes the block's KV to the tier
+                self.disk[m.key] = list(self.mem[m.block])
+            elif isinstance(m, KvDrop):
+                self.disk.pop(m.key, None)
+            elif isinstance(m, KvLoad):
+                self.loads.append(m)
             elif isinstance(m, Figures):
                 assert m.kv.reserved <= self.num_blocks
                 self.figures = m

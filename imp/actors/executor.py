@@ -44,8 +44,8 @@ import msgspec
 from imp.actors.base import Actor, Bus
 from imp.actors.faults import FaultPlan, is_device_fault
 from imp.actors import memory
-from imp.messages import (LoraLoad, LoraState, LoraUnload, MemoryState, Msg, Reload, SampledToken, SamplingParams,
-                          SeqWork, StepFailed, StepPlan, StepResult, Unload)
+from imp.messages import (KvDrop, KvLoad, KvLoaded, KvSave, LoraLoad, LoraState, LoraUnload, MemoryState, Msg, Reload,
+                          SampledToken, SamplingParams, SeqWork, StepFailed, StepPlan, StepResult, Unload)
 from imp.sampling.pending import resolve_pending
 
 
@@ -134,7 +134,8 @@ class ExecutorActor(Actor):
     name = "executor"
 
     def __init__(self, bus: Bus, runner, name: str = "executor", scheduler: str = "scheduler",
-                 constraints=None, faults: FaultPlan | None = None, loader=None, loras=None, lora_reader=None):
+                 constraints=None, faults: FaultPlan | None = None, loader=None, loras=None, lora_reader=None,
+                 tier=None, kv: str = "kv"):
         """constraints: an imp.constrain.book.ConstraintBook (grammar masks for constrained
         sequences), handed to the runner with every step; None = no grammar engine.
         faults: the boot-time fault-injection plan (tests), or None.
@@ -142,8 +143,12 @@ class ExecutorActor(Actor):
         executor cannot unload; an Unload is answered with an error).
         loras: the replica's adapter table (imp.model.lora.LoraTable, injected at boot: it
         outlives the runner across an Unload); lora_reader: (path, model config) -> a checked
-        adapter, raising ValueError with the reason (None: no LoRA)."""
+        adapter, raising ValueError with the reason (None: no LoRA).
+        tier: the prefix cache's disk tier (imp.actors.kvtier.KvTier; None: none), whose KvSave / KvLoad /
+        KvDrop come from `kv` (its replica's allocator) in order with the steps."""
         self.name = name
+        self.tier, self.kv = tier, kv
+        self._io = None  # the tier's file thread (one: its writes, reads and deletes stay in order)
         super().__init__(bus)
         self.scheduler = scheduler  # its replica's scheduler (data parallel: "scheduler.i")
         self.runner = runner
@@ -195,6 +200,9 @@ class ExecutorActor(Actor):
                 self.loras.remove(msg.lora_id)
             self.send("ingress", LoraState(self.name, msg.lora_id, False))
             return
+        if isinstance(msg, (KvSave, KvLoad, KvDrop)):
+            await self._tier_op(msg)
+            return
         if not isinstance(msg, StepPlan):
             return
         if self.runner is None:
@@ -243,6 +251,32 @@ class ExecutorActor(Actor):
         self.steps += 1
         record_samples(tokens, self._hists)
         self.send(self.scheduler, StepResult(msg.step, tuple(tokens), now, now - t0))
+
+    async def _tier_op(self, msg) -> None:
+        """The disk tier's I/O, in order with the steps: a save copies its block (in the step thread) before any
+        later step writes over it, then writes the file on the tier's own thread without holding the steps
+        back; a load reads there after every earlier save and drop, and fills its block before the allocator
+        counts it (KvLoaded)."""
+        r, t = self.runner, self.tier
+        loop = asyncio.get_running_loop()
+        if t is not None and self._io is None:
+            self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-tier")
+        if isinstance(msg, KvDrop):
+            if t is not None:
+                loop.run_in_executor(self._io, t.drop, msg.key)
+            return
+        if isinstance(msg, KvSave):
+            if t is not None and r is not None:
+                data = await loop.run_in_executor(self._pool, r.kv_block, msg.block)
+                loop.run_in_executor(self._io, t.save, msg.key, data)
+            return
+        ok = False
+        if t is not None and r is not None:  # unloaded (suspend): nothing to fill, the allocator forgets it
+            data = await loop.run_in_executor(self._io, t.load, msg.key, r.kv_block_bytes())
+            if data is not None:
+                await loop.run_in_executor(self._pool, r.set_kv_block, msg.block, data)
+                ok = True
+        self.send(self.kv, KvLoaded(msg.key, msg.block, ok))
 
     async def _lora_load(self, msg: LoraLoad) -> None:
         loop = asyncio.get_running_loop()
@@ -334,3 +368,5 @@ class ExecutorActor(Actor):
         if self._own_pool:  # a lent one outlives this actor
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._waiter.shutdown(wait=False, cancel_futures=True)
+        if self._io is not None:  # the tier's pending writes finish: a cache file is whole or absent
+            self._io.shutdown(wait=True)

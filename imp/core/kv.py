@@ -29,6 +29,16 @@ every later op of the request that needs a new block fails too: the
 scheduler lists decodes before admissions and admissions in priority order,
 so a smaller request behind a failed one never jumps the queue.
 
+Disk tier (`KvConfig.tier_blocks` > 0, --prompt-cache-dir): every block that becomes a cache entry is
+also written to the tier (KvSave to the executor, which gets it before any step that could write over
+the block), up to tier_blocks keys, least recently used dropped first (KvDrop). An alloc whose chain
+goes on past the pool's hits into keys the tier holds takes blocks for them, asks the executor to fill
+them (KvLoad) and waits (KvResult.wait); each KvLoaded makes its block a cache entry (or, not ok, frees
+it and forgets the key), and KvReady tells the scheduler to try again: the retry finds them as hits. A
+load is never counted before the executor says it landed, so a missing or corrupt file costs a
+recompute, never a wrong token. The tier's keys at boot come in a KvStored (on the log: replay needs
+no disk).
+
 Pins (`cache_prompt`, `session_id`): op "pin" holds the cached full blocks of
 a token list under a key (one refcount each, like a sequence would), so they
 are not evicted by the LRU; "unpin" releases them; pinning a key again
@@ -46,7 +56,8 @@ import struct
 import msgspec
 
 from imp.core.core import CoreError, Out
-from imp.messages import KvFigures, KvForget, KvOp, KvReply, KvRequest, KvResult, Msg
+from imp.messages import (KvDrop, KvFigures, KvForget, KvLoad, KvLoaded, KvOp, KvReady, KvReply, KvRequest, KvResult,
+                          KvSave, KvStored, Msg)
 
 
 class KvConfig(msgspec.Struct, frozen=True):
@@ -56,9 +67,12 @@ class KvConfig(msgspec.Struct, frozen=True):
     # an alloc waits for prompt blocks another sequence is computing (see the module doc); False = the
     # allocator before this field (logs written then replay identically)
     share_in_flight: bool = False
+    # > 0: the prefix cache's disk tier holds up to this many blocks (see the module doc); 0 = none (the
+    # allocator before this field: logs written then replay identically)
+    tier_blocks: int = 0
 
     def __post_init__(self):
-        if self.num_blocks < 1 or self.block_size < 1:
+        if self.num_blocks < 1 or self.block_size < 1 or self.tier_blocks < 0:
             raise ValueError(f"bad KvConfig {self}")
 
 
@@ -93,13 +107,26 @@ class KvCore:
         self.promised: dict[bytes, str] = {}  # chain hash -> the live sequence computing that block
         self.waits = 0  # allocs refused because their next block was being computed
         self._dry = False  # an op of the current request failed for want of blocks
+        self.stored: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # tier keys, LRU first
+        self.loading: dict[bytes, int] = {}  # tier key -> the block being filled (held: refcount 1)
+        self.stale: set[bytes] = set()  # loads begun before a KvForget: what lands is not the pool's
+        self.tier_saves = self.tier_loads = self.tier_hits = self.tier_misses = self.tier_drops = 0
+        self._out: Out = []  # tier messages of the current handling
 
     # ------------------------------------------------------------------ core
 
     def handle(self, sender: str, msg: Msg) -> Out:
+        self._out = []
         if isinstance(msg, KvForget):
             self._forget()
             return []
+        if isinstance(msg, KvStored):
+            self.stored = collections.OrderedDict.fromkeys(msg.keys)
+            self._trim()
+            return self._out
+        if isinstance(msg, KvLoaded):
+            self._loaded(msg)
+            return [*self._out, ("scheduler", KvReady())]
         if not isinstance(msg, KvRequest):
             raise CoreError(f"kv cannot handle {type(msg).__name__}")
         self._dry = False
@@ -112,7 +139,8 @@ class KvCore:
             r = fn(op)
             if r is not None:
                 results.append(r)
-        return [("scheduler", KvReply(msg.step, tuple(results), self.figures()))]
+        # the tier's writes and reads first: the executor must have them before the step this reply plans
+        return [*self._out, ("scheduler", KvReply(msg.step, tuple(results), self.figures()))]
 
     def figures(self) -> KvFigures:
         free = len(self.clean) + len(self.lru)
@@ -134,6 +162,8 @@ class KvCore:
             assert len(set(blocks)) == len(blocks), "a pin holds a block twice"
             for b in blocks:
                 holders[b] += 1
+        for b in self.loading.values():  # the tier holds a block it is filling
+            holders[b] += 1
         assert sum(len(b) for b in self.pins.values()) <= self.config.num_blocks // 2
         assert holders == self.refcount, "refcounts differ from holders"
         idle = list(self.clean) + list(self.lru)
@@ -164,6 +194,8 @@ class KvCore:
                 break
             hits.append(self.cache[h])
             last = h
+        if self.config.tier_blocks and self._from_tier(op, last, len(hits)):
+            return KvResult(op.seq_id, False, wait=True, loading=True)  # blocks on their way from the tier
         promises: list[bytes] = []
         if self.config.share_in_flight:
             hp = last
@@ -259,6 +291,7 @@ class KvCore:
         self.cache.clear()
         for sid, s in self.seqs.items():  # what they write now is not worth waiting for: none will be cached
             self._unpromise(s, sid)
+        self.stale |= self.loading.keys()  # the tier's files stay; loads into the released pool do not count
 
     def _unpin(self, op: KvOp) -> None:
         for b in self.pins.pop(op.seq_id, []):
@@ -278,10 +311,70 @@ class KvCore:
                 assert self.block_hash[b] is None
                 self.cache[h] = b
                 self.block_hash[b] = h
+                if self.config.tier_blocks:
+                    self._to_tier(h, b)
             s.last_hash, s.n_hashed, s.pending = h, s.n_hashed + 1, s.pending[bs:]
             owner = self.promised.pop(h, None)  # a promised block is written (by its promiser, or by a fork
             if owner is not None:  # child sharing the chain): the cache has it now, nobody waits for it
                 self.seqs[owner].promises.remove(h)
+
+    # ------------------------------------------------------------------ the disk tier
+
+    def _to_tier(self, h: bytes, b: int) -> None:
+        """A new cache entry: written through to the tier (once per key)."""
+        if h in self.stored:
+            self.stored.move_to_end(h)
+            return
+        self.stored[h] = None
+        self.tier_saves += 1
+        self._out.append(("executor", KvSave(b, h)))
+        self._trim()
+
+    def _trim(self) -> None:
+        while len(self.stored) > self.config.tier_blocks:
+            k, _ = self.stored.popitem(last=False)
+            self.tier_drops += 1
+            self._out.append(("executor", KvDrop(k)))
+
+    def _from_tier(self, op: KvOp, h: bytes, start: int) -> bool:
+        """After `start` pool hits (chain at h): the tier's blocks that continue the chain, asked for. True
+        when the alloc must wait for them (asked now, or already on their way)."""
+        bs, want = self.config.block_size, []
+        for i in range(start, min((len(op.token_ids) - 1) // bs, self._blocks(op.num_tokens))):
+            h = self._chain(h, op.token_ids[i * bs : (i + 1) * bs])
+            if h in self.cache:
+                continue  # computed since (another sequence): a hit on the retry
+            if h in self.loading:
+                return True
+            if h not in self.stored:
+                break
+            want.append(h)
+        dry = self._dry
+        if not want or not self._can_take(len(want)):
+            self._dry = dry  # no room to load into: it computes them instead (no shortage of its own)
+            return False
+        for k in want:
+            b = self._take()
+            self.loading[k] = b
+            self.stored.move_to_end(k)
+            self.tier_loads += 1
+            self._out.append(("executor", KvLoad(b, k)))
+        self.waits += 1
+        return True
+
+    def _loaded(self, m: KvLoaded) -> None:
+        b = self.loading.pop(m.key, None)
+        if b is None or b != m.block:
+            raise CoreError(f"KvLoaded for a block not being loaded: {m.block}")
+        if m.ok and m.key not in self.stale and m.key not in self.cache:
+            self.cache[m.key] = b
+            self.block_hash[b] = m.key
+            self.tier_hits += 1
+        elif not m.ok:
+            self.stored.pop(m.key, None)  # missing, corrupt or foreign: computed next time, and written again
+            self.tier_misses += 1
+        self.stale.discard(m.key)
+        self._release(b)
 
     def _unpromise(self, s: _Seq, seq_id: str) -> None:
         for h in s.promises:

@@ -62,7 +62,7 @@ from imp.core.lifecycle import RequestBook
 from imp.core.schedstate import Phase, SchedulerConfig, Seq, Status, Work
 from imp.core.spec import Drafter, StepCost
 from imp.messages import (
-    Cancel, EndThinking, Enqueue, Figures, FinishReason, KvFigures, KvOp, KvReply, KvRequest, Msg, PENDING_TOKEN,
+    Cancel, EndThinking, Enqueue, Figures, FinishReason, KvFigures, KvOp, KvReady, KvReply, KvRequest, Msg, PENDING_TOKEN,
     QueueFigures, SessionClose, SeqWork, StepFailed, StepPlan, StepResult, StepStats, Tick, TokenBatch, TokenOut,
     TokenTexts,
 )
@@ -84,6 +84,7 @@ class SchedulerCore(RequestBook):
         self.inflight: collections.deque[tuple[int, list[Work]]] = collections.deque()  # sent to the executor
         self.phase = Phase.IDLE
         self.stalled = False  # a planned step came to nothing while another ran: wait for news
+        self.tier_wait = False  # an alloc waits for the disk tier's blocks: a stalled plan waits for KvReady
         self.step = 0
         self.kv = KvFigures(config.num_blocks, config.num_blocks, 0, 0, 0, config.block_size)
         self.itl = ItlBudget(config.itl_target_ns, config.block_size, config.max_step_tokens)
@@ -110,6 +111,8 @@ class SchedulerCore(RequestBook):
             self._close_session(msg.session_id)
         elif isinstance(msg, TokenTexts):
             self._texts(msg)
+        elif isinstance(msg, KvReady):
+            self.tier_wait = False  # tier blocks landed: the allocs that waited for them are tried below
         elif isinstance(msg, KvReply):
             self._on_kv(msg, out)
         elif isinstance(msg, StepResult):
@@ -126,8 +129,9 @@ class SchedulerCore(RequestBook):
     def _start(self, out: Out) -> None:
         """Plan the next step's allocator ops, if idle and there is anything to do."""
         c = self.config
-        if self.phase is not Phase.IDLE or len(self.inflight) >= c.pipeline_depth or (self.stalled and self.inflight):
-            return
+        if self.phase is not Phase.IDLE or len(self.inflight) >= c.pipeline_depth or (
+                self.stalled and (self.inflight or self.tier_wait)):
+            return  # (stalled: nothing could run; wait for news: a step landing, the tier's blocks, a request)
         ops, self.frees, self.batch = self.frees, [], []
         budget = c.max_step_tokens
         n_prompt = lambda s: s.n_prompt  # noqa: E731
@@ -207,7 +211,8 @@ class SchedulerCore(RequestBook):
             s, res = w.seq, next(results) if w.has_result else None
             if w.new:
                 if not res.ok:  # still waiting: no room (the allocator refused all behind it too), or
-                    continue  # res.wait: its next prompt block is being computed by another sequence
+                    self.tier_wait = self.tier_wait or res.loading  # res.wait: its next prompt block is being
+                    continue  # computed by another sequence, or (res.loading) read from the disk tier
                 s.in_kv, s.table = True, res.block_table
                 s.num_computed = s.num_reported = res.cached_tokens
                 if s.status is Status.FINISHED:  # ended while the op was in flight

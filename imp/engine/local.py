@@ -34,7 +34,7 @@ from imp.engine.port import (LiveRow, LoraInfo, LoraRefused, ModelCard, Rates, R
 from imp.engine.render import RenderedStream
 from imp.log.eventlog import EventLog, LogHeader
 from imp.store.actor import StoreActor
-from imp.messages import (SCHEMA_VERSION, Cancel, TokenTexts, FinishReason, KvFigures, KvForget, LoraLoad, LoraUnload,
+from imp.messages import (SCHEMA_VERSION, Cancel, KvStored, TokenTexts, FinishReason, KvFigures, KvForget, LoraLoad, LoraUnload,
                           Reload, RequestStats, Unload)
 
 log = logging.getLogger("imp.engine")
@@ -88,8 +88,13 @@ class LocalEngine:
         verifies = all(getattr(x, "verifies_drafts", False) for x in self.runners)
         # the longest draft every executor verifies with a decode row's numerics (the GPU's int8 GEMV rows)
         draft_max = min([cfg.spec_draft_max] + [getattr(x, "max_draft", cfg.spec_draft_max) for x in self.runners])
+        self.tiers = self._tiers(cfg, self.runners)  # the prefix cache's disk tier, per replica (None: none)
+        tier_blocks = 0
+        if self.tiers[0] is not None:
+            tier_blocks = max(1, int(cfg.prompt_cache_gb * 2**30) // r.kv_block_bytes())
         self.adm, schs, kvs = build_cores(cfg, r.num_blocks, self.max_context, r.fingerprint,
-                                          replicas=len(self.runners), verifies_drafts=verifies, draft_max=draft_max)
+                                          replicas=len(self.runners), verifies_drafts=verifies, draft_max=draft_max,
+                                          tier_blocks=tier_blocks)
         self.schs, self.kvs = (schs, kvs) if len(self.runners) > 1 else ([schs], [kvs])
         self.card = ModelCard(
             name=name, path=path, fingerprint=r.fingerprint, context_length=self.max_context,
@@ -103,6 +108,25 @@ class LocalEngine:
             spec_draft_max=draft_max if verifies else 0,
             logit_lens=all(getattr(x, "supports_logit_lens", False) for x in self.runners),
         )
+
+    @staticmethod
+    def _tiers(cfg: ServerConfig, runners: list) -> list:
+        """--prompt-cache-dir: one KvTier per replica (the same files: a key names the same KV everywhere), or
+        None each where there is none: not asked, an executor that cannot copy its blocks, or a directory
+        that cannot be written (one warning: the server runs without it)."""
+        if not cfg.prompt_cache_dir:
+            return [None] * len(runners)
+        if not all(getattr(x, "supports_kv_tier", False) for x in runners):
+            log.warning("--prompt-cache-dir: this executor cannot copy its KV blocks yet (the CPU executor's "
+                        "fused GGUF forward can): no disk tier")
+            return [None] * len(runners)
+        from imp.actors.kvtier import KvTier, TierUnavailable
+
+        try:
+            return [KvTier(cfg.prompt_cache_dir, x.fingerprint, x.kv_layout()) for x in runners]
+        except TierUnavailable as exc:
+            log.warning("--prompt-cache-dir: %s: no disk tier", exc)
+            return [None] * len(runners)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -128,7 +152,8 @@ class LocalEngine:
             *(ExecutorActor(bus, run, name=replica_name("executor", i, n), scheduler=replica_name("scheduler", i, n),
                             constraints=ConstraintBook(self.grammars) if self.grammars is not None else None,
                             faults=self.faults, loader=self.loaders[i], loras=self.lora_tables[i],
-                            lora_reader=self.lora_files.read if self.lora_files is not None else None)
+                            lora_reader=self.lora_files.read if self.lora_files is not None else None,
+                            tier=self.tiers[i], kv=replica_name("kv", i, n))
               for i, run in enumerate(self.runners)),
             DetokActor(bus),
             self.metrics,
@@ -144,6 +169,11 @@ class LocalEngine:
         self.runners = []  # the executors own them now: an Unload must leave no other reference
         for a in self.actors:
             a.start()
+        for i, t in enumerate(self.tiers):  # the tier's keys, before any request: the allocator's index
+            if t is not None:
+                keys = t.scan()
+                log.info("[kvtier] %s: %d blocks of this model's KV on disk", t.dir, len(keys))
+                bus.send("engine", replica_name("kv", i, n), KvStored(keys))
         if cfg.idle_unload_s > 0:
             self._idle_task = asyncio.create_task(self._idle_loop(), name="idle-unload")
         await asyncio.sleep(0)

@@ -50,7 +50,8 @@ from __future__ import annotations
 from typing import Union
 
 from imp.messages.base import FinishReason, Msg, Struct
-from imp.messages.ops import KvForget, LoraLoad, LoraState, LoraUnload, MemoryState, Reload, Unload
+from imp.messages.ops import (KvDrop, KvForget, KvLoad, KvLoaded, KvReady, KvSave, KvStored, LoraLoad, LoraState,
+                              LoraUnload, MemoryState, Reload, Unload)
 from imp.messages.output import Delta, DeltaBatch, DetokClose, DetokOpen
 from imp.messages.params import Constraint, Dry, SamplingParams
 from imp.messages.reports import Fault, Figures, QueueFigures, RequestStats, StepStats
@@ -98,6 +99,12 @@ Message = Union[
     Reload,
     MemoryState,
     KvForget,
+    KvStored,
+    KvSave,
+    KvLoad,
+    KvLoaded,
+    KvDrop,
+    KvReady,
     LoraLoad,
     LoraUnload,
     LoraState,
@@ -119,7 +126,8 @@ __all__ = [
     "StepPlan", "StepResult", "StepFailed", "TokenOut", "TokenBatch",
     "DetokOpen", "DetokClose", "Delta", "DeltaBatch",
     "QueueFigures", "Figures", "StepStats", "RequestStats", "Fault",
-    "Unload", "Reload", "MemoryState", "KvForget", "LoraLoad", "LoraUnload", "LoraState",
+    "Unload", "Reload", "MemoryState", "KvForget", "KvStored", "KvSave", "KvLoad", "KvLoaded", "KvDrop", "KvReady",
+    "LoraLoad", "LoraUnload", "LoraState",
     "StoreStatus", "StoreItem", "ChainLink", "StorePut", "StoreGet", "StoreGetChain", "StoreDelete",
     "StoreListInputItems", "StoreSweep", "StoreReply",
 ]

@@ -60,3 +60,46 @@ class LoraState(Msg):
 class KvForget(Msg):
     """ingress -> kv: the pool's contents are gone (unloaded): drop the prefix cache and the
     pins. Sent only while no sequence is live."""
+
+
+# The prefix cache's disk tier (--prompt-cache-dir; imp.core.kv, imp.actors.kvtier). A key is a block's chained
+# hash (model fingerprint and salt in its root), so a file is only ever read for the same tokens, model, adapter.
+
+
+class KvStored(Msg):
+    """engine -> kv, at boot: the keys the disk tier holds (oldest first), read from its directory."""
+
+    keys: tuple[bytes, ...]
+
+
+class KvSave(Msg):
+    """kv -> executor: write block `block`'s KV to the tier under `key` (it just became a cache entry; the
+    executor gets this before any step that could write over the block)."""
+
+    block: int
+    key: bytes
+
+
+class KvLoad(Msg):
+    """kv -> executor: fill block `block` from the tier's `key`; answered with KvLoaded."""
+
+    block: int
+    key: bytes
+
+
+class KvLoaded(Msg):
+    """executor -> kv: a KvLoad done (ok) or not (the file was missing, corrupt or foreign)."""
+
+    key: bytes
+    block: int
+    ok: bool
+
+
+class KvDrop(Msg):
+    """kv -> executor: the tier is past its size: delete `key`'s file."""
+
+    key: bytes
+
+
+class KvReady(Msg):
+    """kv -> scheduler: tier blocks landed in the pool; an alloc that waited for them may run now."""

@@ -146,6 +146,7 @@ class KvResult(Struct):
     block_table: tuple[int, ...] = ()
     cached_tokens: int = 0  # alloc: prompt tokens found in the prefix cache
     wait: bool = False  # alloc refused (ok False) because another sequence is computing its next prompt block
+    loading: bool = False  # ... or because its next blocks are on their way from the disk tier (KvReady follows)
 
 
 class KvFigures(Struct):

@@ -206,6 +206,32 @@ class ModelRunner:
     # the logit lens reads each layer's residual (FusedModel.forward keep_rows): the fused GGUF forward only
     supports_logit_lens = property(lambda self: self.fused)
 
+    # the prefix cache's disk tier (imp.actors.kvtier) copies whole blocks of the host pool: the fused forward's
+    supports_kv_tier = property(lambda self: self.fused)
+
+    def kv_layout(self) -> str:
+        """What a saved block's bytes mean: the pool's dtype and a block's [layers, positions, kv heads, dim]."""
+        c = self.cache
+        return f"{c.dtype}:{'x'.join(str(n) for n in (c.k.shape[0], *c.k.shape[2:]))}"
+
+    def kv_block_bytes(self) -> int:
+        c = self.cache
+        return 2 * c.k[:, 0].nbytes
+
+    def kv_block(self, b: int) -> bytes:
+        """Block b's K then V, every layer (a copy)."""
+        with self._lock:
+            c = self.cache
+            return np.ascontiguousarray(c.k[:, b]).tobytes() + np.ascontiguousarray(c.v[:, b]).tobytes()
+
+    def set_kv_block(self, b: int, data: bytes) -> None:
+        c = self.cache
+        half = len(data) // 2
+        shape = c.k[:, b].shape
+        with self._lock:
+            c.k[:, b] = np.frombuffer(data, dtype=c.k.dtype, count=half // c.k.itemsize).reshape(shape)
+            c.v[:, b] = np.frombuffer(data, dtype=c.v.dtype, offset=half).reshape(shape)
+
     supports_lora = property(lambda self: isinstance(self.model, FusedModel))
     # a share may feed drafted tokens (SeqWork.draft): every forward here scores any rows asked for
     verifies_drafts = True

@@ -1,0 +1,130 @@
+"""The prefix cache's disk tier: one file per KV block (--prompt-cache-dir), the executor's I/O.
+
+The allocator (imp.core.kv) decides what is written, read and dropped; this writes, reads and deletes.
+A file is named by its key (the block's chained hash: model fingerprint, adapter salt and every token
+before it are in it) and lives in a directory per model and KV layout, and its header repeats all of
+it, so a file is only ever used for the same tokens of the same model in the same layout:
+
+    DIR/<fingerprint[:16]>-<layout>/<key hex>.kv
+    header: MAGIC, key (32 bytes), fingerprint (64 ASCII), layout (64 ASCII), payload length (u64),
+            BLAKE2b-128 of the payload; then the payload (the block's K then V, every layer)
+
+A file that is foreign (another model's or layout's, moved in by hand), stale (an older format) or
+corrupt (short, bad digest) is not used: one log line, and the file is removed when it is ours but
+broken. Writes go to a temporary name and are renamed into place, so a crash leaves no half file. A
+full disk or an unwritable directory: one warning, and the tier answers "not saved" / "not found":
+the server serves on without it, never a failed request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+from pathlib import Path
+
+log = logging.getLogger("imp.kvtier")
+
+MAGIC = b"IMPKV\x01\x00\x00"
+_HEAD = struct.Struct("<8s32s64s64sQ16s")
+
+
+class TierUnavailable(OSError):
+    """The directory cannot be made or written: no disk tier."""
+
+
+class KvTier:
+    def __init__(self, root: str | os.PathLike, fingerprint: str, layout: str):
+        self.fingerprint, self.layout = fingerprint, layout
+        slug = "".join(c if c.isalnum() else "_" for c in layout)
+        self.dir = Path(root) / f"{fingerprint[:16]}-{slug}"
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            probe = self.dir / ".probe"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise TierUnavailable(f"prompt cache directory {self.dir}: {exc}") from exc
+        self._warned = False
+        self.saved = self.loaded = self.bytes_in = self.bytes_out = 0
+
+    def _path(self, key: bytes) -> Path:
+        return self.dir / f"{key.hex()}.kv"
+
+    def scan(self) -> tuple[bytes, ...]:
+        """The keys of this model's files, oldest first (by mtime): the allocator's index at boot."""
+        found = []
+        for p in self.dir.iterdir():
+            name = p.name
+            if name.endswith(".kv") and len(name) == 67:
+                try:
+                    found.append((p.stat().st_mtime_ns, bytes.fromhex(name[:64])))
+                except (OSError, ValueError):
+                    log.info("[kvtier] %s: not a cache file, ignored", p)
+            elif not name.startswith(".tmp"):
+                log.info("[kvtier] %s: not a cache file, ignored", p)
+        for other in self.dir.parent.iterdir():
+            if other.is_dir() and other != self.dir:
+                log.info("[kvtier] %s: another model's or layout's cache, not read", other)
+        return tuple(k for _, k in sorted(found))
+
+    def save(self, key: bytes, payload: bytes) -> bool:
+        head = _HEAD.pack(MAGIC, key, self.fingerprint.encode()[:64], self.layout.encode()[:64], len(payload),
+                          hashlib.blake2b(payload, digest_size=16).digest())
+        tmp = self.dir / f".tmp-{key.hex()}-{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(head)
+                f.write(payload)
+            os.replace(tmp, self._path(key))
+        except OSError as exc:  # a full disk, a directory gone: the tier stops saving, the server goes on
+            if not self._warned:
+                log.warning("[kvtier] cannot write the prompt cache (%s): blocks are not saved until it can", exc)
+                self._warned = True
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            return False
+        self.saved += 1
+        self.bytes_out += len(head) + len(payload)
+        return True
+
+    def load(self, key: bytes, size: int) -> bytes | None:
+        """The payload saved under key, if the file is whole and this model's and layout's (size bytes)."""
+        p = self._path(key)
+        try:
+            data = p.read_bytes()
+        except OSError:
+            return None  # dropped meanwhile (another replica, a person): computed again
+        why = ""
+        if len(data) < _HEAD.size:
+            why = "short"
+        else:
+            magic, k, fp, lay, n, digest = _HEAD.unpack_from(data)
+            payload = data[_HEAD.size:]
+            if magic != MAGIC:
+                why = "stale (another format)"
+            elif fp.rstrip(b"\0").decode(errors="replace") != self.fingerprint[:64] or k != key:
+                why = "foreign (another model's or key's)"
+            elif lay.rstrip(b"\0").decode(errors="replace") != self.layout[:64]:
+                why = "foreign (another KV layout)"
+            elif n != len(payload) or n != size or hashlib.blake2b(payload, digest_size=16).digest() != digest:
+                why = "corrupt"
+        if why:
+            log.warning("[kvtier] %s: %s, not used", p, why)
+            try:
+                p.unlink(missing_ok=True)
+            except OSError:
+                pass
+            return None
+        self.loaded += 1
+        self.bytes_in += len(data)
+        return payload
+
+    def drop(self, key: bytes) -> None:
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError:
+            pass

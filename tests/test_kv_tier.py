@@ -1,0 +1,135 @@
+"""The prefix cache's disk tier in the allocator (imp.core.kv, KvConfig.tier_blocks), driven by the fake
+executor of test_scheduler_core (its KV memory checks every position each sequence attends to, so a block
+filled from the tier with the wrong content fails the run): write-through, loads that wait, a restart with
+the same files, a file that fails to load, the size limit."""
+
+from __future__ import annotations
+
+from imp.messages import KvStored
+from tests.test_scheduler_core import Sim, ids, params
+
+PROMPT = ids(61, base=3)  # 15 full blocks of 4
+
+
+def _run(sim: Sim, name: str, prompt=PROMPT, max_tokens=6):
+    sim.submit(name, prompt, params(max_tokens=max_tokens, seed=5, ignore_eos=True))
+    sim.drain()
+    assert sim.output(name) == sim.expected(name, 0)
+    return sim.finish[(name, 0)]
+
+
+def _evict(sim: Sim):
+    for i in range(6):  # other prompts through the small pool: the first prompt's blocks are evicted
+        _run(sim, f"other{i}", ids(30, base=40 + i))
+
+
+def test_evicted_blocks_come_back_from_the_tier():
+    sim = Sim(num_blocks=24, block_size=4, max_context=128, max_step_tokens=64, tier_blocks=200)
+    assert _run(sim, "a").cached_tokens == 0
+    assert sim.kv.tier_saves >= 15 and len(sim.disk) == sim.kv.tier_saves
+    _evict(sim)
+    assert sim.kv.evictions > 0
+    fin = _run(sim, "b")  # the same prompt: its blocks from the tier, the KV checked position by position
+    assert fin.cached_tokens == 60 and sim.kv.tier_hits >= 15
+    sim.kv.audit()
+    assert sim.figures.kv.used == 0
+
+
+def test_a_restart_with_the_same_files_starts_warm():
+    first = Sim(num_blocks=24, block_size=4, max_context=128, max_step_tokens=64, tier_blocks=200)
+    _run(first, "a")
+    disk = dict(first.disk)
+    sim = Sim(num_blocks=24, block_size=4, max_context=128, max_step_tokens=64, tier_blocks=200, disk=disk)
+    sim._collect(sim.router.send([("engine", "kv", KvStored(tuple(disk)))]))  # the boot scan
+    assert _run(sim, "b").cached_tokens == 60 and sim.kv.tier_hits >= 15 and sim.kv.tier_saves <= 1  # (the answer fills one)
+    cold = Sim(num_blocks=24, block_size=4, max_context=128, max_step_tokens=64, tier_blocks=200)
+    assert _run(cold, "b").cached_tokens == 0  # without the files: computed
+
+
+def test_a_file_that_fails_to_load_is_computed_again_and_written_again():
+    first = Sim(num_blocks=24, block_size=4, max_context=128, max_step_tokens=64, tier_blocks=200)
+    _run(first, "a")
+    disk = dict(first.disk)
+    sim = Sim(num_blocks=24, block_size=4, max_context=128, max_step_tokens=64, tier_blocks=200, disk=disk)
+    sim._collect(sim.router.send([("engine", "kv", KvStored(tuple(disk)))]))
+    bad = list(disk)[7]  # the 8th block's file is corrupt: blocks 0-6 load, the rest is computed
+    sim.spoil.add(bad)
+    fin = _run(sim, "b")
+    assert fin.cached_tokens == 28 and sim.kv.tier_misses == 1
+    assert bad in sim.kv.stored  # computed, cached and written through again
+    sim.kv.audit()
+
+
+def test_the_tier_keeps_its_size_dropping_the_least_recently_used():
+    sim = Sim(num_blocks=24, block_size=4, max_context=128, max_step_tokens=64, tier_blocks=20)
+    _run(sim, "a")
+    _evict(sim)
+    assert len(sim.kv.stored) <= 20 and len(sim.disk) <= 20 and sim.kv.tier_drops > 0
+    _run(sim, "b")  # some of its blocks were dropped: what is left loads, the rest is computed
+    sim.kv.audit()
+
+
+# --------------------------------------------------------------------------- a real server, restarted
+
+
+def _chat(url: str, sysmsg: str) -> dict:
+    import json
+    import urllib.request
+
+    body = {"model": "m", "max_tokens": 6, "temperature": 0,
+            "messages": [{"role": "system", "content": sysmsg}, {"role": "user", "content": "Say hi."}]}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.load(r)
+
+
+def test_a_restarted_server_reads_the_prompt_back_and_ignores_foreign_and_corrupt_files(smollm2_path, tmp_path):
+    """--prompt-cache-dir: a second server on the same directory finds a long system prompt on disk (the same
+    answer, every full block a cache hit); a corrupt file and another model's are ignored with a log line; an
+    unwritable directory is one warning and a server that serves."""
+    import pytest
+
+    from tests.serverproc import ServerProcess
+
+    pytest.importorskip("openai")  # the server lane's extra is installed
+    sysmsg = " ".join(f"Rule {i}: answer about topic {i} with care, citing section {i * 7}." for i in range(40))
+    cache = tmp_path / "pc"
+    logs = [tmp_path / f"server{i}.out" for i in range(3)]
+    with ServerProcess(str(smollm2_path), "--prompt-cache-dir", str(cache), "--event-log",
+                       str(tmp_path / "ev0.log"), log_path=logs[0]) as srv:
+        cold = _chat(srv.url, sysmsg)
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    (sub,) = [d for d in cache.iterdir() if d.is_dir()]
+    files = sorted(sub.glob("*.kv"))
+    n_full = (cold["usage"]["prompt_tokens"] - 1) // 16
+    assert len(files) >= n_full
+    foreign = cache / "0123456789abcdef-float16_1x16x1x64"  # another model's directory: never read
+    foreign.mkdir()
+    (foreign / files[0].name).write_bytes(b"x" * 100)
+    by_age = sorted(files, key=lambda p: p.stat().st_mtime_ns)  # written in chain order, one after another
+    k = n_full // 2
+    data = bytearray(by_age[k].read_bytes())
+    data[-7] ^= 0xFF  # block k's file corrupt: blocks 0..k-1 are read, k and what follows are computed
+    by_age[k].write_bytes(bytes(data))
+    with ServerProcess(str(smollm2_path), "--prompt-cache-dir", str(cache), "--event-log",
+                       str(tmp_path / "ev1.log"), log_path=logs[1]) as srv:
+        warm = _chat(srv.url, sysmsg)
+        again = _chat(srv.url, sysmsg)
+    assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == k * 16
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == n_full * 16
+    out = logs[1].read_text()
+    assert "blocks of this model's KV on disk" in out and "another model's or layout's cache, not read" in out
+    assert "corrupt, not used" in out
+    ro = tmp_path / "ro"
+    ro.write_text("a file where the directory should be")
+    with ServerProcess(str(smollm2_path), "--prompt-cache-dir", str(ro / "sub"), log_path=logs[2]) as srv:
+        assert _chat(srv.url, "Be brief.")["choices"][0]["message"]["content"]
+    assert "no disk tier" in logs[2].read_text()
+    import subprocess
+    import sys
+
+    for ev in ("ev0.log", "ev1.log"):  # the tier's messages are on the log: both runs replay identically
+        r = subprocess.run([sys.executable, "-m", "imp", "replay", str(tmp_path / ev)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr

@@ -116,6 +116,14 @@ def test_a_restarted_server_reads_the_prompt_back_and_ignores_foreign_and_corrup
                        str(tmp_path / "ev1.log"), log_path=logs[1]) as srv:
         warm = _chat(srv.url, sysmsg)
         again = _chat(srv.url, sysmsg)
+        import json
+        import urllib.request
+
+        health = json.load(urllib.request.urlopen(srv.url + "/health", timeout=30))
+        metrics = urllib.request.urlopen(srv.url + "/metrics", timeout=30).read().decode()
+    # every file but the corrupt one was read into the pool (those past it too: a later prompt may use them)
+    assert health["kv_tier_hits"] == n_full - 1 and health["kv_tier_misses"] == 1 and health["kv_tier_blocks"] >= n_full
+    assert f"imp_kv_tier_hits_total {float(n_full - 1)}" in metrics and "imp_kv_tier_misses_total 1.0" in metrics
     assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == k * 16
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == n_full * 16

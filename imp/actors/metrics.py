@@ -160,6 +160,14 @@ class MetricsActor(Actor):
         self.c_evict = c("imp_prefix_cache_evictions", "cached prefix blocks reclaimed for a new allocation")
         self.c_inflight = c("imp_prefix_cache_inflight_waits", "allocations that waited a round for prompt blocks "
                             "another request was computing (then found them cached instead of computing them again)")
+        self.g_tier = g("imp_kv_tier_blocks", "KV blocks the prefix cache's disk tier holds (--prompt-cache-dir)")
+        self.c_tier = {k: c(f"imp_kv_tier_{k}", why) for k, why in (
+            ("saves", "cached KV blocks written to the disk tier"),
+            ("loads", "KV blocks asked for from the disk tier (a prompt's chain went on there)"),
+            ("hits", "KV blocks read back from the disk tier into the pool (promotions)"),
+            ("misses", "disk tier reads that found the file missing, corrupt or foreign (computed instead)"),
+            ("drops", "disk tier blocks deleted for its size (--prompt-cache-gb), least recently used first"))}
+        self._tier = dict.fromkeys(self.c_tier, 0)
         self.c_preempt = c("imp_preemptions", "running requests preempted for KV (recomputed later)")
         self.c_cancel = c("imp_requests_cancelled", "requests cancelled by client disconnect")
         self.c_timeout = c("imp_requests_timed_out", "requests ended at --request-timeout (the client sees "
@@ -223,6 +231,12 @@ class MetricsActor(Actor):
         if kv.inflight_waits > self._inflight:
             self.c_inflight.inc(kv.inflight_waits - self._inflight)
             self._inflight = kv.inflight_waits
+        self.g_tier.set(kv.tier_blocks)
+        for k, ctr in self.c_tier.items():
+            v = getattr(kv, f"tier_{k}")
+            if v > self._tier[k]:
+                ctr.inc(v - self._tier[k])
+                self._tier[k] = v
         self.kv = kv
 
     def _figures(self, sender: str, msg: Figures) -> None:

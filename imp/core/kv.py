@@ -149,6 +149,8 @@ class KvCore:
             total=n, free=free, used=n - free, reserved=0, cached=len(self.cache),
             block_size=self.config.block_size, evictions=self.evictions, inflight_waits=self.waits,
             pinned=len(set().union(*self.pins.values())) if self.pins else 0,  # distinct blocks
+            tier_blocks=len(self.stored), tier_saves=self.tier_saves, tier_loads=self.tier_loads,
+            tier_hits=self.tier_hits, tier_misses=self.tier_misses, tier_drops=self.tier_drops,
         )
 
     def audit(self) -> None:

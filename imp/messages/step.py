@@ -159,6 +159,14 @@ class KvFigures(Struct):
     evictions: int = 0
     pinned: int = 0  # blocks held by cache_prompt / session pins
     inflight_waits: int = 0  # allocs that waited for prompt blocks another sequence was computing (running total)
+    # the disk tier (--prompt-cache-dir): blocks it holds now; blocks written to it, read back (asked), landed
+    # as cache hits, found missing or corrupt, dropped for its size (running totals)
+    tier_blocks: int = 0
+    tier_saves: int = 0
+    tier_loads: int = 0
+    tier_hits: int = 0
+    tier_misses: int = 0
+    tier_drops: int = 0
 
 
 class KvRequest(Msg):

@@ -26,6 +26,10 @@ def _kv_fields(kv) -> dict:
         "kv_ceiling_blocks": kv.total,
         "kv_pool_growable": False,
         "kv_pool_bandwidth_gbps": 0.0,
+        "kv_tier_blocks": kv.tier_blocks,  # the disk tier (--prompt-cache-dir): blocks held, and running totals
+        "kv_tier_saves": kv.tier_saves,
+        "kv_tier_hits": kv.tier_hits,
+        "kv_tier_misses": kv.tier_misses,
     }
 
 

@@ -5,6 +5,8 @@ the same files, a file that fails to load, the size limit."""
 
 from __future__ import annotations
 
+import os
+
 from imp.messages import KvStored
 from tests.test_scheduler_core import Sim, ids, params
 
@@ -141,3 +143,47 @@ def test_a_restarted_server_reads_the_prompt_back_and_ignores_foreign_and_corrup
     for ev in ("ev0.log", "ev1.log"):  # the tier's messages are on the log: both runs replay identically
         r = subprocess.run([sys.executable, "-m", "imp", "replay", str(tmp_path / ev)], capture_output=True, text=True)
         assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_tier_files_refuse_what_is_not_theirs(tmp_path, caplog):
+    """KvTier on its own: a round trip; a stale format, another fingerprint, another layout, a short file and a
+    flipped byte are each not used (one log line, the file removed); a directory that cannot be made is
+    TierUnavailable; a failing write says so once and returns False."""
+    import logging
+
+    import pytest
+
+    from imp.actors import kvtier
+
+    t = kvtier.KvTier(tmp_path, "a" * 64, "float16:2x16x1x8")
+    key, payload = bytes(range(32)), bytes(range(256)) * 4
+    assert t.save(key, payload) and bytes(t.load(key, len(payload))) == payload and t.scan() == (key,)
+    path = t._path(key)
+    good = path.read_bytes()
+    cases = {"stale": b"IMPKV\x01\x00\x00" + good[8:], "foreign (another model": None, "foreign (another KV": None,
+             "short": good[:40], "corrupt": good[:-1] + bytes([good[-1] ^ 1])}
+    other = kvtier.KvTier(tmp_path / "o", "b" * 64, "float16:2x16x1x8")
+    other.save(key, payload)
+    cases["foreign (another model"] = other._path(key).read_bytes()
+    lay = kvtier.KvTier(tmp_path / "l", "a" * 64, "float32:2x16x1x8")
+    lay.save(key, payload)
+    cases["foreign (another KV"] = lay._path(key).read_bytes()
+    with caplog.at_level(logging.WARNING, logger="imp.kvtier"):
+        for why, data in cases.items():
+            path.write_bytes(data)
+            caplog.clear()
+            assert t.load(key, len(payload)) is None, why
+            assert why in caplog.text and not path.exists(), why
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(kvtier.TierUnavailable):
+        kvtier.KvTier(blocker / "sub", "a" * 64, "x")
+    t.dir.chmod(0o500)
+    try:
+        with caplog.at_level(logging.WARNING, logger="imp.kvtier"):
+            caplog.clear()
+            results = [t.save(bytes([i]) * 32, payload) for i in range(3)]
+        if os.geteuid() != 0:  # root writes anyway
+            assert results == [False] * 3 and caplog.text.count("cannot write the prompt cache") == 1
+    finally:
+        t.dir.chmod(0o700)

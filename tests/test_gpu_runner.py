@@ -345,7 +345,7 @@ def test_dry_rows_take_the_host_sampler_beside_device_rows(tmp_path_factory):
     path = _model(tmp_path_factory, T.Q8_0)
     gpu = GpuModelRunner.load(path, num_blocks=64, block_size=BS, max_graph_batch=4)
     rep = (5, 6, 7, 8) * 3 + (5, 6, 7)  # the repeat goes on with 8
-    bias = ((8, 60.0),)
+    bias = ((8, 500.0),)  # this tied random model gives its last input (7) ~165 and 8 ~-17: the bias outweighs both
     plain = SamplingParams(max_tokens=4, logit_bias=bias)
     dry = SamplingParams(max_tokens=4, logit_bias=bias, dry=Dry(multiplier=1e4, allowed_length=1, last_n=-1, prefix=rep))
     for params, want_eight in ((plain, True), (dry, False)):
@@ -354,6 +354,35 @@ def test_dry_rows_take_the_host_sampler_beside_device_rows(tmp_path_factory):
                                 params=GREEDY)])
         assert [t.seq_id for t in out] == ["a", "b"]
         assert (out[0].token_id == 8) == want_eight, params
+
+
+def test_banned_and_guided_rows_on_the_device(tmp_path_factory):
+    """Banned phrases and classifier-free guidance on a GPU step: a share's banned tokens are -inf on the device
+    (the next best is drawn), and a guided row is drawn from l_b + s (l_a - l_b) of its own and its shadow's
+    rows in the same step (against the two rows' logits from a plain forward), beside a plain row."""
+    import numpy as np
+
+    from imp.gpu.runner import GpuModelRunner
+
+    path = _model(tmp_path_factory, T.Q8_0)
+    gpu = GpuModelRunner.load(path, num_blocks=64, block_size=BS, max_graph_batch=4)
+    a, b = tuple(PROMPTS[0]), tuple(PROMPTS[1])
+    blocks = lambda k: [3 * k, 3 * k + 1, 3 * k + 2]  # noqa: E731 (37 positions: 3 blocks of 16)
+    la, lb = (gpu.forward([SeqWork(seq_id=s, token_ids=t, start_pos=0, block_table=blocks(k), sample=True,
+                                   params=GREEDY)])[0].float().cpu().numpy().astype(np.float64)
+              for s, t, k in (("x", a, 0), ("y", b, 1)))
+    top2 = list(np.argsort(-la, kind="stable")[:2])
+    out = gpu.step([SeqWork(seq_id="a", token_ids=a, start_pos=0, block_table=blocks(2), sample=True, params=GREEDY,
+                            banned=(int(top2[0]),)),
+                    SeqWork(seq_id="p", token_ids=b, start_pos=0, block_table=blocks(3), sample=True, params=GREEDY)])
+    assert out[0].token_id == top2[1] and out[1].token_id == int(np.argmax(lb))
+    guided = SamplingParams(max_tokens=4, cfg_scale=3.0)
+    out = gpu.step([SeqWork(seq_id="g", token_ids=a, start_pos=0, block_table=blocks(4), sample=True, params=guided,
+                            guide="g.cfg"),
+                    SeqWork(seq_id="g.cfg", token_ids=b, start_pos=0, block_table=blocks(5), sample=True,
+                            params=GREEDY)])
+    z = lb + 3.0 * (la - lb)
+    assert out[0].token_id == int(np.argmax(z)) and out[1].token_id == int(np.argmax(lb))
 
 
 def test_mirostat_rows_take_the_host_sampler_and_keep_mu(tmp_path_factory):

@@ -241,3 +241,31 @@ def test_stream_disconnect_cancels(imp_server):
                 return
         time.sleep(0.2)
     pytest.fail("the request kept running after its client left")
+
+
+def test_cache_control_breakpoints_count_creation_then_reads_and_pin_the_prefix(cl, imp_server):
+    """cache_control per breakpoint: the first request writes the marked region (its full blocks) and says so
+    in cache_creation_input_tokens; the next reads it (cache_read_input_tokens) and creates nothing; the
+    three parts add up to the prompt; the region's blocks are pinned after the request; a breakpoint on the
+    system prompt only pins less than one on the last message."""
+    nonce = f"{time.time_ns()}"
+    system = [{"type": "text", "text": f"Session {nonce}. " + " ".join(f"Rule {i}: mind topic {i}." for i in range(50)),
+               "cache_control": {"type": "ephemeral"}}]
+    msgs = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi! How can I help?"},
+            {"role": "user", "content": [{"type": "text", "text": "Tell me a fact.",
+                                          "cache_control": {"type": "ephemeral"}}]}]
+    health = lambda: json.loads(urllib.request.urlopen(imp_server.url + "/health", timeout=30).read())  # noqa: E731
+    pinned0 = health()["kv_blocks_pinned"]
+    first = create(cl, max_tokens=4, system=system, messages=msgs).usage
+    second = create(cl, max_tokens=4, system=system, messages=msgs).usage
+    total = first.input_tokens + first.cache_creation_input_tokens + first.cache_read_input_tokens
+    assert first.cache_read_input_tokens == 0 and first.cache_creation_input_tokens > 0
+    assert first.cache_creation_input_tokens % 16 == 0 and first.input_tokens < 16  # the region: all full blocks
+    assert second.cache_read_input_tokens == first.cache_creation_input_tokens
+    assert second.cache_creation_input_tokens == 0
+    assert second.input_tokens + second.cache_read_input_tokens == total
+    assert health()["kv_blocks_pinned"] >= pinned0 + first.cache_creation_input_tokens // 16
+    only_system = [msgs[0], msgs[1], {"role": "user", "content": "Another fact."}]
+    third = create(cl, max_tokens=4, system=[dict(system[0], text=system[0]["text"] + " v2")],
+                   messages=only_system).usage
+    assert 0 < third.cache_creation_input_tokens < first.cache_creation_input_tokens  # through the system prompt

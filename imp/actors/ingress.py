@@ -87,6 +87,7 @@ class IngressActor(Actor):
         cache_prompt: bool = False,
         session_id: str = "",
         cfg_prompt: tuple[int, ...] = (),
+        pin_tokens: int = 0,
     ) -> RequestHandle:
         if req_id in self.handles:
             raise ValueError(f"duplicate request id {req_id}")
@@ -96,7 +97,7 @@ class IngressActor(Actor):
         self.send(
             "admission",
             Submit(req_id, tuple(prompt), params, time.monotonic_ns(), n, priority, salt,
-                   cache_prompt, session_id, tuple(cfg_prompt)),
+                   cache_prompt, session_id, tuple(cfg_prompt), pin_tokens),
         )
         return h
 

@@ -215,7 +215,7 @@ class RequestBook:
             r = s.req
             del self.requests[r.id]
             if r.pin_key and reason is not FinishReason.ERROR:  # after the frees: blocks are hashed
-                self.frees.append(KvOp("pin", r.pin_key, token_ids=tuple(r.prompt), salt=r.salt))
+                self.frees.append(KvOp("pin", r.pin_key, token_ids=tuple(r.prompt[:r.pin_len]), salt=r.salt))
                 if r.session_id:
                     self.sessions.pop(r.session_id, None)
                     self.sessions[r.session_id] = self.now

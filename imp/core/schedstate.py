@@ -63,7 +63,7 @@ class Phase(enum.Enum):
 
 class Req:
     __slots__ = ("id", "prompt", "priority", "salt", "arrival_ns", "order", "reserved", "cached_tokens", "n_running",
-                 "n_live", "seqs", "pin_key", "session_id")
+                 "n_live", "seqs", "pin_key", "session_id", "pin_len")
 
     def __init__(self, m: Submit, order: int, reserved: int):
         self.id, self.prompt, self.priority, self.salt = m.req_id, m.prompt, m.priority, m.salt
@@ -74,7 +74,9 @@ class Req:
         self.seqs: list[Seq] = []
         # where the prompt's KV is pinned when the request ends ("" = not pinned)
         self.pin_key = (f"session:{m.session_id}" if m.session_id
-                        else f"prompt:{m.req_id}" if m.cache_prompt else "")
+                        else f"prompt:{m.req_id}" if m.cache_prompt or m.pin_tokens > 0 else "")
+        # how much of the prompt the pin holds: all of it (a session, cache_prompt), else a cache_control prefix
+        self.pin_len = len(m.prompt) if m.session_id or m.cache_prompt else min(m.pin_tokens, len(m.prompt))
         self.session_id = m.session_id
 
 

@@ -213,7 +213,7 @@ class LocalEngine:
         handle = self.ingress.submit(
             sub.req_id, sub.prompt, sub.params, n=sub.n, priority=sub.priority, stop=sub.stop,
             salt=sub.salt, prompt_tail=sub.prompt[-4:], cache_prompt=sub.cache_prompt,
-            session_id=sub.session_id, cfg_prompt=sub.cfg_prompt,
+            session_id=sub.session_id, cfg_prompt=sub.cfg_prompt, pin_tokens=sub.pin_tokens,
         )
         if lid:
             self._lora_users[lid] = self._lora_users.get(lid, 0) + 1

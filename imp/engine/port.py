@@ -34,6 +34,7 @@ class Submission(_Value):
     cache_prompt: bool = False
     session_id: str = ""
     cfg_prompt: tuple[int, ...] = ()  # classifier-free guidance: the shadow sequence's prompt
+    pin_tokens: int = 0  # Anthropic cache_control: keep the first N prompt tokens' blocks warm after it (0: none)
 
 
 class ModelCard(_Value):

@@ -28,6 +28,9 @@ class Submit(Msg):
     # classifier-free guidance (params.cfg_scale > 1): the shadow sequence's prompt (the conversation without
     # its system message, or with the negative prompt as one); it decodes the choice's tokens beside it
     cfg_prompt: tuple[int, ...] = ()
+    # Anthropic cache_control: pin the first pin_tokens prompt tokens' full blocks when it ends, as cache_prompt
+    # pins the whole prompt (0: none)
+    pin_tokens: int = 0
 
 
 class Reject(Msg):

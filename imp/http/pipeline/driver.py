@@ -111,6 +111,7 @@ async def generate(port: EnginePort, req_id: str, prompt: list[int], params: Sam
         stream = port.submit(Submission(
             req_id=req_id, prompt=tuple(prompt), params=params, n=req.n, priority=req.priority, stop=req.stop,
             salt=salt, cache_prompt=req.cache_prompt, session_id=req.session_id, cfg_prompt=tuple(cfg_prompt),
+            pin_tokens=req.pin_tokens,
         ))
     except LoraRefused as exc:  # unloaded between the name check and the submit
         raise ApiError(exc.status, exc.message, code=exc.code, param="lora") from None

@@ -121,6 +121,11 @@ class GenerateRequest(_Value):
     constraint: Constraint | None = None
     constraint_field: str | None = None
     tool_plan: Any = None
+    # Anthropic cache_control: the last marked block (imp.http.dialects.anthropic.parse.cache_breakpoint): its
+    # message index, -1 the tools / system prompt, -2 none; pin_tokens: the prompt tokens that bounds, found
+    # once the prompt is rendered (the pipeline), kept warm after the request (0: none)
+    cache_breakpoint: int = -2
+    pin_tokens: int = 0
 
     @property
     def effective_constraint(self) -> tuple[Constraint | None, str | None]:

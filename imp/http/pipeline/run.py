@@ -30,6 +30,7 @@ import time
 import uuid
 from typing import AsyncIterator
 
+import msgspec
 from aiohttp import web
 
 from imp.http import keys
@@ -76,6 +77,9 @@ async def run(request: web.Request, dialect: Dialect, headers: dict[str, str]) -
     resolve.check_size(req, tm, port.card)
     # on a worker thread: templating and tokenizing a large prompt never stall other streams
     prompt = await asyncio.to_thread(dialect.render_prompt, req, tm)
+    if req.cache_breakpoint > -2:  # Anthropic cache_control: the marked prefix is kept warm after the request
+        req = msgspec.structs.replace(req, pin_tokens=await _breakpoint_tokens(dialect, body, req, prompt.ids, tm,
+                                                                                 port))
     shadow = resolve.guidance_messages(req)  # classifier-free guidance: the shadow sequence's prompt
     cfg_ids = tuple((await asyncio.to_thread(dialect.render_prompt, shadow, tm)).ids) if shadow is not None else ()
     params = resolve.sampling_params(req, len(prompt.ids), port.card, tm, cfg.max_tokens, cfg.max_output_tokens,
@@ -93,6 +97,27 @@ async def run(request: web.Request, dialect: Dialect, headers: dict[str, str]) -
             if req.stream:
                 return await _stream(request, dialect, out, deltas, headers, rid)
             return await _complete(request, out, deltas, headers)
+
+
+async def _breakpoint_tokens(dialect: Dialect, body: dict, req, ids, tm, port) -> int:
+    """The prompt tokens through the last cache_control breakpoint: the whole prompt when it marks the last
+    message; else the common prefix of this prompt and the one of the conversation cut after the marked message
+    (for the tools or system prompt: with the first message's text replaced, so the two part where it starts)."""
+    msgs, i = body.get("messages") or [], req.cache_breakpoint
+    if i >= len(msgs) - 1:
+        return len(ids)
+    cut = dict(body, messages=msgs[:i + 1]) if i >= 0 else dict(body, messages=[{"role": "user", "content": "\u2063"}])
+    try:
+        other, _ = await dialect.parse(cut, ParseContext(tm, port))
+        p = await asyncio.to_thread(dialect.render_prompt, other, tm)
+    except ApiError:
+        return 0  # the cut conversation does not render alone: nothing pinned beyond what the cache keeps anyway
+    n = 0
+    for a, b in zip(ids, p.ids):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 async def _complete(request: web.Request, out: Renderer, deltas: AsyncIterator[Delta],

@@ -107,7 +107,7 @@ def _blocks(m: dict, where: str, names: dict[str, str]) -> list[dict]:
 def _tool_plan(body: dict, template_source: str, messages=()):
     """tools / tool_choice -> the request's ToolPlan (None without tools). Server tools
     (web_search, bash, ...: a `type` other than custom) run on Anthropic's side and are left
-    out; cache_control on a tool is accepted (prefix caching is automatic here)."""
+    out; cache_control on a tool marks the tools as a cache breakpoint (cache_breakpoint)."""
     try:
         specs, choice = from_anthropic(body.get("tools"), body.get("tool_choice"))
     except ToolSpecError as exc:
@@ -195,7 +195,8 @@ FIELDS = {
 }
 # Anthropic's hosted features (its MCP connector, its code-execution container) run on its side,
 # as its server tools do: left out, with a log line once; routing and billing fields: no effect here
-# (prefix caching is automatic: a top-level cache_control marks nothing more; diagnostics of
+# (prefix caching is automatic, and a block's cache_control bounds the pinned region (cache_breakpoint): a
+# top-level cache_control marks nothing more; diagnostics of
 # Anthropic's cache have no counterpart; speed: this server runs at one speed, its fastest)
 HOSTED = ("mcp_servers", "container")
 NO_OPS = ("service_tier", "inference_geo", "cache_control", "diagnostics", "speed", "user_profile_id",
@@ -252,7 +253,27 @@ def parse(body: dict, template_source: str = "", *, count_only: bool = False) ->
                           mtp_k=f["speculative"][1]), max_tokens=f["max_tokens"],
         stop=tuple(s for s in stops or () if s), stream=f["stream"], priority=f["priority"],
         cache_prompt=f["cache_prompt"], session_id=f["session_id"], lora=f["lora"],
+        cache_breakpoint=-2 if count_only else (lambda b: -2 if b is None else b)(cache_breakpoint(body)),
     )
+
+
+def cache_breakpoint(body: dict) -> int | None:
+    """Anthropic's cache_control, per breakpoint: the last marked block bounds the region kept warm. Its
+    Anthropic message index (the prefix through that message), -1 for the tools or the system prompt (the
+    prefix before the first message), None when nothing is marked. Marks past the last one changes nothing:
+    the cache is a prefix, tools then system then messages, as Anthropic orders it."""
+    marked = lambda b: isinstance(b, dict) and isinstance(b.get("cache_control"), dict)  # noqa: E731
+    last = None
+    if any(marked(t) for t in body.get("tools") or () if isinstance(body.get("tools"), list)):
+        last = -1
+    system = body.get("system")
+    if isinstance(system, list) and any(marked(b) for b in system):
+        last = -1
+    for i, m in enumerate(body.get("messages") or ()):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(marked(b) for b in content):
+            last = i
+    return last
 
 
 def _msg(m: dict) -> Message:

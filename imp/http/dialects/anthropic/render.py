@@ -38,10 +38,13 @@ def _stop(d: Delta | None, called: bool = False) -> tuple[str, str | None]:
     return ("tool_use" if called else "end_turn"), None
 
 
-def _usage(prompt: int, completion: int, cached: int, spec: dict | None = None) -> dict:
-    # Anthropic counts input_tokens after the cache: input + cache_read = the whole prompt
-    return {"input_tokens": prompt - cached, "output_tokens": completion,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached, **(spec or {})}
+def _usage(prompt: int, completion: int, cached: int, spec: dict | None = None, pin: int = 0) -> dict:
+    # Anthropic's three parts of the prompt: read from the cache, written to it (the full blocks of the
+    # cache_control region that were not there yet: they are kept warm now; pin comes block-aligned), and the
+    # rest, after the last breakpoint or in a block not full
+    created = max(0, min(pin, prompt) - cached)
+    return {"input_tokens": prompt - cached - created, "output_tokens": completion,
+            "cache_creation_input_tokens": created, "cache_read_input_tokens": cached, **(spec or {})}
 
 
 def _tool_use_block(call) -> dict:
@@ -98,7 +101,8 @@ class AnthropicRenderer:
             content.append({"type": "text", "text": text})
         content += [_tool_use_block(c) for c in calls]
         return self._message(content, _stop(self.last, bool(calls)), _usage(self.prompt_len, self.completion,
-                                                                           self.cached, self.spec.fields()))
+                                                                           self.cached, self.spec.fields(),
+                                                                           self._pin()))
 
     # ------------------------------------------------------------------ server-sent events
 
@@ -149,6 +153,11 @@ class AnthropicRenderer:
     def keepalive(self) -> bytes:
         return _PING
 
+    def _pin(self) -> int:
+        """The cache_control region's tokens that the pin holds: its full blocks."""
+        bs = self.job.card.block_size
+        return self.job.req.pin_tokens // bs * bs
+
     def delta(self, d: Delta) -> bytes:
         self._count(d)
         r, c = split_delta(self.splitter, d)
@@ -172,7 +181,7 @@ class AnthropicRenderer:
                         + _event("message_delta", {"type": "message_delta",
                                                    "delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
                                                    "usage": _usage(self.prompt_len, self.completion, self.cached,
-                                                                   self.spec.fields())})
+                                                                   self.spec.fields(), self._pin())})
                         + _event("message_stop", {"type": "message_stop"}))
         return self._flush()
 

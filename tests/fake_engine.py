@@ -213,6 +213,11 @@ class FakeEngine:
     async def metrics_text(self) -> bytes:
         return b"# fake\nimp_model_loaded{model=\"fake-model\"} 1.0\n"
 
+    async def warm(self, prompt, salt: str = ""):
+        from imp.engine.port import Warm
+
+        return Warm(0, "miss")
+
     async def snapshot(self, with_live: bool = False) -> Snapshot:
         kv = KvFigures(256, 256, 0, 0, 0, 16)
         return Snapshot(kv=kv, replica_kv=(kv,), queue=QueueFigures(0, len(self.live), 0), rates=Rates(),

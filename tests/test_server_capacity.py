@@ -193,7 +193,14 @@ def test_estimate_and_dry_run(imp_server):
     assert chat(imp_server)[0] == 200  # a prefill has been measured: est_ttft_s is a number
     body = {"model": "x", "messages": MSGS, "max_tokens": 100}
     st, _, e = jraw(imp_server, "POST", "/v1/estimate", body)
-    assert st == 200 and e["resident"] is True and e["cache_tier"] == "miss"
+    assert st == 200 and e["resident"] is True
+    # warm_tokens / cache_tier: the prefix cache asked. Every full block of the prompt an alloc may take (all but
+    # the one holding its last token) is there, since the chat above sent these messages
+    assert e["cache_tier"] == "exact" and e["warm_tokens"] == (e["prompt_tokens"] - 1) // 16 * 16 > 0
+    cold = dict(body, messages=[{"role": "user", "content": f"{time.time_ns()} " * 40}])
+    st, _, e2 = jraw(imp_server, "POST", "/v1/estimate", cold)
+    # a new conversation: only the blocks of the template's own head (SmolLM2's default system prompt) are warm
+    assert st == 200 and e2["cache_tier"] in ("block", "miss") and e2["warm_tokens"] <= 48 < e2["prompt_tokens"]
     assert e["prompt_tokens"] > 5 and e["context_ok"] and e["fits_now"] and e["fits_drained"]
     assert e["context_limit"] == 8192 and e["est_ttft_s"] > 0
     # SmolLM2: 30 layers x 3 KV heads x 64 x 2 (K, V) x fp32 per token
@@ -322,6 +329,9 @@ def test_a_live_row_counts_its_verifies_and_is_null_without_a_drafter(imp_server
             time.sleep(0.05)
         t.join()
         assert out["r"][0] == 200 and seen
+        # the prefix cache as the request found it on arrival (the capacity reference's `cache` of a row)
+        assert all(r["cache"]["tier"] in ("exact", "block", "miss") and r["cache"]["warm_tokens"] % 16 == 0
+                   for r in seen)
         if not spec:
             assert all(r["speculative"] is None for r in seen)
             continue

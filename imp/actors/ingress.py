@@ -51,6 +51,7 @@ class RequestHandle:
     generated: int = 0  # tokens delivered so far, all choices
     speculative: bool = False  # a drafter runs for it (params.speculative)
     spec: list = field(default_factory=lambda: [0, 0, 0])  # verify rounds, draft tokens fed, kept: all choices
+    cache: tuple | None = None  # (tier, warm tokens) of the prefix cache on arrival (None: not asked)
 
     @property
     def done(self) -> bool:
@@ -88,11 +89,13 @@ class IngressActor(Actor):
         session_id: str = "",
         cfg_prompt: tuple[int, ...] = (),
         pin_tokens: int = 0,
+        cache: tuple[str, int] | None = None,
     ) -> RequestHandle:
         if req_id in self.handles:
             raise ValueError(f"duplicate request id {req_id}")
         h = self.handles[req_id] = RequestHandle(req_id, n, prompt_tokens=len(prompt),
                                                  max_tokens=params.max_tokens, speculative=params.speculative)
+        h.cache = cache  # (tier, warm tokens) as the prefix cache stood on arrival
         self.send("detok", DetokOpen(req_id, n, tuple(stop or ()), True, tuple(prompt_tail or ())))
         self.send(
             "admission",
@@ -155,6 +158,7 @@ class IngressActor(Actor):
                 "speculative": {"rounds": h.spec[0], "drafted": h.spec[1], "accepted": h.spec[2],
                                 "accept_rate": round(h.spec[2] / h.spec[1], 3) if h.spec[1] else None}
                 if h.speculative else None,
+                "cache": {"tier": h.cache[0], "warm_tokens": h.cache[1]} if h.cache is not None else None,
             })
         order = {"queued": 0, "prefill": 1, "decode": 2}
         rows.sort(key=lambda r: order[r["state"]])  # stable: by arrival within a state

@@ -323,6 +323,23 @@ class KvCore:
             if owner is not None:  # child sharing the chain): the cache has it now, nobody waits for it
                 self.seqs[owner].promises.remove(h)
 
+    def warm(self, token_ids, salt: str = "") -> tuple[int, int, int]:
+        """A read-only question, not a decision (no state changes): of the prompt's blocks an alloc could take
+        from the cache (its full blocks but the one holding its last token), (how many lead the chain in the
+        pool, how many more continue it on the disk tier, how many there are)."""
+        bs, h = self.config.block_size, self._root(salt)
+        n = (len(token_ids) - 1) // bs
+        pool = disk = 0
+        for i in range(n):
+            h = self._chain(h, token_ids[i * bs : (i + 1) * bs])
+            if not disk and (h in self.cache or h in self.loading):
+                pool += 1
+            elif h in self.stored:
+                disk += 1
+            else:
+                break
+        return pool, disk, n
+
     # ------------------------------------------------------------------ the disk tier
 
     def _to_tier(self, h: bytes, b: int) -> None:

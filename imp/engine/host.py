@@ -226,6 +226,8 @@ class EngineHost:
         try:
             if f.method == "snapshot":
                 v = eng.figures(*f.args)
+            elif f.method == "warm":
+                v = eng.warm_now(*f.args)
             elif f.method == "ask_peers":
                 self._ask_peers(peer, f)
                 return

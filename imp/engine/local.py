@@ -29,7 +29,7 @@ from imp.config import ServerConfig
 from imp.constrain.book import ConstraintBook
 from imp.core.replicas import replica_name
 from imp.engine.cores import build_cores
-from imp.engine.port import (LiveRow, LoraInfo, LoraRefused, ModelCard, Rates, ResumeResult, Snapshot, Submission,
+from imp.engine.port import (LiveRow, LoraInfo, Warm, LoraRefused, ModelCard, Rates, ResumeResult, Snapshot, Submission,
                               SuspendResult)
 from imp.engine.render import RenderedStream
 from imp.log.eventlog import EventLog, LogHeader
@@ -210,10 +210,11 @@ class LocalEngine:
             log.info("[idle-unload] request %s wakes the model", sub.req_id)
         if sub.params.banned:
             self._send_texts()
+        w = self.warm_now(sub.prompt, sub.salt)
         handle = self.ingress.submit(
             sub.req_id, sub.prompt, sub.params, n=sub.n, priority=sub.priority, stop=sub.stop,
             salt=sub.salt, prompt_tail=sub.prompt[-4:], cache_prompt=sub.cache_prompt,
-            session_id=sub.session_id, cfg_prompt=sub.cfg_prompt, pin_tokens=sub.pin_tokens,
+            session_id=sub.session_id, cfg_prompt=sub.cfg_prompt, pin_tokens=sub.pin_tokens, cache=(w.tier, w.tokens),
         )
         if lid:
             self._lora_users[lid] = self._lora_users.get(lid, 0) + 1
@@ -431,6 +432,22 @@ class LocalEngine:
 
     async def metrics_text(self) -> bytes:
         return self.metrics.exposition()
+
+    def warm_now(self, prompt, salt: str = "") -> Warm:
+        """How much of the prompt the prefix cache holds (the readiest replica's): each kv core answers a
+        read-only question on this loop, between its messages."""
+        best = (0, 0, 0)
+        for kv in self.kvs:
+            got = kv.warm(prompt, salt)
+            if got[0] + got[1] > best[0] + best[1]:
+                best = got
+        pool, disk, n = best
+        bs = self.cfg.block_size
+        tier = "miss" if pool + disk == 0 else "exact" if pool + disk == n else "block"
+        return Warm((pool + disk) * bs, tier, disk * bs)
+
+    async def warm(self, prompt, salt: str = "") -> Warm:
+        return self.warm_now(prompt, salt)
 
     async def snapshot(self, with_live: bool = False) -> Snapshot:
         return self.figures(with_live)

@@ -79,6 +79,23 @@ class SpecRow(_Value):
     accept_rate: float | None  # accepted / drafted; None before the first draft
 
 
+class Warm(_Value):
+    """How much of a prompt the prefix cache holds now: its tokens in the pool or on the disk tier (a read,
+    not a compute), on_disk of them on the tier; tier "exact" (every block an alloc could take), "block" (a
+    prefix of them) or "miss" (the capacity reference's names)."""
+
+    tokens: int
+    tier: str
+    on_disk: int = 0
+
+
+class CacheRow(_Value):
+    """A live request's cache as it found it on arrival (/v1/metrics)."""
+
+    tier: str
+    warm_tokens: int
+
+
 class LiveRow(_Value):
     """One live request as /v1/metrics lists it."""
 
@@ -92,6 +109,7 @@ class LiveRow(_Value):
     ttft_s: float | None = None
     decode_tok_s: float | None = None
     speculative: SpecRow | None = None  # None: no drafter runs for it (the reference's `speculative: null`)
+    cache: CacheRow | None = None
 
 
 class Snapshot(_Value):
@@ -172,6 +190,8 @@ class EnginePort(Protocol):
     def fault(self) -> str | None: ...
 
     async def snapshot(self, with_live: bool = False) -> Snapshot: ...
+
+    async def warm(self, prompt: tuple[int, ...], salt: str = "") -> Warm: ...
 
     async def metrics_text(self) -> bytes: ...
 

@@ -29,7 +29,7 @@ import zmq.asyncio
 from imp.actors.store_client import StoreClient
 from imp.engine import wire
 from imp.engine.render import RenderedStream
-from imp.engine.port import (LoraInfo, LoraRefused, ModelCard, Rates, ResumeResult, Snapshot,
+from imp.engine.port import (LoraInfo, LoraRefused, ModelCard, Rates, ResumeResult, Snapshot, Warm,
                              Submission, SuspendResult)
 from imp.messages import Fault, KvFigures, QueueFigures, Reject, RequestStats, StoreReply
 
@@ -247,6 +247,12 @@ class RemoteEngine:
         except EngineGone:
             last = self._last_snapshot or _empty_snapshot(self.card)
             return msgspec.structs.replace(last, fault=self._fault, in_flight=len(self.streams), live=())
+
+    async def warm(self, prompt, salt: str = "") -> Warm:
+        try:
+            return await self._call("warm", tuple(prompt), salt, typ=Warm)
+        except EngineGone:
+            return Warm(0, "miss")
 
     async def metrics_text(self) -> bytes:
         try:

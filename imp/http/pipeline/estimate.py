@@ -13,6 +13,7 @@ from aiohttp import web
 from imp.http import keys
 from imp.http.pipeline import resolve
 from imp.http.pipeline.request import GenerateRequest
+from imp.engine.port import Warm
 from imp.messages import KvFigures
 
 
@@ -22,11 +23,13 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 def estimate(prompt_tokens: int, *, max_tokens: int | None, n: int, kv: KvFigures, bytes_per_token: int | None,
              max_context: int, prefill_tok_s: float | None, queued_prompt_tokens: int, model: str,
-             replica_kv: list[KvFigures] | None = None) -> dict:
+             replica_kv: list[KvFigures] | None = None, warm: Warm | None = None) -> dict:
     """Whether one request fits, without running it. KV only: imp's prefill
     scratch is transient and not counted. With data-parallel replicas
-    (replica_kv) it must fit one replica's pool: the emptiest, for fits_now."""
-    warm = 0  # the prefix cache is the kv core's; it is not asked
+    (replica_kv) it must fit one replica's pool: the emptiest, for fits_now. warm: what the prefix cache
+    holds of the prompt (EnginePort.warm): it is not computed again, so it leaves the TTFT estimate."""
+    tier, on_disk = (warm.tier, warm.on_disk) if warm is not None else ("miss", 0)
+    warm = min(warm.tokens, prompt_tokens) if warm is not None else 0
     tokens = prompt_tokens + n * (max_tokens or 0)
     need_blocks = blocks_for(tokens, kv.block_size)
     pools = replica_kv or [kv]
@@ -37,7 +40,8 @@ def estimate(prompt_tokens: int, *, max_tokens: int | None, n: int, kv: KvFigure
         "model": model,
         "prompt_tokens": prompt_tokens,
         "warm_tokens": warm,
-        "cache_tier": "miss",
+        "cache_tier": tier,
+        "warm_tokens_on_disk": on_disk,  # of warm_tokens, those the disk tier holds (read back, not computed)
         "max_tokens": max_tokens,
         "need_blocks": need_blocks,
         "need_bytes": need_blocks * kv.block_size * bytes_per_token if bytes_per_token else None,
@@ -56,7 +60,8 @@ async def estimate_for(request: web.Request, req: GenerateRequest) -> dict:
     card = port.card
     prompt = await resolve.render_off_loop(req, tm, card)
     snap = await port.snapshot()
-    return estimate(len(prompt.ids), max_tokens=req.max_tokens, n=req.n, kv=snap.kv,
+    warm = await port.warm(tuple(prompt.ids), "")  # the base model's cache (an adapter's is salted apart)
+    return estimate(len(prompt.ids), max_tokens=req.max_tokens, n=req.n, kv=snap.kv, warm=warm,
                     bytes_per_token=card.kv_bytes_per_token, max_context=card.context_length,
                     prefill_tok_s=snap.rates.prefill_tok_s_recent, queued_prompt_tokens=snap.queue.queued_prompt_tokens,
                     model=card.name, replica_kv=list(snap.replica_kv) if card.replicas > 1 else None)

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -76,7 +77,11 @@ def run_server(cmd, url, modes, tokens, reps, imp: bool):
                 continue
             body = {"model": "m", "messages": MSGS, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
                     "repetition_penalty": 1.0, **({"speculative": False} if imp else {}), **extra}
-            stream_rate(url, {**body, "max_tokens": 8})  # warm
+            try:
+                stream_rate(url, {**body, "max_tokens": 8})  # warm
+            except urllib.error.HTTPError as exc:  # this engine refuses it (the lens on a GPU): n/a
+                print(f"{name}: HTTP {exc.code} {exc.read()[:160]!r}")
+                continue
             rates = [stream_rate(url, body)[0] for _ in range(reps)]
             out[name] = float(np.median(rates))
         return out
@@ -137,6 +142,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default="")
+    ap.add_argument("--server-args", default="", help="more imp flags (--device cuda:0)")
+    ap.add_argument("--no-pieces", action="store_true", help="skip the host pieces (they load SmolLM2 from the cache)")
     a = ap.parse_args()
     from imp.fetch import resolve_model
 
@@ -146,7 +153,8 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"model {path}\nCPU flags: {flags}\ncommit {commit}, {os.cpu_count()} CPUs, {a.tokens} tokens, "
           f"median of {a.reps}")
-    imp = run_server([sys.executable, "-m", "imp", "--model", path, "--port", "8191", "--host", "127.0.0.1"],
+    imp = run_server([sys.executable, "-m", "imp", "--model", path, "--port", "8191", "--host", "127.0.0.1",
+                      *a.server_args.split()],
                      "http://127.0.0.1:8191", {k: v[0] for k, v in MODES.items()}, a.tokens, a.reps, True)
     peer = {}
     if a.llama_server:
@@ -156,10 +164,13 @@ def main() -> int:
     print("\n| sampling | imp tok/s | imp / imp plain | llama-server tok/s (same run) | imp / llama-server |")
     print("|---|---|---|---|---|")
     for name in MODES:
-        p = peer.get(name)
-        print(f"| {name} | {imp[name]:.1f} | {imp[name] / base:.2f} | {f'{p:.1f}' if p else 'n/a'} | "
-              f"{f'{imp[name] / p:.2f}' if p else 'n/a'} |")
-    pieces = host_pieces()
+        p, v = peer.get(name), imp.get(name)
+        if v is None:
+            print(f"| {name} | refused | | | |")
+            continue
+        print(f"| {name} | {v:.1f} | {v / base:.2f} | {f'{p:.1f}' if p else 'n/a'} | "
+              f"{f'{v / p:.2f}' if p else 'n/a'} |")
+    pieces = [] if a.no_pieces else host_pieces()
     print("\n| host piece | µs |")
     print("|---|---|")
     for name, us in pieces:

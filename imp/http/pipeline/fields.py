@@ -162,32 +162,29 @@ def dry_breakers(body: dict, name: str = "dry_sequence_breakers") -> tuple[str, 
 BANNED_MAX_BYTES = 256  # a phrase or pattern (imp.core.banned.WINDOW: how far back a match may start)
 
 
-def banned_strings(body: dict, name: str = "banned_strings") -> tuple[str, ...]:
-    """TabbyAPI's banned strings: 1..64 non-empty strings of at most 256 UTF-8 bytes ([] = off)."""
+def _phrases(body: dict, name: str, most: int, what: str) -> tuple[str, ...]:
+    """A string or a list of 1..`most` non-empty strings of at most BANNED_MAX_BYTES bytes each ([] = off)."""
     v = body.get(name)
     if v is None or v == []:
         return ()
     if isinstance(v, str):
         v = [v]
     if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
-        raise bad(f"'{name}' must be a list of non-empty strings", name)
-    if len(v) > 64 or any(len(x.encode("utf-8", "surrogatepass")) > BANNED_MAX_BYTES for x in v):
-        raise bad(f"'{name}' takes at most 64 strings of at most {BANNED_MAX_BYTES} bytes each", name)
+        raise bad(f"'{name}' must be a list of non-empty {what}", name)
+    if len(v) > most or any(len(x.encode("utf-8", "surrogatepass")) > BANNED_MAX_BYTES for x in v):
+        raise bad(f"'{name}' takes at most {most} {what} of at most {BANNED_MAX_BYTES} bytes each", name)
     return tuple(v)
+
+
+def banned_strings(body: dict, name: str = "banned_strings") -> tuple[str, ...]:
+    """TabbyAPI's banned strings: 1..64 non-empty strings of at most 256 UTF-8 bytes ([] = off)."""
+    return _phrases(body, name, 64, "strings")
 
 
 def banned_regex(body: dict, name: str = "banned_regex") -> tuple[str, ...]:
     """1..16 patterns of at most 256 bytes (Python `re` syntax); one that does not compile, or that
     matches the empty string (it would match everywhere), is a 400 naming it ([] = off)."""
-    v = body.get(name)
-    if v is None or v == []:
-        return ()
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
-        raise bad(f"'{name}' must be a list of non-empty regular expressions", name)
-    if len(v) > 16 or any(len(x.encode("utf-8", "surrogatepass")) > BANNED_MAX_BYTES for x in v):
-        raise bad(f"'{name}' takes at most 16 patterns of at most {BANNED_MAX_BYTES} bytes each", name)
+    v = _phrases(body, name, 16, "regular expressions")
     for x in v:
         try:
             rx = re.compile(x)
@@ -195,7 +192,7 @@ def banned_regex(body: dict, name: str = "banned_regex") -> tuple[str, ...]:
             raise bad(f"'{name}': pattern {x!r} does not compile: {exc}", name) from None
         if rx.search("") is not None:
             raise bad(f"'{name}': pattern {x!r} matches the empty string (it would match everywhere)", name)
-    return tuple(v)
+    return v
 
 
 def logit_lens(body: dict, name: str = "logit_lens") -> int:

@@ -144,7 +144,12 @@ def main() -> int:
     ap.add_argument("--json", default="")
     ap.add_argument("--server-args", default="", help="more imp flags (--device cuda:0)")
     ap.add_argument("--no-pieces", action="store_true", help="skip the host pieces (they load SmolLM2 from the cache)")
+    ap.add_argument("--only", default="", help="comma-separated prefixes of the rows to run (default: all)")
     a = ap.parse_args()
+    if a.only:
+        keep = [m for m in MODES if any(m.startswith(x) for x in a.only.split(","))]
+        for m in [m for m in MODES if m not in keep]:
+            del MODES[m]
     from imp.fetch import resolve_model
 
     path = str(resolve_model(a.model, progress=False))

@@ -385,6 +385,35 @@ def test_banned_and_guided_rows_on_the_device(tmp_path_factory):
     assert out[0].token_id == int(np.argmax(z)) and out[1].token_id == int(np.argmax(lb))
 
 
+def test_logit_lens_rows_run_eager_and_read_every_layer(tmp_path_factory):
+    """A logit-lens row on the GPU: the same token and logprob as without the lens, one entry per layer, the
+    last layer's the sampled row's (greedy, no penalty: rank 1, the same logprob); a plain row beside it gets
+    its token and no lens; the next step (a decode after it) gets the same token as without the lens."""
+    from imp.gpu.runner import GpuModelRunner
+
+    path = _model(tmp_path_factory, T.Q8_0)
+    gpu = GpuModelRunner.load(path, num_blocks=64, block_size=BS, max_graph_batch=4)
+    plain_p = SamplingParams(max_tokens=4, logprobs=2)
+    lens_p = SamplingParams(max_tokens=4, logprobs=2, logit_lens=3)
+    a, b = tuple(PROMPTS[0]), tuple(PROMPTS[3])
+    out = {}
+    for name, p, blocks in (("plain", plain_p, (0, 1)), ("lens", lens_p, (4, 5))):
+        first = gpu.step([SeqWork(seq_id=name, token_ids=a, start_pos=0, block_table=blocks, sample=True, params=p),
+                          SeqWork(seq_id=name + "-b", token_ids=b, start_pos=0, block_table=(blocks[1] + 10,
+                                  blocks[1] + 11), sample=True, params=GREEDY)])
+        nxt = gpu.step([SeqWork(seq_id=name, token_ids=(first[0].token_id,), start_pos=len(a), block_table=blocks,
+                                sample=True, params=p, gen_index=1)])
+        out[name] = (first, nxt)
+    (p0, pb), (pn,) = out["plain"][0], out["plain"][1]
+    (l0, lb), (ln,) = out["lens"][0], out["lens"][1]
+    assert (l0.token_id, lb.token_id, ln.token_id) == (p0.token_id, pb.token_id, pn.token_id)
+    assert abs(l0.logprob - p0.logprob) < 1e-4 and not lb.lens and not p0.lens
+    assert len(l0.lens) == gpu.config.n_layers and len(ln.lens) == gpu.config.n_layers
+    last = l0.lens[-1]
+    assert last.rank == 1 and abs(last.logprob - l0.logprob) < 2e-2 and last.top[0][0] == l0.token_id
+    assert all(len(x.top) == 3 and x.entropy >= 0 and x.rank >= 1 for x in l0.lens)
+
+
 def test_mirostat_rows_take_the_host_sampler_and_keep_mu(tmp_path_factory):
     """A mirostat row in a GPU step is drawn on the host (imp.sampling.mirostat): its SampledToken carries the
     mu after the draw, the runner keeps it for the sequence's next share and forgets it when freed."""

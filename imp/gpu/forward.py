@@ -43,10 +43,11 @@ class Forward:
         self.sampled = sampled  # [MAX_SAMPLED] int32: the previous step's ids, for PENDING_TOKEN rows
         self.fuse = fuse  # fused QKV(+RoPE+KV write) and gate/up(+SiLU*up) where gemv_bf16x is chosen
 
-    def __call__(self, m: Meta, lora=None) -> torch.Tensor:
+    def __call__(self, m: Meta, lora=None, keep: torch.Tensor | None = None):
         """logits [R, V] fp32 for m.out_rows (every row when None). lora: (imp.gpu.lora.DeviceLoras,
-        row slots [N]) for a step with adapter rows: unfused, each projection gets its delta."""
-        if m.split is not None and lora is None:
+        row slots [N]) for a step with adapter rows: unfused, each projection gets its delta. keep (the logit
+        lens): rows [K] int64 whose residual after each layer is kept; then (logits, residuals [L, K, d])."""
+        if m.split is not None and lora is None and keep is None:
             return self.mixed(m)
         cfg, w = self.cfg, self.w
         H, Hkv, D, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps
@@ -57,6 +58,7 @@ class Forward:
         delta = None  # [N, d] the residual add still pending (fused into the next norm)
         h = torch.empty_like(x)  # [N, d] normed input of the next matmul
         pr = bool(m.prefill)  # prompt rows here: the matmuls take their prompt numerics (Linear.mode)
+        resid = None if keep is None else x.new_empty(len(w.layers), keep.shape[0], x.shape[1])
         for i, L in enumerate(w.layers):
             qm = L.wqkv.mode(N, pr)
             hq = self.norm(x, delta, L.attn_norm, h, L.wqkv.takes_q8(N, pr) and lora is None)
@@ -101,8 +103,16 @@ class Forward:
             delta = L.w2.run(L.w2.mode(N, pr), act, actq)  # [N, d]
             if lora is not None:
                 lora[0].add(delta, act, i, 6, lora[1])
+            if resid is not None:  # the residual after layer i: x plus the add still pending
+                resid[i] = x.index_select(0, keep) + delta.index_select(0, keep)
         if m.out_rows is not None:
             x, delta = x.index_select(0, m.out_rows), delta.index_select(0, m.out_rows)  # [R, d]
+        logits = self.head(x, delta, pr)
+        return logits if resid is None else (logits, resid)
+
+    def head(self, x: torch.Tensor, delta: torch.Tensor, pr: bool = False) -> torch.Tensor:
+        """The final norm (of x + delta) and the LM head: [R, V] fp32."""
+        w, eps = self.w, self.cfg.rms_eps
         R = x.shape[0]
         if w.head.takes_q8(R, pr):
             return w.head.run(w.head.mode(R, pr), None, quantize_act_int8.add_rmsnorm_q8(x, delta, w.out_norm, eps))

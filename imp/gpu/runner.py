@@ -61,7 +61,7 @@ from imp.gpu.linear import FUSED_CREDIT_US, GEMV_MAX_ROWS
 from imp.gpu.weights import GGUFSource, Weights, load_weights
 from imp.kernels.cuda import runtime as cuda_rt
 from imp.kernels.cuda import kv_write as k_kv
-from imp.messages import SampledToken, SeqWork
+from imp.messages import LensLayer, SampledToken, SeqWork
 from imp.model.llama import default_num_blocks, rope_tables
 from imp.model.rows import head_rows, with_prompt_logprobs
 from imp.model.runner import DEFAULT_KV_TOKENS
@@ -286,6 +286,8 @@ class GpuModelRunner:
         la = self._lora_arg(seqs, lora)
         if any(s.draft for s in seqs):
             return self._verify_step(seqs, src, constraints, la)
+        if any(s.sample and s.params.logit_lens > 0 for s in seqs):
+            return self._lens_step(seqs, src, constraints, la)
         if la is None and self.graphs.fits(seqs):  # every row samples: the graph's logits as they are
             return self._sample_and_land(self.graphs.replay(seqs, src), seqs, constraints)
         logits, sample_at, plp_at = self._head_logits(seqs, src, la)  # a mixed graph, or eager
@@ -302,6 +304,39 @@ class GpuModelRunner:
             drawn = dict(zip(order, self.collect(self._sample_and_land(sel, [seqs[i] for i in order], constraints))))
         out = with_prompt_logprobs(seqs, drawn, plp_at, logits)
         return Landing([t.seq_id for t in out], None, None, out)
+
+    # the logit lens: such a step runs eager and keeps its lens rows' residual after every layer (`_lens_step`)
+    supports_logit_lens = True
+
+    def _lens_step(self, seqs: list[SeqWork], src: dict[int, int], constraints, la) -> Landing:
+        """A step with logit-lens rows: eager (no graph keeps per-layer residuals), sampled and waited for, then
+        each lens row's layers through the final norm and head (`lens_of`). Not pipelined: it is a debugging
+        view (the API reference: decode runs eager while on)."""
+        rows, sample_at, plp_at = head_rows(seqs)
+        lens = [i for i in sorted(sample_at) if seqs[i].params.logit_lens > 0]
+        keep = cuda_rt.to_device([rows[sample_at[i]] for i in lens], torch.int64, self.device)
+        logits, resid = self.fwd(eager_meta(seqs, rows, self.block_size, self.device, src), lora=la, keep=keep)
+        order = sorted(sample_at)
+        sel = logits.index_select(0, cuda_rt.to_device([sample_at[i] for i in order], torch.int64, self.device))
+        drawn = dict(zip(order, self.collect(self._sample_and_land(sel, [seqs[i] for i in order], constraints))))
+        for k, i in enumerate(lens):
+            t = drawn[i]
+            drawn[i] = msgspec.structs.replace(t, lens=self.lens_of(resid[:, k], t.token_id, seqs[i].params.logit_lens))
+        out = with_prompt_logprobs(seqs, drawn, plp_at, logits) if plp_at else [drawn[i] for i in order]
+        return Landing([t.seq_id for t in out], None, None, out)
+
+    def lens_of(self, resid: torch.Tensor, token: int, top_n: int) -> tuple[LensLayer, ...]:
+        """resid [L, d]: each layer's raw distribution by the final norm and head -> (rank of token, its logprob,
+        entropy in nats, top_n) per layer, as the CPU forward's `FusedModel.lens`."""
+        z = self.fwd.head(resid.contiguous().clone(), torch.zeros_like(resid))  # [L, V] fp32
+        logp = torch.log_softmax(z.float(), dim=-1)
+        ent = -(logp.exp() * logp).sum(dim=-1)
+        at = logp[:, token]
+        rank = 1 + (logp > at[:, None]).sum(dim=-1)
+        vals, ids = torch.topk(logp, top_n, dim=-1)
+        rank, at, ent, vals, ids = (t.cpu().tolist() for t in (rank, at, ent, vals, ids))
+        return tuple(LensLayer(int(r), float(a), float(e), tuple(zip(map(int, i), map(float, v))))
+                     for r, a, e, v, i in zip(rank, at, ent, vals, ids))
 
     # a share may feed drafted tokens (SeqWork.draft): `_verify_step`; at most GEMV_MAX_ROWS - 1 of them, so
     # that alone a verify share's rows take the int8 GEMV a one-token decode takes (the same bits: the same

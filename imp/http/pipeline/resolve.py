@@ -131,11 +131,13 @@ def _chat(req: GenerateRequest, tm: TextModel) -> Prompt:
 def check_sampling_table(req: GenerateRequest, card: ModelCard) -> None:
     """The pairs the API reference refuses, and what this engine cannot do. Banned phrases rewind what the
     model wrote; a grammar's state, a forced tool call and mirostat's mu would each have to be rewound
-    with it. The logit lens needs each layer's residual: the fused CPU forward keeps it, not the GPU's."""
+    with it. The logit lens needs each layer's residual: the fused CPU forward and the GPU's keep it, the torch
+    CPU forward (non-GGUF files) does not."""
     s = req.sampling
     if s.logit_lens and not card.logit_lens:
-        raise bad(f"'logit_lens' is not available on this engine ({card.device}): it needs the CPU executor's fused "
-                  "GGUF forward", "logit_lens", "unsupported_parameter")
+        raise bad(f"'logit_lens' is not available on this engine ({card.device}): its forward keeps no per-layer "
+                  "residual (the CPU executor's fused GGUF forward and the GPU executor do)", "logit_lens",
+                  "unsupported_parameter")
     if s.cfg_scale != 1.0:
         why = ("the conversation has no system message to leave out, and no 'cfg_negative_prompt' was given"
                if s.cfg_negative_prompt is None and not any(m.role in ("system", "developer") for m in req.messages)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from imp.messages import SamplingParams, SeqWork
+from imp.messages import FinishReason, SamplingParams, SeqWork
 from imp.sampling.cpu import apply_guidance
 from tests.test_scheduler_core import Sim, ids, params
 
@@ -84,3 +85,28 @@ def test_a_guided_step_on_a_real_forward_samples_from_the_combined_row(tmp_path)
     ref = z - z.max() - np.log(np.exp(z - z.max()).sum())
     assert out[0].token_id == int(np.argmax(z)) and abs(out[0].logprob - ref.max()) < 1e-3
     assert [i for i, _ in out[0].top] == list(np.argsort(-ref, kind="stable")[:3])
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 1000), step=st.sampled_from([6, 8, 12, 24]), depth=st.sampled_from([1, 2]),
+       lens=st.tuples(st.integers(3, 40), st.integers(3, 40), st.integers(3, 40)), blocks=st.sampled_from([14, 40]))
+def test_guided_pairs_under_any_budget_pool_and_prompt_lengths(seed, step, depth, lens, blocks):
+    """Small step budgets (a choice sits out while its shadow catches up: no op and no share of its own),
+    pipelining, a pool that preempts: the tokens are the unguided ones, each drawn beside its shadow."""
+    sim = Sim(num_blocks=blocks, block_size=4, max_context=96, max_batch_size=4, max_step_tokens=step,
+              pipeline_depth=depth, history_once=True, decode_reserve=1)
+    sim.submit("g", ids(lens[0]), params(max_tokens=12, seed=seed, ignore_eos=True, cfg_scale=2.0),
+               cfg_prompt=ids(lens[1], base=7))
+    sim.submit("p", ids(lens[2], base=11), params(max_tokens=10, seed=seed + 1, ignore_eos=True))
+    sim.drain()
+    assert sim.output("p") == sim.expected("p", 0)
+    if "g" in sim.rejected:  # the two prompts do not fit the pool together: a 400 at admission
+        assert sim.rejected["g"].code == "context_length_exceeded" and (lens[0] + lens[1]) // 4 >= blocks - 2
+    else:
+        got, want = sim.output("g"), sim.expected("g", 0)
+        assert got == want[:len(got)] and sim.finish[("g", 0)].finish is FinishReason.LENGTH
+        if len(got) < 12:  # ended early: the pair outgrew the whole pool (it cannot be run together any more)
+            assert -(-(lens[0] + len(got) + 2) // 4) + -(-(lens[1] + len(got) + 2) // 4) > blocks
+        n, guided = _guided_samples(sim, "g")
+        assert n == guided >= len(got)
+    assert sim.figures.kv.used == 0 and not sim.sched.running and not sim.sched.waiting

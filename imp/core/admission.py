@@ -103,9 +103,12 @@ class AdmissionCore:
         if n_prompt + 1 > capacity:
             return reject(400, "context_length_exceeded",
                           f"prompt of {n_prompt} tokens exceeds KV capacity of {capacity} tokens")
-        if len(m.cfg_prompt) + 1 > min(capacity, c.max_context):
+        blocks = lambda n: -(-n // c.block_size)  # noqa: E731
+        if m.cfg_prompt and (len(m.cfg_prompt) + 1 > c.max_context
+                             or m.n * (blocks(n_prompt + 1) + blocks(len(m.cfg_prompt) + 1)) > c.num_blocks):
             return reject(400, "context_length_exceeded",
-                          f"the guidance prompt of {len(m.cfg_prompt)} tokens exceeds the KV capacity or context")
+                          f"the prompt and its guidance prompt ({n_prompt} + {len(m.cfg_prompt)} tokens) do not fit "
+                          f"the KV pool or context together")
         if n_prompt + 1 > c.max_context:
             return reject(400, "context_length_exceeded",
                           f"prompt of {n_prompt} tokens exceeds the model context of {c.max_context} tokens")

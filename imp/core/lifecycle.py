@@ -279,10 +279,16 @@ class RequestBook:
             # never shared: enough for one decode to grow next step.
             if s.status is Status.RUNNING:
                 victim = max(self.running, key=lambda v: (v.req.priority, v.admit_no))
-                self._free(victim)
-                victim.num_computed = victim.num_reported = 0
-                self._set(victim, Status.WAITING)
-                self.preemptions += 1
+                self._preempt(victim)
+                partner = victim.shadow or victim.guided  # a guided pair waits together (imp.core.guide):
+                if partner is not None and partner.status is Status.RUNNING:  # one alone holds blocks for naught
+                    self._preempt(partner)
+
+    def _preempt(self, victim: Seq) -> None:
+        self._free(victim)
+        victim.num_computed = victim.num_reported = 0
+        self._set(victim, Status.WAITING)
+        self.preemptions += 1
 
     def _free(self, s: Seq) -> None:
         self.frees.append(KvOp("free", s.id, token_ids=tuple(s.tokens[s.num_reported:s.num_computed])))

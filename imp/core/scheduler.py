@@ -162,10 +162,15 @@ class SchedulerCore(RequestBook):
             if draft:
                 spare[0] -= len(draft)
                 s.spec_inflight = True
-            op = self._grow_op(s, start + n + len(draft))
-            ops += [op] if op else []
-            w = Work(s, n + len(draft), op is not None, start=start, sample=start + n == vlen, draft=draft)
-            for w in ([w] if w.n else []) + ([self._shadow_work(s.shadow, gn, ops)] if gn else []):
+            shares = []
+            if n:  # (a guided choice may sit out while its shadow catches up: then no op of its own, no share)
+                op = self._grow_op(s, start + n + len(draft))
+                ops += [op] if op else []
+                shares.append(Work(s, n + len(draft), op is not None, start=start, sample=start + n == vlen,
+                                   draft=draft))
+            if gn:
+                shares.append(self._shadow_work(s.shadow, gn, ops))
+            for w in shares:
                 w.seq.ahead, w.seq.pending = w.seq.ahead + w.n, w.seq.pending + w.sample
                 self.batch.append(w)
                 budget -= w.n
@@ -174,7 +179,9 @@ class SchedulerCore(RequestBook):
         reserved, counted, slots = self._reserved(), set(), c.max_batch_size - len(self.running)
         self.new_budget = budget  # what the new shares may compute once their cached part is known
         budget += max(0, c.admit_tokens - c.max_step_tokens)  # planning allowance for prompts the cache may hold
-        for s in sorted(self.waiting, key=self._key):
+        # half of a guided pair whose other half runs goes first: its request is admitted (its blocks reserved),
+        # and the half that runs cannot move without it (imp.core.guide); everyone else in the usual order
+        for s in sorted(self.waiting, key=lambda s: (not ((s.guided or s.shadow) and s.req.n_running), self._key(s))):
             r = s.req
             if budget == 0 or slots == 0:
                 break
@@ -206,13 +213,15 @@ class SchedulerCore(RequestBook):
     def _on_kv(self, msg: KvReply, out: Out) -> None:
         self._check(Phase.KV, msg.step)
         self.kv = msg.figures
-        results, failed = iter(msg.results), []
+        results, failed, shut_out = iter(msg.results), [], []
         for w in self.batch:
             s, res = w.seq, next(results) if w.has_result else None
             if w.new:
                 if not res.ok:  # still waiting: no room (the allocator refused all behind it too), or
                     self.tier_wait = self.tier_wait or res.loading  # res.wait: its next prompt block is being
-                    continue  # computed by another sequence, or (res.loading) read from the disk tier
+                    if not res.wait and (s.guided or s.shadow):  # computed by another sequence, or (res.loading)
+                        shut_out.append(s)  # read from the disk tier. Half a guided pair without room: below
+                    continue
                 s.in_kv, s.table = True, res.block_table
                 s.num_computed = s.num_reported = res.cached_tokens
                 if s.status is Status.FINISHED:  # ended while the op was in flight
@@ -234,6 +243,15 @@ class SchedulerCore(RequestBook):
                 else:
                     failed.append(s)
         self._preempt_for(failed)
+        for x in shut_out:  # half a guided pair must not hold blocks while the other half cannot get any
+            partner = x.guided or x.shadow  # (imp.core.guide): both wait
+            if partner.status is Status.RUNNING:
+                self._preempt(partner)
+            choice = x.guided or x
+            bs, g = self.config.block_size, choice.shadow
+            if choice.status is not Status.FINISHED and (-(-(len(choice.tokens) + 1) // bs) - (-(len(g.tokens) + 1) // bs)
+                                                         > self.config.num_blocks):
+                self._end(choice.req, FinishReason.LENGTH, out)  # the pair no longer fits the whole pool: it ends
         keep = []
         lost = unpaired([w for w in self.batch if w.seq not in failed and w.seq.status is Status.RUNNING
                          and w.epoch == w.seq.epoch and not (w.new and w.n == 0)])

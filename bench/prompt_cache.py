@@ -23,18 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def wait(url: str, proc, timeout: float = 600) -> None:
-    t = time.time()
-    while time.time() - t < timeout:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited: {proc.returncode}")
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2).read()
-            return
-        except Exception:  # noqa: BLE001 - not up yet
-            time.sleep(0.5)
-    raise SystemExit("server did not come up")
+from bench.serving import wait_ready  # noqa: E402
 
 
 def ttft(url: str, body: dict) -> tuple[float, str, dict]:
@@ -118,7 +107,7 @@ def main() -> int:
     for run in (1, 2):
         p = server(a.model, 8197, cache, a.ctx, work / f"server{run}.log")
         try:
-            wait(url, p)
+            wait_ready(url, p, "imp")
             for what in (("cold (empty pool, empty tier)" if run == 1 else "after a restart: from the disk tier"),
                          "again on the same server (the pool)"):
                 s, text, usage = ttft(url, body)

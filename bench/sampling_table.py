@@ -23,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
+from bench.serving import wait_ready  # noqa: E402
+
 MSGS = [{"role": "system", "content": "You are a helpful assistant who writes plainly."},
         {"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
 PHRASES = ["zebra crossing", "quantum chromodynamics", "xylophone", "Zanzibar", "antidisestablishment"]
@@ -37,19 +39,6 @@ MODES = {  # name -> (imp's extra fields, llama-server's or None)
     "logit_lens 5": ({"logit_lens": 5}, None),
     "plain (again: the run's noise)": ({}, {}),
 }
-
-
-def wait(url: str, proc, timeout: float = 300) -> None:
-    t = time.time()
-    while time.time() - t < timeout:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited: {proc.returncode}")
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2).read()
-            return
-        except Exception:  # noqa: BLE001 - not up yet
-            time.sleep(0.5)
-    raise SystemExit("server did not come up")
 
 
 def stream_rate(url: str, body: dict) -> tuple[float, int]:
@@ -70,7 +59,7 @@ def stream_rate(url: str, body: dict) -> tuple[float, int]:
 def run_server(cmd, url, modes, tokens, reps, imp: bool):
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait(url, proc)
+        wait_ready(url, proc, cmd[0])
         out = {}
         for name, extra in modes.items():
             if extra is None:

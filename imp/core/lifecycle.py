@@ -84,11 +84,7 @@ class RequestBook:
         reason = FinishReason.NONE
         for i, x in enumerate(ts):
             s.tokens.append(x.token_id)
-            if x.token_id in p.stop_token_ids and (not p.ignore_eos or p.constrained):  # a grammar ends at EOS
-                reason = FinishReason.STOP
-            elif len(s.tokens) - len(r.prompt) >= p.max_tokens or len(s.tokens) >= self.max_len or (
-                    s.shadow is not None and len(s.shadow.tokens) + 1 >= self.max_len):
-                reason = FinishReason.LENGTH
+            reason = self._ends(s, x.token_id)
             if reason:
                 ts = ts[:i + 1]
                 s.num_computed = min(s.num_computed, len(s.tokens))  # past a dropped draft token: not its KV
@@ -108,11 +104,22 @@ class RequestBook:
         if reason:
             self._finish(s, reason, out)
 
+    def _ends(self, s: Seq, token: int) -> FinishReason:
+        """Whether the token just appended to s ends its choice: EOS / a stop token (a grammar ends at EOS even
+        with ignore_eos), max_tokens, the context (a guided choice's shadow's too)."""
+        p = s.params
+        if token in p.stop_token_ids and (not p.ignore_eos or p.constrained):
+            return FinishReason.STOP
+        if len(s.tokens) - len(s.req.prompt) >= p.max_tokens or len(s.tokens) >= self.max_len or (
+                s.shadow is not None and len(s.shadow.tokens) + 1 >= self.max_len):
+            return FinishReason.LENGTH
+        return FinishReason.NONE
+
     def _sampled_watched(self, s: Seq, ts: tuple[SampledToken, ...], out: Out) -> None:
         """`_sampled` for a sequence with banned phrases: each token through the watch first; one that
         completes a phrase rewinds (and drops what follows it); what no phrase can reach any more goes out."""
         p, r, w = s.params, s.req, s.watch
-        n_prompt, reason = len(r.prompt), FinishReason.NONE
+        reason = FinishReason.NONE
         for x in ts:
             s.tokens.append(x.token_id)
             if p.logprobs >= 0:
@@ -123,10 +130,7 @@ class RequestBook:
                 if s.index == 0 and len(r.seqs) > 1:
                     self._release_siblings(r)
                 return
-            if x.token_id in p.stop_token_ids and (not p.ignore_eos or p.constrained):
-                reason = FinishReason.STOP
-            elif len(s.tokens) - n_prompt >= p.max_tokens or len(s.tokens) >= self.max_len:
-                reason = FinishReason.LENGTH
+            reason = self._ends(s, x.token_id)
             if reason:
                 break
         if s.index == 0 and len(r.seqs) > 1:

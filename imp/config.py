@@ -34,6 +34,11 @@ class ServerConfig:
     # directory, read back on a later hit (after eviction, suspend, idle unload or a restart); None = none
     prompt_cache_dir: str | None = None
     prompt_cache_gb: float = 8.0  # the tier's size; the least recently used blocks go first
+    # swap instead of recompute: a running request preempted for want of blocks parks its KV in a host swap area
+    # of swap_space_gb (pinned on a GPU; vLLM's --swap-space) when the boot-measured costs say the copies beat
+    # computing its context again ("auto"), always when there is room ("swap"), or never ("recompute")
+    swap_space_gb: float = 4.0
+    preemption_mode: str = "auto"
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long admitted requests may run on
     chat_template: str | None = None
     embedding_model: str | None = None  # /v1/embeddings and /v1/rerank (a sentence-transformers BERT)
@@ -87,6 +92,8 @@ class ServerConfig:
             (self.rate_limit >= 0, "--rate-limit must be >= 0 (requests per minute; 0 = off)"),
             (self.idle_unload_s >= 0, "--idle-unload-seconds must be >= 0 (0 = off)"),
             (self.prompt_cache_gb > 0, "--prompt-cache-gb must be > 0"),
+            (self.swap_space_gb >= 0, "--swap-space must be >= 0 (GB; 0 = no swap area)"),
+            (self.preemption_mode in ("auto", "swap", "recompute"), "--preemption-mode must be auto, swap or recompute"),
             (self.shutdown_timeout_s >= 0, "--shutdown-timeout must be >= 0"),
             (self.device == "cpu" or self.device.startswith("cuda"), "--device must be cpu or cuda[:N]"),
             (self.gpu_activations in ("fp32", "int8"), "--gpu-activations must be fp32 or int8"),
@@ -141,6 +148,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "before, even before a restart, is read back instead of computed")
     p.add_argument("--prompt-cache-gb", type=float, default=d.prompt_cache_gb,
                    help="the disk tier's size in GB (least recently used blocks dropped first)")
+    p.add_argument("--swap-space", dest="swap_space_gb", type=float, default=d.swap_space_gb,
+                   help="GB of host memory (pinned on a GPU) where a request preempted for want of KV blocks parks "
+                        "its KV instead of computing it again (0 = none)")
+    p.add_argument("--preemption-mode", choices=("auto", "swap", "recompute"), default=d.preemption_mode,
+                   help="a preempted request's KV: swapped out when the measured copy cost beats recomputing it "
+                        "(auto), swapped whenever the swap space has room, or always recomputed")
     p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=d.shutdown_timeout_s,
                    help="on SIGTERM, seconds the admitted requests may run on (new ones get 503 draining)")
     p.add_argument("--chat-template", default=None, help="jinja file overriding the model's template")

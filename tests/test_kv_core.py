@@ -303,3 +303,47 @@ def test_forget_drops_the_cache_and_the_pins_after_a_suspend():
     f = kv.figures()
     assert (f.free, f.cached, f.pinned) == (8, 0, 0)
     assert run(kv, alloc("c", prompt)).results[0].cached_tokens == 0  # the released pool promises nothing
+
+
+def _swap_run(kv: KvCore, *ops: KvOp):
+    """(executor messages, reply) of one request."""
+    out = kv.handle("scheduler", KvRequest(1, tuple(ops)))
+    kv.audit()
+    assert out[-1][0] == "scheduler"
+    return [m for r, m in out[:-1] if r == "executor"], out[-1][1]
+
+
+def test_swap_out_parks_the_written_blocks_and_swap_in_copies_back_only_what_the_cache_lost():
+    from imp.messages import KvSwapIn, KvSwapOut
+
+    kv = KvCore(KvConfig(num_blocks=8, block_size=BS, swap_blocks=6))
+    tokens = list(range(11))  # blocks: [0..3] [4..7] [8..10 + room]
+    _, r = _swap_run(kv, alloc("a", tokens, num=12))
+    table = r.results[0].block_table
+    msgs, r = _swap_run(kv, KvOp("swap_out", "a", 10, tuple(tokens[:10])))  # positions 0..9 written
+    assert msgs == [KvSwapOut(table, (0, 1, 2))] and r.results == ()
+    assert (r.figures.used, r.figures.swap_used, r.figures.swaps_out, r.figures.cached) == (0, 3, 1, 2)
+    # the pool reused by another sequence: one of a's two cached full blocks is evicted
+    _, r = _swap_run(kv, alloc("b", [50 + i for i in range(28)]))
+    assert r.results[0].ok and r.figures.evictions == 1
+    msgs, r = _swap_run(kv, free("b"), KvOp("swap_in", "a", 12, tuple(tokens)))
+    res = r.results[0]
+    assert res.ok and res.cached_tokens == 10 and len(res.block_table) == 3
+    # the oldest-released block (a's tail full block [4..7]) went to b; the head block [0..3] is still cached
+    assert res.block_table[0] == table[0]
+    assert msgs == [KvSwapIn((1, 2), res.block_table[1:])]
+    assert (r.figures.swap_used, r.figures.swaps_in, r.figures.cached) == (0, 1, 2)  # [4..7] cached again
+
+
+def test_a_swap_in_without_room_stays_parked_and_unswap_frees_the_slots():
+    kv = KvCore(KvConfig(num_blocks=4, block_size=BS, swap_blocks=4))
+    _swap_run(kv, alloc("a", range(8), num=8))
+    _swap_run(kv, KvOp("swap_out", "a", 7, tuple(range(7))))
+    _swap_run(kv, alloc("b", range(100, 116), num=16))  # the whole pool
+    msgs, r = _swap_run(kv, KvOp("swap_in", "a", 8, tuple(range(8))))
+    assert not r.results[0].ok and msgs == [] and r.figures.swap_used == 2 and "a" in kv.swapped
+    _, r = _swap_run(kv, KvOp("unswap", "a"))
+    assert r.figures.swap_used == 0 and not kv.swapped
+    _swap_run(kv, KvOp("unswap", "a"))  # again (a swap_in landed before the end was known): nothing happens
+    with pytest.raises(CoreError):
+        kv.handle("scheduler", KvRequest(1, (KvOp("swap_in", "a", 8, tuple(range(8))),)))

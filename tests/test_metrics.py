@@ -49,8 +49,8 @@ def value(m: MetricsActor, name: str, **labels) -> float:
     return samples(m)[(name, tuple(sorted(labels.items())))]
 
 
-def kv(free=64, used=0, reserved=0, cached=0, evictions=0, inflight_waits=0):
-    return KvFigures(64, free, used, reserved, cached, 16, evictions, inflight_waits=inflight_waits)
+def kv(free=64, used=0, reserved=0, cached=0, evictions=0, inflight_waits=0, **more):
+    return KvFigures(64, free, used, reserved, cached, 16, evictions, inflight_waits=inflight_waits, **more)
 
 
 def actor(**kw) -> MetricsActor:
@@ -82,9 +82,9 @@ def test_every_series_exists_at_zero_before_traffic():
         for h in ENDPOINT_HISTOGRAMS:
             assert s[(h + "_count", (("endpoint", ep),))] == 0, (h, ep)
     assert s[("imp_model_loaded", (("model", "smollm2-135m"),))] == 1
-    # the three things imp never does say so where a scraper reads them
+    # the two things imp never does say so where a scraper reads them
     text = m.exposition().decode()
-    for name in ("imp_kv_pool_growths_total", "imp_streaming_kv_auto_enables_total", "imp_kv_swaps_total"):
+    for name in ("imp_kv_pool_growths_total", "imp_streaming_kv_auto_enables_total"):
         assert f"# HELP {name} " in text and "always 0" in text.split(f"# HELP {name} ")[1].split("\n")[0]
 
 
@@ -93,8 +93,11 @@ async def test_messages_move_every_series():
     # a step of 3 rows, then a queue with work
     await m.on_message("scheduler", StepStats(1, 3, 40, 2, 20_000_000))
     await m.on_message("scheduler", StepStats(2, 2, 2, 2, 10_000_000))
-    await m.on_message("scheduler", Figures(kv(free=40, used=24, reserved=30, cached=8, evictions=3, inflight_waits=2),
+    await m.on_message("scheduler", Figures(kv(free=40, used=24, reserved=30, cached=8, evictions=3, inflight_waits=2,
+                                               swap_blocks=100, swap_used=7, swaps_out=2, swaps_in=1),
                                             QueueFigures(1, 2, 120, preemptions=1, cancellations=2, timeouts=1)))
+    assert (value(m, "imp_kv_swaps_total"), value(m, "imp_kv_swap_ins_total"), value(m, "imp_kv_swap_blocks_used")) \
+        == (2, 1, 7)
     assert value(m, "imp_decode_batch_last_rows") == 2 and value(m, "imp_decode_batch_max") == 3
     assert value(m, "imp_decode_batch_steps_total") == 2 and value(m, "imp_decode_batch_rows_total") == 5
     assert (value(m, "imp_queue_waiting"), value(m, "imp_queue_running"), value(m, "imp_queue_depth"),

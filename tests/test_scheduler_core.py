@@ -32,7 +32,7 @@ from imp.core.scheduler import SchedulerConfig, SchedulerCore
 from imp.core.router import Router, route
 from imp.messages import (
     PENDING_TOKEN, Cancel, Enqueue, Figures, Finished, FinishReason, KvDrop, KvLoad, KvLoaded, KvReply, KvRequest,
-    KvSave, Reject, SampledToken,
+    KvSave, KvSwapIn, KvSwapOut, Reject, SampledToken,
     SamplingParams, SessionClose, StepFailed, StepPlan, StepResult, Submit, Tick, TokenBatch, TokenOut,
 )
 
@@ -84,19 +84,23 @@ class Sim:
     def __init__(self, num_blocks=16, block_size=4, max_context=64, max_batch_size=8, max_step_tokens=16,
                  request_timeout_ns=0, aging_ns=20 * MS, max_queued_tokens=0, decode_reserve=8, pipeline_depth=1,
                  admit_tokens=0, history_once=False, share_in_flight=False, spec_k_max=0, token=None, tier_blocks=0,
-                 disk=None):
+                 disk=None, swap_blocks=0, recompute_ns_per_token=1000):
         self.bs, self.num_blocks = block_size, num_blocks
         self.token = token or (lambda seed, g, sid: fake_token(seed, g, sid))  # the fake model: (seed, index, seq)
         self.max_len = min(max_context, num_blocks * block_size)
         self.kv = KvCore(KvConfig(num_blocks, block_size, "fake", share_in_flight=share_in_flight,
-                                  tier_blocks=tier_blocks))
+                                  tier_blocks=tier_blocks, swap_blocks=swap_blocks))
         self.disk = {} if disk is None else disk  # the disk tier's files: key -> a block's (salt, token) slots
-        self.loads: list = []  # KvLoads the executor has not done yet (it does them before its next step)
+        # the executor's inbox: plans and the allocator's tier and swap messages, done in the order they came
+        self.exq: collections.deque = collections.deque()
+        self.swap_mem: dict[int, list] = {}  # the swap area: slot -> a block's (salt, token) slots
         self.spoil: set[bytes] = set()  # keys whose file a load finds corrupt
         self.sched = SchedulerCore(SchedulerConfig(num_blocks, block_size, max_context, max_batch_size,
                                                    max_step_tokens, request_timeout_ns, aging_ns,
                                                    pipeline_depth=pipeline_depth, admit_tokens=admit_tokens,
-                                                   history_once=history_once, spec_k_max=spec_k_max))
+                                                   history_once=history_once, spec_k_max=spec_k_max,
+                                                   swap_blocks=swap_blocks, swap_ns_per_block=1,
+                                                   recompute_ns_per_token=recompute_ns_per_token))
         self.hold_kv = HoldKv(self.kv)
         self.adm = AdmissionCore(AdmissionConfig(num_blocks, block_size, max_context, max_queued_tokens,
                                                  admission_decode_tokens=decode_reserve))
@@ -156,17 +160,28 @@ class Sim:
 
     def step(self, fail=False) -> bool:
         """Run the oldest plan in flight (or, with none, let a held KvRequest through)."""
-        if self.loads:  # the executor's inbox: tier loads came before any plan they precede
-            for m in self.loads:
-                ok = m.key in self.disk and m.key not in self.spoil
-                if ok:
-                    self.mem[m.block] = list(self.disk[m.key])
-                self._collect(self.router.send([("executor", "kv", KvLoaded(m.key, m.block, ok))]))
-            self.loads = []
-            return True
-        if not self.inflight:
+        if not self.exq:
             return self.release_kv()
+        m = self.exq.popleft()
+        if isinstance(m, KvSave):  # the executor writes the block's KV to the tier
+            self.disk[m.key] = list(self.mem[m.block])
+        elif isinstance(m, KvDrop):
+            self.disk.pop(m.key, None)
+        elif isinstance(m, KvLoad):
+            ok = m.key in self.disk and m.key not in self.spoil
+            if ok:
+                self.mem[m.block] = list(self.disk[m.key])
+            self._collect(self.router.send([("executor", "kv", KvLoaded(m.key, m.block, ok))]))
+        elif isinstance(m, KvSwapOut):
+            for b, slot in zip(m.blocks, m.slots, strict=True):
+                self.swap_mem[slot] = list(self.mem[b])
+        elif isinstance(m, KvSwapIn):
+            for slot, b in zip(m.slots, m.blocks, strict=True):
+                self.mem[b] = list(self.swap_mem[slot])
+        if not isinstance(m, StepPlan):
+            return True
         plan = self.inflight.popleft()
+        assert plan is m
         self.now += MS
         if fail:  # nothing of it ran: the next plan's pending tokens cannot be resolved
             msg = StepFailed(plan.step, "boom", self.now)
@@ -289,6 +304,7 @@ class Sim:
                 assert len(m.seqs) <= self.sched.config.max_batch_size
                 assert sum(len(w.token_ids) for w in m.seqs) <= self.sched.config.max_step_tokens
                 self.inflight.append(m)
+                self.exq.append(m)
                 self.plans.append(m)
             elif isinstance(m, TokenOut):
                 key = (m.req_id, m.index)
@@ -300,12 +316,8 @@ class Sim:
                     self.finish[key] = m
             elif isinstance(m, Reject):
                 self.rejected[m.req_id] = m
-            elif isinstance(m, KvSave):  # the executor writes the block's KV to the tier
-                self.disk[m.key] = list(self.mem[m.block])
-            elif isinstance(m, KvDrop):
-                self.disk.pop(m.key, None)
-            elif isinstance(m, KvLoad):
-                self.loads.append(m)
+            elif isinstance(m, (KvSave, KvDrop, KvLoad, KvSwapOut, KvSwapIn)):
+                self.exq.append(m)
             elif isinstance(m, Figures):
                 assert m.kv.reserved <= self.num_blocks
                 self.figures = m
@@ -321,7 +333,7 @@ class Sim:
             self.sched_now = max(self.sched_now, sub.arrival_ns)
         self.sched_now = max(self.sched_now, getattr(msg, "now_ns", 0))
         if isinstance(msg, KvReply):
-            with_result = [op for op in self.last_ops if op.kind not in ("free", "pin", "unpin")]
+            with_result = [op for op in self.last_ops if op.kind not in ("free", "pin", "unpin", "swap_out", "unswap")]
             for op, res in zip(with_result, msg.results, strict=True):
                 if op.kind in ("alloc", "fork") and res.ok:
                     self.fresh.pop(op.seq_id.rsplit("#", 1)[0], None)
@@ -563,6 +575,59 @@ def test_preemption_reproduces_the_unpreempted_tokens_at_depth(depth):
     assert outs[14] == outs[1000]
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_swapped_preemptions_give_the_unpreempted_tokens_and_compute_less(depth):
+    """Swap instead of recompute: a preempted sequence's KV parked in the swap area comes back (the fake
+    executor's memory checks every position each share attends to) and nothing is computed twice for it."""
+    work = [(f"r{i}", ids(6 + i, base=i), params(max_tokens=24, seed=i, ignore_eos=True)) for i in range(6)]
+    outs, computed, figs = {}, {}, {}
+    for mode, pool, swap in (("alone", 1000, 0), ("recompute", 14, 0), ("swap", 14, 64), ("small area", 14, 6)):
+        sim = Sim(num_blocks=pool, block_size=4, max_context=40, pipeline_depth=depth, swap_blocks=swap)
+        for req, prompt, p in work:
+            sim.submit(req, prompt, p)
+        sim.drain()
+        sim.kv.audit()
+        outs[mode] = dict(sim.tokens)
+        computed[mode] = sum(len(w.token_ids) for p in sim.plans for w in p.seqs)
+        figs[mode] = sim.figures
+        assert sim.figures.kv.used == 0 and sim.figures.kv.swap_used == 0 and sim.sched.swap_used == 0
+        assert not sim.kv.swapped
+    assert outs["recompute"] == outs["swap"] == outs["small area"] == outs["alone"]
+    assert figs["swap"].queue.preemptions > 0 and figs["swap"].kv.swaps_out == figs["swap"].queue.preemptions
+    assert figs["swap"].kv.swaps_in == figs["swap"].kv.swaps_out and figs["recompute"].kv.swaps_out == 0
+    assert 0 < figs["small area"].kv.swaps_out < figs["small area"].queue.preemptions  # room for some only
+    assert computed["alone"] <= computed["swap"] < computed["recompute"]
+    if depth == 1:  # (pipelined, a victim's share in flight when it is preempted is dropped and computed again)
+        assert computed["swap"] == computed["alone"]
+
+
+def test_the_cost_model_recomputes_when_copies_cost_more():
+    work = [(f"r{i}", ids(6 + i, base=i), params(max_tokens=24, seed=i, ignore_eos=True)) for i in range(6)]
+    for per_token, swaps in ((1000, True), (0, False)):  # a block's copies cost 1 ns: a token must cost more
+        sim = Sim(num_blocks=14, block_size=4, max_context=40, swap_blocks=64, recompute_ns_per_token=per_token)
+        for req, prompt, p in work:
+            sim.submit(req, prompt, p)
+        sim.drain()
+        assert sim.figures.queue.preemptions > 0 and (sim.figures.kv.swaps_out > 0) == swaps
+
+
+def test_a_request_cancelled_while_swapped_out_gives_its_slots_back():
+    sim = Sim(num_blocks=14, block_size=4, max_context=40, swap_blocks=64)
+    for i in range(6):
+        sim.submit(f"r{i}", ids(6 + i, base=i), params(max_tokens=24, seed=i, ignore_eos=True))
+    for _ in range(400):
+        sim.step()
+        parked = [s for s in sim.sched.waiting if s.swapped]
+        if parked:
+            break
+    assert parked, "no preemption swapped"
+    sim.cancel(parked[0].req.id)
+    sim.drain()
+    sim.kv.audit()
+    assert sim.finish[(parked[0].req.id, 0)].finish == FinishReason.CANCELLED
+    assert sim.kv.figures().swap_used == 0 and not sim.kv.swapped and sim.sched.swap_used == 0
+
+
 def test_replay_gives_the_same_log():
     """Feed the recorded inputs to fresh cores through `route`: every message is the same."""
     sim = Sim(num_blocks=12, request_timeout_ns=30 * MS)
@@ -619,15 +684,18 @@ class SchedulerMachine(RuleBasedStateMachine):
                 timeout=st.sampled_from([0, 0, 40 * MS]), max_queued=st.sampled_from([0, 0, 60]),
                 reserve=st.sampled_from([1, 8]), depth=st.sampled_from([1, 2]),
                 admit=st.sampled_from([0, 0, 8]), once=st.booleans(), share=st.booleans(),
-                spec=st.sampled_from([0, 0, 3, 8]), first=st.lists(REQUEST, min_size=1, max_size=6))
+                spec=st.sampled_from([0, 0, 3, 8]), swap=st.sampled_from([0, 0, 3, 64]),
+                first=st.lists(REQUEST, min_size=1, max_size=6))
     def setup(self, num_blocks, block_size, max_batch_size, max_step_tokens, timeout, max_queued, reserve,
-              depth, admit, once, share, spec, first):
+              depth, admit, once, share, spec, swap, first):
         self.max_step_tokens = max_step_tokens
         self.sim = Sim(num_blocks, block_size, max_context=48, max_batch_size=max_batch_size,
                        max_step_tokens=max_step_tokens, request_timeout_ns=timeout, aging_ns=5 * MS,
                        max_queued_tokens=max_queued, decode_reserve=reserve,  # 1: preempts often
                        pipeline_depth=depth, admit_tokens=admit * max_step_tokens, history_once=once,
-                       share_in_flight=share, spec_k_max=spec, token=repeating_token if spec else None)
+                       share_in_flight=share, spec_k_max=spec, token=repeating_token if spec else None,
+                       swap_blocks=swap)
+        event(f"swap area {swap}")
         event(f"pipeline depth {depth}")
         event(f"speculation up to {spec}")
         event(f"history once {once}")
@@ -710,6 +778,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         # only pins may hold blocks once everything ended; closing the sessions frees theirs
         kvf = sim.kv.figures()
         assert kvf.used == kvf.pinned <= kvf.total // 2
+        assert kvf.swap_used == 0 == sim.sched.swap_used and not sim.kv.swapped, "a parked sequence's slots leaked"
         for sid in ("s1", "s2"):
             sim.close_session(sid)
         sim.drain()
@@ -724,6 +793,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             for name in ("preemptions", "cancellations", "timeouts"):
                 event(f"{name} > 0: {getattr(q, name) > 0}")
             event(f"evictions > 0: {sim.figures.kv.evictions > 0}")
+            event(f"swaps > 0: {sim.figures.kv.swaps_out > 0}")
             event(f"pinned > 0 before close: {kvf.pinned > 0 or bool(sim.kv.pins)}")
             event(f"cache hits: {any(f.cached_tokens for f in sim.finish.values())}")
             event(f"steps >= 20: {q.steps >= 20}")

@@ -44,7 +44,7 @@ import msgspec
 from imp.actors.base import Actor, Bus
 from imp.actors.faults import FaultPlan, is_device_fault
 from imp.actors import memory
-from imp.messages import (KvDrop, KvLoad, KvLoaded, KvSave, LoraLoad, LoraState, LoraUnload, MemoryState, Msg, Reload,
+from imp.messages import (KvDrop, KvLoad, KvLoaded, KvSave, KvSwapIn, KvSwapOut, LoraLoad, LoraState, LoraUnload, MemoryState, Msg, Reload,
                           SampledToken, SamplingParams, SeqWork, StepFailed, StepPlan, StepResult, Unload)
 from imp.sampling.pending import resolve_pending
 
@@ -202,6 +202,11 @@ class ExecutorActor(Actor):
             return
         if isinstance(msg, (KvSave, KvLoad, KvDrop)):
             await self._tier_op(msg)
+            return
+        if isinstance(msg, (KvSwapOut, KvSwapIn)):  # on the step thread, in order with the steps (imp.core.kv)
+            if self.runner is not None:
+                fn = self.runner.swap_out if isinstance(msg, KvSwapOut) else self.runner.swap_in
+                await asyncio.get_running_loop().run_in_executor(self._pool, fn, msg)
             return
         if not isinstance(msg, StepPlan):
             return

@@ -73,7 +73,10 @@ class KvTier:
                 log.info("[kvtier] %s: another model's or layout's cache, not read", other)
         return tuple(k for _, k in sorted(found))
 
-    def save(self, key: bytes, payload: bytes) -> bool:
+    def save(self, key: bytes, payload) -> bool:
+        """payload: the block's bytes, or a function that returns them (a device copy still in flight)."""
+        if callable(payload):
+            payload = payload()
         head = _HEAD.pack(MAGIC, key, self.fingerprint.encode()[:64], self.layout.encode()[:64], len(payload),
                           _crc(payload))
         tmp = self.dir / f".tmp-{key.hex()}-{os.getpid()}"

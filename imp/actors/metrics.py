@@ -179,8 +179,11 @@ class MetricsActor(Actor):
                            "and does not grow")
         self.c_streaming = c("imp_streaming_kv_auto_enables", "StreamingLLM eviction switched on: always 0, "
                              "imp has no StreamingLLM eviction (a full pool preempts)")
-        self.c_swaps = c("imp_kv_swaps", "KV moved to host for want of blocks: always 0, imp recomputes a "
-                         "preempted request, it never swaps")
+        self.c_swaps = c("imp_kv_swaps", "running requests preempted for want of blocks whose KV moved to the "
+                         "host swap area instead of being recomputed (--swap-space, --preemption-mode)")
+        self.c_swap_ins = c("imp_kv_swap_ins", "preempted requests whose KV came back from the swap area")
+        self.g_swap = g("imp_kv_swap_blocks_used", "blocks of the host swap area that preempted requests hold")
+        self._swaps = [0, 0]
         self.c_steps = c("imp_decode_batch_steps", "engine steps")
         # speculation (imp/core/spec.py): in aggregate, and per draft source (the n-gram matcher; no file
         # this server loads has an MTP head, so imp_spec_mtp_* stay 0). A verify step = one sequence's
@@ -232,6 +235,11 @@ class MetricsActor(Actor):
             self.c_inflight.inc(kv.inflight_waits - self._inflight)
             self._inflight = kv.inflight_waits
         self.g_tier.set(kv.tier_blocks)
+        self.g_swap.set(kv.swap_used)
+        for i, (ctr, v) in enumerate(((self.c_swaps, kv.swaps_out), (self.c_swap_ins, kv.swaps_in))):
+            if v > self._swaps[i]:
+                ctr.inc(v - self._swaps[i])
+                self._swaps[i] = v
         for k, ctr in self.c_tier.items():
             v = getattr(kv, f"tier_{k}")
             if v > self._tier[k]:

@@ -40,6 +40,13 @@ load is never counted before the executor says it landed, so a missing or corrup
 recompute, never a wrong token. The tier's keys at boot come in a KvStored (on the log: replay needs
 no disk).
 
+Swap (`KvConfig.swap_blocks` > 0): "swap_out" parks a preempted sequence's KV in the executor's swap area
+(host memory; KvSwapOut, ahead of the step this reply plans, so the copy precedes anything written over
+the blocks) and releases its blocks as "free" does (its full blocks stay cache entries); "swap_in" takes
+blocks again, shares the leading full blocks still cached and copies the rest back (KvSwapIn), so the
+sequence goes on from where it was instead of computing its context again. Which preemption swaps is the
+scheduler's decision (its cost model, imp.core.lifecycle); the allocator only keeps the slots.
+
 Pins (`cache_prompt`, `session_id`): op "pin" holds the cached full blocks of
 a token list under a key (one refcount each, like a sequence would), so they
 are not evicted by the LRU; "unpin" releases them; pinning a key again
@@ -58,7 +65,7 @@ import msgspec
 
 from imp.core.core import CoreError, Out
 from imp.messages import (KvDrop, KvFigures, KvForget, KvLoad, KvLoaded, KvOp, KvReady, KvReply, KvRequest, KvResult,
-                          KvSave, KvStored, Msg)
+                          KvSave, KvStored, KvSwapIn, KvSwapOut, Msg)
 
 
 class KvConfig(msgspec.Struct, frozen=True):
@@ -71,9 +78,11 @@ class KvConfig(msgspec.Struct, frozen=True):
     # > 0: the prefix cache's disk tier holds up to this many blocks (see the module doc); 0 = none (the
     # allocator before this field: logs written then replay identically)
     tier_blocks: int = 0
+    # > 0: the executor's swap area holds this many blocks of parked sequences (see the module doc); 0 = none
+    swap_blocks: int = 0
 
     def __post_init__(self):
-        if self.num_blocks < 1 or self.block_size < 1 or self.tier_blocks < 0:
+        if self.num_blocks < 1 or self.block_size < 1 or self.tier_blocks < 0 or self.swap_blocks < 0:
             raise ValueError(f"bad KvConfig {self}")
 
 
@@ -113,6 +122,9 @@ class KvCore:
         self.stale: set[bytes] = set()  # loads begun before a KvForget: what lands is not the pool's
         self.tier_saves = self.tier_loads = self.tier_hits = self.tier_misses = self.tier_drops = 0
         self._out: Out = []  # tier messages of the current handling
+        self.swap_free: collections.deque[int] = collections.deque(range(config.swap_blocks))
+        self.swapped: dict[str, tuple[list[int], int]] = {}  # parked sequence -> (its slots, positions parked)
+        self.swaps_out = self.swaps_in = 0
 
     # ------------------------------------------------------------------ core
 
@@ -136,7 +148,8 @@ class KvCore:
         results = []
         for op in msg.ops:
             fn = {"alloc": self._alloc, "grow": self._grow, "fork": self._fork, "free": self._free,
-                  "pin": self._pin, "unpin": self._unpin}.get(op.kind)
+                  "pin": self._pin, "unpin": self._unpin, "swap_out": self._swap_out, "swap_in": self._swap_in,
+                  "unswap": self._unswap}.get(op.kind)
             if fn is None:
                 raise CoreError(f"unknown kv op {op.kind!r}")
             r = fn(op)
@@ -154,6 +167,8 @@ class KvCore:
             pinned=len(set().union(*self.pins.values())) if self.pins else 0,  # distinct blocks
             tier_blocks=len(self.stored), tier_saves=self.tier_saves, tier_loads=self.tier_loads,
             tier_hits=self.tier_hits, tier_misses=self.tier_misses, tier_drops=self.tier_drops,
+            swap_blocks=self.config.swap_blocks, swap_used=self.config.swap_blocks - len(self.swap_free),
+            swaps_out=self.swaps_out, swaps_in=self.swaps_in,
         )
 
     def audit(self) -> None:
@@ -179,6 +194,9 @@ class KvCore:
         promised = {h: sid for sid, s in self.seqs.items() for h in s.promises}
         assert promised == self.promised, "promises differ from the sequences that hold them"
         assert not (promised.keys() & self.cache.keys()), "a cached block is still promised"
+        slots = [x for sl, _ in self.swapped.values() for x in sl] + list(self.swap_free)
+        assert sorted(slots) == list(range(self.config.swap_blocks)), "swap slots lost or held twice"
+        assert not (self.swapped.keys() & self.seqs.keys()), "a sequence both parked and in the pool"
         assert {self.cache[h]: h for h in self.cache} == {
             b: h for b, h in enumerate(self.block_hash) if h is not None
         }
@@ -261,6 +279,55 @@ class KvCore:
         del self.seqs[op.seq_id]
         for b in reversed(s.table):  # tail first: a prefix's head outlives its tail in the LRU
             self._release(b)
+
+    def _swap_out(self, op: KvOp) -> None:
+        """Park the KV of the sequence's first op.num_tokens positions in the swap area, then free it."""
+        s = self._seq(op)
+        n = self._blocks(op.num_tokens)
+        if op.seq_id in self.swapped or not 0 < n <= len(s.table) or n > len(self.swap_free):
+            raise CoreError(f"bad swap_out of {op.seq_id}: {n} blocks, {len(self.swap_free)} slots free")
+        slots = [self.swap_free.popleft() for _ in range(n)]
+        self._out.append(("executor", KvSwapOut(tuple(s.table[:n]), tuple(slots))))  # before the blocks go
+        self.swapped[op.seq_id] = (slots, op.num_tokens)
+        self.swaps_out += 1
+        self._free(op)
+
+    def _swap_in(self, op: KvOp) -> KvResult:
+        """A table for op.num_tokens positions with the parked ones back: cached leading blocks shared, the
+        rest copied from the swap area. Refused (still parked) when the blocks are not there."""
+        if op.seq_id in self.seqs or op.seq_id not in self.swapped:
+            raise CoreError(f"swap_in of {op.seq_id}: not parked")
+        slots, kept = self.swapped[op.seq_id]
+        bs = self.config.block_size
+        h = last = self._root(op.salt)
+        hits: list[int] = []
+        for i in range(kept // bs):
+            h = self._chain(h, op.token_ids[i * bs : (i + 1) * bs])
+            if h not in self.cache:
+                break
+            hits.append(self.cache[h])
+            last = h
+        need = self._blocks(op.num_tokens) - len(hits)
+        if not self._can_take(need, hits):
+            return KvResult(op.seq_id, False)
+        for b in hits:
+            self._hold(b)
+        table = hits + [self._take() for _ in range(need)]
+        back = range(len(hits), len(slots))
+        if back:
+            self._out.append(("executor", KvSwapIn(tuple(slots[i] for i in back), tuple(table[i] for i in back))))
+        del self.swapped[op.seq_id]
+        self.swap_free.extend(slots)
+        self.swaps_in += 1
+        s = self.seqs[op.seq_id] = _Seq(table, op.salt, len(hits), last)
+        self._written(s, list(op.token_ids[len(hits) * bs : kept]))  # its copied blocks are cache entries again
+        return KvResult(op.seq_id, True, tuple(table), cached_tokens=kept)
+
+    def _unswap(self, op: KvOp) -> None:
+        """A parked sequence ended: its slots are free (what they hold is never read)."""
+        parked = self.swapped.pop(op.seq_id, None)
+        if parked is not None:
+            self.swap_free.extend(parked[0])
 
     def _pin(self, op: KvOp) -> None:
         """Hold the cached full blocks of op.token_ids under the key op.seq_id."""

@@ -41,6 +41,7 @@ class RequestBook:
         self.sessions: dict[str, int] = {}  # session id -> last use (ns), oldest first
         self.now = 0
         self.preemptions = self.cancellations = self.timeouts = self.steps = self.rewinds = 0
+        self.swap_used = 0  # swap slots parked sequences hold (the allocator keeps which)
         self.texts: Texts | None = None  # the vocabulary's text, for banned phrases (a TokenTexts)
         self._orders = self._admits = 0
         self._reserved_running = 0  # sum of reserved over requests with a running sequence (kept by _set)
@@ -161,8 +162,7 @@ class RequestBook:
         s.watch.rewind(keep)
         s.bans = {g: b for g, b in s.bans.items() if g < keep}  # later indices had another context
         s.bans[keep] = s.bans.get(keep, ()) + (banned,)
-        if s.in_kv:
-            self._free(s)
+        self._drop_kv(s)
         s.num_computed = s.num_reported = 0
         del s.tokens[n_prompt + keep:]
         del s.held_lp[keep - s.emitted:]
@@ -205,13 +205,11 @@ class RequestBook:
             out.append(("detok", self._token_out(s, tuple(ids), FinishReason.NONE, ())))
 
     def _finish(self, s: Seq, reason: FinishReason, out: Out) -> None:
-        if s.in_kv:
-            self._free(s)
+        self._drop_kv(s)
         self._set(s, Status.FINISHED)
         g = s.shadow
         if g is not None and g.status is not Status.FINISHED:  # its shadow ends with it
-            if g.in_kv:
-                self._free(g)
+            self._drop_kv(g)
             self._set(g, Status.FINISHED)
         if s.index == 0:  # ended before its first token (a cancel of choice 0): don't strand them
             self._release_siblings(s.req)
@@ -283,6 +281,9 @@ class RequestBook:
             # never shared: enough for one decode to grow next step.
             if s.status is Status.RUNNING:
                 victim = max(self.running, key=lambda v: (v.req.priority, v.admit_no))
+                if self._swaps(victim):
+                    self._swap_out(victim)
+                    continue
                 self._preempt(victim)
                 partner = victim.shadow or victim.guided  # a guided pair waits together (imp.core.guide):
                 if partner is not None and partner.status is Status.RUNNING:  # one alone holds blocks for naught
@@ -293,6 +294,38 @@ class RequestBook:
         victim.num_computed = victim.num_reported = 0
         self._set(victim, Status.WAITING)
         self.preemptions += 1
+
+    def _swaps(self, v: Seq) -> bool:
+        """The cost model: park the victim's KV (its blocks out now and back later) rather than compute its
+        positions again, when there is room in the swap area and the copies cost less. A guided pair's halves
+        are preempted by other paths too (imp.core.guide): they recompute."""
+        c, kept = self.config, min(v.num_computed, len(v.tokens) - 1)
+        n = -(-kept // c.block_size)
+        return (kept > 0 and v.shadow is None and v.guided is None and self.swap_used + n <= c.swap_blocks
+                and n * c.swap_ns_per_block < kept * c.recompute_ns_per_token)
+
+    def _swap_out(self, victim: Seq) -> None:
+        kept = min(victim.num_computed, len(victim.tokens) - 1)
+        self.frees.append(KvOp("swap_out", victim.id, kept, tuple(victim.tokens[victim.num_reported:kept])))
+        victim.in_kv, victim.table = False, ()
+        victim.swapped = kept
+        self.swap_used += -(-kept // self.config.block_size)
+        victim.num_computed = victim.num_reported = 0
+        self._set(victim, Status.WAITING)
+        self.preemptions += 1
+
+    def _swapped_in(self, s: Seq) -> None:
+        """Its swap_in landed (or it ended): the slots are the allocator's again."""
+        self.swap_used -= -(-s.swapped // self.config.block_size)
+        s.swapped = 0
+
+    def _drop_kv(self, s: Seq) -> None:
+        """Whatever KV the sequence holds goes: its blocks, or its parked swap slots."""
+        if s.in_kv:
+            self._free(s)
+        elif s.swapped:
+            self.frees.append(KvOp("unswap", s.id))
+            self._swapped_in(s)
 
     def _free(self, s: Seq) -> None:
         self.frees.append(KvOp("free", s.id, token_ids=tuple(s.tokens[s.num_reported:s.num_computed])))

@@ -41,11 +41,20 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     # (imp.core.spec), verified in the same step. 0: never (the executor cannot verify drafts, or the server
     # runs without speculation; logs written before this field replay identically)
     spec_k_max: int = 0
+    # swap instead of recompute: the executor's swap area holds swap_blocks blocks (0: none, every preempted
+    # sequence computes its context again: the policy before these fields), and a preemption parks the
+    # victim's KV there when the cost model says moving its blocks out and back (swap_ns_per_block each) is
+    # cheaper than computing its positions again (recompute_ns_per_token each). Both costs are boot
+    # measurements the shell passes in: this config is in the event log's header, so replay decides alike.
+    swap_blocks: int = 0
+    swap_ns_per_block: int = 0
+    recompute_ns_per_token: int = 0
 
     def __post_init__(self):
         if min(self.num_blocks, self.block_size, self.max_context, self.max_batch_size,
                self.max_step_tokens, self.aging_ns) < 1 or self.request_timeout_ns < 0 \
-                or self.pipeline_depth not in (1, 2) or self.itl_target_ns < 0 or self.spec_k_max < 0:
+                or self.pipeline_depth not in (1, 2) or self.itl_target_ns < 0 or self.spec_k_max < 0 \
+                or min(self.swap_blocks, self.swap_ns_per_block, self.recompute_ns_per_token) < 0:
             raise ValueError(f"bad SchedulerConfig {self}")
 
 
@@ -84,7 +93,7 @@ class Seq:
     __slots__ = ("id", "req", "index", "params", "tokens", "status", "num_computed", "num_reported", "table", "in_kv",
                  "admit_no", "plp", "plp_sent", "epoch", "ahead", "pending", "send_params", "drafter", "spec_inflight",
                  "spec_drafted", "spec_accepted", "spec_verifies", "opened", "mu", "watch", "bans", "emitted", "held_lp",
-                 "n_prompt", "shadow", "guided")
+                 "n_prompt", "shadow", "guided", "swapped")
 
     def __init__(self, req: Req, index: int, params, prompt: tuple[int, ...] | None = None,
                  guided: Seq | None = None):
@@ -102,6 +111,7 @@ class Seq:
         self.num_reported = 0  # of those, reported to kv (for prefix hashing)
         self.table: tuple[int, ...] = ()  # always a KvReply's tuple: shared with SeqWork, never copied
         self.in_kv = False  # kv holds a table for it
+        self.swapped = 0  # > 0: preempted with this many positions parked in the swap area (kv's "swap_out")
         self.admit_no = 0  # when it last started running (preemption picks the newest)
         self.plp: list = []  # prompt logprobs gathered during prefill (choice 0 only)
         self.plp_sent = False  # delivered with the first token: never scored again

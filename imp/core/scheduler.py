@@ -191,15 +191,14 @@ class SchedulerCore(RequestBook):
                 reserved += r.reserved
                 counted.add(r.id)
             lead = r.seqs[0]
-            if (s.index > 0 and s.guided is None and len(s.tokens) == len(r.prompt) and lead.status is Status.RUNNING
+            if s.swapped:  # preempted with its KV parked: back from the swap area, nothing computed again
+                ops.append(KvOp("swap_in", s.id, len(s.tokens), tuple(s.tokens), salt=self._salt(s)))
+            elif (s.index > 0 and s.guided is None and len(s.tokens) == len(r.prompt) and lead.status is Status.RUNNING
                     and lead.num_computed >= (len(r.prompt) - 1) // c.block_size * c.block_size):
                 ops.append(KvOp("fork", s.id, len(s.tokens), tuple(s.tokens), parent=lead.id, salt=r.salt))
             else:
-                # prompt logprobs need every prompt row forwarded: a salt of its own
-                # makes the prefix cache miss (its own recompute may still hit)
-                salt = r.salt if s.params.prompt_logprobs < 0 else f"{r.salt}\0plp\0{r.id}"
-                ops.append(KvOp("alloc", s.id, len(s.tokens), tuple(s.tokens), salt=salt))
-            n = min(len(s.tokens), budget)
+                ops.append(KvOp("alloc", s.id, len(s.tokens), tuple(s.tokens), salt=self._salt(s)))
+            n = min(len(s.tokens) - s.swapped, budget)
             s.send_params = True  # with its first share, whichever step that is (admitted past the budget: later)
             self.batch.append(Work(s, n, True, new=True))
             budget -= n
@@ -223,6 +222,8 @@ class SchedulerCore(RequestBook):
                         shut_out.append(s)  # read from the disk tier. Half a guided pair without room: below
                     continue
                 s.in_kv, s.table = True, res.block_table
+                if s.swapped:
+                    self._swapped_in(s)
                 s.num_computed = s.num_reported = res.cached_tokens
                 if s.status is Status.FINISHED:  # ended while the op was in flight
                     self._free(s)
@@ -276,6 +277,13 @@ class SchedulerCore(RequestBook):
         self.inflight.append((self.step, keep))
         out.append(("executor", StepPlan(self.step, tuple(self._work(w) for w in keep), tuple(self.freed))))
         self.freed = []
+
+    @staticmethod
+    def _salt(s) -> str:
+        """Its prefix cache key's salt: prompt logprobs need every prompt row forwarded, so a salt of its own
+        makes the cache miss (its own recompute may still hit)."""
+        r = s.req
+        return r.salt if s.params.prompt_logprobs < 0 else f"{r.salt}\0plp\0{r.id}"
 
     def _on_result(self, msg: StepResult, out: Out) -> None:
         batch = self._landed(msg.step)

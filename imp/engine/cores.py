@@ -7,6 +7,7 @@ from imp.core.admission import AdmissionConfig, AdmissionCore
 from imp.core.kv import KvConfig, KvCore
 from imp.core.replicas import Routed
 from imp.core.scheduler import SchedulerConfig, SchedulerCore
+from imp.engine.swap import SwapFacts
 
 
 # New requests may bring this many times a step's token budget of prompt to one planning round: a prompt
@@ -17,12 +18,13 @@ ADMIT_FACTOR = 8
 
 
 def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprint: str, replicas: int = 1,
-                verifies_drafts: bool = False, draft_max: int | None = None, tier_blocks: int = 0):
+                verifies_drafts: bool = False, draft_max: int | None = None, tier_blocks: int = 0,
+                swap: SwapFacts = SwapFacts()):
     """admission, scheduler, kv (lists of `replicas` each when > 1, wrapped to talk to
     their own replica). Boot facts (pool size, context, fingerprint, whether the executor
     verifies drafts) go into each core's frozen config, and the configs into the event-log header."""
     kv = KvCore(KvConfig(num_blocks=num_blocks, block_size=cfg.block_size, fingerprint=fingerprint,
-                         share_in_flight=True, tier_blocks=tier_blocks))
+                         share_in_flight=True, tier_blocks=tier_blocks, swap_blocks=swap.blocks))
     adm = AdmissionCore(
         AdmissionConfig(
             num_blocks=num_blocks,
@@ -34,7 +36,7 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
     )
     if replicas > 1:
         pairs = [build_cores(cfg, num_blocks, max_context, fingerprint, verifies_drafts=verifies_drafts,
-                             draft_max=draft_max, tier_blocks=tier_blocks)[1:] for _ in range(replicas)]
+                             draft_max=draft_max, tier_blocks=tier_blocks, swap=swap)[1:] for _ in range(replicas)]
         return adm, [Routed(s, i) for i, (s, _) in enumerate(pairs)], [Routed(k, i) for i, (_, k) in enumerate(pairs)]
     sch = SchedulerCore(
         SchedulerConfig(
@@ -49,6 +51,9 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
             pipeline_depth=pipeline_depth(cfg),
             itl_target_ns=int(cfg.itl_target_ms * 1e6),
             spec_k_max=(cfg.spec_draft_max if draft_max is None else draft_max) if verifies_drafts else 0,
+            swap_blocks=swap.blocks,
+            swap_ns_per_block=swap.ns_per_block,
+            recompute_ns_per_token=swap.recompute_ns_per_token,
         )
     )
     return adm, sch, kv

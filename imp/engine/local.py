@@ -32,6 +32,7 @@ from imp.engine.cores import build_cores
 from imp.engine.port import (LiveRow, LoraInfo, Warm, LoraRefused, ModelCard, Rates, ResumeResult, Snapshot, Submission,
                               SuspendResult)
 from imp.engine.render import RenderedStream
+from imp.engine.swap import swap_facts
 from imp.log.eventlog import EventLog, LogHeader
 from imp.store.actor import StoreActor
 from imp.messages import (SCHEMA_VERSION, Cancel, KvStored, TokenTexts, FinishReason, KvFigures, KvForget, LoraLoad, LoraUnload,
@@ -49,6 +50,15 @@ def kv_bytes_per_token(runner) -> int | None:
         return None
     size = t.itemsize if hasattr(t, "itemsize") else t.element_size()  # numpy (the CPU pool) or torch
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * size
+
+
+def _with_swap(load, n_slots: int):
+    def loaded():
+        runner = load()
+        runner.make_swap(n_slots)
+        return runner
+
+    return loaded
 
 
 class LocalEngine:
@@ -92,9 +102,15 @@ class LocalEngine:
         tier_blocks = 0
         if self.tiers[0] is not None:
             tier_blocks = max(1, int(cfg.prompt_cache_gb * 2**30) // r.kv_block_bytes())
+        # swap instead of recompute: every replica's runner gets its area, runner 0's copies are timed
+        self.swap = swap_facts(cfg.preemption_mode, cfg.swap_space_gb, r, cfg.device, boot_prefill_tok_s)
+        for x in self.runners[1:] if self.swap.blocks else ():
+            x.make_swap(self.swap.blocks)
+        if self.swap.blocks:  # a runner loaded again (suspend, idle unload) needs its area again
+            self.loaders = [None if f is None else _with_swap(f, self.swap.blocks) for f in self.loaders]
         self.adm, schs, kvs = build_cores(cfg, r.num_blocks, self.max_context, r.fingerprint,
                                           replicas=len(self.runners), verifies_drafts=verifies, draft_max=draft_max,
-                                          tier_blocks=tier_blocks)
+                                          tier_blocks=tier_blocks, swap=self.swap)
         self.schs, self.kvs = (schs, kvs) if len(self.runners) > 1 else ([schs], [kvs])
         self.card = ModelCard(
             name=name, path=path, fingerprint=r.fingerprint, context_length=self.max_context,

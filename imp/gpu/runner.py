@@ -56,6 +56,7 @@ from imp.gpu.forward import Forward
 from imp.gpu.graphs import DecodeGraphs
 from imp.gpu.lora import DeviceLoras
 from imp.gpu.inputs import Landing, check, eager_meta
+from imp.gpu.kvcopy import DeviceBlocks
 from imp.gpu.mixed import MixedGraphs, prompt_buckets
 from imp.gpu.linear import FUSED_CREDIT_US, GEMV_MAX_ROWS
 from imp.gpu.weights import GGUFSource, Weights, load_weights
@@ -114,6 +115,7 @@ class GpuModelRunner:
         shape = (cfg.n_layers, num_blocks, block_size, Hkv, D)
         self.k_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        self.blocks = DeviceBlocks(self.k_cache, self.v_cache)  # blocks to host and back (tier, swap)
         cos, sin = rope_tables(cfg, cfg.context_length)
         self.use_numba_sampling = self._self_check_numba()
         self.fwd = Forward(cfg, self.w, self.k_cache, self.v_cache, cos.to(self.device), sin.to(self.device),
@@ -211,6 +213,34 @@ class GpuModelRunner:
             return self.fwd(eager_meta(seqs, rows, self.block_size, self.device), lora=la).clone()
 
     supports_lora = True  # adapter rows run eagerly and unfused (imp.gpu.lora)
+
+    # the prefix cache's disk tier and the swap area: the pool's blocks to host and back (imp.gpu.kvcopy), queued
+    # on the step stream from the step thread, in order with the steps
+    supports_kv_tier = supports_swap = True
+    kv_layout = property(lambda self: self.blocks.layout)
+    kv_block_bytes = property(lambda self: self.blocks.block_bytes)
+
+    def kv_block(self, b: int):
+        with self._lock:
+            return self.blocks.block(b)
+
+    def set_kv_block(self, b: int, data) -> None:
+        with self._lock:
+            self.blocks.set_block(b, data)
+
+    def make_swap(self, n_slots: int) -> None:
+        self.blocks.make_swap(n_slots)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def swap_out(self, m) -> None:
+        with self._lock:
+            self.blocks.swap_out(m.blocks, m.slots)
+
+    def swap_in(self, m) -> None:
+        with self._lock:
+            self.blocks.swap_in(m.slots, m.blocks)
 
     def forget(self, seq_ids) -> None:
         """Freed sequences (the executor passes each plan's `freed`): their penalty counts and mirostat state go."""

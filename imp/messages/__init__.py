@@ -50,8 +50,8 @@ from __future__ import annotations
 from typing import Union
 
 from imp.messages.base import FinishReason, Msg, Struct
-from imp.messages.ops import (KvDrop, KvForget, KvLoad, KvLoaded, KvReady, KvSave, KvStored, LoraLoad, LoraState,
-                              LoraUnload, MemoryState, Reload, Unload)
+from imp.messages.ops import (KvDrop, KvForget, KvLoad, KvLoaded, KvReady, KvSave, KvStored, KvSwapIn, KvSwapOut,
+                              LoraLoad, LoraState, LoraUnload, MemoryState, Reload, Unload)
 from imp.messages.output import Delta, DeltaBatch, DetokClose, DetokOpen
 from imp.messages.params import Constraint, Dry, SamplingParams
 from imp.messages.reports import Fault, Figures, QueueFigures, RequestStats, StepStats
@@ -105,6 +105,8 @@ Message = Union[
     KvLoaded,
     KvDrop,
     KvReady,
+    KvSwapOut,
+    KvSwapIn,
     LoraLoad,
     LoraUnload,
     LoraState,
@@ -127,7 +129,7 @@ __all__ = [
     "DetokOpen", "DetokClose", "Delta", "DeltaBatch",
     "QueueFigures", "Figures", "StepStats", "RequestStats", "Fault",
     "Unload", "Reload", "MemoryState", "KvForget", "KvStored", "KvSave", "KvLoad", "KvLoaded", "KvDrop", "KvReady",
-    "LoraLoad", "LoraUnload", "LoraState",
+    "KvSwapOut", "KvSwapIn", "LoraLoad", "LoraUnload", "LoraState",
     "StoreStatus", "StoreItem", "ChainLink", "StorePut", "StoreGet", "StoreGetChain", "StoreDelete",
     "StoreListInputItems", "StoreSweep", "StoreReply",
 ]

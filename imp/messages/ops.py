@@ -103,3 +103,22 @@ class KvDrop(Msg):
 
 class KvReady(Msg):
     """kv -> scheduler: tier blocks landed in the pool; an alloc that waited for them may run now."""
+
+
+# Swap instead of recompute (imp.core.kv, `swap_blocks`): a preempted sequence's KV parked in the executor's host
+# swap area (pinned memory on a GPU) and put back when it runs again. No reply: the executor does them in order
+# with the steps, so a copy out precedes any step that writes over the blocks, and a copy in any step that reads them.
+
+
+class KvSwapOut(Msg):
+    """kv -> executor: copy blocks[i] to swap slot slots[i] (before any later step writes over them)."""
+
+    blocks: tuple[int, ...]
+    slots: tuple[int, ...]
+
+
+class KvSwapIn(Msg):
+    """kv -> executor: copy swap slot slots[i] back into block blocks[i] (before any later step reads them)."""
+
+    slots: tuple[int, ...]
+    blocks: tuple[int, ...]

@@ -123,6 +123,14 @@ class KvOp(Struct):
            recorded even when the grow itself fails.
     kind = "free":  release the sequence's blocks (full blocks stay cached);
            token_ids as for grow (hashed before the release).
+    kind = "swap_out": a preempted sequence's KV of its first num_tokens positions parked in the swap
+           area (KvSwapOut to the executor), then its blocks released as by "free" (token_ids
+           as for free). Nothing is answered.
+    kind = "swap_in": a swapped-out sequence back in the pool: a table for num_tokens positions,
+           token_ids its known tokens; its parked positions come back from the swap area
+           (KvSwapIn), leading full blocks still cached are shared instead of copied.
+           cached_tokens = the parked positions. Fails for want of blocks as alloc does.
+    kind = "unswap": a swapped-out sequence ended while parked: its swap slots are released.
     kind = "fork":  new sequence parent->seq_id (n > 1 siblings) holding
            num_tokens positions; token_ids its known tokens (the prompt). It
            shares the parent's full blocks of those positions, except the one
@@ -167,6 +175,12 @@ class KvFigures(Struct):
     tier_hits: int = 0
     tier_misses: int = 0
     tier_drops: int = 0
+    # the swap area (swap instead of recompute): its slots, those holding parked sequences' blocks now,
+    # sequences parked and brought back (running totals)
+    swap_blocks: int = 0
+    swap_used: int = 0
+    swaps_out: int = 0
+    swaps_in: int = 0
 
 
 class KvRequest(Msg):

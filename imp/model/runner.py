@@ -232,6 +232,30 @@ class ModelRunner:
             c.k[:, b] = np.frombuffer(data, dtype=c.k.dtype, count=half // c.k.itemsize).reshape(shape)
             c.v[:, b] = np.frombuffer(data, dtype=c.v.dtype, offset=half).reshape(shape)
 
+    # swap instead of recompute (imp.core.kv "swap_out" / "swap_in"): whole blocks of the host pool, as the tier
+    supports_swap = property(lambda self: self.fused)
+
+    def make_swap(self, n_slots: int) -> None:
+        """The swap area: n_slots blocks' K and V beside the pool, in lazy zero pages (only what preempted
+        sequences park is ever touched)."""
+        c = self.cache
+        shape = (c.k.shape[0], n_slots, *c.k.shape[2:])
+        self._swap = (paged.lazy_zeros(shape, c.k.dtype), paged.lazy_zeros(shape, c.v.dtype))
+
+    def swap_out(self, m) -> None:
+        """KvSwapOut: blocks -> swap slots."""
+        (sk, sv), c, b, s = self._swap, self.cache, list(m.blocks), list(m.slots)
+        with self._lock:
+            sk[:, s] = c.k[:, b]
+            sv[:, s] = c.v[:, b]
+
+    def swap_in(self, m) -> None:
+        """KvSwapIn: swap slots -> blocks."""
+        (sk, sv), c, b, s = self._swap, self.cache, list(m.blocks), list(m.slots)
+        with self._lock:
+            c.k[:, b] = sk[:, s]
+            c.v[:, b] = sv[:, s]
+
     supports_lora = property(lambda self: isinstance(self.model, FusedModel))
     # a share may feed drafted tokens (SeqWork.draft): every forward here scores any rows asked for
     verifies_drafts = True

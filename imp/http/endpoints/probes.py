@@ -30,6 +30,8 @@ def _kv_fields(kv) -> dict:
         "kv_tier_saves": kv.tier_saves,
         "kv_tier_hits": kv.tier_hits,
         "kv_tier_misses": kv.tier_misses,
+        "kv_swap_blocks": kv.swap_blocks,  # the swap area (--swap-space): its slots, those parked requests hold
+        "kv_swap_blocks_used": kv.swap_used,
     }
 
 
@@ -48,7 +50,7 @@ async def health(request: web.Request) -> web.Response:
         "preemptions": q.preemptions,
         "cancellations": q.cancellations,
         "timeouts": q.timeouts,
-        "swaps": 0,  # a preempted request is recomputed, never swapped to host memory
+        "swaps": snap.kv.swaps_out,  # preemptions whose KV went to the swap area instead of being recomputed
         "queued_prompt_tokens": q.queued_prompt_tokens,
         "suspended": snap.suspended,
         "idle_unload_seconds": request.app[keys.CONFIG].idle_unload_s,

@@ -1,0 +1,95 @@
+"""The device KV pool's blocks to host memory and back.
+
+Two users: the prefix cache's disk tier (imp.actors.kvtier: one block's bytes out when it becomes a cache
+entry, in when a later prompt finds it on disk) and the swap area (imp.core.kv "swap_out" / "swap_in": a
+preempted sequence's blocks parked in pinned host memory and put back when it runs again).
+
+Every copy is queued on the step stream from the step thread, as the executor's messages arrive: a copy out
+sees every earlier step's writes and none of a later one's, a copy in lands before any later step reads the
+block. Nothing here waits for the device (a synchronising copy would stall the pipelined steps): index lists
+go up from pinned memory, blocks come down into pinned memory, and a tier save hands the file thread a
+function that waits for its copy's event there.
+
+    pool:       k, v [L, num_blocks, bs, Hkv, D]  (the runner's)
+    swap area:  k, v [slots, L, bs, Hkv, D] pinned: one slot is one contiguous run, its copy one DMA
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class DeviceBlocks:
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k, self.v = k, v
+        self.area: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------ the disk tier
+
+    def layout(self) -> str:
+        """What a saved block's bytes mean (a file of another layout is never read): dtype, [L, bs, Hkv, D]."""
+        k = self.k
+        return f"{str(k.dtype).removeprefix('torch.')}:{'x'.join(str(n) for n in (k.shape[0], *k.shape[2:]))}"
+
+    def block_bytes(self) -> int:
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    def block(self, b: int):
+        """Block b's K then V, every layer: a function the file thread calls for the bytes (it waits there for
+        the copy, queued now behind the steps before it)."""
+        kv = torch.stack((self.k[:, b], self.v[:, b])).reshape(-1).view(torch.uint8)  # a gather on the device
+        out = torch.empty(kv.numel(), dtype=torch.uint8, pin_memory=True)
+        out.copy_(kv, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def bytes_() -> bytes:
+            done.synchronize()
+            return out.numpy().tobytes()
+
+        return bytes_
+
+    def set_block(self, b: int, data) -> None:
+        host = torch.frombuffer(bytearray(data), dtype=torch.uint8).pin_memory()
+        kv = host.to(self.k.device, non_blocking=True).view(self.k.dtype).view(2, *self.k[:, b].shape)
+        self.k[:, b] = kv[0]
+        self.v[:, b] = kv[1]
+
+    # ------------------------------------------------------------------ the swap area
+
+    def make_swap(self, n_slots: int) -> None:
+        shape = (n_slots, self.k.shape[0], *self.k.shape[2:])
+        self.area = (torch.empty(shape, dtype=self.k.dtype, pin_memory=True),
+                     torch.empty(shape, dtype=self.v.dtype, pin_memory=True))
+
+    def swap_out(self, blocks, slots) -> None:
+        idx = _indices(blocks, self.k.device)
+        for pool, area in zip((self.k, self.v), self.area):
+            g = pool.index_select(1, idx).transpose(0, 1).contiguous()  # [n, L, bs, Hkv, D]
+            for i, s, n in _runs(slots):
+                area[s:s + n].copy_(g[i:i + n], non_blocking=True)
+
+    def swap_in(self, slots, blocks) -> None:
+        idx = _indices(blocks, self.k.device)
+        for pool, area in zip((self.k, self.v), self.area):
+            g = torch.empty((len(blocks), *area.shape[1:]), dtype=area.dtype, device=pool.device)
+            for i, s, n in _runs(slots):
+                g[i:i + n].copy_(area[s:s + n], non_blocking=True)
+            pool.index_copy_(1, idx, g.transpose(0, 1))
+
+
+def _indices(blocks, device) -> torch.Tensor:
+    # from pinned memory, asynchronously: a pageable copy would wait for every step queued before it
+    return torch.from_numpy(np.asarray(blocks, dtype=np.int64)).pin_memory().to(device, non_blocking=True)
+
+
+def _runs(slots):
+    """(index into slots, first slot, length) of each run of consecutive slots: one copy each."""
+    i = 0
+    while i < len(slots):
+        n = 1
+        while i + n < len(slots) and slots[i + n] == slots[i] + n:
+            n += 1
+        yield i, slots[i], n
+        i += n

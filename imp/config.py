@@ -34,6 +34,10 @@ class ServerConfig:
     # directory, read back on a later hit (after eviction, suspend, idle unload or a restart); None = none
     prompt_cache_dir: str | None = None
     prompt_cache_gb: float = 8.0  # the tier's size; the least recently used blocks go first
+    # the prefix cache's host-memory tier (in front of the disk tier, or alone): GB of cached blocks kept in host
+    # memory, written through as blocks become cache entries (a device->host copy each on a GPU: opt-in). On the
+    # CPU executor the pool is host memory already
+    host_cache_gb: float = 0.0
     # swap instead of recompute: a running request preempted for want of blocks parks its KV in a host swap area
     # of swap_space_gb (pinned on a GPU; vLLM's --swap-space) when the boot-measured costs say the copies beat
     # computing its context again ("auto"), always when there is room ("swap"), or never ("recompute")
@@ -92,6 +96,7 @@ class ServerConfig:
             (self.rate_limit >= 0, "--rate-limit must be >= 0 (requests per minute; 0 = off)"),
             (self.idle_unload_s >= 0, "--idle-unload-seconds must be >= 0 (0 = off)"),
             (self.prompt_cache_gb > 0, "--prompt-cache-gb must be > 0"),
+            (self.host_cache_gb >= 0, "--host-cache-gb must be >= 0 (0 = no host tier)"),
             (self.swap_space_gb >= 0, "--swap-space must be >= 0 (GB; 0 = no swap area)"),
             (self.preemption_mode in ("auto", "swap", "recompute"), "--preemption-mode must be auto, swap or recompute"),
             (self.shutdown_timeout_s >= 0, "--shutdown-timeout must be >= 0"),
@@ -154,6 +159,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption-mode", choices=("auto", "swap", "recompute"), default=d.preemption_mode,
                    help="a preempted request's KV: swapped out when the measured copy cost beats recomputing it "
                         "(auto), swapped whenever the swap space has room, or always recomputed")
+    p.add_argument("--host-cache-gb", type=float, default=d.host_cache_gb,
+                   help="keep this many GB of the prefix cache's blocks in host memory too (a host tier in front "
+                        "of --prompt-cache-dir, or alone): a block the pool evicted comes back by a copy, not a "
+                        "recompute (0 = none; on the CPU executor the pool is host memory already)")
     p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=d.shutdown_timeout_s,
                    help="on SIGTERM, seconds the admitted requests may run on (new ones get 503 draining)")
     p.add_argument("--chat-template", default=None, help="jinja file overriding the model's template")

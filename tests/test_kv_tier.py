@@ -187,3 +187,58 @@ def test_the_tier_files_refuse_what_is_not_theirs(tmp_path, caplog):
             assert results == [False] * 3 and caplog.text.count("cannot write the prompt cache") == 1
     finally:
         t.dir.chmod(0o700)
+
+
+def test_the_host_tier_keeps_the_newest_blocks_in_front_of_the_disk(tmp_path):
+    """KvTier's host memory: a load finds a block there first ("host"), else on disk ("disk", and keeps it in
+    host memory); the oldest leave host memory past host_blocks (their files stay); a drop leaves both; without
+    a directory the host tier stands alone (and scan finds nothing: it does not outlive the process)."""
+    from imp.actors import kvtier
+
+    keys = [bytes([i]) * 32 for i in range(4)]
+    pay = {k: bytes([i]) * 64 for i, k in enumerate(keys)}
+    t = kvtier.KvTier(tmp_path, "a" * 64, "float16:1x1x1x32", host_blocks=2)
+    for k in keys:
+        assert t.save(k, lambda k=k: pay[k])  # (a device copy in flight: a function that returns the bytes)
+    assert list(t.host) == keys[2:] and len(t.scan()) == 4
+    assert t.fetch(keys[3], 64) == (pay[keys[3]], "host") and t.host_hits == 1
+    got, src = t.fetch(keys[0], 64)
+    assert (bytes(got), src) == (pay[keys[0]], "disk") and list(t.host) == [keys[3], keys[0]]
+    assert t.fetch(keys[0], 64)[1] == "host"
+    assert t.fetch(keys[0], 32) == (None, "")  # a size that is not this layout's: not used
+    t.drop(keys[0])
+    assert keys[0] not in t.host and t.fetch(keys[0], 64) == (None, "")
+    alone = kvtier.KvTier(None, "a" * 64, "float16:1x1x1x32", host_blocks=3)
+    for k in keys:
+        assert alone.save(k, pay[k])
+    assert alone.scan() == () and alone.fetch(keys[0], 64) == (None, "") and alone.fetch(keys[1], 64)[1] == "host"
+
+
+def test_a_server_with_a_host_tier_brings_evicted_prompts_back_without_files(smollm2_path, tmp_path):
+    """--host-cache-gb alone (no directory): a long system prompt evicted from a small pool by others comes
+    back from host memory as cache hits, with the same answer; the host hits and bytes are counted."""
+    import json
+    import urllib.request
+
+    import pytest
+
+    from tests.serverproc import ServerProcess
+
+    pytest.importorskip("openai")
+    sysmsg = " ".join(f"Rule {i}: answer about topic {i} with care, citing section {i * 7}." for i in range(40))
+    with ServerProcess(str(smollm2_path), "--host-cache-gb", "0.5", "--kv-cache-tokens", "1024",
+                       log_path=tmp_path / "host.out") as srv:
+        first = _chat(srv.url, sysmsg)
+        for i in range(3):  # other long prompts through the small pool: the first one's blocks are evicted
+            _chat(srv.url, " ".join(f"Note {i}-{j}: a different text about item {j * 3}." for j in range(60)))
+        again = _chat(srv.url, sysmsg)
+        health = json.load(urllib.request.urlopen(srv.url + "/health", timeout=30))
+        metrics = urllib.request.urlopen(srv.url + "/metrics", timeout=30).read().decode()
+    n_full = (first["usage"]["prompt_tokens"] - 1) // 16
+    assert health["kv_evictions"] > 0 and health["kv_tier_hits"] >= n_full
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == n_full * 16
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    host_hits = next(float(x.split()[1]) for x in metrics.splitlines() if x.startswith("imp_kv_tier_host_hits_total"))
+    read = next(float(x.split()[1]) for x in metrics.splitlines() if x.startswith("imp_kv_tier_read_bytes_total"))
+    assert host_hits == health["kv_tier_hits"] and read > 0
+    assert not list(tmp_path.glob("**/*.kv"))

@@ -54,7 +54,7 @@ def kv(free=64, used=0, reserved=0, cached=0, evictions=0, inflight_waits=0, **m
 
 
 def actor(**kw) -> MetricsActor:
-    return MetricsActor(Bus(EventLog(None)), "smollm2-135m", kv(), **kw)
+    return MetricsActor(Bus(EventLog(None)), "smollm2-135m", kv(), **{"kv_block_bytes": 1000, **kw})
 
 
 def req(endpoint="chat_completions", status=200, **kw) -> RequestStats:
@@ -94,10 +94,13 @@ async def test_messages_move_every_series():
     await m.on_message("scheduler", StepStats(1, 3, 40, 2, 20_000_000))
     await m.on_message("scheduler", StepStats(2, 2, 2, 2, 10_000_000))
     await m.on_message("scheduler", Figures(kv(free=40, used=24, reserved=30, cached=8, evictions=3, inflight_waits=2,
-                                               swap_blocks=100, swap_used=7, swaps_out=2, swaps_in=1),
+                                               swap_blocks=100, swap_used=7, swaps_out=2, swaps_in=1, swap_copies=9,
+                                               tier_saves=4, tier_hits=3, tier_host_hits=2),
                                             QueueFigures(1, 2, 120, preemptions=1, cancellations=2, timeouts=1)))
     assert (value(m, "imp_kv_swaps_total"), value(m, "imp_kv_swap_ins_total"), value(m, "imp_kv_swap_blocks_used")) \
         == (2, 1, 7)
+    assert (value(m, "imp_kv_swap_bytes_total"), value(m, "imp_kv_tier_written_bytes_total"),
+            value(m, "imp_kv_tier_read_bytes_total"), value(m, "imp_kv_tier_host_hits_total")) == (9000, 4000, 3000, 2)
     assert value(m, "imp_decode_batch_last_rows") == 2 and value(m, "imp_decode_batch_max") == 3
     assert value(m, "imp_decode_batch_steps_total") == 2 and value(m, "imp_decode_batch_rows_total") == 5
     assert (value(m, "imp_queue_waiting"), value(m, "imp_queue_running"), value(m, "imp_queue_depth"),

@@ -275,13 +275,13 @@ class ExecutorActor(Actor):
                 data = await loop.run_in_executor(self._pool, r.kv_block, msg.block)
                 loop.run_in_executor(self._io, t.save, msg.key, data)
             return
-        ok = False
+        ok, source = False, ""
         if t is not None and r is not None:  # unloaded (suspend): nothing to fill, the allocator forgets it
-            data = await loop.run_in_executor(self._io, t.load, msg.key, r.kv_block_bytes())
+            data, source = await loop.run_in_executor(self._io, t.fetch, msg.key, r.kv_block_bytes())
             if data is not None:
                 await loop.run_in_executor(self._pool, r.set_kv_block, msg.block, data)
                 ok = True
-        self.send(self.kv, KvLoaded(msg.key, msg.block, ok))
+        self.send(self.kv, KvLoaded(msg.key, msg.block, ok, source))
 
     async def _lora_load(self, msg: LoraLoad) -> None:
         loop = asyncio.get_running_loop()

@@ -1,6 +1,12 @@
-"""The prefix cache's disk tier: one file per KV block (--prompt-cache-dir), the executor's I/O.
+"""The prefix cache's tiers past the pool: host memory, then disk (--prompt-cache-dir). The executor's I/O.
 
-The allocator (imp.core.kv) decides what is written, read and dropped; this writes, reads and deletes.
+The allocator (imp.core.kv) decides what is written, read and dropped; this keeps, writes, reads and deletes.
+Every block that becomes a cache entry is written through: into the host tier (an LRU of host_blocks blocks'
+bytes; on a GPU this is where the device pool's evicted blocks come back from without a file read) and to a
+file. A load looks in host memory first, then on disk (and keeps what it read in host memory: the next
+load of it is a copy). The host tier is the process's: it survives pool eviction, suspend/resume and idle
+unload, not a restart; the files survive a restart.
+
 A file is named by its key (the block's chained hash: model fingerprint, adapter salt and every token
 before it are in it) and lives in a directory per model and KV layout, and its header repeats all of
 it, so a file is only ever used for the same tokens of the same model in the same layout:
@@ -22,6 +28,7 @@ the server serves on without it, never a failed request.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import struct
@@ -39,25 +46,32 @@ class TierUnavailable(OSError):
 
 
 class KvTier:
-    def __init__(self, root: str | os.PathLike, fingerprint: str, layout: str):
+    def __init__(self, root: str | os.PathLike | None, fingerprint: str, layout: str, host_blocks: int = 0):
+        """root None: host memory only (host_blocks > 0)."""
         self.fingerprint, self.layout = fingerprint, layout
-        slug = "".join(c if c.isalnum() else "_" for c in layout)
-        self.dir = Path(root) / f"{fingerprint[:16]}-{slug}"
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / ".probe"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as exc:
-            raise TierUnavailable(f"prompt cache directory {self.dir}: {exc}") from exc
+        self.host: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # key -> payload, LRU first
+        self.host_blocks = host_blocks
+        self.dir: Path | None = None
+        if root is not None:
+            slug = "".join(c if c.isalnum() else "_" for c in layout)
+            self.dir = Path(root) / f"{fingerprint[:16]}-{slug}"
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                probe = self.dir / ".probe"
+                probe.write_bytes(b"")
+                probe.unlink()
+            except OSError as exc:
+                raise TierUnavailable(f"prompt cache directory {self.dir}: {exc}") from exc
         self._warned = False
-        self.saved = self.loaded = self.bytes_in = self.bytes_out = 0
+        self.saved = self.loaded = self.bytes_in = self.bytes_out = self.host_hits = 0
 
     def _path(self, key: bytes) -> Path:
         return self.dir / f"{key.hex()}.kv"
 
     def scan(self) -> tuple[bytes, ...]:
         """The keys of this model's files, oldest first (by mtime): the allocator's index at boot."""
+        if self.dir is None:
+            return ()
         found = []
         for p in self.dir.iterdir():
             name = p.name
@@ -77,6 +91,10 @@ class KvTier:
         """payload: the block's bytes, or a function that returns them (a device copy still in flight)."""
         if callable(payload):
             payload = payload()
+        if self.host_blocks:
+            self._keep(key, bytes(payload))
+        if self.dir is None:
+            return bool(self.host_blocks)
         head = _HEAD.pack(MAGIC, key, self.fingerprint.encode()[:64], self.layout.encode()[:64], len(payload),
                           _crc(payload))
         tmp = self.dir / f".tmp-{key.hex()}-{os.getpid()}"
@@ -98,8 +116,28 @@ class KvTier:
         self.bytes_out += len(head) + len(payload)
         return True
 
+    def _keep(self, key: bytes, payload: bytes) -> None:
+        self.host[key] = payload
+        self.host.move_to_end(key)
+        while len(self.host) > self.host_blocks:  # the oldest leaves host memory (its file, if any, stays)
+            self.host.popitem(last=False)
+
+    def fetch(self, key: bytes, size: int) -> tuple[bytes | memoryview | None, str]:
+        """(the payload saved under key, "host" or "disk"), or (None, "") when neither has it whole."""
+        got = self.host.get(key)
+        if got is not None and len(got) == size:
+            self.host.move_to_end(key)
+            self.host_hits += 1
+            return got, "host"
+        data = self.load(key, size)
+        if data is not None and self.host_blocks:
+            self._keep(key, bytes(data))
+        return data, "disk" if data is not None else ""
+
     def load(self, key: bytes, size: int) -> memoryview | None:
-        """The payload saved under key, if the file is whole and this model's and layout's (size bytes)."""
+        """The payload of key's file, if the file is whole and this model's and layout's (size bytes)."""
+        if self.dir is None:
+            return None
         p = self._path(key)
         try:
             data = p.read_bytes()
@@ -131,6 +169,9 @@ class KvTier:
         return payload
 
     def drop(self, key: bytes) -> None:
+        self.host.pop(key, None)
+        if self.dir is None:
+            return
         try:
             self._path(key).unlink(missing_ok=True)
         except OSError:

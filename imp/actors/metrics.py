@@ -130,10 +130,11 @@ class MetricsActor(Actor):
     name = "metrics"
 
     def __init__(self, bus: Bus, model_name: str, kv: KvFigures, sources: list[str] | None = None, *,
-                 boot_prefill_tok_s: float | None = None):
+                 boot_prefill_tok_s: float | None = None, kv_block_bytes: int = 0):
         """kv: one scheduler's pool at boot; sources: the scheduler replicas
         (data parallel), whose figures are summed; boot_prefill_tok_s: the boot
-        warm-up's prefill rate (see Rates)."""
+        warm-up's prefill rate (see Rates); kv_block_bytes: one KV block's bytes (the tiers' and
+        the swap area's byte counters)."""
         super().__init__(bus)
         self.registry = r = CollectorRegistry()
         self._figs = {name: Figures(kv, QueueFigures(0, 0, 0)) for name in (sources or ["scheduler"])}
@@ -179,11 +180,21 @@ class MetricsActor(Actor):
                            "and does not grow")
         self.c_streaming = c("imp_streaming_kv_auto_enables", "StreamingLLM eviction switched on: always 0, "
                              "imp has no StreamingLLM eviction (a full pool preempts)")
-        self.c_swaps = c("imp_kv_swaps", "running requests preempted for want of blocks whose KV moved to the "
-                         "host swap area instead of being recomputed (--swap-space, --preemption-mode)")
-        self.c_swap_ins = c("imp_kv_swap_ins", "preempted requests whose KV came back from the swap area")
         self.g_swap = g("imp_kv_swap_blocks_used", "blocks of the host swap area that preempted requests hold")
-        self._swaps = [0, 0]
+        bb = kv_block_bytes
+        # counters that follow a running total of the allocator's figures
+        self._kv_totals = [(c(name, why), total) for name, why, total in (
+            ("imp_kv_swaps", "running requests preempted for want of blocks whose KV moved to the host swap area "
+             "instead of being recomputed (--swap-space, --preemption-mode)", lambda k: k.swaps_out),
+            ("imp_kv_swap_ins", "preempted requests whose KV came back from the swap area", lambda k: k.swaps_in),
+            ("imp_kv_swap_bytes", "KV bytes copied to the swap area and back", lambda k: k.swap_copies * bb),
+            ("imp_kv_tier_host_hits", "of imp_kv_tier_hits, blocks read back from the host tier (--host-cache-gb), "
+             "not from disk", lambda k: k.tier_host_hits),
+            ("imp_kv_tier_written_bytes", "KV bytes written to the prefix cache's tiers (demotions)",
+             lambda k: k.tier_saves * bb),
+            ("imp_kv_tier_read_bytes", "KV bytes read back from the prefix cache's tiers into the pool (promotions)",
+             lambda k: k.tier_hits * bb))]
+        self._kv_last = [0] * len(self._kv_totals)
         self.c_steps = c("imp_decode_batch_steps", "engine steps")
         # speculation (imp/core/spec.py): in aggregate, and per draft source (the n-gram matcher; no file
         # this server loads has an MTP head, so imp_spec_mtp_* stay 0). A verify step = one sequence's
@@ -236,10 +247,11 @@ class MetricsActor(Actor):
             self._inflight = kv.inflight_waits
         self.g_tier.set(kv.tier_blocks)
         self.g_swap.set(kv.swap_used)
-        for i, (ctr, v) in enumerate(((self.c_swaps, kv.swaps_out), (self.c_swap_ins, kv.swaps_in))):
-            if v > self._swaps[i]:
-                ctr.inc(v - self._swaps[i])
-                self._swaps[i] = v
+        for i, (ctr, total) in enumerate(self._kv_totals):
+            v = total(kv)
+            if v > self._kv_last[i]:
+                ctr.inc(v - self._kv_last[i])
+                self._kv_last[i] = v
         for k, ctr in self.c_tier.items():
             v = getattr(kv, f"tier_{k}")
             if v > self._tier[k]:

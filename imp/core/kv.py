@@ -121,10 +121,11 @@ class KvCore:
         self.loading: dict[bytes, int] = {}  # tier key -> the block being filled (held: refcount 1)
         self.stale: set[bytes] = set()  # loads begun before a KvForget: what lands is not the pool's
         self.tier_saves = self.tier_loads = self.tier_hits = self.tier_misses = self.tier_drops = 0
+        self.tier_host_hits = 0
         self._out: Out = []  # tier messages of the current handling
         self.swap_free: collections.deque[int] = collections.deque(range(config.swap_blocks))
         self.swapped: dict[str, tuple[list[int], int]] = {}  # parked sequence -> (its slots, positions parked)
-        self.swaps_out = self.swaps_in = 0
+        self.swaps_out = self.swaps_in = self.swap_copies = 0
 
     # ------------------------------------------------------------------ core
 
@@ -167,8 +168,9 @@ class KvCore:
             pinned=len(set().union(*self.pins.values())) if self.pins else 0,  # distinct blocks
             tier_blocks=len(self.stored), tier_saves=self.tier_saves, tier_loads=self.tier_loads,
             tier_hits=self.tier_hits, tier_misses=self.tier_misses, tier_drops=self.tier_drops,
+            tier_host_hits=self.tier_host_hits,
             swap_blocks=self.config.swap_blocks, swap_used=self.config.swap_blocks - len(self.swap_free),
-            swaps_out=self.swaps_out, swaps_in=self.swaps_in,
+            swaps_out=self.swaps_out, swaps_in=self.swaps_in, swap_copies=self.swap_copies,
         )
 
     def audit(self) -> None:
@@ -287,6 +289,7 @@ class KvCore:
         if op.seq_id in self.swapped or not 0 < n <= len(s.table) or n > len(self.swap_free):
             raise CoreError(f"bad swap_out of {op.seq_id}: {n} blocks, {len(self.swap_free)} slots free")
         slots = [self.swap_free.popleft() for _ in range(n)]
+        self.swap_copies += n
         self._out.append(("executor", KvSwapOut(tuple(s.table[:n]), tuple(slots))))  # before the blocks go
         self.swapped[op.seq_id] = (slots, op.num_tokens)
         self.swaps_out += 1
@@ -314,6 +317,7 @@ class KvCore:
             self._hold(b)
         table = hits + [self._take() for _ in range(need)]
         back = range(len(hits), len(slots))
+        self.swap_copies += len(back)
         if back:
             self._out.append(("executor", KvSwapIn(tuple(slots[i] for i in back), tuple(table[i] for i in back))))
         del self.swapped[op.seq_id]
@@ -459,6 +463,7 @@ class KvCore:
             self.cache[m.key] = b
             self.block_hash[b] = m.key
             self.tier_hits += 1
+            self.tier_host_hits += m.source == "host"
         elif not m.ok:
             self.stored.pop(m.key, None)  # missing, corrupt or foreign: computed next time, and written again
             self.tier_misses += 1

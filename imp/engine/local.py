@@ -98,10 +98,12 @@ class LocalEngine:
         verifies = all(getattr(x, "verifies_drafts", False) for x in self.runners)
         # the longest draft every executor verifies with a decode row's numerics (the GPU's int8 GEMV rows)
         draft_max = min([cfg.spec_draft_max] + [getattr(x, "max_draft", cfg.spec_draft_max) for x in self.runners])
-        self.tiers = self._tiers(cfg, self.runners)  # the prefix cache's disk tier, per replica (None: none)
+        self.tiers = self._tiers(cfg, self.runners)  # the prefix cache's host / disk tiers, per replica (None: none)
         tier_blocks = 0
-        if self.tiers[0] is not None:
-            tier_blocks = max(1, int(cfg.prompt_cache_gb * 2**30) // r.kv_block_bytes())
+        if self.tiers[0] is not None:  # the allocator's index: the disk's keys (host holds some of them), or host's
+            t = self.tiers[0]
+            tier_blocks = t.host_blocks if t.dir is None else max(
+                t.host_blocks, max(1, int(cfg.prompt_cache_gb * 2**30) // r.kv_block_bytes()))
         # swap instead of recompute: every replica's runner gets its area, runner 0's copies are timed
         self.swap = swap_facts(cfg.preemption_mode, cfg.swap_space_gb, r, cfg.device, boot_prefill_tok_s)
         for x in self.runners[1:] if self.swap.blocks else ():
@@ -127,22 +129,27 @@ class LocalEngine:
 
     @staticmethod
     def _tiers(cfg: ServerConfig, runners: list) -> list:
-        """--prompt-cache-dir: one KvTier per replica (the same files: a key names the same KV everywhere), or
-        None each where there is none: not asked, an executor that cannot copy its blocks, or a directory
-        that cannot be written (one warning: the server runs without it)."""
-        if not cfg.prompt_cache_dir:
+        """--prompt-cache-dir / --host-cache-gb: one KvTier per replica (the same files: a key names the same KV
+        everywhere; host memory its own), or None each where there is none: not asked, an executor that cannot
+        copy its blocks, or a directory that cannot be written and no host tier (one warning: the server runs
+        without it)."""
+        if not cfg.prompt_cache_dir and not cfg.host_cache_gb:
             return [None] * len(runners)
         if not all(getattr(x, "supports_kv_tier", False) for x in runners):
-            log.warning("--prompt-cache-dir: this executor cannot copy its KV blocks yet (the CPU executor's "
-                        "fused GGUF forward can): no disk tier")
+            log.warning("--prompt-cache-dir / --host-cache-gb: this executor cannot copy its KV blocks (the fused "
+                        "GGUF forward and the GPU executor can): no prompt cache tier")
             return [None] * len(runners)
         from imp.actors.kvtier import KvTier, TierUnavailable
 
+        host = int(cfg.host_cache_gb * 2**30) // runners[0].kv_block_bytes()
+        root = cfg.prompt_cache_dir
         try:
-            return [KvTier(cfg.prompt_cache_dir, x.fingerprint, x.kv_layout()) for x in runners]
+            return [KvTier(root, x.fingerprint, x.kv_layout(), host) for x in runners]
         except TierUnavailable as exc:
             log.warning("--prompt-cache-dir: %s: no disk tier", exc)
-            return [None] * len(runners)
+            if not host:
+                return [None] * len(runners)
+            return [KvTier(None, x.fingerprint, x.kv_layout(), host) for x in runners]
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -160,7 +167,8 @@ class LocalEngine:
         self.ingress = IngressActor(bus, store=self.store_actor is not None)
         self.metrics = MetricsActor(bus, self.card.name,
                                     KvFigures(r.num_blocks, r.num_blocks, 0, 0, 0, cfg.block_size),
-                                    sources=[c.name for c in self.schs], boot_prefill_tok_s=self.boot_prefill_tok_s)
+                                    sources=[c.name for c in self.schs], boot_prefill_tok_s=self.boot_prefill_tok_s,
+                                    kv_block_bytes=(kv_bytes_per_token(r) or 0) * cfg.block_size)
         self.actors = [
             *([self.store_actor] if self.store_actor is not None else []),
             self.ingress,
@@ -188,7 +196,8 @@ class LocalEngine:
         for i, t in enumerate(self.tiers):  # the tier's keys, before any request: the allocator's index
             if t is not None:
                 keys = t.scan()
-                log.info("[kvtier] %s: %d blocks of this model's KV on disk", t.dir, len(keys))
+                if t.dir is not None:
+                    log.info("[kvtier] %s: %d blocks of this model's KV on disk", t.dir, len(keys))
                 bus.send("engine", replica_name("kv", i, n), KvStored(keys))
         if cfg.idle_unload_s > 0:
             self._idle_task = asyncio.create_task(self._idle_loop(), name="idle-unload")

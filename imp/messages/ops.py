@@ -93,6 +93,7 @@ class KvLoaded(Msg):
     key: bytes
     block: int
     ok: bool
+    source: str = ""  # where an ok one came from: "host" (the host tier) or "disk"
 
 
 class KvDrop(Msg):

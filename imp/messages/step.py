@@ -175,12 +175,14 @@ class KvFigures(Struct):
     tier_hits: int = 0
     tier_misses: int = 0
     tier_drops: int = 0
+    tier_host_hits: int = 0  # of tier_hits, those read from the host tier (--host-cache-gb), not from disk
     # the swap area (swap instead of recompute): its slots, those holding parked sequences' blocks now,
     # sequences parked and brought back (running totals)
     swap_blocks: int = 0
     swap_used: int = 0
     swaps_out: int = 0
     swaps_in: int = 0
+    swap_copies: int = 0  # blocks copied to the swap area and back (running total)
 
 
 class KvRequest(Msg):

@@ -5,6 +5,12 @@
 Then the tier's own write and read rates on this disk against dd's.
 
     .venv/bin/python bench/prompt_cache.py --model gemma-3-270m
+    python3 bench/prompt_cache.py --model /tmp/8b.gguf --device cuda:0 --prompt-tokens 20000 --drop-caches
+
+--prompt-tokens N: a completions request whose prompt is N token ids (a model with a toy tokenizer, as the
+GPU's random-weight 8B shape, makes ~4x more tokens of Claude Code's text than its context holds). Served
+with streaming either way; --drop-caches empties the OS page cache before the restart (root: the files
+come from the disk, not from memory).
 """
 
 from __future__ import annotations
@@ -47,9 +53,32 @@ def ttft(url: str, body: dict) -> tuple[float, str, dict]:
     return (first or time.perf_counter()) - t0, "".join(text), usage
 
 
-def server(model: str, port: int, cache: str, ctx: int, log: Path):
+def ttft_ids(url: str, ids: list[int], max_tokens: int) -> tuple[float, str, dict]:
+    """The same for a streamed completions request of token ids (usage in the Messages names)."""
+    body = {"model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0, first, text, usage = time.perf_counter(), None, [], {}
+    with urllib.request.urlopen(req, timeout=1200) as r:
+        for line in r:
+            if not line.startswith(b"data: {"):
+                continue
+            ev = json.loads(line[6:])
+            for c in ev.get("choices", ()):
+                if c.get("text"):
+                    first = first or time.perf_counter()
+                    text.append(c["text"])
+            u = ev.get("usage")
+            if u:
+                usage = {"input_tokens": u["prompt_tokens"],
+                         "cache_read_input_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
+    return (first or time.perf_counter()) - t0, "".join(text), usage
+
+
+def server(model: str, port: int, cache: str, ctx: int, log: Path, device: str = "cpu", extra=()):
     cmd = [sys.executable, "-m", "imp", "--model", model, "--port", str(port), "--prompt-cache-dir", cache,
-           "--kv-cache-tokens", str(ctx)]
+           "--kv-cache-tokens", str(ctx), "--device", device, *extra]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
 
 
@@ -92,6 +121,10 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--keep", action="store_true", help="keep the cache directory")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--server-args", default="", help="more imp flags, one string")
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="a prompt of N token ids instead of Claude Code's")
+    ap.add_argument("--drop-caches", action="store_true", help="empty the OS page cache before the restart")
     a = ap.parse_args()
     cap = json.loads((ROOT / "tests/data/claude_code_request.json").read_text())
     body = dict(cap["body"], model="m", max_tokens=a.max_tokens, temperature=0)
@@ -104,13 +137,23 @@ def main() -> int:
     cache, url = str(work / "cache"), "http://127.0.0.1:8197"
     print(f"model {a.model}, commit {commit}, {os.cpu_count()} CPUs, flags {flags}; cache {cache}")
     rows = []
+    import random
+
+    ids = [random.Random(0).randrange(300, 30000) for _ in range(a.prompt_tokens)]
     for run in (1, 2):
-        p = server(a.model, 8197, cache, a.ctx, work / f"server{run}.log")
+        if run == 2 and a.drop_caches:
+            os.sync()
+            try:
+                Path("/proc/sys/vm/drop_caches").write_text("3\n")
+                print("page cache dropped before the restart")
+            except OSError as exc:
+                print(f"page cache not dropped ({exc}): the restart may read the files from memory")
+        p = server(a.model, 8197, cache, a.ctx, work / f"server{run}.log", a.device, a.server_args.split())
         try:
             wait_ready(url, p, "imp")
             for what in (("cold (empty pool, empty tier)" if run == 1 else "after a restart: from the disk tier"),
                          "again on the same server (the pool)"):
-                s, text, usage = ttft(url, body)
+                s, text, usage = ttft_ids(url, ids, a.max_tokens) if ids else ttft(url, body)
                 rows.append((what, s, usage.get("input_tokens", 0), usage.get("cache_read_input_tokens", 0), text))
         finally:
             p.terminate()

@@ -55,11 +55,12 @@ async def _burst(url: str, prompts: list[list[int]], tokens: int) -> list[dict]:
         return await asyncio.gather(*(_one(s, url, p, tokens) for p in prompts))
 
 
-def run(model: str, mode: str, length: int, streams: int, tokens: int, log: Path, extra: list[str]) -> dict:
+def run(model: str, mode: str, length: int, streams: int, tokens: int, log: Path, extra: list[str],
+        device: str = "cpu") -> dict:
     pool = -(-int(2.1 * (length + 256)) // 16) * 16
     rng = random.Random(length)
     prompts = [[rng.randrange(200, 30000) for _ in range(length)] for _ in range(streams)]
-    proc, url = start_imp(model, 0, "cpu", ["--kv-cache-tokens", str(pool), "--preemption-mode", mode,
+    proc, url = start_imp(model, 0, device, ["--kv-cache-tokens", str(pool), "--preemption-mode", mode,
                                            "--max-batch-size", str(streams), *extra], False, log)
     try:
         asyncio.run(_burst(url, [[1, 2, 3]], 2))  # warm
@@ -84,18 +85,21 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=600)
     ap.add_argument("--log-dir", default="/tmp")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("extra", nargs="*", help="more imp flags (after --)")
     a = ap.parse_args()
     flags = subprocess.run("grep -o -w 'avx2\\|avx512f\\|avx512_vnni\\|amx_tile' /proc/cpuinfo | sort -u | tr '\\n' ' '",
                            shell=True, capture_output=True, text=True).stdout
-    print(f"# bench/swap.py {time.strftime('%Y-%m-%d %H:%M')} flags: {flags}")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"# bench/swap.py {time.strftime('%Y-%m-%d %H:%M')} commit {commit} device {a.device} flags: {flags}")
     print(f"# {a.streams} streams x {a.tokens} new tokens, pool 2.1 x (prompt + 256) tokens")
     print("| prompt | pool | mode | tok/s | TTFT p50 / p99 s | ITL p50 / p99 ms | preemptions | swaps | wall s | texts |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for length in (int(x) for x in a.lengths.split(",")):
         base = None
         for mode in a.modes.split(","):
-            r = run(a.model, mode, length, a.streams, a.tokens, Path(a.log_dir) / f"swap-{mode}-{length}.log", a.extra)
+            r = run(a.model, mode, length, a.streams, a.tokens, Path(a.log_dir) / f"swap-{mode}-{length}.log", a.extra,
+                    a.device)
             base = base or r["texts"]
             same = "same" if r["texts"] == base else "DIFFER"
             print(f"| {length} | {r['pool']} | {mode} | {r['agg']:.1f} | {r['ttft50']:.2f} / {r['ttft99']:.2f} | "

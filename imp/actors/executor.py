@@ -130,6 +130,9 @@ def record_samples(tokens, hists: dict[str, list[int]]) -> None:
             h.append(t.token_id)
 
 
+READ_THREADS = 4  # the tiers' reads side by side (a file read and its CRC-32 let go of the GIL)
+
+
 class ExecutorActor(Actor):
     name = "executor"
 
@@ -148,7 +151,9 @@ class ExecutorActor(Actor):
         KvDrop come from `kv` (its replica's allocator) in order with the steps."""
         self.name = name
         self.tier, self.kv = tier, kv
-        self._io = None  # the tier's file thread (one: its writes, reads and deletes stay in order)
+        self._io = None  # the tier's file thread (one: its writes and deletes stay in order)
+        self._reads = None  # the tier's read threads (loads side by side: a restart reads a long prompt back)
+        self._loading: set[asyncio.Task] = set()
         super().__init__(bus)
         self.scheduler = scheduler  # its replica's scheduler (data parallel: "scheduler.i")
         self.runner = runner
@@ -258,14 +263,17 @@ class ExecutorActor(Actor):
         self.send(self.scheduler, StepResult(msg.step, tuple(tokens), now, now - t0))
 
     async def _tier_op(self, msg) -> None:
-        """The disk tier's I/O, in order with the steps: a save copies its block (in the step thread) before any
-        later step writes over it, then writes the file on the tier's own thread without holding the steps
-        back; a load reads there after every earlier save and drop, and fills its block before the allocator
-        counts it (KvLoaded)."""
+        """The tiers' I/O: a save copies its block (in the step thread, in order with the steps) before any later
+        step writes over it, then writes the file on the tier's own thread without holding the steps back. A load
+        runs beside the messages after it, on one of the read threads, and fills its block (in the step thread)
+        before the allocator counts it (KvLoaded): no step reads or writes a block being loaded (the allocator
+        holds it), so loads need no place in the steps' order. One whose file is not written yet (a save still
+        queued) finds nothing: that block is computed, never wrong."""
         r, t = self.runner, self.tier
         loop = asyncio.get_running_loop()
         if t is not None and self._io is None:
             self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-tier")
+            self._reads = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix=f"{self.name}-read")
         if isinstance(msg, KvDrop):
             if t is not None:
                 loop.run_in_executor(self._io, t.drop, msg.key)
@@ -275,9 +283,15 @@ class ExecutorActor(Actor):
                 data = await loop.run_in_executor(self._pool, r.kv_block, msg.block)
                 loop.run_in_executor(self._io, t.save, msg.key, data)
             return
+        task = loop.create_task(self._load_block(msg, r, t))
+        self._loading.add(task)
+        task.add_done_callback(self._loading.discard)
+
+    async def _load_block(self, msg: KvLoad, r, t) -> None:
+        loop = asyncio.get_running_loop()
         ok, source = False, ""
         if t is not None and r is not None:  # unloaded (suspend): nothing to fill, the allocator forgets it
-            data, source = await loop.run_in_executor(self._io, t.fetch, msg.key, r.kv_block_bytes())
+            data, source = await loop.run_in_executor(self._reads, t.fetch, msg.key, r.kv_block_bytes())
             if data is not None:
                 await loop.run_in_executor(self._pool, r.set_kv_block, msg.block, data)
                 ok = True
@@ -375,3 +389,4 @@ class ExecutorActor(Actor):
         self._waiter.shutdown(wait=False, cancel_futures=True)
         if self._io is not None:  # the tier's pending writes finish: a cache file is whole or absent
             self._io.shutdown(wait=True)
+            self._reads.shutdown(wait=False, cancel_futures=True)

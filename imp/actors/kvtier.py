@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import threading
 import struct
 import zlib
 from pathlib import Path
@@ -63,6 +64,7 @@ class KvTier:
             except OSError as exc:
                 raise TierUnavailable(f"prompt cache directory {self.dir}: {exc}") from exc
         self._warned = False
+        self._host_lock = threading.Lock()  # saves on the file thread, fetches on the read threads
         self.saved = self.loaded = self.bytes_in = self.bytes_out = self.host_hits = 0
 
     def _path(self, key: bytes) -> Path:
@@ -117,18 +119,20 @@ class KvTier:
         return True
 
     def _keep(self, key: bytes, payload: bytes) -> None:
-        self.host[key] = payload
-        self.host.move_to_end(key)
-        while len(self.host) > self.host_blocks:  # the oldest leaves host memory (its file, if any, stays)
-            self.host.popitem(last=False)
+        with self._host_lock:
+            self.host[key] = payload
+            self.host.move_to_end(key)
+            while len(self.host) > self.host_blocks:  # the oldest leaves host memory (its file, if any, stays)
+                self.host.popitem(last=False)
 
     def fetch(self, key: bytes, size: int) -> tuple[bytes | memoryview | None, str]:
         """(the payload saved under key, "host" or "disk"), or (None, "") when neither has it whole."""
-        got = self.host.get(key)
-        if got is not None and len(got) == size:
-            self.host.move_to_end(key)
-            self.host_hits += 1
-            return got, "host"
+        with self._host_lock:
+            got = self.host.get(key)
+            if got is not None and len(got) == size:
+                self.host.move_to_end(key)
+                self.host_hits += 1
+                return got, "host"
         data = self.load(key, size)
         if data is not None and self.host_blocks:
             self._keep(key, bytes(data))
@@ -169,7 +173,8 @@ class KvTier:
         return payload
 
     def drop(self, key: bytes) -> None:
-        self.host.pop(key, None)
+        with self._host_lock:
+            self.host.pop(key, None)
         if self.dir is None:
             return
         try:

@@ -51,7 +51,8 @@ class DeviceBlocks:
         return bytes_
 
     def set_block(self, b: int, data) -> None:
-        host = torch.frombuffer(bytearray(data), dtype=torch.uint8).pin_memory()
+        host = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)  # one copy, then an async DMA
+        host.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
         kv = host.to(self.k.device, non_blocking=True).view(self.k.dtype).view(2, *self.k[:, b].shape)
         self.k[:, b] = kv[0]
         self.v[:, b] = kv[1]

@@ -140,7 +140,7 @@ def main() -> int:
     import random
 
     ids = [random.Random(0).randrange(300, 30000) for _ in range(a.prompt_tokens)]
-    for run in (1, 2):
+    for run in ((1, 2, 3) if a.drop_caches else (1, 2)):  # 3: restarted again, the files in the page cache
         if run == 2 and a.drop_caches:
             os.sync()
             try:
@@ -151,8 +151,9 @@ def main() -> int:
         p = server(a.model, 8197, cache, a.ctx, work / f"server{run}.log", a.device, a.server_args.split())
         try:
             wait_ready(url, p, "imp")
-            for what in (("cold (empty pool, empty tier)" if run == 1 else "after a restart: from the disk tier"),
-                         "again on the same server (the pool)"):
+            first = {1: "cold (empty pool, empty tier)", 2: "after a restart: from the disk tier" + (
+                " (page cache dropped)" if a.drop_caches else ""), 3: "after a restart: the files in the page cache"}
+            for what in (first[run], "again on the same server (the pool)"):
                 s, text, usage = ttft_ids(url, ids, a.max_tokens) if ids else ttft(url, body)
                 rows.append((what, s, usage.get("input_tokens", 0), usage.get("cache_read_input_tokens", 0), text))
         finally:

@@ -68,15 +68,15 @@ def test_a_sequence_swapped_into_other_blocks_decodes_the_same_tokens(tmp_path):
     def run(swap_at: int | None) -> list[int]:
         r = GpuModelRunner.load(path, num_blocks=32, block_size=BS, graphs=True, max_graph_batch=8)
         r.make_swap(8)
-        table = [3, 4, 5, 6]
+        table = [3, 4, 5, 6, 7]  # 37 + 30 positions
         out = [r.step([SeqWork(seq_id="a", token_ids=prompt, start_pos=0, block_table=tuple(table), sample=True,
                                params=GREEDY)])[0].token_id]
         for i in range(1, 30):
             if i == swap_at:
-                r.swap_out(KvSwapOut(tuple(table), (0, 1, 2, 3)))
+                r.swap_out(KvSwapOut(tuple(table), (0, 1, 2, 3, 5)))
                 r.k_cache.normal_(), r.v_cache.normal_()  # the pool reused by others meanwhile
-                table = [20, 11, 25, 9]
-                r.swap_in(KvSwapIn((0, 1, 2, 3), tuple(table)))
+                table = [20, 11, 25, 9, 14]
+                r.swap_in(KvSwapIn((0, 1, 2, 3, 5), tuple(table)))
             w = SeqWork(seq_id="a", token_ids=(out[-1],), start_pos=len(prompt) + i - 1, block_table=tuple(table),
                         sample=True, params=GREEDY, gen_index=i)
             out.append(r.step([w])[0].token_id)
@@ -99,7 +99,8 @@ def test_a_gpu_server_swaps_preempted_requests_and_reads_a_prompt_back_after_a_r
     from tests.serverproc import ServerProcess
 
     prompts = [f"Write a long story about a {x} who travels the world. Chapter one:" for x in ("cat", "robot", "owl")]
-    with ServerProcess(str(smollm2_path), "--device", "cuda", "--kv-cache-tokens", "608", "--max-batch-size", "4",
+    # 45 blocks: two ~70-token prompts (a toy tokenizer's bytes) + 256 reserved fit, at 470 tokens they do not
+    with ServerProcess(str(smollm2_path), "--device", "cuda", "--kv-cache-tokens", "720", "--max-batch-size", "4",
                        "--preemption-mode", "swap", log_path=tmp_path / "swap.out") as srv:
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             outs = list(pool.map(lambda p: _complete(srv.url, p, 400), prompts))

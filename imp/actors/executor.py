@@ -130,6 +130,14 @@ def record_samples(tokens, hists: dict[str, list[int]]) -> None:
             h.append(t.token_id)
 
 
+def _fetch(tier, runner, key: bytes):
+    """A tier read thread's share of a load: the block's bytes, and whatever the runner does to them before the
+    step thread copies them in (a GPU: into pinned memory, so the step thread only queues the DMA)."""
+    data, source = tier.fetch(key, runner.kv_block_bytes())
+    stage = getattr(runner, "stage_kv_block", None)
+    return (stage(data) if data is not None and stage is not None else data), source
+
+
 READ_THREADS = 4  # the tiers' reads side by side (a file read and its CRC-32 let go of the GIL)
 
 
@@ -291,7 +299,7 @@ class ExecutorActor(Actor):
         loop = asyncio.get_running_loop()
         ok, source = False, ""
         if t is not None and r is not None:  # unloaded (suspend): nothing to fill, the allocator forgets it
-            data, source = await loop.run_in_executor(self._reads, t.fetch, msg.key, r.kv_block_bytes())
+            data, source = await loop.run_in_executor(self._reads, _fetch, t, r, msg.key)
             if data is not None:
                 await loop.run_in_executor(self._pool, r.set_kv_block, msg.block, data)
                 ok = True

@@ -50,9 +50,15 @@ class DeviceBlocks:
 
         return bytes_
 
-    def set_block(self, b: int, data) -> None:
-        host = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)  # one copy, then an async DMA
+    @staticmethod
+    def stage(data) -> torch.Tensor:
+        """A block's bytes in pinned memory (on a tier read thread: the step thread only queues the DMA)."""
+        host = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
         host.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        return host
+
+    def set_block(self, b: int, data) -> None:
+        host = data if isinstance(data, torch.Tensor) else self.stage(data)
         kv = host.to(self.k.device, non_blocking=True).view(self.k.dtype).view(2, *self.k[:, b].shape)
         self.k[:, b] = kv[0]
         self.v[:, b] = kv[1]

@@ -224,6 +224,9 @@ class GpuModelRunner:
         with self._lock:
             return self.blocks.block(b)
 
+    def stage_kv_block(self, data):
+        return self.blocks.stage(data)
+
     def set_kv_block(self, b: int, data) -> None:
         with self._lock:
             self.blocks.set_block(b, data)

@@ -158,6 +158,10 @@ def test_the_tier_files_refuse_what_is_not_theirs(tmp_path, caplog):
     t = kvtier.KvTier(tmp_path, "a" * 64, "float16:2x16x1x8")
     key, payload = bytes(range(32)), bytes(range(256)) * 4
     assert t.save(key, payload) and bytes(t.load(key, len(payload))) == payload and t.scan() == (key,)
+    buf = bytearray(len(payload))  # read into a caller's buffer (a GPU's pinned staging buffer)
+    assert t.load(key, len(payload), into=buf) is buf and bytes(buf) == payload
+    assert t.load(key, len(payload) - 4, into=bytearray(len(payload) - 4)) is None  # not this size: not used
+    t.save(key, payload)
     path = t._path(key)
     good = path.read_bytes()
     cases = {"stale": b"IMPKV\x01\x00\x00" + good[8:], "foreign (another model": None, "foreign (another KV": None,
@@ -174,6 +178,8 @@ def test_the_tier_files_refuse_what_is_not_theirs(tmp_path, caplog):
             caplog.clear()
             assert t.load(key, len(payload)) is None, why
             assert why in caplog.text and not path.exists(), why
+            path.write_bytes(data)
+            assert t.load(key, len(payload), into=bytearray(len(payload))) is None, why
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(kvtier.TierUnavailable):

@@ -32,6 +32,7 @@ complete SeqWorks.
 from __future__ import annotations
 
 import asyncio
+import os
 import concurrent.futures
 import contextlib
 import itertools
@@ -131,14 +132,21 @@ def record_samples(tokens, hists: dict[str, list[int]]) -> None:
 
 
 def _fetch(tier, runner, key: bytes):
-    """A tier read thread's share of a load: the block's bytes, and whatever the runner does to them before the
-    step thread copies them in (a GPU: into pinned memory, so the step thread only queues the DMA)."""
-    data, source = tier.fetch(key, runner.kv_block_bytes())
-    stage = getattr(runner, "stage_kv_block", None)
-    return (stage(data) if data is not None and stage is not None else data), source
+    """A tier read thread's share of a load: the block's bytes, read where the runner wants them (a GPU: into a
+    pinned staging buffer, so the step thread only queues the DMA)."""
+    staging = getattr(runner, "kv_staging", None)
+    if staging is None:
+        return tier.fetch(key, runner.kv_block_bytes())
+    buf = staging()
+    data, source = tier.fetch(key, runner.kv_block_bytes(), into=buf.numpy())
+    if data is None:
+        runner.kv_unstage(buf)
+        return None, ""
+    return buf, source
 
 
-READ_THREADS = 4  # the tiers' reads side by side (a file read and its CRC-32 let go of the GIL)
+# the tiers' reads side by side (a file read and its CRC-32 let go of the GIL)
+READ_THREADS = min(8, max(4, os.cpu_count() or 4))
 
 
 class ExecutorActor(Actor):

@@ -16,14 +16,22 @@ function that waits for its copy's event there.
 
 from __future__ import annotations
 
+import queue
+import threading
+
 import numpy as np
 import torch
+
+STAGING = 32  # pinned buffers a tier load reads a block into (a ring: each waits for its last DMA before reuse)
 
 
 class DeviceBlocks:
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self.k, self.v = k, v
         self.area: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._ring: queue.Queue = queue.Queue()  # (pinned buffer, the event after its last DMA)
+        self._made = 0
+        self._ring_lock = threading.Lock()
 
     # ------------------------------------------------------------------ the disk tier
 
@@ -50,18 +58,38 @@ class DeviceBlocks:
 
         return bytes_
 
-    @staticmethod
-    def stage(data) -> torch.Tensor:
-        """A block's bytes in pinned memory (on a tier read thread: the step thread only queues the DMA)."""
-        host = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
-        host.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
-        return host
+    def staging(self) -> torch.Tensor:
+        """A pinned buffer of one block's bytes for a tier read thread to read a file into, so the step thread
+        only queues the DMA. From a ring of STAGING (a pinned allocation per block, cudaHostAlloc, serialised
+        the reads): one whose last DMA is still queued is waited for here, on the read thread."""
+        with self._ring_lock:
+            fresh = self._made < STAGING and self._ring.empty()
+            self._made += fresh
+        if fresh:
+            return torch.empty(self.block_bytes(), dtype=torch.uint8, pin_memory=True)
+        buf, done = self._ring.get()
+        if done is not None:
+            done.synchronize()
+        return buf
+
+    def unstage(self, buf: torch.Tensor, done=None) -> None:
+        self._ring.put((buf, done))
 
     def set_block(self, b: int, data) -> None:
-        host = data if isinstance(data, torch.Tensor) else self.stage(data)
+        """data: a staging buffer (back to the ring once its DMA is queued) or the block's bytes."""
+        staged = isinstance(data, torch.Tensor)
+        if staged:
+            host = data
+        else:
+            host = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
+            host.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
         kv = host.to(self.k.device, non_blocking=True).view(self.k.dtype).view(2, *self.k[:, b].shape)
         self.k[:, b] = kv[0]
         self.v[:, b] = kv[1]
+        if staged:
+            done = torch.cuda.Event()
+            done.record()
+            self.unstage(data, done)
 
     # ------------------------------------------------------------------ the swap area
 

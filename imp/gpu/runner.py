@@ -224,8 +224,11 @@ class GpuModelRunner:
         with self._lock:
             return self.blocks.block(b)
 
-    def stage_kv_block(self, data):
-        return self.blocks.stage(data)
+    def kv_staging(self):
+        return self.blocks.staging()
+
+    def kv_unstage(self, buf) -> None:
+        self.blocks.unstage(buf)
 
     def set_kv_block(self, b: int, data) -> None:
         with self._lock:

@@ -47,10 +47,11 @@ def test_blocks_and_the_swap_area_round_trip(dtype):
 
     from imp.gpu import kvcopy
 
-    rng, last = np.random.default_rng(0), {}
+    last = {}
     for i in range(kvcopy.STAGING + 9):  # past the staging ring: each buffer reused once its DMA is done
-        buf = d.staging()
-        last[i % 12] = rng.integers(0, 256, d.block_bytes(), dtype=np.uint8)
+        buf = d.staging()  # (numbers, not random bytes: a NaN would not equal itself below)
+        last[i % 12] = torch.randn(d.block_bytes() // k.element_size(), generator=g, device="cuda").to(
+            dtype).cpu().view(torch.uint8).numpy()
         buf.numpy()[:] = last[i % 12]
         d.set_block(i % 12, buf)
     for b, want in last.items():

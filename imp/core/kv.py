@@ -211,14 +211,8 @@ class KvCore:
         bs = self.config.block_size
         # Longest cached chain of full prompt blocks, never the block holding
         # the last known token: its logits must be computed to sample.
-        h = last = self._root(op.salt)
-        hits: list[int] = []
-        for i in range(min((len(op.token_ids) - 1) // bs, self._blocks(op.num_tokens))):
-            h = self._chain(h, op.token_ids[i * bs : (i + 1) * bs])
-            if h not in self.cache:
-                break
-            hits.append(self.cache[h])
-            last = h
+        hits, last = self._cached_chain(op.token_ids, op.salt,
+                                        min((len(op.token_ids) - 1) // bs, self._blocks(op.num_tokens)))
         if self.config.tier_blocks and self._from_tier(op, last, len(hits)):
             return KvResult(op.seq_id, False, wait=True, loading=True)  # blocks on their way from the tier
         promises: list[bytes] = []
@@ -231,12 +225,9 @@ class KvCore:
                     return KvResult(op.seq_id, False, wait=True)  # another sequence is writing it now
                 if hp not in self.promised and hp not in self.cache:  # (a later block may be cached already)
                     promises.append(hp)
-        need = self._blocks(op.num_tokens) - len(hits)
-        if not self._can_take(need, hits):
+        table = self._claim(hits, self._blocks(op.num_tokens) - len(hits))
+        if table is None:
             return KvResult(op.seq_id, False)
-        for b in hits:
-            self._hold(b)
-        table = hits + [self._take() for _ in range(need)]
         s = self.seqs[op.seq_id] = _Seq(table, op.salt, len(hits), last)
         s.promises = promises
         for hp in promises:
@@ -302,20 +293,10 @@ class KvCore:
             raise CoreError(f"swap_in of {op.seq_id}: not parked")
         slots, kept = self.swapped[op.seq_id]
         bs = self.config.block_size
-        h = last = self._root(op.salt)
-        hits: list[int] = []
-        for i in range(kept // bs):
-            h = self._chain(h, op.token_ids[i * bs : (i + 1) * bs])
-            if h not in self.cache:
-                break
-            hits.append(self.cache[h])
-            last = h
-        need = self._blocks(op.num_tokens) - len(hits)
-        if not self._can_take(need, hits):
+        hits, last = self._cached_chain(op.token_ids, op.salt, kept // bs)
+        table = self._claim(hits, self._blocks(op.num_tokens) - len(hits))
+        if table is None:
             return KvResult(op.seq_id, False)
-        for b in hits:
-            self._hold(b)
-        table = hits + [self._take() for _ in range(need)]
         back = range(len(hits), len(slots))
         self.swap_copies += len(back)
         if back:
@@ -336,13 +317,7 @@ class KvCore:
     def _pin(self, op: KvOp) -> None:
         """Hold the cached full blocks of op.token_ids under the key op.seq_id."""
         self._unpin(op)
-        bs, h, blocks = self.config.block_size, self._root(op.salt), []
-        for i in range(len(op.token_ids) // bs):
-            h = self._chain(h, op.token_ids[i * bs : (i + 1) * bs])
-            b = self.cache.get(h)
-            if b is None:
-                break
-            blocks.append(b)
+        blocks, _ = self._cached_chain(op.token_ids, op.salt, len(op.token_ids) // self.config.block_size)
         cap = self.config.num_blocks // 2
         blocks = blocks[:cap]
         while self.pins and sum(len(v) for v in self.pins.values()) + len(blocks) > cap:
@@ -475,6 +450,27 @@ class KvCore:
             if self.promised.get(h) == seq_id:
                 del self.promised[h]
         s.promises = []
+
+    def _cached_chain(self, token_ids, salt: str, n: int) -> tuple[list[int], bytes]:
+        """The cached blocks that lead token_ids' chain (at most n), and the chain hash after the last of them."""
+        bs = self.config.block_size
+        h = last = self._root(salt)
+        hits: list[int] = []
+        for i in range(n):
+            h = self._chain(h, token_ids[i * bs : (i + 1) * bs])
+            if h not in self.cache:
+                break
+            hits.append(self.cache[h])
+            last = h
+        return hits, last
+
+    def _claim(self, hits: list[int], need: int) -> list[int] | None:
+        """A table: the cached `hits` held, then `need` blocks taken; None when the pool cannot give them."""
+        if not self._can_take(need, hits):
+            return None
+        for b in hits:
+            self._hold(b)
+        return hits + [self._take() for _ in range(need)]
 
     def _can_take(self, need: int, keep: list[int] | tuple = ()) -> bool:
         """Can `need` new blocks be taken, besides the blocks in `keep` (held next)?"""

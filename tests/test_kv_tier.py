@@ -248,3 +248,41 @@ def test_a_server_with_a_host_tier_brings_evicted_prompts_back_without_files(smo
     read = next(float(x.split()[1]) for x in metrics.splitlines() if x.startswith("imp_kv_tier_read_bytes_total"))
     assert host_hits == health["kv_tier_hits"] and read > 0
     assert not list(tmp_path.glob("**/*.kv"))
+
+
+def test_a_demoting_tier_is_written_only_as_the_pool_evicts():
+    """tier_demote (a host tier alone): nothing is written while the pool holds the prompt; the blocks the pool
+    evicts go to the tier just before they are written over (the fake executor copies them then, so a wrong
+    order fails its KV check on the way back), and the prompt comes back from the tier."""
+    sim = Sim(num_blocks=24, block_size=4, max_context=128, max_step_tokens=64, tier_blocks=200, tier_demote=True)
+    assert _run(sim, "a").cached_tokens == 0 and sim.kv.tier_saves == 0 and not sim.disk
+    assert _run(sim, "again").cached_tokens == 60 and sim.kv.tier_saves == 0  # the pool still holds it
+    _evict(sim)
+    assert sim.kv.evictions > 0 and sim.kv.tier_saves == sim.kv.evictions - sim.kv.tier_hits
+    fin = _run(sim, "b")
+    assert fin.cached_tokens == 60 and sim.kv.tier_hits >= 15
+    sim.kv.audit()
+    assert sim.figures.kv.used == 0
+
+
+def test_a_chain_longer_than_the_pool_can_hold_beside_a_pin_is_computed_not_loaded_forever():
+    """Found by the scheduler machine: a prompt whose chain is on the tier but needs more blocks than the pool
+    has beside a session pin loaded one block a round, evicting the one loaded before (a livelock). After
+    TIER_ROUNDS rounds the alloc computes what is missing (the pin yields to it)."""
+    from tests.test_scheduler_core import MS
+
+    sim = Sim(8, 4, max_context=48, max_batch_size=1, max_step_tokens=1, aging_ns=5 * MS, decode_reserve=1,
+              tier_blocks=200)
+
+    def sub(n, length, family, nn=1, session=""):
+        sim.submit(f"q{n}", ids(length, base=family * 10), params(1, seed=n * 7), n=nn, session_id=session)
+
+    sub(1, 1, 0)
+    sub(2, 1, 0)
+    sub(3, 27, 1, nn=2)
+    sim.cancel("q2", -1)
+    sim.step()
+    sub(4, 15, 0, session="s1")
+    sim.drain(limit=3000)
+    sim.kv.audit()
+    assert set(sim.finished) == set(sim.enqueued) and not sim.kv.tier_rounds

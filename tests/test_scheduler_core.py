@@ -84,12 +84,12 @@ class Sim:
     def __init__(self, num_blocks=16, block_size=4, max_context=64, max_batch_size=8, max_step_tokens=16,
                  request_timeout_ns=0, aging_ns=20 * MS, max_queued_tokens=0, decode_reserve=8, pipeline_depth=1,
                  admit_tokens=0, history_once=False, share_in_flight=False, spec_k_max=0, token=None, tier_blocks=0,
-                 disk=None, swap_blocks=0, recompute_ns_per_token=1000):
+                 disk=None, swap_blocks=0, recompute_ns_per_token=1000, tier_demote=False):
         self.bs, self.num_blocks = block_size, num_blocks
         self.token = token or (lambda seed, g, sid: fake_token(seed, g, sid))  # the fake model: (seed, index, seq)
         self.max_len = min(max_context, num_blocks * block_size)
         self.kv = KvCore(KvConfig(num_blocks, block_size, "fake", share_in_flight=share_in_flight,
-                                  tier_blocks=tier_blocks, swap_blocks=swap_blocks))
+                                  tier_blocks=tier_blocks, swap_blocks=swap_blocks, tier_demote=tier_demote))
         self.disk = {} if disk is None else disk  # the disk tier's files: key -> a block's (salt, token) slots
         # the executor's inbox: plans and the allocator's tier and swap messages, done in the order they came
         self.exq: collections.deque = collections.deque()
@@ -685,17 +685,19 @@ class SchedulerMachine(RuleBasedStateMachine):
                 reserve=st.sampled_from([1, 8]), depth=st.sampled_from([1, 2]),
                 admit=st.sampled_from([0, 0, 8]), once=st.booleans(), share=st.booleans(),
                 spec=st.sampled_from([0, 0, 3, 8]), swap=st.sampled_from([0, 0, 3, 64]),
+                tier=st.sampled_from([0, 0, 6, 200]), demote=st.booleans(),
                 first=st.lists(REQUEST, min_size=1, max_size=6))
     def setup(self, num_blocks, block_size, max_batch_size, max_step_tokens, timeout, max_queued, reserve,
-              depth, admit, once, share, spec, swap, first):
+              depth, admit, once, share, spec, swap, tier, demote, first):
         self.max_step_tokens = max_step_tokens
         self.sim = Sim(num_blocks, block_size, max_context=48, max_batch_size=max_batch_size,
                        max_step_tokens=max_step_tokens, request_timeout_ns=timeout, aging_ns=5 * MS,
                        max_queued_tokens=max_queued, decode_reserve=reserve,  # 1: preempts often
                        pipeline_depth=depth, admit_tokens=admit * max_step_tokens, history_once=once,
                        share_in_flight=share, spec_k_max=spec, token=repeating_token if spec else None,
-                       swap_blocks=swap)
+                       swap_blocks=swap, tier_blocks=tier, tier_demote=demote)
         event(f"swap area {swap}")
+        event(f"tier {tier} demote {demote}" if tier else "no tier")
         event(f"pipeline depth {depth}")
         event(f"speculation up to {spec}")
         event(f"history once {once}")
@@ -756,7 +758,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert core._reserved() == sum(r.reserved for r in core.requests.values() if r.n_running), \
             "the incremental reservation figure drifted"
         live = set(sim.enqueued) - set(sim.finished)
-        assert not live or sim.inflight or sim.hold_kv.held, "work left but no step in flight"
+        assert not live or sim.exq or sim.hold_kv.held, "work left but nothing in flight (a step, a tier load)"
         assert set(sim.enqueued) | set(sim.rejected) == set(sim.submits)
         if sim.plans:  # whatever new requests brought to planning (admit_tokens), a step computes <= its budget
             assert sum(len(w.token_ids) for w in sim.plans[-1].seqs) <= self.max_step_tokens
@@ -794,6 +796,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 event(f"{name} > 0: {getattr(q, name) > 0}")
             event(f"evictions > 0: {sim.figures.kv.evictions > 0}")
             event(f"swaps > 0: {sim.figures.kv.swaps_out > 0}")
+            event(f"tier hits > 0: {sim.figures.kv.tier_hits > 0}")
             event(f"pinned > 0 before close: {kvf.pinned > 0 or bool(sim.kv.pins)}")
             event(f"cache hits: {any(f.cached_tokens for f in sim.finish.values())}")
             event(f"steps >= 20: {q.steps >= 20}")

@@ -29,9 +29,11 @@ every later op of the request that needs a new block fails too: the
 scheduler lists decodes before admissions and admissions in priority order,
 so a smaller request behind a failed one never jumps the queue.
 
-Disk tier (`KvConfig.tier_blocks` > 0, --prompt-cache-dir): every block that becomes a cache entry is
-also written to the tier (KvSave to the executor, which gets it before any step that could write over
-the block), up to tier_blocks keys, least recently used dropped first (KvDrop). An alloc whose chain
+Tiers (`KvConfig.tier_blocks` > 0: --prompt-cache-dir, --host-cache-gb): every block that becomes a cache
+entry is also written to the tier (KvSave to the executor, which gets it before any step that could write
+over the block), up to tier_blocks keys, least recently used dropped first (KvDrop). With
+`tier_demote` (a host tier and no disk: nothing has to outlive the process) a block is written only when the
+pool evicts it instead, so the tier costs a copy only under pressure. An alloc whose chain
 goes on past the pool's hits into keys the tier holds takes blocks for them, asks the executor to fill
 them (KvLoad) and waits (KvResult.wait); each KvLoaded makes its block a cache entry (or, not ok, frees
 it and forgets the key), and KvReady (once none is left in flight) tells the scheduler to try again: the retry finds them
@@ -68,6 +70,9 @@ from imp.messages import (KvDrop, KvFigures, KvForget, KvLoad, KvLoaded, KvOp, K
                           KvSave, KvStored, KvSwapIn, KvSwapOut, Msg)
 
 
+TIER_ROUNDS = 2  # rounds of tier loads one alloc may start before it computes what is still missing
+
+
 class KvConfig(msgspec.Struct, frozen=True):
     num_blocks: int
     block_size: int = 16
@@ -78,6 +83,8 @@ class KvConfig(msgspec.Struct, frozen=True):
     # > 0: the prefix cache's disk tier holds up to this many blocks (see the module doc); 0 = none (the
     # allocator before this field: logs written then replay identically)
     tier_blocks: int = 0
+    # True: blocks go to the tier as the pool evicts them, not as they become cache entries (see the module doc)
+    tier_demote: bool = False
     # > 0: the executor's swap area holds this many blocks of parked sequences (see the module doc); 0 = none
     swap_blocks: int = 0
 
@@ -122,6 +129,9 @@ class KvCore:
         self.stale: set[bytes] = set()  # loads begun before a KvForget: what lands is not the pool's
         self.tier_saves = self.tier_loads = self.tier_hits = self.tier_misses = self.tier_drops = 0
         self.tier_host_hits = 0
+        # rounds of tier loads an alloc started: a pool too small for the whole chain evicted what one round
+        # loaded to load the next (a livelock the scheduler machine found); after TIER_ROUNDS it computes
+        self.tier_rounds: dict[str, int] = {}
         self._out: Out = []  # tier messages of the current handling
         self.swap_free: collections.deque[int] = collections.deque(range(config.swap_blocks))
         self.swapped: dict[str, tuple[list[int], int]] = {}  # parked sequence -> (its slots, positions parked)
@@ -213,7 +223,8 @@ class KvCore:
         # the last known token: its logits must be computed to sample.
         hits, last = self._cached_chain(op.token_ids, op.salt,
                                         min((len(op.token_ids) - 1) // bs, self._blocks(op.num_tokens)))
-        if self.config.tier_blocks and self._from_tier(op, last, len(hits)):
+        if self.config.tier_blocks and self.tier_rounds.get(op.seq_id, 0) < TIER_ROUNDS and self._from_tier(
+                op, last, len(hits)):
             return KvResult(op.seq_id, False, wait=True, loading=True)  # blocks on their way from the tier
         promises: list[bytes] = []
         if self.config.share_in_flight:
@@ -232,6 +243,7 @@ class KvCore:
         s.promises = promises
         for hp in promises:
             self.promised[hp] = op.seq_id
+        self.tier_rounds.pop(op.seq_id, None)
         return KvResult(op.seq_id, True, tuple(table), cached_tokens=len(hits) * bs)
 
     def _fork(self, op: KvOp) -> KvResult:
@@ -362,7 +374,7 @@ class KvCore:
                 assert self.block_hash[b] is None
                 self.cache[h] = b
                 self.block_hash[b] = h
-                if self.config.tier_blocks:
+                if self.config.tier_blocks and not self.config.tier_demote:
                     self._to_tier(h, b)
             s.last_hash, s.n_hashed, s.pending = h, s.n_hashed + 1, s.pending[bs:]
             owner = self.promised.pop(h, None)  # a promised block is written (by its promiser, or by a fork
@@ -421,13 +433,17 @@ class KvCore:
         if not want or not self._can_take(len(want)):
             self._dry = dry  # no room to load into: it computes them instead (no shortage of its own)
             return False
+        for k in want:  # the chain being read is the tier's newest (a demoting take below may trim the tier:
+            self.stored.move_to_end(k)  # a key of it dropped all the same loads nothing, and is computed)
         for k in want:
             b = self._take()
             self.loading[k] = b
-            self.stored.move_to_end(k)
             self.tier_loads += 1
             self._out.append(("executor", KvLoad(b, k)))
         self.waits += 1
+        self.tier_rounds[op.seq_id] = self.tier_rounds.pop(op.seq_id, 0) + 1
+        while len(self.tier_rounds) > 4096:  # (a sequence that never allocates again: cancelled while waiting)
+            self.tier_rounds.pop(next(iter(self.tier_rounds)))
         return True
 
     def _loaded(self, m: KvLoaded) -> None:
@@ -490,6 +506,8 @@ class KvCore:
             b = self.clean.popleft()
         else:
             b, _ = self.lru.popitem(last=False)
+            if self.config.tier_demote:  # its KV to the tier before the step this reply plans writes over it
+                self._to_tier(self.block_hash[b], b)
             del self.cache[self.block_hash[b]]
             self.block_hash[b] = None
             self.evictions += 1

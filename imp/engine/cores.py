@@ -19,12 +19,13 @@ ADMIT_FACTOR = 8
 
 def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprint: str, replicas: int = 1,
                 verifies_drafts: bool = False, draft_max: int | None = None, tier_blocks: int = 0,
-                swap: SwapFacts = SwapFacts()):
+                swap: SwapFacts = SwapFacts(), tier_demote: bool = False):
     """admission, scheduler, kv (lists of `replicas` each when > 1, wrapped to talk to
     their own replica). Boot facts (pool size, context, fingerprint, whether the executor
     verifies drafts) go into each core's frozen config, and the configs into the event-log header."""
     kv = KvCore(KvConfig(num_blocks=num_blocks, block_size=cfg.block_size, fingerprint=fingerprint,
-                         share_in_flight=True, tier_blocks=tier_blocks, swap_blocks=swap.blocks))
+                         share_in_flight=True, tier_blocks=tier_blocks, swap_blocks=swap.blocks,
+                         tier_demote=tier_demote))
     adm = AdmissionCore(
         AdmissionConfig(
             num_blocks=num_blocks,
@@ -36,7 +37,8 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
     )
     if replicas > 1:
         pairs = [build_cores(cfg, num_blocks, max_context, fingerprint, verifies_drafts=verifies_drafts,
-                             draft_max=draft_max, tier_blocks=tier_blocks, swap=swap)[1:] for _ in range(replicas)]
+                             draft_max=draft_max, tier_blocks=tier_blocks, swap=swap,
+                             tier_demote=tier_demote)[1:] for _ in range(replicas)]
         return adm, [Routed(s, i) for i, (s, _) in enumerate(pairs)], [Routed(k, i) for i, (_, k) in enumerate(pairs)]
     sch = SchedulerCore(
         SchedulerConfig(

@@ -112,7 +112,10 @@ class LocalEngine:
             self.loaders = [None if f is None else _with_swap(f, self.swap.blocks) for f in self.loaders]
         self.adm, schs, kvs = build_cores(cfg, r.num_blocks, self.max_context, r.fingerprint,
                                           replicas=len(self.runners), verifies_drafts=verifies, draft_max=draft_max,
-                                          tier_blocks=tier_blocks, swap=self.swap)
+                                          tier_blocks=tier_blocks, swap=self.swap,
+                                          # a host tier alone outlives nothing the pool does not: it takes what
+                                          # the pool evicts (a copy only under pressure) instead of every block
+                                          tier_demote=self.tiers[0] is not None and self.tiers[0].dir is None)
         self.schs, self.kvs = (schs, kvs) if len(self.runners) > 1 else ([schs], [kvs])
         self.card = ModelCard(
             name=name, path=path, fingerprint=r.fingerprint, context_length=self.max_context,

@@ -109,10 +109,7 @@ class KvTier:
             if not self._warned:
                 log.warning("[kvtier] cannot write the prompt cache (%s): blocks are not saved until it can", exc)
                 self._warned = True
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
+            _unlink(tmp)
             return False
         self.saved += 1
         self.bytes_out += len(head) + len(payload)
@@ -174,10 +171,7 @@ class KvTier:
                 why = "corrupt"
         if why:
             log.warning("[kvtier] %s: %s, not used", p, why)
-            try:
-                p.unlink(missing_ok=True)
-            except OSError:
-                pass
+            _unlink(p)
             return None
         self.loaded += 1
         self.bytes_in += len(head) + len(payload)
@@ -186,12 +180,16 @@ class KvTier:
     def drop(self, key: bytes) -> None:
         with self._host_lock:
             self.host.pop(key, None)
-        if self.dir is None:
-            return
-        try:
-            self._path(key).unlink(missing_ok=True)
-        except OSError:
-            pass
+        if self.dir is not None:
+            _unlink(self._path(key))
+
+
+def _unlink(path: Path) -> None:
+    """Remove a file if it is there; a failure leaves it (the next boot's scan logs it, a load checks it)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _crc(payload) -> bytes:

@@ -15,9 +15,11 @@ each answer --answer greedy tokens with ignore_eos. Reported per C:
 - tok/s: answer tokens / wall (first submit to last finish), TTFT and ITL p50 / p99 as the consumer of
   each stream sees them (ITL: between consecutive deltas, so a merged delta counts once);
 - the steps by kind, read from the event log: decode-only, mixed (decode rows and prompt rows) and
-  prefill-only: how many, the executor's own time a step (StepResult.elapsed_ns) p50 / p99, and the
-  share of the wall each kind's executor time fills ("idle": the wall no step covered; with the GPU's
-  depth-2 pipeline a step's plan arrives while the one before runs, so the shares overlap);
+  prefill-only: how many, their mean prompt and decode rows, the executor's time a step
+  (StepResult.elapsed_ns: plan received -> tokens collected; pipelined on a GPU that also holds the
+  step before it) and the device's own (StepResult.device_ns, CUDA events; "not timed" on a CPU)
+  p50 / p99, and the share of the wall each kind's device time (else executor time) fills ("idle":
+  the wall no step covered: the device waited for the host);
 - the bound from the runner's own rates, measured on the same runner before the engine starts (a
   512-token prefill; C rows decoding at context --prompt, pipelined where the runner launches):
   a token costs its share of prompt at the prefill rate plus one decode row at batch C's rate,
@@ -143,25 +145,27 @@ def runner_rates(runner, streams: list[int], P: int, vocab: int, steps: int = 12
 
 
 def step_kinds(log_path: str, t0_ns: int, t1_ns: int) -> dict:
-    """The steps whose result landed in [t0, t1], by kind, from the event log."""
+    """The steps whose result landed in [t0, t1], by kind, from the event log: per step (executor ns, device
+    ns (0 where the runner does not time it), prompt rows, decode rows)."""
     from imp.log.eventlog import read_log
 
     _, recs = read_log(log_path)
-    kind_of: dict[int, str] = {}
-    elapsed: dict[int, int] = {}
+    shape: dict[int, tuple[str, int, int]] = {}
+    landed: dict[int, tuple[int, int]] = {}
     for env in recs:
         p = env.payload
         name = type(p).__name__
         if name == "StepPlan":
             dec = sum(1 for w in p.seqs if len(w.token_ids) == 1 and w.sample)
             prompt = sum(len(w.token_ids) for w in p.seqs) - dec
-            kind_of[p.step] = "decode-only" if not prompt else ("prefill-only" if not dec else "mixed")
+            shape[p.step] = ("decode-only" if not prompt else ("prefill-only" if not dec else "mixed"), prompt, dec)
         elif name == "StepResult" and t0_ns <= env.wall_ns <= t1_ns:
-            elapsed[p.step] = p.elapsed_ns
-    by: dict[str, list[int]] = defaultdict(list)
-    for s, e in elapsed.items():
-        if s in kind_of:
-            by[kind_of[s]].append(e)
+            landed[p.step] = (p.elapsed_ns, getattr(p, "device_ns", 0))
+    by: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
+    for s, (e, d) in landed.items():
+        if s in shape:
+            kind, prompt, dec = shape[s]
+            by[kind].append((e, d, prompt, dec))
     return by
 
 
@@ -302,9 +306,12 @@ def main() -> int:
                     "(/v1/completions, token-id prompts, streamed), started with the same flags")
     ap.add_argument("--client-procs", type=int, default=4, help="--http: client processes")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--log-dir", default=None, help="keep the event logs here (bench/step_timeline.py reads them)")
     a = ap.parse_args()
     streams = [int(s) for s in a.streams.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="imp-engine-bench-"))
+    logs = Path(a.log_dir) if a.log_dir else tmp
+    logs.mkdir(parents=True, exist_ok=True)
     model = a.model
     if model == "tiny":
         from tests.fixtures.synth_raw import write_raw_gguf
@@ -312,7 +319,7 @@ def main() -> int:
         model = write_raw_gguf(tmp / "tiny.gguf", seed=0, **TINY)
     from imp.config import add_serve_args, config_from_args  # the server's own flags, validated as at boot
 
-    argv = ["--model", str(model), "--device", a.device, "--event-log", str(tmp / "events.log"),
+    argv = ["--model", str(model), "--device", a.device, "--event-log", str(logs / "events.log"),
             "--max-batch-size", str(max(64, max(streams))), *a.server_args.split()]
     if a.threads:
         argv += ["--threads", str(a.threads)]
@@ -368,27 +375,36 @@ def main() -> int:
         print(f"| {C} | {row['tok_s']:,.0f} | {bound:,.0f} | {row['tok_s'] / bound:.2f} | {row['ttft_p50_ms']:.0f} / "
               f"{row['ttft_p99_ms']:.0f} | {row['itl_p50_ms']:.1f} / {row['itl_p99_ms']:.1f} | {decode[C]:,.0f} "
               f"| {row['failed']} |")
-    print("\n| streams | step kind | steps | executor ms p50 / p99 | share of wall |")
-    print("|---|---|---|---|---|")
+    print("\n| streams | step kind | steps | prompt / decode rows (mean) | executor ms p50 / p99 | device ms p50 / p99 "
+          "| device share of wall |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
-        by = step_kinds(str(tmp / "events.log"), row["t0_ns"], row["t1_ns"])
+        by = step_kinds(str(logs / "events.log"), row["t0_ns"], row["t1_ns"])
         covered = 0.0
         kinds = {}
         for kind in ("decode-only", "mixed", "prefill-only"):
-            es = by.get(kind, [])
-            share = sum(es) / 1e9 / row["wall_s"]
+            st = by.get(kind, [])
+            if not st:
+                kinds[kind] = dict(steps=0)
+                continue
+            es, ds = [x[0] for x in st], [x[1] for x in st]
+            cost = [d or e for e, d in zip(es, ds)]  # the device's time where measured (pipelined: the wall
+            share = sum(cost) / 1e9 / row["wall_s"]  # from plan to tokens also holds the step before)
             covered += share
-            kinds[kind] = dict(steps=len(es), p50_ms=pct(es, 0.5) / 1e6, p99_ms=pct(es, 0.99) / 1e6, share=share)
-            if es:
-                print(f"| {row['streams']} | {kind} | {len(es)} | {pct(es, 0.5) / 1e6:.2f} / {pct(es, 0.99) / 1e6:.2f} "
-                      f"| {100 * share:.0f} % |")
-        if covered <= 1.0:  # (a pipelined runner's steps overlap: no idle figure then)
-            print(f"| {row['streams']} | idle (no step running) | | | {100 * (1 - covered):.0f} % |")
+            pr, dr = sum(x[2] for x in st) / len(st), sum(x[3] for x in st) / len(st)
+            kinds[kind] = dict(steps=len(st), prompt_rows=pr, decode_rows=dr, p50_ms=pct(es, 0.5) / 1e6,
+                               p99_ms=pct(es, 0.99) / 1e6, device_p50_ms=pct(ds, 0.5) / 1e6,
+                               device_p99_ms=pct(ds, 0.99) / 1e6, share=share)
+            dev = f"{pct(ds, 0.5) / 1e6:.2f} / {pct(ds, 0.99) / 1e6:.2f}" if any(ds) else "not timed"
+            print(f"| {row['streams']} | {kind} | {len(st)} | {pr:.0f} / {dr:.0f} | {pct(es, 0.5) / 1e6:.2f} / "
+                  f"{pct(es, 0.99) / 1e6:.2f} | {dev} | {100 * share:.0f} % |")
+        if covered <= 1.0:
+            print(f"| {row['streams']} | idle (no step running) | | | | | {100 * (1 - covered):.0f} % |")
         row["steps"] = kinds
     if a.http:
         from tests.serverproc import ServerProcess
 
-        srv = ServerProcess(str(model), *argv[2:4], "--event-log", str(tmp / "server-events.log"), *argv[6:], log_path=tmp / "server.log",
+        srv = ServerProcess(str(model), *argv[2:4], "--event-log", str(logs / "server-events.log"), *argv[6:], log_path=tmp / "server.log",
                             env={k: os.environ[k] for k in ("IMP_NULL_RUNNER", "IMP_NULL_STEP_US") if k in os.environ})
         import multiprocessing as mp
 

@@ -41,7 +41,8 @@ def test_budget_from_measured_costs():
 class Sim:
     """Scheduler + KV cores, a fake executor: each StepPlan lands with the cost model's time."""
 
-    def __init__(self, itl_target_ns: int):
+    def __init__(self, itl_target_ns: int, timed: bool = False):
+        self.timed = timed  # a GPU's pipelined executor: its wall (3x here) holds the step before; device_ns is its own
         cfg = SchedulerConfig(num_blocks=512, block_size=16, max_context=4096, max_batch_size=16,
                               max_step_tokens=512, history_once=True, itl_target_ns=itl_target_ns)
         self.sch, self.kv = SchedulerCore(cfg), KvCore(KvConfig(num_blocks=512, block_size=16))
@@ -71,7 +72,9 @@ class Sim:
             elapsed = (DECODE_NS if decode else 0) + TOKEN_NS * prompt
             self.now += elapsed
             toks = tuple(SampledToken(w.seq_id, 7) for w in plan.seqs if w.sample)
-            self.queue += self.sch.handle("executor", StepResult(plan.step, toks, self.now, elapsed))
+            res = StepResult(plan.step, toks, self.now, 3 * elapsed, elapsed) if self.timed else \
+                StepResult(plan.step, toks, self.now, elapsed)
+            self.queue += self.sch.handle("executor", res)
 
 
 def _prompt_rows(plan: StepPlan) -> int:
@@ -82,8 +85,8 @@ def _decode_rows(plan: StepPlan) -> int:
     return sum(1 for w in plan.seqs if len(w.token_ids) == 1 and w.sample)
 
 
-def _run(itl_target_ns: int) -> Sim:
-    sim = Sim(itl_target_ns)
+def _run(itl_target_ns: int, timed: bool = False) -> Sim:
+    sim = Sim(itl_target_ns, timed)
     for i in range(4):  # four streams decoding
         sim.submit(f"r{i}", 40, 400)
     sim.run(30)
@@ -101,6 +104,16 @@ def test_prompt_chunks_beside_decode_rows_fit_the_target():
     assert all(DECODE_NS + TOKEN_NS * _prompt_rows(p) <= 60 * MS for p in mixed[1:])
     # the long prompt still completes (the streams keep decoding meanwhile)
     assert any(w.seq_id.startswith("big") and w.sample for p in sim.plans for w in p.seqs)
+
+
+def test_a_timed_device_s_own_step_time_is_what_the_budget_learns():
+    """On a GPU the executor's wall from plan to tokens also holds the step in flight before it; the runner's
+    device time (StepResult.device_ns) is what a step costs, and the budget follows it, not the wall."""
+    sim = _run(60 * MS, timed=True)
+    assert (sim.sch.itl.decode_ns, sim.sch.itl.token_ns) == (DECODE_NS, TOKEN_NS)
+    mixed = [p for p in sim.plans[30:] if _decode_rows(p) and _prompt_rows(p)]
+    assert mixed and max(_prompt_rows(p) for p in mixed[1:]) <= 40
+    assert StepResult(1, (), 0, 9, 4).cost_ns == 4 and StepResult(1, (), 0, 9).cost_ns == 9
 
 
 def test_the_flag_reaches_the_scheduler_and_is_off_by_default():

@@ -395,7 +395,9 @@ class ExecutorActor(Actor):
                 continue
             self.steps += 1
             record_samples(tokens, self._hists)
-            self.send(self.scheduler, StepResult(step, tuple(tokens), now, now - t0))
+            timed = getattr(self.runner, "device_ns", None)  # the device's own time, where the runner has it
+            dev = timed(handle) if timed is not None and handle is not None else 0
+            self.send(self.scheduler, StepResult(step, tuple(tokens), now, now - t0, dev))
 
     async def on_stop(self) -> None:
         if self._collector is not None:

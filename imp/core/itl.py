@@ -9,8 +9,8 @@ beside decode rows is cut to what the measured costs say fits:
     prompt tokens = (max(target, 2 x a decode-only step) - a decode-only step) / a prompt token's cost,
                     at least `min_tokens`
 
-Both costs are running averages of the step times the executor reports (StepResult.elapsed_ns),
-so they are on the event log and a replay decides the same chunks. A step without decode rows
+Both costs are running averages of the step times the executor reports (StepResult.cost_ns: the
+device's own time on a GPU, where the pipelined wall also holds the step before), so they are on the event log and a replay decides the same chunks. A step without decode rows
 (nobody waits) keeps the whole budget. Pure: no clock here.
 """
 

@@ -318,10 +318,11 @@ class SchedulerCore(RequestBook):
                                                            misses + (kept == 0))
                 self._sampled(s, t, out)
         self.steps += 1
-        self.itl.observe(msg.elapsed_ns, n_tokens - n_decode, n_decode)
+        cost = msg.cost_ns  # the device's own time where measured: pipelined, the wall also holds the step before
+        self.itl.observe(cost, n_tokens - n_decode, n_decode)
         if self.config.spec_k_max and n_tokens == n_decode + fed:  # decode and draft rows only: their cost
-            self.cost.observe(n_tokens, msg.elapsed_ns)
-        out.append(("metrics", StepStats(msg.step, len(batch), n_tokens, n_decode, msg.elapsed_ns, drafted, accepted,
+            self.cost.observe(n_tokens, cost)
+        out.append(("metrics", StepStats(msg.step, len(batch), n_tokens, n_decode, cost, drafted, accepted,
                                          verifies, misses)))
         self._advance(msg.now_ns, out)
         out.append(("metrics", self._figures()))

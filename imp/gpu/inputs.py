@@ -45,6 +45,7 @@ class Landing:
 
     def __init__(self, seq_ids: list[str], ring: torch.Tensor | None, event, tokens: list[SampledToken] | None):
         self.seq_ids, self.ring, self.event, self.tokens = seq_ids, ring, event, tokens
+        self.start = None  # a timing event recorded before the step's first launch (GpuModelRunner.device_ns)
         self._ids: list[int] | None = None
 
     def ids(self) -> list[int]:

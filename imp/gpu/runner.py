@@ -278,11 +278,24 @@ class GpuModelRunner:
         self._check(seqs)
         with self._lock:
             cuda_rt.use_device(self.device.index or 0)  # per thread: the executor's thread starts on device 0
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()  # runs once the step before it is done: from there to the landing is this step's
             try:
-                return self._launch(seqs, constraints, lora)
+                h = self._launch(seqs, constraints, lora)
             except BaseException:
                 self._prev_rows, self._prev = {}, None  # nothing to feed the next step from
                 raise
+            h.start = start
+            return h
+
+    @staticmethod
+    def device_ns(h: Landing) -> int:
+        """The device's own time for a collected step (its start event to its landing event), 0 where the
+        step was finished on the host (verify, lens, prompt logprobs: their wall time is theirs). Pipelined, the wall
+        from plan to tokens also holds the step before it; what a step costs (imp.core.itl) is this."""
+        if h.start is None or h.event is None:
+            return 0
+        return int(h.start.elapsed_time(h.event) * 1e6)
 
     def graph_buckets(self) -> tuple[int, ...]:
         return tuple(sorted(self.graphs.graphs))
@@ -514,7 +527,7 @@ class GpuModelRunner:
         ring = self._ring[self._ring_i]
         self._ring_i = (self._ring_i + 1) % RING
         ring[:B].copy_(self._sampled[:B], non_blocking=True)
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(enable_timing=True)  # (device_ns: timed from the launch's start event)
         ev.record()
         return self._landed([s.seq_id for s in seqs], ring, tokens, ev)
 

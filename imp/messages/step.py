@@ -214,7 +214,13 @@ class StepResult(Msg):
     step: int
     tokens: tuple[SampledToken, ...]
     now_ns: int
-    elapsed_ns: int = 0
+    elapsed_ns: int = 0  # plan received -> tokens collected (pipelined: also the wait for the step before it)
+    device_ns: int = 0  # the device's own time for the step where the runner times it (a GPU), else 0
+
+    @property
+    def cost_ns(self) -> int:
+        """What the step cost: the device's time where measured, else the executor's wall."""
+        return self.device_ns or self.elapsed_ns
 
 
 class StepFailed(Msg):

@@ -26,7 +26,8 @@ each answer --answer greedy tokens with ignore_eos. Reported per C:
   bound = 1 / (P / (A x prefill tok/s) + 1 / decode tok/s(C)), and the engine's share of it.
 
 With --null-step-us T (IMP_NULL_RUNNER, imp/model/null_runner.py) no model runs: each step lands T µs
-after the one before, pipelined as on a GPU, so a machine without one asks whether the host keeps a
+(+ --null-row-us a one-token row, + --null-token-us a prompt token: a GPU's cost shape) after the one before,
+pipelined as on a GPU, so a machine without one asks whether the host keeps a
 device of that step time busy (the bound is then C tokens every T µs, and prefill costs one step).
 
 The serving benchmarks (bench/serving.py on the GPU, bench/cpu_serving.py) send the same workload over
@@ -300,6 +301,9 @@ def main() -> int:
     ap.add_argument("--null-step-us", type=int, default=None,
                     help="IMP_NULL_RUNNER: a runner that computes nothing, each step T us of a make-believe "
                          "device, pipelined as a GPU (0: every step at once): the host's own cost")
+    ap.add_argument("--null-row-us", type=float, default=0.0, help="--null-step-us's device: + this a one-token row")
+    ap.add_argument("--null-token-us", type=float, default=0.0,
+                    help="--null-step-us's device: + this a token of a prompt chunk (its prefill rate)")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the event loop's thread at this concurrency "
                     "(one more level after the table's; top 30 by own time)")
     ap.add_argument("--http", action="store_true", help="then the same workload through the real server's HTTP "
@@ -329,6 +333,7 @@ def main() -> int:
     if a.null_step_us is not None:
         os.environ["IMP_NULL_RUNNER"] = "1"
         os.environ["IMP_NULL_STEP_US"] = str(a.null_step_us)
+        os.environ["IMP_NULL_ROW_US"], os.environ["IMP_NULL_TOKEN_US"] = str(a.null_row_us), str(a.null_token_us)
     from imp.server import load_engine
 
     engine, _text = load_engine(cfg)
@@ -405,7 +410,8 @@ def main() -> int:
         from tests.serverproc import ServerProcess
 
         srv = ServerProcess(str(model), *argv[2:4], "--event-log", str(logs / "server-events.log"), *argv[6:], log_path=tmp / "server.log",
-                            env={k: os.environ[k] for k in ("IMP_NULL_RUNNER", "IMP_NULL_STEP_US") if k in os.environ})
+                            env={k: os.environ[k] for k in ("IMP_NULL_RUNNER", "IMP_NULL_STEP_US", "IMP_NULL_ROW_US",
+                                                    "IMP_NULL_TOKEN_US") if k in os.environ})
         import multiprocessing as mp
 
         try:

@@ -17,11 +17,13 @@ for w in $WHAT; do t0=$(date +%s); case $w in
 tests)
   IMP_TEST_MODEL=/tmp/smol.gguf timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider -m gpu -x \
     -o faulthandler_timeout=150 ${TESTS:-tests/test_gpu_runner.py tests/test_gpu_mixed.py} 2>&1 | tail -6 ;;
-engine)
-  timeout ${ENGINE_S:-300} python3 bench/engine.py --model /tmp/smol.gguf --device cuda:0 \
-    --streams ${STREAMS:-1,16,64,256} --prompt 234 --answer 128 --rounds 2 --log-dir /tmp/englogs \
-    --server-args "--kv-cache-tokens 131072 ${ARGS:-}" --json $OUT/engine.json > $OUT/engine.txt 2>&1
-  echo "engine rc $?"; grep -v "^\s*$" $OUT/engine.txt | grep -v Warning | tail -24 ;;
+engine)  # $CONFIGS: name=flags,... ("new" = the defaults; "old" = 512-token steps without the ratio policy)
+  for c in ${CONFIGS:-old=--max-step-tokens_512_--itl-ratio_0 new=}; do n=${c%%=*}; f=$(echo "${c#*=}" | tr _ ' ')
+    timeout ${ENGINE_S:-200} python3 bench/engine.py --model /tmp/smol.gguf --device cuda:0 \
+      --streams ${STREAMS:-1,16,64,256} --prompt 234 --answer 128 --rounds 2 \
+      --server-args "--kv-cache-tokens 131072 $f ${ARGS:-}" --json $OUT/engine_$n.json > $OUT/engine_$n.txt 2>&1
+    echo "engine $n ($f) rc $?"; grep -v "^\s*$" $OUT/engine_$n.txt | grep -v Warning | grep "^|" | tail -24
+  done ;;
 spy)
   chmod +x .dev4/py-spy
   timeout ${SPY_S:-240} .dev4/py-spy record -r 250 --threads -f raw -o $OUT/spy.txt --nonblocking -- \

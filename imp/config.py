@@ -15,10 +15,15 @@ class ServerConfig:
     kv_cache_tokens: int | None = None
     block_size: int = 16
     max_batch_size: int = 64
-    max_step_tokens: int = 512
+    # tokens a step computes; 0 = auto: 512 on a CPU, 2048 on a GPU (at 256 streams with 128-token answers every
+    # step must admit ~2 prompts beside 256 decode rows; 512 left room for one and the queue grew, issue 33)
+    max_step_tokens: int = 0
     # > 0: prompt chunks beside decode rows sized to keep such a step near this (imp/core/itl.py); 0 = off
     # (off by default: on the CPU it trades rare 600 ms stalls for many 100 ms steps, PERFORMANCE.md "ITL")
     itl_target_ms: float = 0.0
+    # without a target: a step with decode rows takes at most this many times a decode-only step, unless the
+    # waiting prompts need more (imp/core/itl.py); 0 = off; -1 = auto: 2.5 on a GPU, off on a CPU
+    itl_ratio: float = -1.0
     # draft-free speculation (imp/core/spec.py) for requests that do not say ("speculative"): on / off / auto
     # (on where the executor says so: the CPU's; the GPU's verify steps are not pipelined and not yet measured,
     # so there a request asks for it); a draft is at most spec_draft_max tokens (0: never, whatever a request asks)
@@ -84,8 +89,10 @@ class ServerConfig:
             (0 < self.port < 65536, "--port must be in 1..65535"),
             (self.block_size in (8, 16, 32, 64), "--block-size must be 8, 16, 32 or 64"),
             (self.max_batch_size >= 1, "--max-batch-size must be >= 1"),
-            (self.max_step_tokens >= 16, "--max-step-tokens must be >= 16"),
+            (self.max_step_tokens == 0 or self.max_step_tokens >= 16, "--max-step-tokens must be >= 16 (0 = auto)"),
             (self.itl_target_ms >= 0, "--itl-target-ms must be >= 0 (0 = off)"),
+            (self.itl_ratio in (-1.0, 0.0) or 1.2 <= self.itl_ratio <= 100,
+             "--itl-ratio must be 0 (off), -1 (auto) or 1.2..100"),
             (self.speculative in ("on", "off", "auto"), "--speculative must be on, off or auto"),
             (0 <= self.spec_draft_max <= 64, "--spec-draft-max must be 0..64"),
             (self.kv_cache_tokens is None or self.kv_cache_tokens >= self.block_size, "--kv-cache-tokens too small"),
@@ -126,11 +133,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
-    p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens)
+    p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens,
+                   help="tokens a step computes (default 0 = auto: 512 on a CPU, 2048 on a GPU)")
     p.add_argument("--itl-target-ms", type=float, default=d.itl_target_ms,
                    help="size the prompt chunks that share a step with running streams so that the step takes "
                         "about this long (or twice a decode step, if longer), from measured step times (default 0 = "
                         "off: chunks of --max-step-tokens)")
+    p.add_argument("--itl-ratio", type=float, default=d.itl_ratio,
+                   help="without --itl-target-ms: a step beside running streams takes at most this many times a "
+                        "decode-only step, unless the waiting prompts need more (default -1 = auto: 2.5 on a GPU, "
+                        "off on a CPU; 0 = off)")
     p.add_argument("--speculative", choices=("on", "off", "auto"), default=d.speculative,
                    help="draft-free speculative decoding for requests that do not say (their \"speculative\"): "
                         "the sequence's own prompt and output predict its next tokens, verified in one step; the "
@@ -236,6 +248,16 @@ def api_servers(cfg: ServerConfig, cores: int) -> int:
 
 def pipeline_depth(cfg: ServerConfig) -> int:
     return cfg.pipeline_depth or (2 if cfg.device.startswith("cuda") else 1)
+
+
+def step_tokens(cfg: ServerConfig) -> int:
+    return cfg.max_step_tokens or (2048 if cfg.device.startswith("cuda") else 512)
+
+
+def itl_ratio(cfg: ServerConfig) -> float:
+    if cfg.itl_ratio >= 0:
+        return cfg.itl_ratio
+    return 2.5 if cfg.device.startswith("cuda") else 0.0
 
 
 def config_from_args(ns: argparse.Namespace) -> ServerConfig:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from aiohttp import web
 
-from imp.config import ServerConfig, replica_devices
+from imp.config import ServerConfig, replica_devices, step_tokens
 from imp.constrain.compile import GrammarCache
 from imp.actors.faults import FaultPlan
 from imp.actors.otlp_config import OtlpConfig
@@ -162,9 +162,12 @@ def _load_models(cfg: ServerConfig) -> _Models:
             from imp.model.null_runner import NullRunner, PacedNullRunner
 
             step_us = int(os.environ.get("IMP_NULL_STEP_US", "0"))  # > 0: a paced make-believe device
+            row_us = float(os.environ.get("IMP_NULL_ROW_US", "0"))  # its cost model: + a decode row, + a prompt token
+            token_us = float(os.environ.get("IMP_NULL_TOKEN_US", "0"))
             if step_us > 0:
                 return lambda: PacedNullRunner.load(str(path), block_size=cfg.block_size,
-                                                    kv_tokens=cfg.kv_cache_tokens, step_us=step_us)
+                                                    kv_tokens=cfg.kv_cache_tokens, step_us=step_us,
+                                                    row_us=row_us, token_us=token_us)
             return lambda: NullRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens)
         if device.startswith("cuda"):
             from imp.gpu.runner import GpuModelRunner
@@ -174,7 +177,7 @@ def _load_models(cfg: ServerConfig) -> _Models:
                                                int8_act=cfg.gpu_activations == "int8",
                                                batch_invariant=cfg.batch_invariant,
                                                graphs=cfg.gpu_graphs != "off",
-                                               max_prompt_rows=cfg.max_step_tokens if cfg.gpu_graphs == "all" else 0)
+                                               max_prompt_rows=step_tokens(cfg) if cfg.gpu_graphs == "all" else 0)
         return lambda: ModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens,
                                         num_threads=cfg.threads, adaptive_threads=not cfg.fixed_threads)
 

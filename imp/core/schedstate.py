@@ -37,6 +37,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     # a new prompt's chunk stalls the running streams for about this long, not for a whole
     # max_step_tokens chunk. 0 = off (the policy before this field: logs written then replay identically)
     itl_target_ns: int = 0
+    # > 0 (without itl_target_ns): a step that carries decode rows computes as many prompt tokens as keep it
+    # within this many decode-only steps, or more where the waiting prompts need it to drain in a few steps
+    # (`ItlBudget`): the rare admission at low load does not stall the streams, the steady stream of them at
+    # high load is not starved. 0 = off (logs written before this field replay identically)
+    itl_ratio: float = 0.0
     # > 0: a speculative sequence's decode share may feed up to this many drafted tokens after its last one
     # (imp.core.spec), verified in the same step. 0: never (the executor cannot verify drafts, or the server
     # runs without speculation; logs written before this field replay identically)
@@ -53,7 +58,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     def __post_init__(self):
         if min(self.num_blocks, self.block_size, self.max_context, self.max_batch_size,
                self.max_step_tokens, self.aging_ns) < 1 or self.request_timeout_ns < 0 \
-                or self.pipeline_depth not in (1, 2) or self.itl_target_ns < 0 or self.spec_k_max < 0 \
+                or self.pipeline_depth not in (1, 2) or self.itl_target_ns < 0 or self.spec_k_max < 0 or self.itl_ratio < 0 \
                 or min(self.swap_blocks, self.swap_ns_per_block, self.recompute_ns_per_token) < 0:
             raise ValueError(f"bad SchedulerConfig {self}")
 

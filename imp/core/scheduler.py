@@ -87,7 +87,8 @@ class SchedulerCore(RequestBook):
         self.tier_wait = False  # an alloc waits for the disk tier's blocks: a stalled plan waits for KvReady
         self.step = 0
         self.kv = KvFigures(config.num_blocks, config.num_blocks, 0, 0, 0, config.block_size)
-        self.itl = ItlBudget(config.itl_target_ns, config.block_size, config.max_step_tokens)
+        self.itl = ItlBudget(config.itl_target_ns, config.block_size, config.max_step_tokens, config.itl_ratio)
+        self.backlog = 0  # of the step being planned: prompt tokens not yet computed (the ratio policy's term)
         self.cost = StepCost()  # what a step's rows cost: how long a draft still pays (imp.core.spec)
 
     def handle(self, sender: str, msg: Msg) -> Out:
@@ -137,6 +138,9 @@ class SchedulerCore(RequestBook):
         n_prompt = lambda s: s.n_prompt  # noqa: E731
         decodes = 0  # decode rows planned so far: they come first
         spare = self._spec_spare(budget)  # (draft tokens, KV blocks) drafts may take: never a decode row's
+        if self.itl.ratio:  # the waiting prompts and the running ones' uncomputed parts (a decode row's 1 is none)
+            self.backlog = sum(len(s.tokens) - s.num_computed for s in self.waiting) + sum(
+                r for s in self.running if (r := len(s.tokens) + s.pending - s.num_computed - s.ahead) > 1)
         for s in sorted(self.running, key=lambda s: len(s.tokens) + s.pending - s.num_computed - s.ahead > 1):
             if budget == 0 or len(self.batch) == c.max_batch_size:  # decodes first, then prefill chunks
                 break
@@ -424,7 +428,7 @@ class SchedulerCore(RequestBook):
         """Prompt tokens this step may still compute beside its `decodes` decode rows: the ITL
         target's share (`ItlBudget.cap`) less the prompt tokens already planned."""
         planned = sum(w.n for w in self.batch) - decodes
-        return max(0, min(budget, self.itl.cap() - planned))
+        return max(0, min(budget, self.itl.cap(self.backlog) - planned))
 
     def _grow_op(self, s: Seq, positions: int) -> KvOp | None:
         """A grow when the table must grow or a written block filled up (to cache it)."""

@@ -153,3 +153,61 @@ def test_a_step_without_decode_rows_keeps_the_whole_budget():
     sim.submit("alone", 1000, 4)
     sim.run(3)
     assert [_prompt_rows(p) for p in sim.plans[:2]] == [512, 488]  # nobody waits on it: whole step budgets
+
+
+def test_the_ratio_policy_caps_a_step_at_ratio_decode_steps_unless_the_backlog_needs_more():
+    from imp.core.itl import DRAIN_STEPS
+
+    b = ItlBudget(0, 16, 2048, ratio=2.5)
+    assert b.cap(10_000) == 2048  # nothing measured yet
+    b.observe(20 * MS, 0, 8)
+    b.observe(20 * MS + 256 * MS, 256, 8)
+    assert (b.decode_ns, b.token_ns) == (20 * MS, MS)
+    assert b.cap(0) == 30  # (2.5 - 1) x 20 ms / 1 ms
+    assert b.cap(100) == 30  # a small backlog: the ratio's room
+    assert b.cap(100 * DRAIN_STEPS) == 100  # a backlog drains over DRAIN_STEPS steps
+    assert b.cap(10**9) == 2048
+    both = ItlBudget(60 * MS, 16, 2048, ratio=2.5)  # a target, where given, is the policy
+    assert both.ratio == 0.0 and both.on
+
+
+def _run_ratio(big: int) -> Sim:
+    sim = Sim(0)
+    sim.sch.itl.ratio = 2.5
+    for i in range(4):
+        sim.submit(f"r{i}", 40, 400)
+    sim.run(30)
+    for k in range(big):
+        sim.submit(f"big{k}", 1500, 8)
+    sim.run(60)
+    return sim
+
+
+def test_a_rare_arrival_stalls_the_streams_at_most_ratio_decode_steps():
+    sim = _run_ratio(1)
+    mixed = [p for p in sim.plans[30:] if _decode_rows(p) and _prompt_rows(p)]
+    assert mixed
+    # (2.5 - 1) x 20 ms / 1 ms = 30 prompt tokens, or the backlog over DRAIN_STEPS (1500 / 32 = 47) beside them
+    assert all(DECODE_NS + TOKEN_NS * _prompt_rows(p) <= 2.5 * DECODE_NS + 47 * TOKEN_NS for p in mixed[1:])
+    assert max(_prompt_rows(p) for p in mixed[1:]) <= 47
+    assert any(w.seq_id.startswith("big0") and w.sample for p in sim.plans for w in p.seqs)
+
+
+def test_a_backlog_widens_the_chunks_so_the_queue_drains():
+    one, many = _run_ratio(1), _run_ratio(12)
+    widest = lambda sim: max(_prompt_rows(p) for p in sim.plans[31:] if _decode_rows(p) and _prompt_rows(p))  # noqa: E731
+    assert widest(many) > 2 * widest(one)  # 12 x 1500 waiting tokens: chunks of ~560 instead of ~47
+
+
+def test_the_auto_step_budget_and_ratio_follow_the_device():
+    from imp.config import ServerConfig, itl_ratio, step_tokens
+
+    cpu, gpu = ServerConfig(), ServerConfig(device="cuda:0")
+    assert (step_tokens(cpu), itl_ratio(cpu)) == (512, 0.0)
+    assert (step_tokens(gpu), itl_ratio(gpu)) == (2048, 2.5)
+    assert itl_ratio(ServerConfig(device="cuda:0", itl_ratio=0)) == 0.0
+    assert step_tokens(ServerConfig(device="cuda:0", max_step_tokens=512)) == 512
+    import pytest
+
+    with pytest.raises(ValueError, match="--itl-ratio"):
+        ServerConfig(itl_ratio=0.5)

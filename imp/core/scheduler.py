@@ -141,12 +141,25 @@ class SchedulerCore(RequestBook):
         if self.itl.ratio:  # the waiting prompts and the running ones' uncomputed parts (a decode row's 1 is none)
             self.backlog = sum(len(s.tokens) - s.num_computed for s in self.waiting) + sum(
                 r for s in self.running if (r := len(s.tokens) + s.pending - s.num_computed - s.ahead) > 1)
+        batch, max_batch, grow_op = self.batch, c.max_batch_size, self._grow_op
         for s in sorted(self.running, key=lambda s: len(s.tokens) + s.pending - s.num_computed - s.ahead > 1):
-            if budget == 0 or len(self.batch) == c.max_batch_size:  # decodes first, then prefill chunks
+            if budget == 0 or len(batch) == max_batch:  # decodes first, then prefill chunks
                 break
             if s.spec_inflight or s.guided is not None:
                 continue  # a verify in flight: how many positions it keeps is unknown; a shadow: with its choice
             start, vlen = s.num_computed + s.ahead, len(s.tokens) + s.pending
+            if vlen - start == 1 and not spare[0] and s.shadow is None and not (
+                    s.pending and (vlen - s.n_prompt >= s.params.max_tokens or vlen >= self.max_len)):
+                # a plain decode row (most rows of most steps): what the general path below gives it
+                op = grow_op(s, vlen)
+                if op is not None:
+                    ops.append(op)
+                batch.append(Work(s, 1, op is not None, start=start, sample=True))
+                s.ahead += 1
+                s.pending += 1
+                budget -= 1
+                decodes += 1
+                continue
             if s.pending and spare[0] and vlen - start == 1 and self._would_draft(s):
                 continue  # pipelined: a draft needs the token in flight; this step waits for it
             if s.pending and (vlen - n_prompt(s) >= s.params.max_tokens or vlen >= self.max_len):
@@ -258,9 +271,10 @@ class SchedulerCore(RequestBook):
                                                          > self.config.num_blocks):
                 self._end(choice.req, FinishReason.LENGTH, out)  # the pair no longer fits the whole pool: it ends
         keep = []
-        lost = unpaired([w for w in self.batch if w.seq not in failed and w.seq.status is Status.RUNNING
-                         and w.epoch == w.seq.epoch and not (w.new and w.n == 0)])
-        failed += [x for x in lost if x not in failed]
+        if any(w.seq.shadow is not None or w.seq.guided is not None for w in self.batch):  # guided pairs
+            lost = unpaired([w for w in self.batch if w.seq not in failed and w.seq.status is Status.RUNNING
+                             and w.epoch == w.seq.epoch and not (w.new and w.n == 0)])
+            failed += [x for x in lost if x not in failed]
         for w in self.batch:
             s = w.seq
             if w.draft:  # a verify that does not run (preempted, or its grow failed) holds nothing back

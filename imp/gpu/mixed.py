@@ -245,15 +245,18 @@ class MixedGraphs:
             return None
         return fits(seqs, self.pbs, self.dbs)
 
-    def replay(self, seqs: list[SeqWork], pair: tuple[int, int], src: dict[int, int] | None = None
+    def replay(self, seqs: list[SeqWork], pair: tuple[int, int], src: dict[int, int] | None = None, mark=None
                ) -> tuple[torch.Tensor, dict[int, int]]:
-        """logits [Cb + Db, V] (the static buffer: read before the next replay) and head_at (share -> row)."""
+        """logits [Cb + Db, V] (the static buffer: read before the next replay) and head_at (share -> row);
+        mark(): called right before the step's first device work (the host's layout done)."""
         i_host = self.turn
         self.turn ^= 1
         if self.events[i_host] is not None:
             self.events[i_host].synchronize()  # its last copy has left (two steps back)
         host = self.hosts[i_host]
         placed = layout(seqs, src, pair[0], pair[1], self.block_size, self.reg, host.numpy())
+        if mark is not None:
+            mark()
         self.dev[:placed.used].copy_(host[:placed.used], non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()

@@ -103,6 +103,8 @@ class GpuModelRunner:
         cuda_rt.use_device(self.device.index or 0)
         self._sampled = torch.zeros(MAX_SAMPLED, dtype=torch.int32, device=self.device)  # last step's ids
         self._prev_rows: dict[str, int] = {}  # seq id -> index in _sampled, for the next step's PENDING_TOKEN
+        self._start_ev = None  # the step being launched: its start event on the device (`_mark`)
+        self._tables: dict[str, tuple[tuple[int, ...], int]] = {}  # seq id -> its block table last checked (`check`)
         self._counts = HistoryCounts()  # penalty counts kept across steps (imp.sampling.counts)
         self._mirostat = MirostatState()  # mirostat's mu by sequence (its rows are sampled on the host)
         self._prev: Landing | None = None
@@ -252,6 +254,8 @@ class GpuModelRunner:
         """Freed sequences (the executor passes each plan's `freed`): their penalty counts and mirostat state go."""
         self._counts.forget(seq_ids)
         self._mirostat.forget(seq_ids)
+        for sid in seq_ids:
+            self._tables.pop(sid, None)
 
     def step(self, seqs: list[SeqWork], constraints=None, lora=None) -> list[SampledToken]:
         return self.collect(self.launch(seqs, constraints, lora))
@@ -278,15 +282,23 @@ class GpuModelRunner:
         self._check(seqs)
         with self._lock:
             cuda_rt.use_device(self.device.index or 0)  # per thread: the executor's thread starts on device 0
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()  # runs once the step before it is done: from there to the landing is this step's
+            self._start_ev = None  # recorded by `_mark` once the host has laid the step out
             try:
                 h = self._launch(seqs, constraints, lora)
             except BaseException:
                 self._prev_rows, self._prev = {}, None  # nothing to feed the next step from
                 raise
-            h.start = start
+            h.start = self._start_ev
             return h
+
+    def _mark(self) -> None:
+        """The step's start on the device: recorded after the host's part (its inputs laid out), right before
+        its first device work, so it runs once the step before it is done (pipelined) or at once (the device
+        idle). Recorded before the host's part, a host-bound step's layout time counted as device time: small
+        prompt chunks looked three times their cost and the ITL budget cut them smaller still (issue 33)."""
+        if getattr(self, "_start_ev", None) is None and self.device.type == "cuda":  # (CPU tests: no events)
+            self._start_ev = torch.cuda.Event(enable_timing=True)
+            self._start_ev.record()
 
     @staticmethod
     def device_ns(h: Landing) -> int:
@@ -317,7 +329,7 @@ class GpuModelRunner:
     # ------------------------------------------------------------------ one step
 
     def _check(self, seqs: list[SeqWork]) -> None:
-        check(seqs, self.config.context_length, self.block_size, self.num_blocks)
+        check(seqs, self.config.context_length, self.block_size, self.num_blocks, self._tables)
 
     def _lora_arg(self, seqs: list[SeqWork], lora):
         if not lora or not any(w.params is not None and w.params.lora for w in seqs):
@@ -338,7 +350,7 @@ class GpuModelRunner:
         if any(s.sample and s.params.logit_lens > 0 for s in seqs):
             return self._lens_step(seqs, src, constraints, la)
         if la is None and self.graphs.fits(seqs):  # every row samples: the graph's logits as they are
-            return self._sample_and_land(self.graphs.replay(seqs, src), seqs, constraints)
+            return self._sample_and_land(self.graphs.replay(seqs, src, self._mark), seqs, constraints)
         logits, sample_at, plp_at = self._head_logits(seqs, src, la)  # a mixed graph, or eager
         order = sorted(sample_at)
         if not plp_at:
@@ -364,7 +376,9 @@ class GpuModelRunner:
         rows, sample_at, plp_at = head_rows(seqs)
         lens = [i for i in sorted(sample_at) if seqs[i].params.logit_lens > 0]
         keep = cuda_rt.to_device([rows[sample_at[i]] for i in lens], torch.int64, self.device)
-        logits, resid = self.fwd(eager_meta(seqs, rows, self.block_size, self.device, src), lora=la, keep=keep)
+        meta = eager_meta(seqs, rows, self.block_size, self.device, src)
+        self._mark()
+        logits, resid = self.fwd(meta, lora=la, keep=keep)
         order = sorted(sample_at)
         sel = logits.index_select(0, cuda_rt.to_device([sample_at[i] for i in order], torch.int64, self.device))
         drawn = dict(zip(order, self.collect(self._sample_and_land(sel, [seqs[i] for i in order], constraints))))
@@ -467,10 +481,10 @@ class GpuModelRunner:
         """(logits, share index -> its sample row in logits, plp_at) by the decode graph, a mixed graph or
         eagerly, as `_launch` picks."""
         if la is None and self.graphs.fits(seqs):
-            return self.graphs.replay(seqs, src), {i: i for i in range(len(seqs))}, {}
+            return self.graphs.replay(seqs, src, self._mark), {i: i for i in range(len(seqs))}, {}
         pair = self.mixed.fits(seqs) if la is None and self.mixed is not None else None
         if pair is not None:
-            logits, head_at = self.mixed.replay(seqs, pair, src)
+            logits, head_at = self.mixed.replay(seqs, pair, src, self._mark)
             return logits, head_at, {}
         rows, sample_at, plp_at = head_rows(seqs)
         return self._eager_logits(seqs, rows, src, la), sample_at, plp_at
@@ -484,7 +498,9 @@ class GpuModelRunner:
         bs, dev = self.block_size, self.device
         one = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
         if la is not None or not self._split_mixed or not one or len(one) == len(seqs):
-            return self.fwd(eager_meta(seqs, rows, bs, dev, src), lora=la)
+            meta = eager_meta(seqs, rows, bs, dev, src)
+            self._mark()
+            return self.fwd(meta, lora=la)
         one_set = set(one)
         order = [i for i in range(len(seqs)) if i not in one_set] + one
         sub = [seqs[i] for i in order]
@@ -493,6 +509,7 @@ class GpuModelRunner:
         m = eager_meta(sub, r, bs, dev, {j: src[i] for j, i in enumerate(order) if src and i in src})
         k = len(seqs) - len(one)
         m.split = (sum(len(s.token_ids) for s in sub[:k]), sum(c for _, c in starts[:k]))
+        self._mark()
         out = self.fwd(m)
         at = {i: starts[j] for j, i in enumerate(order)}
         pieces = [out[a:a + c] for i in range(len(seqs)) for a, c in [at[i]] if c]

@@ -26,7 +26,7 @@ engine)  # $CONFIGS: name=flags,... ("new" = the defaults; "old" = 512-token ste
   done ;;
 spy)
   chmod +x .dev4/py-spy
-  timeout ${SPY_S:-240} .dev4/py-spy record -r 250 --threads -f raw -o $OUT/spy.txt --nonblocking -- \
+  timeout ${SPY_S:-240} .dev4/py-spy record -r 1000 --threads -f raw -o $OUT/spy.txt --nonblocking -- \
     python3 bench/engine.py --model /tmp/smol.gguf --device cuda:0 --streams ${SPY_STREAMS:-256} --prompt 234 \
     --answer 128 --rounds 4 --server-args "--kv-cache-tokens 131072 ${ARGS:-}" > $OUT/spy_engine.txt 2>&1
   echo "spy rc $?"; grep -A3 "^| streams | tok" $OUT/spy_engine.txt; tail -3 $OUT/spy_engine.txt; ls -la $OUT/spy.txt ;;

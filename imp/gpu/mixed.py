@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from imp.gpu.inputs import Meta
+from imp.gpu.inputs import Meta, decode_rows
 from imp.gpu.linear import capture_stream
 from imp.messages import SeqWork
 
@@ -140,40 +140,40 @@ def layout(seqs: list[SeqWork], src: dict[int, int] | None, pb: int, db: int, bs
     p_head[:] = 0
     tiles[:] = 0
     head_at: dict[int, int] = {}
-    r = c = t = j = 0
+    r = c = t = 0
+    ones = []  # the one-token shares: rows pb + j, decode attention over their context (below, as arrays)
     for i, s in enumerate(seqs):
         n = len(s.token_ids)
+        if n == 1:
+            ones.append(i)
+            continue
         table = np.asarray(s.block_table, dtype=np.int64)
-        if n > 1:  # a prompt chunk: rows r .. r+n-1, tiles of TILE_ROWS rows
-            p = np.arange(s.start_pos, s.start_pos + n, dtype=np.int64)
-            tok[r:r + n] = s.token_ids
-            pos[r:r + n] = p
-            slot[r:r + n] = table[p // bs] * bs + p % bs
-            nb = (s.start_pos + n - 1) // bs + 1
-            pf_bt[c, :nb] = table[:nb]
-            for k in range(0, n, TILE_ROWS):
-                tiles[t] = (r + k, min(TILE_ROWS, n - k), c, s.start_pos + k)
-                t += 1
-            if s.sample:
-                p_head[c] = r + n - 1
-                head_at[i] = c
-            c += 1
-            r += n
-        else:  # a one-token share: row pb + j, decode attention over its context
-            p = s.start_pos
-            row = pb + j
-            k = src.get(i, -1)
-            tok[row] = 0 if k >= 0 else s.token_ids[0]
-            pos[row] = p
-            slot[row] = table[p // bs] * bs + p % bs
-            lens[j] = p + 1
-            nb = p // bs + 1
-            dec_bt[j, :nb] = table[:nb]
-            if k >= 0:
-                ph_rows[j], ph_src[j] = row, k
-            if s.sample:
+        # a prompt chunk: rows r .. r+n-1, tiles of TILE_ROWS rows
+        p = np.arange(s.start_pos, s.start_pos + n, dtype=np.int64)
+        tok[r:r + n] = s.token_ids
+        pos[r:r + n] = p
+        slot[r:r + n] = table[p // bs] * bs + p % bs
+        nb = (s.start_pos + n - 1) // bs + 1
+        pf_bt[c, :nb] = table[:nb]
+        for k in range(0, n, TILE_ROWS):
+            tiles[t] = (r + k, min(TILE_ROWS, n - k), c, s.start_pos + k)
+            t += 1
+        if s.sample:
+            p_head[c] = r + n - 1
+            head_at[i] = c
+        c += 1
+        r += n
+    if ones:
+        D = len(ones)
+        osrc = {j: src[i] for j, i in enumerate(ones) if i in src} if src else {}
+        dt, dp, ds, dsrc = decode_rows([seqs[i] for i in ones], osrc, bs, dec_bt)
+        tok[pb:pb + D], pos[pb:pb + D], slot[pb:pb + D], lens[:D] = dt, dp, ds, dp + 1
+        fed = dsrc >= 0
+        ph_rows[:D] = np.where(fed, pb + np.arange(D), -1)
+        ph_src[:D] = np.maximum(dsrc, 0)
+        for j, i in enumerate(ones):
+            if seqs[i].sample:
                 head_at[i] = cb + j
-            j += 1
     return Placed(pb, db, head_at, o["dec_bt"] + db * MB)
 
 

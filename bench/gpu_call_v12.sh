@@ -30,13 +30,14 @@ spy)
     python3 bench/engine.py --model /tmp/smol.gguf --device cuda:0 --streams ${SPY_STREAMS:-256} --prompt 234 \
     --answer 128 --rounds 4 --server-args "--kv-cache-tokens 131072 ${ARGS:-}" > $OUT/spy_engine.txt 2>&1
   echo "spy rc $?"; grep -A3 "^| streams | tok" $OUT/spy_engine.txt; tail -3 $OUT/spy_engine.txt; ls -la $OUT/spy.txt ;;
-eight)
+eight)  # $CONFIGS8 as $CONFIGS; $PROMPTS8 prompt lengths
   [ -f /tmp/8b.gguf ] || python3 bench/write_synth.py 8b-bf16 /tmp/8b.gguf 2>&1 | tail -1
   echo "8b written at $(( $(date +%s) - t0 )) s"
+  for c in ${CONFIGS8:-new=}; do n=${c%%=*}; f=$(echo "${c#*=}" | tr _ ' ')
   for P in ${PROMPTS8:-250 1400}; do
     timeout ${EIGHT_S:-240} python3 bench/engine.py --model /tmp/8b.gguf --device cuda:0 --streams ${STREAMS8:-1,16,64} \
-      --prompt $P --answer 128 --rounds 2 --server-args "--kv-cache-tokens 131072 ${ARGS:-}" \
-      --json $OUT/engine8b_$P.json > $OUT/engine8b_$P.txt 2>&1
-    echo "8b P=$P rc $?"; grep -v "^\s*$" $OUT/engine8b_$P.txt | grep -v Warning | tail -16
-  done ;;
+      --prompt $P --answer 128 --rounds 2 --server-args "--kv-cache-tokens 131072 $f ${ARGS:-}" \
+      --json $OUT/engine8b_${n}_$P.json > $OUT/engine8b_${n}_$P.txt 2>&1
+    echo "8b $n ($f) P=$P rc $? at $(( $(date +%s) - t0 )) s"; grep "^|" $OUT/engine8b_${n}_$P.txt | tail -16
+  done; done ;;
 esac; echo "[$w: $(( $(date +%s) - t0 )) s]"; done

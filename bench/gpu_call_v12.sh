@@ -26,10 +26,13 @@ engine)  # $CONFIGS: name=flags,... ("new" = the defaults; "old" = 512-token ste
   done ;;
 spy)
   chmod +x .dev4/py-spy
-  timeout ${SPY_S:-240} .dev4/py-spy record -r 1000 --threads -f raw -o $OUT/spy.txt --nonblocking -- \
-    python3 bench/engine.py --model /tmp/smol.gguf --device cuda:0 --streams ${SPY_STREAMS:-256} --prompt 234 \
-    --answer 128 --rounds 4 --server-args "--kv-cache-tokens 131072 ${ARGS:-}" > $OUT/spy_engine.txt 2>&1
-  echo "spy rc $?"; grep -A3 "^| streams | tok" $OUT/spy_engine.txt; tail -3 $OUT/spy_engine.txt; ls -la $OUT/spy.txt ;;
+  for C in ${SPY_STREAMS:-256}; do
+    timeout ${SPY_S:-240} .dev4/py-spy record -r 1000 --threads -f raw -o $OUT/spy$C.txt --nonblocking -- \
+      python3 bench/engine.py --model /tmp/smol.gguf --device cuda:0 --streams $C --prompt 234 \
+      --answer 128 --rounds 4 --server-args "--kv-cache-tokens 131072 ${ARGS:-}" > $OUT/spy_engine$C.txt 2>&1
+    echo "spy $C rc $?"; grep -A3 "^| streams | tok" $OUT/spy_engine$C.txt; tail -2 $OUT/spy_engine$C.txt
+    python3 bench/spy_summary.py $OUT/spy$C.txt > $OUT/spy${C}_summary.txt 2>&1; rm -f $OUT/spy$C.txt
+  done ;;
 eight)  # $CONFIGS8 as $CONFIGS; $PROMPTS8 prompt lengths
   [ -f /tmp/8b.gguf ] || python3 bench/write_synth.py 8b-bf16 /tmp/8b.gguf 2>&1 | tail -1
   echo "8b written at $(( $(date +%s) - t0 )) s"

@@ -49,6 +49,9 @@ class ServerConfig:
     swap_space_gb: float = 4.0
     preemption_mode: str = "auto"
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long admitted requests may run on
+    # HAProxy agent-check port (imp/http/agent.py): one line a connection, up/drain/down and a weight from
+    # queue and KV pressure, so load steers a balancer without failing its checks; 0 = off
+    agent_port: int = 0
     chat_template: str | None = None
     embedding_model: str | None = None  # /v1/embeddings and /v1/rerank (a sentence-transformers BERT)
     models_dir: str | None = None  # GGUFs listed by /v1/models besides the loaded one
@@ -107,6 +110,8 @@ class ServerConfig:
             (self.swap_space_gb >= 0, "--swap-space must be >= 0 (GB; 0 = no swap area)"),
             (self.preemption_mode in ("auto", "swap", "recompute"), "--preemption-mode must be auto, swap or recompute"),
             (self.shutdown_timeout_s >= 0, "--shutdown-timeout must be >= 0"),
+            (0 <= self.agent_port < 65536 and self.agent_port != self.port,
+             "--agent-port must be in 1..65535 and not --port (0 = off)"),
             (self.device == "cpu" or self.device.startswith("cuda"), "--device must be cpu or cuda[:N]"),
             (self.gpu_activations in ("fp32", "int8"), "--gpu-activations must be fp32 or int8"),
             (self.gpu_graphs in ("all", "decode", "off"), "--gpu-graphs must be all, decode or off"),
@@ -177,6 +182,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "recompute (0 = none; on the CPU executor the pool is host memory already)")
     p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=d.shutdown_timeout_s,
                    help="on SIGTERM, seconds the admitted requests may run on (new ones get 503 draining)")
+    p.add_argument("--agent-port", type=int, default=d.agent_port,
+                   help="answer HAProxy's agent-check on this TCP port: 'up ready N%%' (a weight from queue and KV "
+                        "pressure), 'drain' while suspended or draining, 'down' after an engine fault (0 = off; "
+                        "deploy/haproxy.cfg)")
     p.add_argument("--chat-template", default=None, help="jinja file overriding the model's template")
     p.add_argument("--embedding-model", default=None,
                    help="sentence-embedding model for /v1/embeddings and /v1/rerank: all-minilm-l6-v2 "

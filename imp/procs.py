@@ -121,6 +121,10 @@ async def _engine(cfg: ServerConfig, engine, endpoint: str, ready_fd: int) -> No
         rate_take = lambda caller: limiter.take(caller, time.monotonic())  # noqa: E731
     host = EngineHost(engine, endpoint, grammars=engine.grammars, rate_take=rate_take)
     await host.start()
+    if cfg.agent_port:  # HAProxy's agent-check lives where the figures are: the engine (imp.http.agent)
+        from imp.http.agent import engine_answer, start_agent
+
+        await start_agent(cfg.host, cfg.agent_port, engine_answer(engine))
     signals: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, signals.put_nowait, signal.SIGTERM)

@@ -305,6 +305,11 @@ async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel, api_ke
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, backlog=1024)
     await site.start()
     _progress(f"serving on http://{cfg.host}:{cfg.port}")
+    if cfg.agent_port:  # HAProxy's agent-check: up/drain/down and a weight from queue and KV (imp.http.agent)
+        from imp.http.agent import engine_answer, start_agent
+
+        await start_agent(cfg.host, cfg.agent_port, engine_answer(engine))
+        _progress(f"agent-check on {cfg.host}:{cfg.agent_port}")
     signals = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

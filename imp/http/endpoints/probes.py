@@ -8,6 +8,7 @@ from pathlib import Path
 from aiohttp import web
 
 from imp.http import keys
+from imp.http.endpoints import readiness
 from imp.http.endpoints.capacity import band_of
 from imp.http.errors import ApiError, bad
 
@@ -62,20 +63,9 @@ async def health(request: web.Request) -> web.Response:
         body.update(status="unhealthy", code="engine_faulted", error=snap.fault)
         return web.json_response(body, status=503)
     if request.query.get("ready") in ("1", "true"):
-        # 503 with a one-word reason while a new request would not start at once
-        band = band_of(snap.kv)
-        reason = None
-        if snap.suspended:
-            reason = "suspended"
-        elif snap.draining:
-            reason = "draining"
-        elif band in ("orange", "red"):
-            reason = "pressure"
-        elif q.waiting > 0:
-            reason = "queue"
-        elif q.running >= card.max_batch_size * card.replicas:
-            reason = "busy"
-        body["band"] = band
+        # 503 with a one-word reason while a new request would not start at once (imp.http.endpoints.readiness)
+        reason = readiness.busy(snap, card)
+        body["band"] = band_of(snap.kv)
         if reason:
             body.update(ready=False, reason=reason)
             return web.json_response(body, status=503, headers={"Retry-After": "1"})
@@ -97,12 +87,13 @@ async def ready(request: web.Request) -> web.Response:
     if getattr(port, "card", None) is None:
         return no("no_model")
     snap = await port.snapshot()
-    if snap.fault:
-        return no("engine_faulted", error=snap.fault)
-    if snap.suspended:
-        return no("suspended", hint="POST /admin/resume")
-    if snap.draining:
-        return no("draining")
+    code = readiness.not_ready(snap)  # a state, never load: a balancer's check must not flap
+    if code == "engine_faulted":
+        return no(code, error=snap.fault)
+    if code == "suspended":
+        return no(code, hint="POST /admin/resume")
+    if code:
+        return no(code)
     # an idle suspend stays ready: the next request reloads the model inside itself
     return web.json_response({"ready": True, "model": port.card.name, "suspended": False,
                               "idle_suspended": snap.idle_suspended})

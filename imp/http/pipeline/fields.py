@@ -214,6 +214,22 @@ def session_id(body: dict) -> str:
     return sid
 
 
+SESSION_HEADER = "X-Session-Id"
+
+
+def session_header(body: dict, headers) -> None:
+    """`X-Session-Id: S` means `"session_id": "S"`: a proxy cannot read a body, so the header is what
+    it hashes to send a conversation back where its prefix is cached (deploy/haproxy.cfg). A body
+    that sends its own session_id wins; the header then only steered the proxy. Checked as the
+    field is (`session_id` below)."""
+    sid = headers.get(SESSION_HEADER)
+    if not sid or body.get("session_id") not in (None, ""):
+        return
+    if len(sid) > 256 or not sid.isprintable():
+        raise bad(f"the {SESSION_HEADER} header must be at most 256 printable characters", SESSION_HEADER)
+    body["session_id"] = sid
+
+
 SPEC_CHAIN_CAP = 16  # {"speculative": {"mtp_k": N}}: N's bound when no MTP head is armed (the reference's)
 
 

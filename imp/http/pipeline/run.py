@@ -64,6 +64,8 @@ def handler(dialect: Dialect):
 async def run(request: web.Request, dialect: Dialect, headers: dict[str, str]) -> web.StreamResponse:
     port, tm, cfg = request.app[keys.PORT], request.app[keys.TEXT], request.app[keys.CONFIG]
     body = await fields.read_json(request)
+    if "session_id" in dialect.fields:  # a proxy's affinity key is the body's session_id (the body's own wins)
+        fields.session_header(body, request.headers)
     ignored = fates.sort(body, dialect.fields, strict=cfg.strict_fields, unknown_message=dialect.unknown_message)
     if ignored:  # named on the answer (whatever it is), logged once, counted with the request
         fates.say_once(ignored, dialect.endpoint, request.remote or "?")

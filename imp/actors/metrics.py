@@ -24,6 +24,10 @@ from imp.messages import Fault, Figures, KvFigures, MemoryState, Msg, QueueFigur
 # the generation routes (a series per route, at zero before traffic), embeddings / rerank,
 # and /v1/score's items (each one engine request)
 ENDPOINTS = ("chat_completions", "completions", "messages", "infill", "responses", "embeddings", "rerank", "score")
+# imp_lora_requests_info's max_lora: imp keeps no per-batch adapter slots (every loaded adapter serves at
+# once), so it tells an endpoint picker there is room; a picker that compares it with the running adapters
+# then never counts this server full
+MAX_LORA = 64
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -152,6 +156,17 @@ class MetricsActor(Actor):
         self.g_kv["reserved"] = g("imp_kv_blocks_reserved", "KV blocks admission promised to running requests for "
                                   "their expected generation and not yet written; free minus this is what the "
                                   "next request is admitted against")
+        # the KV pool's use as a fraction, for balancers that read one gauge (the Gateway API Inference
+        # Extension's endpoint picker: --kv-cache-usage-percentage-metric): the memory band's pressure,
+        # max(used, reserved) / total (imp.http.endpoints.capacity.kv_pressure: reserved already counts
+        # the used blocks of running requests, and is what admission measures the next request against)
+        self.g_kv_usage = g("imp_kv_cache_usage_perc", "KV pool in use, 0..1: max(used, reserved) / total blocks")
+        # the endpoint picker's LoRA affinity reads vLLM's lora_requests_info shape (--lora-info-metric): the
+        # adapters this server holds, its value the time they last changed. Every loaded adapter is resident
+        # and serves at once (no per-batch adapter slots), so all are "running" and none "waiting"
+        self.g_lora = g("imp_lora_requests_info", "loaded LoRA adapters (vLLM's lora_requests_info labels); value: "
+                        "unix time of the last change", "max_lora", "running_lora_adapters", "waiting_lora_adapters")
+        self.set_loras((), time.time())
         self.g_waiting = g("imp_queue_waiting", "requests waiting for their first batch")
         self.g_running = g("imp_queue_running", "requests in the running batch")
         self.g_depth = g("imp_queue_depth", "waiting + running")
@@ -236,9 +251,15 @@ class MetricsActor(Actor):
         self.rates = Rates(boot_prefill_tok_s=boot_prefill_tok_s)
         self._apply_kv(kv)
 
+    def set_loras(self, names: tuple[str, ...], now: float) -> None:
+        """The loaded adapters changed (LocalEngine after a load or unload)."""
+        self.g_lora.clear()
+        self.g_lora.labels(str(MAX_LORA), ",".join(names), "").set(now)
+
     def _apply_kv(self, kv: KvFigures) -> None:
         for k, gauge in self.g_kv.items():
             gauge.set(getattr(kv, k))
+        self.g_kv_usage.set(max(kv.used, kv.reserved) / kv.total if kv.total else 1.0)
         if kv.evictions > self._evictions:
             self.c_evict.inc(kv.evictions - self._evictions)
             self._evictions = kv.evictions

@@ -401,6 +401,7 @@ class LocalEngine:
             raise LoraRefused(400, "lora_load_failed", errors[0])
         info = LoraInfo(id=lid, name=name, path=str(real), nbytes=max(m.nbytes for m in states))
         self._loras[lid] = info
+        self.metrics.set_loras(tuple(a.name for a in self.loras()), time.time())
         log.info("[lora] loaded %r (id=%d, %d bytes) from %s", name, lid, info.nbytes, real)
         return info
 
@@ -417,6 +418,7 @@ class LocalEngine:
             raise LoraRefused(503, "lora_busy", f"{self._lora_users[lid]} requests still run with {info.name!r} "
                                                 f"after {drain_s:g}s; try again")
         del self._loras[lid]
+        self.metrics.set_loras(tuple(a.name for a in self.loras()), time.time())
         await self._lora_ask(LoraUnload(lid), lid)
         self._lora_users.pop(lid, None)
         log.info("[lora] unloaded %r (id=%d)", info.name, lid)

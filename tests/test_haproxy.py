@@ -1,0 +1,419 @@
+"""Two imp backends behind HAProxy, started from deploy/haproxy.cfg on loopback (issue 38).
+
+The lane: Debian's haproxy (PATH, $IMP_HAPROXY, or fetched user-locally by
+deploy/get-haproxy.sh, which this module runs when neither has one; skipped with the
+reason when none can be had) in front of two real servers on SmolLM2, each pinned to a
+core of its own with one forward thread, so that neither starves the other:
+
+- affinity: a 10-turn conversation with X-Session-Id lands on one backend and finds every
+  earlier turn in its prefix cache; the same conversation without the header is balanced
+  by leastconn and its turns' cache hits are what that gives (printed);
+- throughput through the proxy is at least 0.9x the sum of the two backends measured alone;
+- 200 mixed requests (chat, completions, Messages; streamed and not) with a rolling restart
+  (SIGTERM, drain, boot, ready; then the other) in the middle: none fails;
+- /admin/suspend on one backend drains it through the checks: new requests go to the other;
+- SIGKILL of one backend under load fails exactly the requests it was running, each with a
+  clean error (a JSON 502, or a stream cut short that the client sees at once), the proxy
+  marks it down within a check interval and new requests succeed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.serverproc import ROOT, call, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.haproxy]
+aiohttp = pytest.importorskip("aiohttp")
+
+CFG = ROOT / "deploy" / "haproxy.cfg"
+MAX_TOKENS = 16
+
+
+def haproxy_binary() -> str | None:
+    """$IMP_HAPROXY, haproxy on PATH, else what deploy/get-haproxy.sh fetches into the cache."""
+    env = os.environ.get("IMP_HAPROXY")
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    found = shutil.which("haproxy")
+    if found:
+        return found
+    try:
+        out = subprocess.run(["sh", str(ROOT / "deploy" / "get-haproxy.sh")], capture_output=True, text=True,
+                             timeout=120).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out or None
+
+
+class Backend:
+    """One imp server on a fixed port (a restart comes back on it), pinned to one core."""
+
+    def __init__(self, model: Path, name: str, core: int | None, log_dir: Path):
+        self.model, self.name, self.core = model, name, core
+        self.port, self.agent_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_dir = log_dir
+        self.boots = 0
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.boots += 1
+        out = open(self.log_dir / f"{self.name}.{self.boots}.out", "wb")
+        core = self.core
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "imp", "--model", str(self.model), "--port", str(self.port),
+             "--agent-port", str(self.agent_port), "--threads", "1", "--fixed-threads",
+             "--kv-cache-tokens", "8192", "--shutdown-timeout", "20", "--responses-store", "off"],
+            cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=out, stderr=subprocess.STDOUT,
+            preexec_fn=(lambda: os.sched_setaffinity(0, {core})) if core is not None else None)
+        out.close()
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"{self.name} exited: {self.tail()}"
+            try:
+                with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} not ready in {timeout}s: {self.tail()}")
+
+    def tail(self) -> str:
+        p = self.log_dir / f"{self.name}.{self.boots}.out"
+        return p.read_bytes()[-2000:].decode(errors="replace") if p.exists() else ""
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(5)
+
+
+class Proxy:
+    """haproxy -f deploy/haproxy.cfg with the two backends, and its admin socket."""
+
+    def __init__(self, binary: str, backends: list[Backend], log_dir: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.sock = str(log_dir / "haproxy.sock")
+        env = dict(os.environ, IMP_LB_BIND=f"127.0.0.1:{self.port}", IMP_LB_STATS=self.sock)
+        for i, b in enumerate(backends, 1):
+            env[f"IMP{i}"] = f"127.0.0.1:{b.port}"
+            env[f"IMP{i}_AGENT"] = str(b.agent_port)
+        self.log = log_dir / "haproxy.out"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen([binary, "-f", str(CFG)], env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def admin(self, cmd: str) -> str:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(self.sock)
+            s.sendall(cmd.encode() + b"\n")
+            chunks = []
+            while chunk := s.recv(65536):
+                chunks.append(chunk)
+        return b"".join(chunks).decode()
+
+    def servers(self, backend: str = "imp_load") -> dict[str, dict]:
+        """`show servers state`: name -> op state (2 up, 0 down), admin state (drain: bit 0x08), weight."""
+        lines = self.admin(f"show servers state {backend}").splitlines()
+        head = lines[1].lstrip("# ").split()
+        rows = [dict(zip(head, ln.split())) for ln in lines[2:] if ln.strip()]
+        return {r["srv_name"]: {"up": r["srv_op_state"] == "2", "admin": int(r["srv_admin_state"]),
+                                "weight": int(r["srv_uweight"])} for r in rows}
+
+    def wait_up(self, names: set[str], timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                states = [self.servers(b) for b in ("imp_load", "imp_sessions")]
+                if all(s[n]["up"] and not s[n]["admin"] for s in states for n in names):
+                    return
+            except (OSError, IndexError, KeyError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"haproxy never saw {names} up: {self.servers()}\n{self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def lb(smollm2_path, tmp_path_factory):
+    binary = haproxy_binary()
+    if not binary:
+        pytest.skip("haproxy not found: not on PATH, no $IMP_HAPROXY, and deploy/get-haproxy.sh could not fetch "
+                    "Debian's package (apt-get download + dpkg -x)")
+    d = tmp_path_factory.mktemp("lb")
+    cores = sorted(os.sched_getaffinity(0))
+    backends = [Backend(smollm2_path, f"imp{i}", cores[(i - 1) % len(cores)] if len(cores) > 1 else None, d)
+                for i in (1, 2)]
+    for b in backends:
+        b.start()
+    proxy = None
+    try:
+        for b in backends:
+            b.wait_ready()
+        proxy = Proxy(binary, backends, d)
+        proxy.wait_up({"imp1", "imp2"})
+        yield proxy, backends
+    finally:
+        if proxy:
+            proxy.stop()
+        for b in backends:
+            b.stop(signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------- the client
+
+
+def _body(kind: str, i: int, stream: bool, max_tokens: int = MAX_TOKENS) -> tuple[str, dict]:
+    text = f"Write a line about the number {i}."
+    if kind == "chat":
+        return "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": text}],
+                                        "max_tokens": max_tokens, "stream": stream, "ignore_eos": True}
+    if kind == "completions":
+        return "/v1/completions", {"model": "m", "prompt": text, "max_tokens": max_tokens, "stream": stream,
+                                   "ignore_eos": True}
+    return "/v1/messages", {"model": "m", "messages": [{"role": "user", "content": text}],
+                            "max_tokens": max_tokens, "stream": stream, "ignore_eos": True}
+
+
+class Outcome:
+    def __init__(self):
+        self.ok = False
+        self.status = 0
+        self.error = ""
+        self.backend = ""
+        self.tokens = 0
+        self.ended_at = 0.0
+
+
+async def request(session, url: str, kind: str, i: int, stream: bool, max_tokens: int = MAX_TOKENS,
+                  started: asyncio.Event | None = None) -> Outcome:
+    """One request; ok only when it ran to its end (a stream: its closing event)."""
+    path, body = _body(kind, i, stream, max_tokens)
+    o = Outcome()
+    try:
+        async with session.post(url + path, json=body) as r:
+            o.status, o.backend = r.status, r.headers.get("X-Served-By", "")
+            if started is not None:
+                started.set()
+            if r.status != 200:
+                o.error = (await r.text())[:300]
+                return o
+            if not stream:
+                data = await r.json()
+                o.tokens = data["usage"].get("completion_tokens", data["usage"].get("output_tokens", 0))
+                o.ok = True
+                return o
+            end = b"event: message_stop" if kind == "messages" else b"data: [DONE]"
+            seen = b""
+            async for line in r.content:
+                seen = line if line.strip() else seen
+                if line.startswith(b"data: {") and b'"error"' in line[:40]:
+                    o.error = line.decode(errors="replace")[:300]
+                if line.startswith(end):
+                    o.ok = not o.error
+                o.tokens += line.startswith(b"data: {")
+            if not o.ok and not o.error:
+                o.error = f"stream ended without {end.decode()} (last: {seen[:80]!r})"
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        o.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        o.ended_at = time.monotonic()
+    return o
+
+
+async def throughput(url: str, width: int, n: int, max_tokens: int = 48) -> float:
+    """Completion tokens a second for n non-streamed chat requests, width at a time."""
+    sem = asyncio.Semaphore(width)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        async def one(i):
+            async with sem:
+                o = await request(s, url, "chat", i, False, max_tokens)
+                assert o.ok, (o.status, o.error)
+                return o.tokens
+        t0 = time.perf_counter()
+        toks = sum(await asyncio.gather(*(one(i) for i in range(n))))
+        return toks / (time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------- the lane
+
+
+def _turn(url: str, messages: list[dict], session: str | None) -> tuple[dict, str]:
+    req = urllib.request.Request(url + "/v1/chat/completions",
+                                 json.dumps({"model": "m", "messages": messages, "max_tokens": 12,
+                                             "temperature": 0}).encode(),
+                                 {"Content-Type": "application/json", **({"X-Session-Id": session} if session else {})})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read()), r.headers.get("X-Served-By", "")
+
+
+def _conversation(url: str, topic: str, session: str | None) -> list[tuple[int, int, str]]:
+    """Ten turns; per turn (prompt tokens, cached tokens, backend)."""
+    messages, rows = [{"role": "system", "content": f"You talk about {topic}."}], []
+    for k in range(10):
+        messages.append({"role": "user", "content": f"Tell me fact {k + 1} about {topic}."})
+        body, backend = _turn(url, messages, session)
+        u = body["usage"]
+        rows.append((u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"], backend))
+        messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+    return rows
+
+
+def test_session_header_keeps_a_conversation_on_its_cache(lb):
+    proxy, _ = lb
+    sticky = _conversation(proxy.url, "owls", "conv-owls")
+    loose = _conversation(proxy.url, "rivers", None)
+    print("\nwith X-Session-Id (prompt, cached, backend):", sticky)
+    print("without it:                                 ", loose)
+    assert len({b for _, _, b in sticky}) == 1, sticky  # every turn on one backend
+    for (p_prev, _, _), (p, cached, _) in zip(sticky, sticky[1:]):
+        # the earlier turn's prompt is a prefix of this one: its full blocks are all hits
+        assert cached > 0 and cached >= p_prev // 16 * 16, sticky
+    misses = sum(c < pp // 16 * 16 for (pp, _, _), (_, c, _) in zip(loose, loose[1:]))
+    print(f"without the header: {len({b for *_, b in loose})} backends, "
+          f"{misses} of 9 later turns missed their earlier turn's cache")
+
+
+def test_throughput_through_the_proxy_is_the_sum_of_the_backends(lb):
+    proxy, backends = lb
+    asyncio.run(throughput(proxy.url, 8, 8))  # warm both
+    alone = [asyncio.run(throughput(b.url, 4, 16)) for b in backends]
+    both = asyncio.run(throughput(proxy.url, 8, 32))
+    ratio = both / sum(alone)
+    print(f"\nalone {alone[0]:.1f} + {alone[1]:.1f} tok/s; through haproxy {both:.1f} tok/s: {ratio:.2f}x")
+    assert ratio >= 0.9, (alone, both)
+
+
+def test_rolling_restart_loses_nothing(lb):
+    proxy, backends = lb
+
+    def roll():
+        for b in backends:
+            t0 = time.monotonic()
+            assert b.stop(signal.SIGTERM) == 0, b.tail()
+            b.start()
+            b.wait_ready()
+            proxy.wait_up({b.name})
+            print(f"{b.name}: restarted and back in rotation in {time.monotonic() - t0:.1f}s")
+
+    async def load():
+        kinds = ("chat", "completions", "messages")
+        sem = asyncio.Semaphore(6)
+        done = 0
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+            async def one(i):
+                nonlocal done
+                async with sem:
+                    o = await request(s, proxy.url, kinds[i % 3], i, stream=i % 2 == 0)
+                done += 1
+                return o
+
+            tasks = [asyncio.ensure_future(one(i)) for i in range(200)]
+            while done < 40:
+                await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            await asyncio.to_thread(roll)
+            print(f"rolling restart took {time.monotonic() - t0:.1f}s, {done} of 200 done when it ended")
+            return await asyncio.gather(*tasks)
+
+    out = asyncio.run(load())
+    failed = [(o.status, o.backend, o.error) for o in out if not o.ok]
+    print(f"\n200 mixed requests across a rolling restart: {len(failed)} failed; served by "
+          f"{ {b: sum(o.backend == b for o in out) for b in ('imp1', 'imp2')} }")
+    assert not failed, failed[:5]
+
+
+def test_suspend_drains_a_backend_through_the_checks(lb):
+    proxy, (b1, b2) = lb
+    st, body = call(b1.url, "/admin/suspend?drain_s=10", {}, "POST")
+    assert st == 200 and body["suspended"], body
+    try:
+        t0 = time.monotonic()
+        while proxy.servers()["imp1"]["up"] and time.monotonic() - t0 < 5:
+            time.sleep(0.1)
+        s = proxy.servers()
+        print(f"\nsuspend: imp1 out of rotation after {time.monotonic() - t0:.1f}s ({s})")
+        assert not s["imp1"]["up"]
+        served = [_turn(proxy.url, [{"role": "user", "content": f"Hi {i}"}], None)[1] for i in range(4)]
+        assert served == ["imp2"] * 4
+    finally:
+        call(b1.url, "/admin/resume", {}, "POST")
+    proxy.wait_up({"imp1"})
+
+
+def test_sigkill_fails_only_the_requests_it_was_running(lb):
+    proxy, (b1, b2) = lb
+
+    async def scenario():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+            # long requests, so that every one is still running at the kill: 6 streams and 4 whole answers
+            starts = [asyncio.Event() for _ in range(6)]
+            streams = [asyncio.ensure_future(request(s, proxy.url, "chat", i, True, 400, starts[i]))
+                       for i in range(6)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in starts)), 60)
+            plain = [asyncio.ensure_future(request(s, proxy.url, "completions", 100 + i, False, 400))
+                     for i in range(4)]
+            await asyncio.sleep(1.0)
+            running = {b.name: json.loads(urllib.request.urlopen(b.url + "/health").read())["queue_running"]
+                       for b in (b1, b2)}
+            b1.proc.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            b1.proc.wait()
+            after = [asyncio.ensure_future(request(s, proxy.url, "chat", 200 + i, i % 2 == 0)) for i in range(6)]
+            down_at = None
+            while time.monotonic() - killed < 5:
+                if not proxy.servers()["imp1"]["up"]:
+                    down_at = time.monotonic() - killed
+                    break
+                await asyncio.sleep(0.05)
+            return running, killed, down_at, await asyncio.gather(*streams), await asyncio.gather(*plain), \
+                await asyncio.gather(*after)
+
+    running, killed, down_at, streams, plain, after = asyncio.run(scenario())
+    on_victim = [o for o in streams if o.backend == "imp1"]
+    print(f"\nrunning at the kill: {running}; streams on imp1: {len(on_victim)} of 6; marked down after "
+          f"{down_at}s")
+    for o in streams:
+        print(f"  stream on {o.backend}: ok={o.ok} after {o.ended_at - killed:+.2f}s {o.error[:90]}")
+    for o in plain:
+        print(f"  whole answer: status {o.status} ok={o.ok} {o.error[:120]}")
+    assert down_at is not None and down_at <= 1.0 + 0.2, down_at
+    # streams: exactly those imp1 was running fail, at once and with an error the client sees
+    assert [o.ok for o in streams] == [o.backend != "imp1" for o in streams]
+    for o in on_victim:
+        assert o.error and o.ended_at - killed < 3, o.error
+    # whole answers: imp1's running ones get the proxy's JSON 502, the others their answer
+    victim_plain = running["imp1"] - len(on_victim)
+    bad = [o for o in plain if not o.ok]
+    assert len(bad) == victim_plain, (running, [(o.status, o.error) for o in plain])
+    for o in bad:
+        assert o.status == 502 and json.loads(o.error)["error"]["code"] == "backend_failed", o.error
+    # and whatever comes after the kill is served by the survivor
+    assert all(o.ok and o.backend == "imp2" for o in after), [(o.status, o.backend, o.error) for o in after]

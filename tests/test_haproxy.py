@@ -164,6 +164,8 @@ class Proxy:
 @pytest.fixture(scope="module")
 def lb(smollm2_path, tmp_path_factory):
     binary = haproxy_binary()
+    if not binary and os.environ.get("IMP_HAPROXY"):
+        pytest.skip(f"$IMP_HAPROXY={os.environ['IMP_HAPROXY']} is not an executable haproxy")
     if not binary:
         pytest.skip("haproxy not found: not on PATH, no $IMP_HAPROXY, and deploy/get-haproxy.sh could not fetch "
                     "Debian's package (apt-get download + dpkg -x)")
@@ -305,10 +307,24 @@ def test_throughput_through_the_proxy_is_the_sum_of_the_backends(lb):
     proxy, backends = lb
     asyncio.run(throughput(proxy.url, 8, 8))  # warm both
     alone = [asyncio.run(throughput(b.url, 4, 16)) for b in backends]
-    both = asyncio.run(throughput(proxy.url, 8, 32))
+    seen = []
+
+    async def watched():
+        t = asyncio.ensure_future(throughput(proxy.url, 8, 32))
+        while not t.done():
+            seen.append(proxy.servers())
+            await asyncio.sleep(0.25)
+        return await t
+
+    both = asyncio.run(watched())
     ratio = both / sum(alone)
-    print(f"\nalone {alone[0]:.1f} + {alone[1]:.1f} tok/s; through haproxy {both:.1f} tok/s: {ratio:.2f}x")
+    weights = sorted({s["weight"] for view in seen for s in view.values()})
+    print(f"\nalone {alone[0]:.1f} + {alone[1]:.1f} tok/s; through haproxy {both:.1f} tok/s: {ratio:.2f}x; "
+          f"agent weights seen {weights} in {len(seen)} samples")
     assert ratio >= 0.9, (alone, both)
+    # load moves weights, never a backend out of rotation (what /health?ready=1 as the check did)
+    assert all(s["up"] and not s["admin"] for view in seen for s in view.values()), seen
+    assert weights and min(weights) >= 10
 
 
 def test_rolling_restart_loses_nothing(lb):
@@ -409,6 +425,7 @@ def test_sigkill_fails_only_the_requests_it_was_running(lb):
     assert [o.ok for o in streams] == [o.backend != "imp1" for o in streams]
     for o in on_victim:
         assert o.error and o.ended_at - killed < 3, o.error
+        assert o.tokens > 5, o.tokens  # SSE passed through as it came: chunks arrived long before the end
     # whole answers: imp1's running ones get the proxy's JSON 502, the others their answer
     victim_plain = running["imp1"] - len(on_victim)
     bad = [o for o in plain if not o.ok]

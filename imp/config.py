@@ -15,8 +15,9 @@ class ServerConfig:
     kv_cache_tokens: int | None = None
     block_size: int = 16
     max_batch_size: int = 64
-    # tokens a step computes; 0 = auto: 512 on a CPU, 2048 on a GPU (at 256 streams with 128-token answers every
-    # step must admit ~2 prompts beside 256 decode rows; 512 left room for one and the queue grew, issue 33)
+    # tokens a step computes; 0 = auto: 512 on a CPU, 1024 on a GPU (at 256 streams with 128-token answers every
+    # step must admit ~2 prompts beside 256 decode rows; 512 left room for one and the queue grew, issue 33;
+    # 2048 made the bursts' mixed steps long: PERFORMANCE.md "Admission that keeps latency")
     max_step_tokens: int = 0
     # > 0: prompt chunks beside decode rows sized to keep such a step near this (imp/core/itl.py); 0 = off
     # (off by default: on the CPU it trades rare 600 ms stalls for many 100 ms steps, PERFORMANCE.md "ITL")
@@ -139,7 +140,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
     p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens,
-                   help="tokens a step computes (default 0 = auto: 512 on a CPU, 2048 on a GPU)")
+                   help="tokens a step computes (default 0 = auto: 512 on a CPU, 1024 on a GPU)")
     p.add_argument("--itl-target-ms", type=float, default=d.itl_target_ms,
                    help="size the prompt chunks that share a step with running streams so that the step takes "
                         "about this long (or twice a decode step, if longer), from measured step times (default 0 = "
@@ -260,7 +261,7 @@ def pipeline_depth(cfg: ServerConfig) -> int:
 
 
 def step_tokens(cfg: ServerConfig) -> int:
-    return cfg.max_step_tokens or (2048 if cfg.device.startswith("cuda") else 512)
+    return cfg.max_step_tokens or (1024 if cfg.device.startswith("cuda") else 512)
 
 
 def itl_ratio(cfg: ServerConfig) -> float:

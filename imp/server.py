@@ -164,10 +164,11 @@ def _load_models(cfg: ServerConfig) -> _Models:
             step_us = int(os.environ.get("IMP_NULL_STEP_US", "0"))  # > 0: a paced make-believe device
             row_us = float(os.environ.get("IMP_NULL_ROW_US", "0"))  # its cost model: + a decode row, + a prompt token
             token_us = float(os.environ.get("IMP_NULL_TOKEN_US", "0"))
+            mixed_us = float(os.environ.get("IMP_NULL_MIXED_US", "0"))  # + a step with both kinds of rows
             if step_us > 0:
                 return lambda: PacedNullRunner.load(str(path), block_size=cfg.block_size,
                                                     kv_tokens=cfg.kv_cache_tokens, step_us=step_us,
-                                                    row_us=row_us, token_us=token_us)
+                                                    row_us=row_us, token_us=token_us, mixed_us=mixed_us)
             return lambda: NullRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens)
         if device.startswith("cuda"):
             from imp.gpu.runner import GpuModelRunner

@@ -149,7 +149,8 @@ def test_off_keeps_the_plans_of_before():
 
 def test_a_step_without_decode_rows_keeps_the_whole_budget():
     sim = Sim(60 * MS)
-    sim.sch.itl.decode_ns, sim.sch.itl.token_ns = DECODE_NS, TOKEN_NS  # costs known: the cap is 40
+    sim.sch.itl.decode_ns = DECODE_NS  # costs known: the cap is 40
+    sim.sch.itl.observe(DECODE_NS + 256 * TOKEN_NS, 256, 4)
     sim.submit("alone", 1000, 4)
     sim.run(3)
     assert [_prompt_rows(p) for p in sim.plans[:2]] == [512, 488]  # nobody waits on it: whole step budgets
@@ -204,10 +205,40 @@ def test_the_auto_step_budget_and_ratio_follow_the_device():
 
     cpu, gpu = ServerConfig(), ServerConfig(device="cuda:0")
     assert (step_tokens(cpu), itl_ratio(cpu)) == (512, 0.0)
-    assert (step_tokens(gpu), itl_ratio(gpu)) == (2048, 2.5)
+    assert (step_tokens(gpu), itl_ratio(gpu)) == (1024, 2.5)
     assert itl_ratio(ServerConfig(device="cuda:0", itl_ratio=0)) == 0.0
     assert step_tokens(ServerConfig(device="cuda:0", max_step_tokens=512)) == 512
     import pytest
 
     with pytest.raises(ValueError, match="--itl-ratio"):
         ServerConfig(itl_ratio=0.5)
+
+
+def test_a_fixed_cost_of_prompt_rows_is_fitted_apart_from_their_per_token_cost():
+    """A GPU's mixed step costs a fixed part beside its decode rows whatever its prompt rows (H100, SmolLM2:
+    36 prompt tokens beside 11 decodes 3.45 ms, 453 beside 9 4.14 ms, a decode step 1.32 ms). Read as a cost
+    per token that made a small chunk look 59 µs a token and the ratio cut chunks smaller still."""
+    us = 1000
+    b = ItlBudget(0, 16, 2048, ratio=2.5)
+    b.observe(1320 * us, 0, 16)
+    for tokens in (36, 453, 96, 234):
+        b.observe(1320 * us + 2000 * us + 2 * us * tokens, tokens, 10)
+    fixed, per = b.costs()
+    assert abs(fixed - 2000 * us) < 1 * us and abs(per - 2 * us) < 0.01 * us
+    # 1.5 decode steps (1.98 ms) are less than the fixed part: the ratio cannot be held beside any prompt token,
+    # so a chunk takes the whole budget (fewer mixed steps, each paying the fixed part once)
+    assert b.cap(0) == 2048
+    cheap = ItlBudget(0, 16, 2048, ratio=2.5)  # a fixed part that leaves room: (1.5 x 4 ms - 1 ms) / 10 µs
+    cheap.observe(4000 * us, 0, 64)
+    for tokens in (64, 512):
+        cheap.observe(4000 * us + 1000 * us + 10 * us * tokens, tokens, 64)
+    assert cheap.cap(0) == 500
+    tight = ItlBudget(0, 16, 2048, ratio=2.5)  # room, but less than the fixed part: 36-token chunks at 2 ms each
+    tight.observe(1485 * us, 0, 60)  # would be 0.55 of the bound (the paced null runner): whole-budget chunks
+    for tokens in (64, 512):
+        tight.observe(1485 * us + 2000 * us + 2200 * tokens, tokens, 60)
+    assert tight.cap(0) == 2048
+    one = ItlBudget(0, 16, 2048, ratio=2.5)  # one chunk size seen: all of it is per token
+    one.observe(1000 * us, 0, 8)
+    one.observe(1000 * us + 256 * us, 128, 8)
+    assert one.costs() == (0.0, 2 * us)

@@ -4,15 +4,17 @@ A new request's prompt is computed in chunks that share steps with the running s
 rows; every row of such a step waits for the whole step. With chunks of max_step_tokens a CPU
 step beside 8 streams took 650 ms against 22 ms for their decode alone (bench/engine.py, SmolLM2,
 2 cores): each arrival stalled every stream for over half a second. Two policies cut the chunk
-beside decode rows to what the measured costs say fits:
+beside decode rows to what the measured costs say fits, where prompt tokens add `fixed + tokens x
+per token` to a decode-only step (a least-squares fit over the steps that had prompt tokens; the
+fixed part is a GPU mixed graph's, which runs each matmul once per row kind):
 
 - a target (`target_ns`, --itl-target-ms): the step takes about the target, or twice a decode-only
   step where that is longer:
 
-      prompt tokens = (max(target, 2 x a decode-only step) - a decode-only step) / a prompt token's cost
+      prompt tokens = (max(target, 2 x decode step) - decode step - fixed) / per token
 
 - a ratio (`ratio`, --itl-ratio; on a GPU by default): the step takes at most `ratio` decode-only
-  steps, so at low load a rare arrival costs the streams one step of `ratio` times their ITL (the
+  steps (or, where that leaves prompt tokens less than the fixed part, whole-budget chunks), so at low load a rare arrival costs the streams one step of `ratio` times their ITL (the
   p99 / p50 the streams feel), **unless the waiting prompts need more**: at 256 streams with
   128-token answers two new prompts arrive every step, and a cap below that demand would grow
   the queue until the batch shrinks (throughput lost, TTFT growing). So the cap is at least the
@@ -20,8 +22,8 @@ beside decode rows to what the measured costs say fits:
   with the load instead of a queue that does (without it the batch shrinks, so does the decode step
   and with it the ratio's room: a spiral down to 0.75 of the bound at 256 streams).
 
-Either is at least `min_tokens` (a prompt always progresses) and at most `max_tokens`. Both costs
-are running averages of the step times the executor reports (StepResult.cost_ns: the device's own
+Either is at least `min_tokens` (a prompt always progresses) and at most `max_tokens`. The costs
+come from the step times the executor reports (StepResult.cost_ns: the device's own
 time on a GPU, where the pipelined wall also holds the step before), so they are on the event log
 and a replay decides the same chunks. A step without decode rows (nobody waits) keeps the whole
 budget. Pure: no clock here.
@@ -40,41 +42,77 @@ def _avg(old: int, new: int) -> int:
     return new if old == 0 else old + (new - old) // 4
 
 
+DECAY = 0.9  # the prompt-cost fit's memory: recent steps weigh most (a batch's cost drifts as it fills)
+
+
 class ItlBudget:
-    __slots__ = ("target_ns", "min_tokens", "max_tokens", "ratio", "decode_ns", "token_ns")
+    __slots__ = ("target_ns", "min_tokens", "max_tokens", "ratio", "decode_ns", "_s")
 
     def __init__(self, target_ns: int, min_tokens: int, max_tokens: int, ratio: float = 0.0):
         self.target_ns, self.min_tokens, self.max_tokens = target_ns, min_tokens, max_tokens
         self.ratio = 0.0 if target_ns else ratio  # a target, where given, is the policy
         self.decode_ns = 0  # a decode-only step, ns (the batch changes slowly: one average)
-        self.token_ns = 0  # a prompt token's share of a step, ns
+        # what prompt tokens add to a step: fixed + tokens x per token, a weighted least-squares fit of
+        # (tokens, step - decode step) over the steps with prompt tokens. The fixed part is the GPU's:
+        # a mixed graph runs each matmul once per row kind, ~2 ms more than a decode step on SmolLM2 (H100)
+        # whatever its prompt rows; fitted as per-token cost alone it made 36 tokens look 59 µs each and
+        # the ratio cut chunks smaller and smaller (each paying the fixed part again)
+        self._s = [0.0, 0.0, 0.0, 0.0, 0.0]  # sums of w, w x, w x^2, w y, w x y
 
     @property
     def on(self) -> bool:
         return bool(self.target_ns or self.ratio)
 
     def observe(self, elapsed_ns: int, prompt_tokens: int, decode_rows: int) -> None:
-        """One landed step: its executor time and what it computed."""
+        """One landed step: its cost (the device's time where measured) and what it computed."""
         if not self.on or elapsed_ns <= 0:
             return
         if prompt_tokens == 0:
             if decode_rows:
                 self.decode_ns = _avg(self.decode_ns, elapsed_ns)
-        elif prompt_tokens >= 2 * self.min_tokens:  # small chunks: the step's fixed cost would dominate
+        elif prompt_tokens >= 2 * self.min_tokens:  # small chunks: too little to say what a token costs
             own = elapsed_ns - (self.decode_ns if decode_rows else 0)
             if own > 0:
-                self.token_ns = _avg(self.token_ns, own // prompt_tokens)
+                x, y, s = float(prompt_tokens), float(own), self._s
+                for k, v in enumerate((1.0, x, x * x, y, x * y)):
+                    s[k] = s[k] * DECAY + v
+
+    def costs(self) -> tuple[float, float]:
+        """(fixed ns, ns a token) of prompt tokens in a step, from the fit; (0, 0) before any. With one
+        chunk size seen so far the fixed part cannot be told apart: all of it is per token then."""
+        w, sx, sxx, sy, sxy = self._s
+        if w <= 0 or sx <= 0:
+            return 0.0, 0.0
+        det = w * sxx - sx * sx
+        if det > 1e-6 * w * sxx:
+            slope = (w * sxy - sx * sy) / det
+            fixed = (sy - slope * sx) / w
+            if slope > 0 and fixed >= 0:
+                return fixed, slope
+            if slope > 0:  # (a negative intercept: noise around a proportional cost)
+                return 0.0, sy / sx
+        return 0.0, sy / sx
+
+    @property
+    def token_ns(self) -> int:
+        return round(self.costs()[1])
 
     def cap(self, waiting_tokens: int = 0) -> int:
         """Prompt tokens for a step beside decode rows (max_tokens while off or not yet measured).
         waiting_tokens: the prompt tokens not yet computed of the requests that wait or are part way
         (the ratio policy's backlog term). The target's step may take twice a decode step where that is
         longer than the target: a model whose decode alone passes it (a large one on a CPU) still
-        computes a prompt at half its decode rate."""
-        if not self.on or self.token_ns <= 0 or self.decode_ns <= 0 and not self.target_ns:
+        computes a prompt at half its decode rate. Where the ratio leaves the prompt tokens less time than
+        the fixed part (or none), chunks take the whole budget: each one pays the fixed part, so fewer
+        and larger ones stall the streams least and keep the prefill rate."""
+        fixed, per = self.costs()
+        if not self.on or per <= 0 or self.decode_ns <= 0 and not self.target_ns:
             return self.max_tokens
         if self.target_ns:
-            room = (max(self.target_ns, 2 * self.decode_ns) - self.decode_ns) // self.token_ns
+            room = int((max(self.target_ns, 2 * self.decode_ns) - self.decode_ns - fixed) / per + 1e-6)
         else:
-            room = max(int((self.ratio - 1.0) * self.decode_ns) // self.token_ns, -(-waiting_tokens // DRAIN_STEPS))
+            left = (self.ratio - 1.0) * self.decode_ns - fixed
+            if left < fixed:  # the ratio leaves prompt tokens less than the fixed part: chunks that small would
+                return self.max_tokens  # spend most of each mixed step on it (a spiral down to 0.55 of the bound)
+            room = max(int(left / per + 1e-6), -(-waiting_tokens // DRAIN_STEPS))  # (+1e-6: the fit's rounding)
         return max(self.min_tokens, min(self.max_tokens, room))

@@ -57,27 +57,30 @@ class NullRunner:
 
 class PacedNullRunner(NullRunner):
     """NullRunner whose steps take a make-believe device's time, queued in launch order: `step_us`, plus
-    `row_us` a one-token row and `token_us` a token of a longer share (a prompt chunk) where those are set
-    (IMP_NULL_ROW_US, IMP_NULL_TOKEN_US): a GPU's decode step grows with its batch and a prompt chunk costs
+    `row_us` a one-token row, `token_us` a token of a longer share (a prompt chunk) and `mixed_us` a step
+    with both where those are set (IMP_NULL_ROW_US, IMP_NULL_TOKEN_US, IMP_NULL_MIXED_US): a GPU's decode step grows with its batch and a prompt chunk costs
     its tokens at the prefill rate, so admission policies can be tried against a device's cost shape."""
 
-    def __init__(self, *a, step_us: int = 0, row_us: float = 0.0, token_us: float = 0.0, **kw):
+    def __init__(self, *a, step_us: int = 0, row_us: float = 0.0, token_us: float = 0.0, mixed_us: float = 0.0,
+                 **kw):
         super().__init__(*a, **kw)
         self.step_ns = step_us * 1000
         self.row_ns, self.token_ns = int(row_us * 1000), int(token_us * 1000)
+        self.mixed_ns = int(mixed_us * 1000)  # a step with both kinds of rows: a GPU's mixed graph's fixed part
         self._busy_until = 0  # monotonic ns at which the last launched step lands
         self._start = 0  # the last launched step's start on the make-believe device
 
     @classmethod
     def load(cls, path: str, block_size: int = 16, kv_tokens: int | None = None, step_us: int = 0,
-             row_us: float = 0.0, token_us: float = 0.0) -> "PacedNullRunner":
+             row_us: float = 0.0, token_us: float = 0.0, mixed_us: float = 0.0) -> "PacedNullRunner":
         r = NullRunner.load(path, block_size, kv_tokens)
         return cls(r.config, r.metadata, r.fingerprint, r.num_blocks, r.block_size, r.token_id, step_us=step_us,
-                   row_us=row_us, token_us=token_us)
+                   row_us=row_us, token_us=token_us, mixed_us=mixed_us)
 
     def cost_ns(self, seqs: list[SeqWork]) -> int:
         rows = sum(1 for s in seqs if len(s.token_ids) == 1)
-        return self.step_ns + self.row_ns * rows + self.token_ns * (sum(len(s.token_ids) for s in seqs) - rows)
+        prompt = sum(len(s.token_ids) for s in seqs) - rows
+        return self.step_ns + self.row_ns * rows + self.token_ns * prompt + (self.mixed_ns if rows and prompt else 0)
 
     def launch(self, seqs: list[SeqWork], constraints=None, lora=None) -> tuple[int, int, list[SampledToken]]:
         start = max(time.monotonic_ns(), self._busy_until)

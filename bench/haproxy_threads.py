@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -42,24 +41,12 @@ def measure(label: str, make) -> None:
     binary = lane.haproxy_binary()
     d = Path(tempfile.mkdtemp(prefix="imp-threads-"))
     backends = [make(d, i) for i in (1, 2)]
-    for b in backends:
-        b.start()
-    proxy = None
-    try:
-        for b in backends:
-            b.wait_ready()
-        proxy = lane.Proxy(binary, backends, d)
-        proxy.wait_up({"imp1", "imp2"})
+    with lane.serving(binary, backends, d) as proxy:
         asyncio.run(lane.throughput(proxy.url, 8, 8))  # warm
         alone = [asyncio.run(lane.throughput(b.url, 4, 16)) for b in backends]
         both = asyncio.run(lane.throughput(proxy.url, 8, 32))
         print(f"{label}: alone {alone[0]:.1f} + {alone[1]:.1f} tok/s, both through haproxy {both:.1f} tok/s: "
               f"{both / sum(alone):.2f}x the sum", flush=True)
-    finally:
-        if proxy:
-            proxy.stop()
-        for b in backends:
-            b.stop(signal.SIGKILL)
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ core of its own with one forward thread, so that neither starves the other:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -173,6 +174,13 @@ def lb(smollm2_path, tmp_path_factory):
     cores = sorted(os.sched_getaffinity(0))
     backends = [Backend(smollm2_path, f"imp{i}", cores[(i - 1) % len(cores)] if len(cores) > 1 else None, d)
                 for i in (1, 2)]
+    with serving(binary, backends, d) as proxy:
+        yield proxy, backends
+
+
+@contextlib.contextmanager
+def serving(binary: str, backends: list, d: Path):
+    """The backends booted and ready and the proxy up on both (bench/haproxy_threads.py too); all stopped after."""
     for b in backends:
         b.start()
     proxy = None
@@ -181,7 +189,7 @@ def lb(smollm2_path, tmp_path_factory):
             b.wait_ready()
         proxy = Proxy(binary, backends, d)
         proxy.wait_up({"imp1", "imp2"})
-        yield proxy, backends
+        yield proxy
     finally:
         if proxy:
             proxy.stop()

@@ -75,15 +75,21 @@ class ServerProcess:
         self.stop()
 
     def stop(self) -> int:
-        self.proc.terminate()
         try:
-            return self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(5)
+            return end(self.proc, 20)
         finally:
             if self.out is not subprocess.DEVNULL:
                 self.out.close()
+
+
+def end(proc: subprocess.Popen, grace: float = 10) -> int:
+    """SIGTERM, `grace` seconds to exit, then SIGKILL: a child process gone, its exit code."""
+    proc.terminate()
+    try:
+        return proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(5)
 
 
 def call(url: str, path: str, body: dict | None = None, method: str | None = None,

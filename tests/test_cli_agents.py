@@ -52,7 +52,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serverproc import ROOT, ServerProcess, free_port
+from tests.serverproc import ROOT, ServerProcess, end, free_port
 
 pytestmark = [pytest.mark.cli, pytest.mark.slow]
 
@@ -196,12 +196,7 @@ class Proxy:
         return len(self.out.read_text().splitlines()) if self.out.exists() else 0
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        end(self.proc)
         self.log.close()
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serverproc import ROOT, call, free_port
+from tests.serverproc import ROOT, call, end, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.haproxy]
 aiohttp = pytest.importorskip("aiohttp")
@@ -155,11 +155,7 @@ class Proxy:
         raise TimeoutError(f"haproxy never saw {names} up: {self.servers()}\n{self.log.read_text()[-2000:]}")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        end(self.proc)
 
 
 @pytest.fixture(scope="module")

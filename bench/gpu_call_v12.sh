@@ -21,8 +21,9 @@ engine)  # $CONFIGS: name=flags,... ("new" = the defaults; "old" = 512-token ste
   for c in ${CONFIGS:-old=--max-step-tokens_512_--itl-ratio_0 new=}; do n=${c%%=*}; f=$(echo "${c#*=}" | tr _ ' ')
     timeout ${ENGINE_S:-200} python3 bench/engine.py --model /tmp/smol.gguf --device cuda:0 \
       --streams ${STREAMS:-1,16,64,256} --prompt 234 --answer 128 --rounds 2 \
-      --server-args "--kv-cache-tokens 131072 $f ${ARGS:-}" --json $OUT/engine_$n.json > $OUT/engine_$n.txt 2>&1
-    echo "engine $n ($f) rc $?"; grep -v "^\s*$" $OUT/engine_$n.txt | grep -v Warning | grep "^|" | tail -24
+      --server-args "--kv-cache-tokens 131072 $f ${ARGS:-}" ${HTTP:+--http --client-procs 4} \
+      --json $OUT/engine_$n.json > $OUT/engine_$n.txt 2>&1
+    echo "engine $n ($f) rc $?"; grep -v "^\s*$" $OUT/engine_$n.txt | grep -v Warning | grep "^|" | tail -30
   done ;;
 spy)
   chmod +x .dev4/py-spy

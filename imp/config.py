@@ -17,14 +17,15 @@ class ServerConfig:
     max_batch_size: int = 64
     # tokens a step computes; 0 = auto: 512 on a CPU, 1024 on a GPU (at 256 streams with 128-token answers every
     # step must admit ~2 prompts beside 256 decode rows; 512 left room for one and the queue grew, issue 33;
-    # 2048 made the bursts' mixed steps long: PERFORMANCE.md "Admission that keeps latency")
+    # 2048 made the bursts' mixed steps long: PERFORMANCE.md "Where the time goes at 64-256 streams")
     max_step_tokens: int = 0
     # > 0: prompt chunks beside decode rows sized to keep such a step near this (imp/core/itl.py); 0 = off
     # (off by default: on the CPU it trades rare 600 ms stalls for many 100 ms steps, PERFORMANCE.md "ITL")
     itl_target_ms: float = 0.0
     # without a target: a step with decode rows takes at most this many times a decode-only step, unless the
-    # waiting prompts need more (imp/core/itl.py); 0 = off; -1 = auto: 2.5 on a GPU, off on a CPU
-    itl_ratio: float = -1.0
+    # waiting prompts need more (imp/core/itl.py); 0 = off (the default: on the H200 through HTTP 2.5 cost 10-15 %
+    # at 16-64 streams against off, PERFORMANCE.md "Where the time goes at 64-256 streams")
+    itl_ratio: float = 0.0
     # draft-free speculation (imp/core/spec.py) for requests that do not say ("speculative"): on / off / auto
     # (on where the executor says so: the CPU's; the GPU's verify steps are not pipelined and not yet measured,
     # so there a request asks for it); a draft is at most spec_draft_max tokens (0: never, whatever a request asks)
@@ -95,8 +96,7 @@ class ServerConfig:
             (self.max_batch_size >= 1, "--max-batch-size must be >= 1"),
             (self.max_step_tokens == 0 or self.max_step_tokens >= 16, "--max-step-tokens must be >= 16 (0 = auto)"),
             (self.itl_target_ms >= 0, "--itl-target-ms must be >= 0 (0 = off)"),
-            (self.itl_ratio in (-1.0, 0.0) or 1.2 <= self.itl_ratio <= 100,
-             "--itl-ratio must be 0 (off), -1 (auto) or 1.2..100"),
+            (self.itl_ratio == 0.0 or 1.2 <= self.itl_ratio <= 100, "--itl-ratio must be 0 (off) or 1.2..100"),
             (self.speculative in ("on", "off", "auto"), "--speculative must be on, off or auto"),
             (0 <= self.spec_draft_max <= 64, "--spec-draft-max must be 0..64"),
             (self.kv_cache_tokens is None or self.kv_cache_tokens >= self.block_size, "--kv-cache-tokens too small"),
@@ -147,8 +147,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "off: chunks of --max-step-tokens)")
     p.add_argument("--itl-ratio", type=float, default=d.itl_ratio,
                    help="without --itl-target-ms: a step beside running streams takes at most this many times a "
-                        "decode-only step, unless the waiting prompts need more (default -1 = auto: 2.5 on a GPU, "
-                        "off on a CPU; 0 = off)")
+                        "decode-only step, unless the waiting prompts need more (default 0 = off)")
     p.add_argument("--speculative", choices=("on", "off", "auto"), default=d.speculative,
                    help="draft-free speculative decoding for requests that do not say (their \"speculative\"): "
                         "the sequence's own prompt and output predict its next tokens, verified in one step; the "
@@ -263,11 +262,6 @@ def pipeline_depth(cfg: ServerConfig) -> int:
 def step_tokens(cfg: ServerConfig) -> int:
     return cfg.max_step_tokens or (1024 if cfg.device.startswith("cuda") else 512)
 
-
-def itl_ratio(cfg: ServerConfig) -> float:
-    if cfg.itl_ratio >= 0:
-        return cfg.itl_ratio
-    return 2.5 if cfg.device.startswith("cuda") else 0.0
 
 
 def config_from_args(ns: argparse.Namespace) -> ServerConfig:

@@ -201,12 +201,13 @@ def test_a_backlog_widens_the_chunks_so_the_queue_drains():
 
 
 def test_the_auto_step_budget_and_ratio_follow_the_device():
-    from imp.config import ServerConfig, itl_ratio, step_tokens
+    from imp.config import ServerConfig, step_tokens
+    from imp.engine.cores import build_cores
 
     cpu, gpu = ServerConfig(), ServerConfig(device="cuda:0")
-    assert (step_tokens(cpu), itl_ratio(cpu)) == (512, 0.0)
-    assert (step_tokens(gpu), itl_ratio(gpu)) == (1024, 2.5)
-    assert itl_ratio(ServerConfig(device="cuda:0", itl_ratio=0)) == 0.0
+    assert (step_tokens(cpu), step_tokens(gpu)) == (512, 1024)
+    assert build_cores(ServerConfig(itl_ratio=2.5), 64, 2048, "m")[1].config.itl_ratio == 2.5
+    assert build_cores(gpu, 64, 2048, "m")[1].config.itl_ratio == 0.0  # off unless asked
     assert step_tokens(ServerConfig(device="cuda:0", max_step_tokens=512)) == 512
     import pytest
 

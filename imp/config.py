@@ -56,7 +56,13 @@ class ServerConfig:
     agent_port: int = 0
     chat_template: str | None = None
     embedding_model: str | None = None  # /v1/embeddings and /v1/rerank (a sentence-transformers BERT)
-    models_dir: str | None = None  # GGUFs listed by /v1/models besides the loaded one
+    # models on demand (imp/engine/fleet.py): every model of the directory (and the models file) served by
+    # name, loaded when a request names it, the least recently used unloaded first when the budget is full
+    models_dir: str | None = None
+    models_file: str | None = None  # TOML / JSON: aliases and per-model idle unload (imp/engine/catalog.py)
+    models_memory_gb: float = 0.0  # the resident models' budget: the GPU's memory on cuda, RAM on cpu; 0 = none
+    models_host_memory_gb: float = 0.0  # with a GPU: host RAM the resident models may hold; 0 = no limit
+    model_swap_drain_s: float = 30.0  # an unload waits this long for the model's requests (never cancelled)
     api_key: str | None = None
     api_key_file: str | None = None  # more keys, one per line (read once at boot)
     rate_limit: int = 0  # requests per minute per key (per address without keys); 0 = none
@@ -111,6 +117,9 @@ class ServerConfig:
             (self.swap_space_gb >= 0, "--swap-space must be >= 0 (GB; 0 = no swap area)"),
             (self.preemption_mode in ("auto", "swap", "recompute"), "--preemption-mode must be auto, swap or recompute"),
             (self.shutdown_timeout_s >= 0, "--shutdown-timeout must be >= 0"),
+            (self.models_memory_gb >= 0, "--models-memory must be >= 0 (GB; 0 = no limit)"),
+            (self.models_host_memory_gb >= 0, "--models-host-memory must be >= 0 (GB; 0 = no limit)"),
+            (0 <= self.model_swap_drain_s <= 3600, "--model-swap-drain must be in 0..3600 seconds"),
             (0 <= self.agent_port < 65536 and self.agent_port != self.port,
              "--agent-port must be in 1..65535 and not --port (0 = off)"),
             (self.device == "cpu" or self.device.startswith("cuda"), "--device must be cpu or cuda[:N]"),
@@ -190,7 +199,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embedding-model", default=None,
                    help="sentence-embedding model for /v1/embeddings and /v1/rerank: all-minilm-l6-v2 "
                         "(fetched) or a sentence-transformers folder")
-    p.add_argument("--models-dir", default=None, help="directory of GGUFs to list in /v1/models")
+    p.add_argument("--models-dir", default=None,
+                   help="directory of models (GGUF files, one level down too, and HF directories) served by name: "
+                        "a request naming one loads it (GET /v1/models lists them)")
+    p.add_argument("--models-file", default=None,
+                   help="TOML or JSON table of models by name: aliases (\"*\" = any other name), path, "
+                        "idle_unload_seconds (imp/engine/catalog.py)")
+    p.add_argument("--models-memory", dest="models_memory_gb", type=float, default=d.models_memory_gb,
+                   help="GB the resident models may hold together (the GPU's memory with --device cuda, else RAM): "
+                        "loading one past it unloads the least recently used idle model first (0 = no limit)")
+    p.add_argument("--models-host-memory", dest="models_host_memory_gb", type=float, default=d.models_host_memory_gb,
+                   help="with a GPU: GB of host RAM the resident models may hold (pinned swap areas; 0 = no limit)")
+    p.add_argument("--model-swap-drain", dest="model_swap_drain_s", type=float, default=d.model_swap_drain_s,
+                   help="seconds an unload waits for the model's running requests (never cancelled); past it "
+                        "the request that wanted the swap gets 503 model_swap_timeout")
     p.add_argument("--api-key", default=None, help="require this key on every route but /health and /ready "
                    "(Authorization: Bearer KEY or x-api-key: KEY)")
     p.add_argument("--api-key-file", default=None, help="file of accepted keys, one per line ('#' comments)")
@@ -250,9 +272,16 @@ def api_servers(cfg: ServerConfig, cores: int) -> int:
     process; on a GPU the per-token host work moves off the engine's loop."""
     if cfg.api_servers >= 0:
         return cfg.api_servers
+    if fleet_mode(cfg):  # the API servers do not yet route by model (imp/engine/fleet.py): HTTP in the engine's process
+        return 0
     if not cfg.device.startswith("cuda") or cores < 4:
         return 0
     return max(1, min(4, cores // 16))  # one on a 16-core host: measured best at 16-64 streams
+
+
+def fleet_mode(cfg: ServerConfig) -> bool:
+    """Models on demand: a --models-dir or --models-file names more than the boot model."""
+    return bool(cfg.models_dir or cfg.models_file)
 
 
 def pipeline_depth(cfg: ServerConfig) -> int:

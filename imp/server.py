@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import importlib.util
 import os
@@ -280,6 +281,58 @@ def load_engine(cfg: ServerConfig, store=None, embedder: bool = False, status_po
     return (engine, text, enc) if embedder else (engine, text)
 
 
+def model_log(path: str | None, name: str) -> str | None:
+    """A fleet model's event-log stream beside the boot model's: events.log -> events.<name>.log."""
+    if not path:
+        return None
+    p = Path(path)
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    return str(p.with_name(f"{p.stem}.{safe}{p.suffix}"))
+
+
+def model_header(path: Path) -> tuple[int, int]:
+    """(context length, KV bytes per token at 2-byte elements) from a model's header, (0, 0) if unreadable:
+    the catalogue's figures before a model loads (imp.engine.catalog)."""
+    try:
+        if path.is_dir():
+            from imp.formats.hf_dir import read_config
+
+            cfg, _ = read_config(path)
+        else:
+            from imp.formats.gguf_loader import open_gguf
+
+            cfg = open_gguf(str(path)).config
+        return int(cfg.context_length), 2 * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
+    except Exception:  # noqa: BLE001 - a broken file is listed; loading it answers why
+        return 0, 0
+
+
+def fleet_for(cfg: ServerConfig, engine, text):
+    """Models on demand (--models-dir / --models-file): the boot model and a builder for the others, each
+    model its own engine and event-log stream (imp.engine.fleet). CatalogError for a bad models file."""
+    from imp.core.residency import Budget
+    from imp.engine.catalog import entry_for, scan
+    from imp.engine.fleet import Fleet
+
+    gpu = cfg.device.startswith("cuda")
+    catalog = scan(cfg.models_dir, cfg.models_file, model_header)
+    first = next((e for e in catalog.entries if Path(e.path) == Path(engine.card.path).resolve()), None)
+    first = first or entry_for(Path(engine.card.path), engine.card.name, header=model_header)
+    gb = 2**30
+    budget = Budget(int(cfg.models_memory_gb * gb), int(cfg.models_host_memory_gb * gb)) if gpu else \
+        Budget(0, int(cfg.models_memory_gb * gb))
+
+    async def build(entry):
+        mcfg = dataclasses.replace(cfg, model=entry.path, event_log=model_log(cfg.event_log, entry.name),
+                                   idle_unload_s=0.0, agent_port=0)
+        eng, tm = await asyncio.to_thread(load_engine, mcfg, None)  # the file read off the loop
+        await eng.start()
+        return eng, tm, eng.grammars
+
+    return Fleet(catalog, budget, build, first, (engine, text, engine.grammars), on_gpu=gpu,
+                 drain_s=cfg.model_swap_drain_s, idle_s=cfg.idle_unload_s, kv_tokens=cfg.kv_cache_tokens or 16384)
+
+
 async def drain(engine, signals: asyncio.Queue, timeout_s: float) -> int | None:
     """SIGTERM's drain: admission closes (503 draining), admitted requests run on for up to
     timeout_s; a second signal stops waiting. How many were left, None if cut by a signal."""
@@ -294,8 +347,9 @@ async def drain(engine, signals: asyncio.Queue, timeout_s: float) -> int | None:
 
 
 async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel, api_keys: tuple[str, ...],
-                 embedder=None) -> None:
-    app = create_app(engine, text, cfg, grammars=engine.grammars, api_keys=api_keys, embedder=embedder)
+                 embedder=None, fleet=None) -> None:
+    app = create_app(engine, text, cfg, grammars=engine.grammars, api_keys=api_keys, embedder=embedder,
+                     fleet=fleet)
     freed = settle_after_boot()
     if freed:
         _progress(f"released {freed // 1024} MB of LLVM's code pages (only compiling runs them)")
@@ -323,7 +377,7 @@ async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel, api_ke
     # signal stops waiting). Then the app's cleanup stops the actors: the event log and the
     # Responses store are flushed and closed before the process exits 0.
     _progress(f"{signal.Signals(sig).name}: draining (up to {cfg.shutdown_timeout_s:g}s) ...")
-    left = await drain(engine, signals, cfg.shutdown_timeout_s)
+    left = await drain(fleet or engine, signals, cfg.shutdown_timeout_s)
     _progress("shutting down" + (f": the engine faulted ({engine.fault})" if engine.fault else
                                  f": {left} requests still running are cut" if left else
                                  ": second signal, requests still running are cut" if left is None else ""))
@@ -352,14 +406,29 @@ def serve(cfg: ServerConfig) -> None:
     except (StoreOpenError, ValueError) as exc:
         _progress(f"cannot start: {exc}")
         sys.exit(2)
+    from imp.config import fleet_mode
+    from imp.engine.catalog import CatalogError
+
+    fleet = None
     try:
-        engine, text, embedder = load_engine(cfg, store, embedder=True, status_port=True)
-    except (ModelFileError, FetchError) as exc:  # a wrong --model: one line, not a traceback
+        if fleet_mode(cfg):  # the fleet unloads idle models itself, the boot one too
+            from imp.engine.catalog import read_models_file
+
+            if cfg.models_file:
+                read_models_file(cfg.models_file)  # a bad file is a start-up error before the model loads
+            engine, text, embedder = load_engine(dataclasses.replace(cfg, idle_unload_s=0.0), store, embedder=True,
+                                                 status_port=True)
+            fleet = fleet_for(cfg, engine, text)
+            _progress(f"models on demand: {len(fleet.catalog.entries)} models by name"
+                      + (f", budget {cfg.models_memory_gb:g} GB" if cfg.models_memory_gb else ", no memory budget"))
+        else:
+            engine, text, embedder = load_engine(cfg, store, embedder=True, status_port=True)
+    except (ModelFileError, FetchError, CatalogError) as exc:  # a wrong --model: one line, not a traceback
         _progress(f"cannot start: {exc}")
         sys.exit(2)
     try:
         import uvloop
 
-        uvloop.run(_serve(cfg, engine, text, api_keys, embedder))
+        uvloop.run(_serve(cfg, engine, text, api_keys, embedder, fleet))
     except ImportError:  # pragma: no cover
-        asyncio.run(_serve(cfg, engine, text, api_keys, embedder))
+        asyncio.run(_serve(cfg, engine, text, api_keys, embedder, fleet))

@@ -23,22 +23,15 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="session")
 def imp_server(smollm2_path, tmp_path_factory):
-    """ONE real server for every e2e module (a model load is ~10 s): SmolLM2,
-    an event log (replayed by test_server_e2e), --models-dir with a second
-    (fake) GGUF so /v1/models lists a model that is not loaded."""
+    """ONE real server for every e2e module (a model load is ~10 s): SmolLM2 and
+    an event log (replayed by test_server_e2e). One model: every name reaches it
+    (models on demand, --models-dir, have their own server in test_models_server)."""
     from tests.serverproc import ServerProcess
 
     d = tmp_path_factory.mktemp("srv")
-    models = d / "models"
-    models.mkdir()
-    (models / "other-model.gguf").write_bytes(b"GGUF")
-    hf = models / "tiny-hf-model"  # an HF directory is listed too
-    hf.mkdir()
-    (hf / "config.json").write_text("{}")
-    (hf / "model.safetensors").write_bytes(b"\0" * 8)
     srv = ServerProcess(
         smollm2_path, "--kv-cache-tokens", "8192", "--event-log", str(d / "events.log"),
-        "--models-dir", str(models), log_path=d / "server.out",
+        log_path=d / "server.out",
     )
     srv.event_log = d / "events.log"
     with srv:

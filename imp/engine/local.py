@@ -361,6 +361,19 @@ class LocalEngine:
         return ResumeResult(suspended=False, reloaded=bool(states),
                             seconds=max((m.seconds for m in states), default=0.0))
 
+    async def release(self, reason: str) -> list:
+        """A model swap or the fleet's idle unload (imp.engine.fleet): the weights and KV pool freed, the
+        engine (its actors, event log and figures) kept; `reload` brings them back. The executors' MemoryStates."""
+        self.idle_suspended = True
+        return await self._unload(reason)
+
+    async def reload(self) -> list:
+        """The released weights and KV pool loaded again, before a request is let in; the MemoryStates."""
+        released = [n for n in self.executors if n in self.ingress.memory and not self.ingress.memory[n].loaded]
+        states = await self._ask(Reload(), released, self.ingress.memory) if released else []
+        self.idle_suspended = False
+        return states
+
     # ------------------------------------------------------------------ LoRA
 
     def loras(self) -> tuple[LoraInfo, ...]:

@@ -170,6 +170,15 @@ class LoraRefused(Exception):
         self.status, self.code, self.message = status, code, message
 
 
+class ModelRefused(Exception):
+    """Why a model cannot be had (models on demand, imp.engine.fleet): HTTP answers `status` with `code` in the
+    route's dialect; retry_after (seconds) for a 503 worth retrying."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.retry_after = status, code, message, retry_after
+
+
 class RequestStream(Protocol):
     """A submitted request's output. Iterate for its items; `aclose()` before the
     end cancels the request upstream (its KV is freed within a step)."""

@@ -104,13 +104,14 @@ def access_mw(api_keys: tuple[str, ...], rate_limit: int, rate=None):
 
 
 def create_app(port, text, config, grammars=None, api_keys: tuple[str, ...] | None = None,
-               rate=None, embedder=None) -> web.Application:
+               rate=None, embedder=None, fleet=None) -> web.Application:
     """port: an imp.engine.port.EnginePort (started and stopped with the app);
     text: the imp.text.model.TextModel; config: the frozen imp.config.ServerConfig;
     grammars: the imp.constrain.compile.GrammarCache (None: constraints are refused);
     api_keys: every accepted key (read at boot from --api-key and --api-key-file; None:
     just config.api_key); rate: where --rate-limit's buckets are (see access_mw); embedder: the
-    sentence-embedding model of --embedding-model (None: /v1/embeddings and /v1/rerank are 400s)."""
+    sentence-embedding model of --embedding-model (None: /v1/embeddings and /v1/rerank are 400s); fleet:
+    the imp.engine.fleet.Fleet of --models-dir (port is then its boot model's engine), or None."""
     if api_keys is None:
         api_keys = (config.api_key,) if config.api_key else ()
     app = web.Application(middlewares=[context_mw, access_mw(api_keys, config.rate_limit, rate)],
@@ -122,10 +123,15 @@ def create_app(port, text, config, grammars=None, api_keys: tuple[str, ...] | No
     serve_peers(app)
     app[keys.GRAMMARS] = grammars
     app[keys.EMBEDDER] = embedder
+    app[keys.FLEET] = fleet
 
     async def engine_ctx(app: web.Application):
         await port.start()
+        if fleet is not None:
+            await fleet.start()
         yield
+        if fleet is not None:
+            await fleet.stop()
         await port.stop()
 
     app.cleanup_ctx.append(engine_ctx)

@@ -5,7 +5,7 @@ pipeline (`imp.http.pipeline.run`) with that dialect's parser and renderer.
 """
 
 from imp.http.dialects import anthropic, chat, completions, infill, responses
-from imp.http.endpoints import capacity, codex, control, embeddings, llama_cpp, lora, probes, score, ui
+from imp.http.endpoints import capacity, codex, control, embeddings, llama_cpp, lora, models, probes, score, ui
 from imp.http.pipeline.run import handler
 
 ROUTES = [
@@ -48,6 +48,8 @@ ROUTES = [
     ("POST", "/admin/lora/load", lora.load),
     ("POST", "/admin/lora/unload", lora.unload),
     ("GET", "/admin/lora", lora.listing),
+    ("POST", "/admin/models/load", models.load),
+    ("POST", "/admin/models/unload", models.unload),
     # the built-in chat UI (GET /, static files under /ui/)
     *ui.ROUTES,
 ]

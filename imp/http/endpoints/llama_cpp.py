@@ -14,6 +14,7 @@ import msgspec
 from aiohttp import web
 
 from imp.http import keys
+from imp.http.pipeline.served import served
 from imp.http.errors import ApiError, bad
 from imp.http.pipeline import fields as B
 
@@ -21,8 +22,12 @@ TOKENIZE_MAX_CHARS = 4 << 20
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    port, tok = request.app[keys.PORT], request.app[keys.TEXT].tokenizer
     body = await B.read_json(request)
+    async with served(request, body.get("model")) as model:  # llama-swap's routes take `model` too
+        return await _tokenize(body, model.port, model.text.tokenizer)
+
+
+async def _tokenize(body: dict, port, tok) -> web.Response:
     text = body.get("content", body.get("prompt"))
     if not isinstance(text, str):
         raise bad("'content' (or 'prompt') must be a string", "content")
@@ -61,16 +66,17 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    tok = request.app[keys.TEXT].tokenizer
     body = await B.read_json(request)
-    ids = body.get("tokens")
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise bad("'tokens' must be an array of token ids", "tokens")
-    out = [t for t in ids if not 0 <= t < tok.vocab_size]
-    if out:
-        raise bad(f"token id {out[0]} is outside the vocabulary (0..{tok.vocab_size - 1})", "tokens")
-    text = tok.decode(ids, skip_special=False)
-    return web.json_response({"content": text, "prompt": text})
+    async with served(request, body.get("model")) as model:
+        tok = model.text.tokenizer
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise bad("'tokens' must be an array of token ids", "tokens")
+        out = [t for t in ids if not 0 <= t < tok.vocab_size]
+        if out:
+            raise bad(f"token id {out[0]} is outside the vocabulary (0..{tok.vocab_size - 1})", "tokens")
+        text = tok.decode(ids, skip_special=False)
+        return web.json_response({"content": text, "prompt": text})
 
 
 async def props(request: web.Request) -> web.Response:

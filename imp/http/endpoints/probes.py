@@ -8,6 +8,7 @@ from pathlib import Path
 from aiohttp import web
 
 from imp.http import keys
+from imp.http.endpoints import models as fleet_models
 from imp.http.endpoints import readiness
 from imp.http.endpoints.capacity import band_of
 from imp.http.errors import ApiError, bad
@@ -59,6 +60,10 @@ async def health(request: web.Request) -> web.Response:
         "weights_loaded": snap.weights_loaded,
         **_kv_fields(snap.kv),
     }
+    fleet = request.app.get(keys.FLEET)
+    if fleet is not None:  # models on demand: the figures above are the boot model's
+        body["swapping"] = fleet.swapping
+        body["models_loaded"] = [n for n, m in fleet.models.items() if m.loaded]
     if snap.fault:
         body.update(status="unhealthy", code="engine_faulted", error=snap.fault)
         return web.json_response(body, status=503)
@@ -76,10 +81,11 @@ async def health(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     """200 only when an inference request would be taken now; else 503 with a stable code.
 
-    imp loads its model before it listens and never swaps it, so `no_model`
-    answers only for an engine port without a card and `swapping` never does.
+    imp loads its boot model before it listens, so `no_model` answers only for an engine port without a
+    card; `swapping` while models on demand (--models-dir) load or swap one.
     """
     port = request.app[keys.PORT]
+    fleet = request.app.get(keys.FLEET)
 
     def no(code: str, **extra) -> web.Response:
         return web.json_response({"ready": False, "code": code, **extra}, status=503)
@@ -94,6 +100,8 @@ async def ready(request: web.Request) -> web.Response:
         return no(code, hint="POST /admin/resume")
     if code:
         return no(code)
+    if fleet is not None and fleet.swapping:
+        return no("swapping", model=fleet.swapping)
     # an idle suspend stays ready: the next request reloads the model inside itself
     return web.json_response({"ready": True, "model": port.card.name, "suspended": False,
                               "idle_suspended": snap.idle_suspended})
@@ -183,6 +191,10 @@ def _adapters(port, card) -> list[dict]:
 async def models(request: web.Request) -> web.Response:
     port = request.app[keys.PORT]
     card = port.card
+    fleet = request.app.get(keys.FLEET)
+    if fleet is not None:  # models on demand: every model of the catalog, resident or not
+        return web.json_response({"object": "list", "data": fleet_models.listing(request, fleet,
+                                                                                 _embedding(request, card))})
     return web.json_response({"object": "list", "data": [_model_entry(card), *_adapters(port, card),
                                                          *_embedding(request, card),
                                                          *_directory(card, request.app[keys.CONFIG].models_dir)]})
@@ -191,6 +203,12 @@ async def models(request: web.Request) -> web.Response:
 async def model(request: web.Request) -> web.Response:
     card = request.app[keys.PORT].card
     name = request.match_info["model"]
+    fleet = request.app.get(keys.FLEET)
+    if fleet is not None:
+        for m in fleet_models.listing(request, fleet, _embedding(request, card)):
+            if m["id"] == name or name in m.get("aliases", ()):
+                return web.json_response(m)
+        raise ApiError(404, f"model '{name[:128]}' not found", code="model_not_found")
     if name == card.name:
         return web.json_response(_model_entry(card))
     for m in [*_adapters(request.app[keys.PORT], card), *_embedding(request, card),
@@ -230,5 +248,6 @@ async def info(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=await request.app[keys.PORT].metrics_text(), content_type="text/plain", charset="utf-8",
-                        headers={"X-Prometheus-Format": "0.0.4"})
+    fleet = request.app.get(keys.FLEET)  # models on demand: every model's, labelled model="..."
+    body = await (fleet.metrics_text() if fleet is not None else request.app[keys.PORT].metrics_text())
+    return web.Response(body=body, content_type="text/plain", charset="utf-8", headers={"X-Prometheus-Format": "0.0.4"})

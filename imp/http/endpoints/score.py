@@ -29,7 +29,7 @@ import uuid
 from aiohttp import web
 
 from imp.http.pipeline import fields as B
-from imp.http import keys
+from imp.http.pipeline.served import served
 from imp.http.pipeline import resolve
 from imp.http.pipeline.driver import StreamFault, generate
 from imp.http.errors import ApiError, bad
@@ -97,8 +97,12 @@ def probabilities(logprobs: list[float], apply_softmax: bool) -> list[float]:
 
 
 async def score(request: web.Request) -> web.Response:
-    port, tm = request.app[keys.PORT], request.app[keys.TEXT]
     body = await B.read_json(request)
+    async with served(request, body.get("model")) as model:
+        return await _score(request, body, model.port, model.text)
+
+
+async def _score(request: web.Request, body: dict, port, tm) -> web.Response:
     query, items, labels, soft, item_first = parse(body, tm.tokenizer.vocab_size)
     reqs = []
     for i, it in enumerate(items):

@@ -54,9 +54,10 @@ def estimate(prompt_tokens: int, *, max_tokens: int | None, n: int, kv: KvFigure
     }
 
 
-async def estimate_for(request: web.Request, req: GenerateRequest) -> dict:
-    """A parsed request -> the estimate: rendered and tokenized as the run would be, never run."""
-    port, tm = request.app[keys.PORT], request.app[keys.TEXT]
+async def estimate_for(request: web.Request, req: GenerateRequest, port=None, tm=None) -> dict:
+    """A parsed request -> the estimate: rendered and tokenized as the run would be, never run. port, tm: the
+    model's (imp.http.pipeline.served), else the boot model's."""
+    port, tm = port or request.app[keys.PORT], tm or request.app[keys.TEXT]
     card = port.card
     prompt = await resolve.render_off_loop(req, tm, card)
     snap = await port.snapshot()

@@ -40,6 +40,7 @@ from imp.http.pipeline.dialect import Dialect, Job, ParseContext, Renderer
 from imp.http.pipeline.driver import StreamFault, generate
 from imp.http.pipeline.estimate import estimate_for
 from imp.http.pipeline.live import live_requests
+from imp.http.pipeline.served import Served, served
 from imp.http.pipeline.sse import sse_start, stream_failed
 from imp.messages import Delta
 
@@ -62,8 +63,14 @@ def handler(dialect: Dialect):
 
 
 async def run(request: web.Request, dialect: Dialect, headers: dict[str, str]) -> web.StreamResponse:
-    port, tm, cfg = request.app[keys.PORT], request.app[keys.TEXT], request.app[keys.CONFIG]
     body = await fields.read_json(request)
+    async with served(request, body.get("model")) as model:  # models on demand: loaded first if need be
+        return await _run(request, dialect, headers, body, model)
+
+
+async def _run(request: web.Request, dialect: Dialect, headers: dict[str, str], body: dict,
+               model: Served) -> web.StreamResponse:
+    (port, tm, grammars), cfg = model, request.app[keys.CONFIG]
     if "session_id" in dialect.fields:  # a proxy's affinity key is the body's session_id (the body's own wins)
         fields.session_header(body, request.headers)
     ignored = fates.sort(body, dialect.fields, strict=cfg.strict_fields, unknown_message=dialect.unknown_message)
@@ -73,9 +80,9 @@ async def run(request: web.Request, dialect: Dialect, headers: dict[str, str]) -
     dry = dialect.dry_run and fields.boolean(body, "dry_run")
     req, extra = await dialect.parse(body, ParseContext(tm, port))
     if dry:  # the capacity estimate; nothing runs
-        return web.json_response(await estimate_for(request, req))
+        return web.json_response(await estimate_for(request, req, port, tm))
     resolve.check_sampling_table(req, port.card)
-    await resolve.compile_constraint(req, request.app[keys.GRAMMARS])
+    await resolve.compile_constraint(req, grammars)
     resolve.check_size(req, tm, port.card)
     # on a worker thread: templating and tokenizing a large prompt never stall other streams
     prompt = await asyncio.to_thread(dialect.render_prompt, req, tm)

@@ -12,6 +12,7 @@ import logging
 from aiohttp import web
 
 from imp.http import keys
+from imp.http.pipeline.served import served
 from imp.http.dialects.anthropic.parse import parse as parse_body
 from imp.http.dialects.anthropic.parse import TAKEN, render_prompt
 from imp.http.dialects.anthropic.render import AnthropicRenderer
@@ -60,18 +61,23 @@ async def count_tokens(request: web.Request) -> web.Response:
     """The prompt's token count, rendered exactly as /v1/messages would render it."""
     headers = DIALECT.headers(request)
     try:
-        tm = request.app[keys.TEXT]
         body = await fields.read_json(request)
-        ignored = fates.sort(body, TAKEN, strict=request.app[keys.CONFIG].strict_fields,
-                             unknown_message=DIALECT.unknown_message)
-        if ignored:
-            fates.say_once(ignored, "count_tokens", request.remote or "?")
-            headers["imp-ignored-fields"] = fates.header(ignored)
-        req = parse_body(body, tm.template.source, count_only=True)
-        resolve.check_size(req, tm, request.app[keys.PORT].card)
-        prompt = await asyncio.to_thread(render_prompt, req, tm)
-        resp = web.json_response({"input_tokens": len(prompt.ids)})
+        async with served(request, body.get("model")) as model:
+            resp = await _count(request, body, model, headers)
     except ApiError as err:
         resp = error_response(request, err, request["request_id"])
     resp.headers.update(headers)
     return resp
+
+
+async def _count(request: web.Request, body: dict, model, headers: dict) -> web.Response:
+    tm = model.text
+    ignored = fates.sort(body, TAKEN, strict=request.app[keys.CONFIG].strict_fields,
+                         unknown_message=DIALECT.unknown_message)
+    if ignored:
+        fates.say_once(ignored, "count_tokens", request.remote or "?")
+        headers["imp-ignored-fields"] = fates.header(ignored)
+    req = parse_body(body, tm.template.source, count_only=True)
+    resolve.check_size(req, tm, model.port.card)
+    prompt = await asyncio.to_thread(render_prompt, req, tm)
+    return web.json_response({"input_tokens": len(prompt.ids)})

@@ -1,0 +1,339 @@
+"""Models on demand: every model of the catalog served by name, resident within a memory budget.
+
+Each model that has been loaded keeps its own engine (imp.engine.local: scheduler, KV pool, executor,
+metrics and event-log stream); the fleet decides which of them hold their weights now. A request
+naming a model that is not resident waits here (its timeout applies) while the fleet plans the
+load with the pure core (imp.core.residency), unloads what must go (drained, never cancelled; a
+drain that times out is a 503 and the victim stays), then loads it: the first time by building
+its engine, after that by reloading the engine's released weights. /ready says `swapping`
+meanwhile. An unloaded model drops its LoRA adapters, one log line each, as the API reference says.
+
+The boot model's engine is the home of what outlives a swap (the Responses store); its weights are
+swapped like any other model's.
+
+Every model's request holds a lease (`use`) from before its prompt is rendered to its last byte:
+what a drain waits for, and what keeps a model from being unloaded under a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from imp.core.residency import Budget, Footprint, Resident, idle_victims, plan_load
+from imp.engine.catalog import Catalog, Entry
+from imp.engine.port import ModelRefused
+
+log = logging.getLogger("imp.fleet")
+
+
+@dataclass
+class Model:
+    """A model whose engine exists: resident (its weights loaded) or released."""
+
+    entry: Entry
+    engine: object  # imp.engine.local.LocalEngine
+    text: object  # imp.text.model.TextModel
+    grammars: object  # imp.constrain.compile.GrammarCache
+    footprint: Footprint  # the budget's figure: the estimate, or what an unload freed where that was more
+    loaded: bool = True
+    measured: bool = False  # an unload has been measured
+    leaving: bool = False  # being drained for an unload: new requests wait for the swap to end
+    leases: int = 0
+    last_used: float = 0.0
+    loads: int = 1
+    load_seconds: float = 0.0  # the last load's (build or reload)
+    stats: dict = field(default_factory=lambda: {"swaps_in": 0, "swaps_out": 0, "idle_unloads": 0})
+
+
+# (entry) -> (engine, text model, grammar cache): builds a model's engine (reads its file) and starts it; the
+# boot's own code (imp.server)
+Build = Callable[[Entry], Awaitable[tuple]]
+
+
+def measured(states: list, on_gpu: bool) -> Footprint | None:
+    """What an unload freed, from the executors' MemoryStates (rss and the card's free bytes before and
+    after); None when nothing was measured."""
+    if not states:
+        return None
+    host = sum(abs(m.rss_after - m.rss_before) for m in states)
+    dev = sum(abs(m.device_free_before - m.device_free_after) for m in states) if on_gpu else 0
+    return Footprint(dev, host) if (host or dev) else None
+
+
+class Fleet:
+    def __init__(self, catalog: Catalog, budget: Budget, build: Build, first: Entry, parts: tuple, *,
+                 on_gpu: bool, drain_s: float = 30.0, idle_s: float = 0.0, kv_tokens: int = 16384,
+                 clock=time.monotonic):
+        """first: the boot model's entry, parts its (engine, text, grammars), built and started; drain_s: how
+        long an unload waits for a model's requests; idle_s: the server's --idle-unload-seconds (a models-file
+        entry may set its own); kv_tokens: each model's KV pool, for the estimate before a model's first unload."""
+        self.catalog = catalog.with_entry(first)
+        self.budget, self.build, self.on_gpu = budget, build, on_gpu
+        self.drain_s, self.idle_s, self.kv_tokens, self.clock = drain_s, idle_s, kv_tokens, clock
+        self.models: dict[str, Model] = {}
+        self.first = self.models[first.name] = Model(first, *parts, self.need(first), last_used=clock())
+        self.swapping: str | None = None  # the model being loaded now (/ready: swapping)
+        self._lock = asyncio.Lock()
+        self._pending: dict[str, asyncio.Future] = {}  # name -> the swap bringing it in
+        self._idle_task: asyncio.Task | None = None
+        self.swap_seconds: list[float] = []  # every load's seconds (build or reload), for /metrics
+
+    # ------------------------------------------------------------------ names
+
+    def resolve(self, name: str) -> tuple[Entry, int | None]:
+        """The catalog entry a request's `model` names, and the LoRA adapter id when it names an adapter of
+        a model whose engine has it; ModelRefused 404 model_not_found when nothing matches."""
+        for m in self.models.values():
+            if m.loaded:
+                lid = m.engine.lora_named(name)
+                if lid is not None:
+                    return m.entry, lid
+        entry = self.catalog.resolve(name)
+        if entry is None:
+            known = ", ".join(e.name for e in self.catalog.entries)
+            raise ModelRefused(404, "model_not_found",
+                               f"model '{name[:128]}' not found (models: {known}; GET /v1/models lists them)")
+        return entry, None
+
+    # ------------------------------------------------------------------ leases
+
+    @contextlib.asynccontextmanager
+    async def use(self, name: str, timeout_s: float = 0.0):
+        """The resident Model a request named, loaded first if need be; held until the block ends."""
+        entry, _ = self.resolve(name)
+        m = await (asyncio.wait_for(self.acquire(entry), timeout_s) if timeout_s > 0 else self.acquire(entry))
+        try:
+            yield m
+        finally:
+            m.leases -= 1
+            m.last_used = self.clock()
+
+    async def acquire(self, entry: Entry) -> Model:
+        while True:
+            m = self.models.get(entry.name)
+            if m is not None and m.loaded and not m.leaving:
+                m.leases += 1  # no await between the check and this: a swap cannot slip in
+                m.last_used = self.clock()
+                return m
+            # shielded: a request that times out or whose client leaves stops waiting, the swap goes on
+            await asyncio.shield(self._swap_to(entry))
+
+    def _swap_to(self, entry: Entry) -> asyncio.Future:
+        """The one swap that makes entry resident (every waiter for it shares it); one swap at a time runs,
+        under the lock, so a request for a model being drained waits here too."""
+        t = self._pending.get(entry.name)
+        if t is None or t.done():
+            async def swap():
+                async with self._lock:
+                    m = self.models.get(entry.name)
+                    if m is None or not m.loaded:
+                        await self._bring(entry)
+
+            t = self._pending[entry.name] = asyncio.ensure_future(swap())
+            t.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: no "never retrieved" warning
+        return t
+
+    # ------------------------------------------------------------------ load / unload
+
+    def need(self, entry: Entry) -> Footprint:
+        """What loading entry will take: the estimate (weights on disk + the KV pool at 2 bytes an element, on
+        the device where a GPU runs it), or what its unloads freed where that was more. The budget counts what
+        an unload can give back: a model's text side and grammar vocabulary stay with its engine."""
+        m = self.models.get(entry.name)
+        if m is not None:
+            return m.footprint
+        return self.estimate(entry)
+
+    def estimate(self, entry: Entry) -> Footprint:
+        est = entry.size_bytes + self.kv_tokens * entry.kv_bytes_per_token
+        return Footprint(est, 0) if self.on_gpu else Footprint(0, est)
+
+    def residents(self) -> list[Resident]:
+        return [Resident(m.entry.name, m.footprint, m.last_used, busy=m.leases > 0,
+                         idle_unload_s=self.idle_of(m.entry))
+                for m in self.models.values() if m.loaded]
+
+    def idle_of(self, entry: Entry) -> float:
+        return self.idle_s if entry.idle_unload_s is None else entry.idle_unload_s
+
+    async def _bring(self, entry: Entry) -> None:
+        """Under the lock: unload what the plan says, then load entry (a failed load reloads what went)."""
+        plan = plan_load(entry.name, self.need(entry), self.residents(), self.budget)
+        if not plan.fits:
+            raise ModelRefused(400, "model_too_large", plan.why)
+        self.swapping = entry.name
+        gone: list[str] = []
+        try:
+            for name in plan.evict:
+                await self._unload(self.models[name], "model-swap", self.drain_s)
+                gone.append(name)
+            m = await self._load(entry)
+            # the first load's estimate may have been short: with the measured bytes, what else must go
+            later = plan_load(entry.name, m.footprint, self.residents(), self.budget)
+            for name in later.evict:
+                try:
+                    await self._unload(self.models[name], "model-swap", self.drain_s)
+                except ModelRefused as exc:  # entry is loaded and serves; the budget is over until the next swap
+                    log.warning("[model-swap] over --models-memory after loading %s: %s", entry.name, exc.message)
+        except ModelRefused:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a file that does not load: the caller's answer, the rest restored
+            log.warning("[model-swap] loading %s failed: %s: %s", entry.name, type(exc).__name__, exc)
+            for name in gone:  # what this swap unloaded comes back (its adapters do not: the reference says so)
+                try:
+                    await self._load(self.models[name].entry)
+                except Exception as again:  # noqa: BLE001
+                    log.warning("[model-swap] restoring %s failed too: %s", name, again)
+            raise ModelRefused(500, "model_load_failed", f"model {entry.name!r} failed to load: "
+                                                         f"{type(exc).__name__}: {exc}") from None
+        finally:
+            self.swapping = None
+
+    async def _load(self, entry: Entry) -> Model:
+        t0 = time.monotonic()
+        m = self.models.get(entry.name)
+        if m is None:
+            need = self.need(entry)
+            m = self.models[entry.name] = Model(entry, *await self.build(entry), need)
+        else:
+            states = await m.engine.reload()
+            errors = [s.error for s in states if s.error]
+            if errors or m.engine.fault:
+                raise RuntimeError("; ".join(errors) or m.engine.fault)
+            m.loaded, m.loads = True, m.loads + 1
+        m.load_seconds = time.monotonic() - t0
+        m.last_used = self.clock()
+        m.stats["swaps_in"] += 1
+        self.swap_seconds.append(m.load_seconds)
+        log.info("[model-swap] %s loaded in %.2fs (%s)", entry.name, m.load_seconds, _bytes(m.footprint))
+        return m
+
+    async def _unload(self, m: Model, reason: str, drain_s: float) -> None:
+        """Drain m's requests (never cancelled) for up to drain_s, drop its adapters, release its weights."""
+        m.leaving = True
+        try:
+            deadline = time.monotonic() + drain_s
+            while m.leases and time.monotonic() < deadline and not m.engine.fault:
+                await asyncio.sleep(0.02)
+            if m.leases:
+                raise ModelRefused(503, "model_swap_timeout",
+                                   f"model {m.entry.name!r} still runs {m.leases} requests after {drain_s:g}s; "
+                                   "it stays loaded. Retry later", retry_after=max(1.0, drain_s / 4))
+            for a in m.engine.loras():  # a swap drops every adapter (API reference: Admin, LoRA)
+                await m.engine.lora_unload(a.id, None, drain_s=0.0)
+                log.info("[model-swap] dropped LoRA adapter '%s' (id=%d, path=%s): model swapped", a.name, a.id, a.path)
+            states = await m.engine.release(reason)
+            errors = [s.error for s in states if s.error]
+            if errors:
+                raise ModelRefused(500, "model_unload_failed", f"model {m.entry.name!r}: {'; '.join(errors)}")
+            m.loaded = False
+            m.stats["idle_unloads" if reason == "idle" else "swaps_out"] += 1
+            freed = measured(states, self.on_gpu)
+            if freed is not None:  # what it gave back, if more than the estimate (never less: a CPU's weights
+                # are file pages, partly untouched when it goes, all touched by a long prompt)
+                m.footprint = Footprint(max(freed.device, m.footprint.device), max(freed.host, m.footprint.host))
+                m.measured = True
+            log.info("[model-swap] %s unloaded (%s): %s freed", m.entry.name, reason, _bytes(freed) if freed else "?")
+        finally:
+            m.leaving = False
+
+    async def load(self, name: str) -> Model:
+        """POST /admin/models/load: name resident (a no-op when it is)."""
+        entry, _ = self.resolve(name)
+        await asyncio.shield(self._swap_to(entry))
+        m = self.models[entry.name]
+        m.last_used = self.clock()
+        return m
+
+    async def unload(self, name: str, drain_s: float | None = None) -> Model:
+        """POST /admin/models/unload: its requests drained, its weights released (404 if unknown, 409 if not loaded)."""
+        entry, _ = self.resolve(name)
+
+        async def unload():
+            async with self._lock:
+                m = self.models.get(entry.name)
+                if m is None or not m.loaded:
+                    raise ModelRefused(409, "model_not_loaded", f"model {entry.name!r} is not loaded")
+                await self._unload(m, "operator", self.drain_s if drain_s is None else drain_s)
+                return m
+
+        return await asyncio.shield(asyncio.ensure_future(unload()))  # a client that leaves does not cut it
+
+    # ------------------------------------------------------------------ idle unload, lifecycle
+
+    async def start(self) -> None:
+        if self.idle_s > 0 or any(e.idle_unload_s for e in self.catalog.entries):
+            self._idle_task = asyncio.create_task(self._idle_loop(), name="fleet-idle-unload")
+
+    async def stop(self) -> None:
+        """The models other than the boot one (the app stops that one)."""
+        if self._idle_task is not None:
+            self._idle_task.cancel()
+        for m in list(self.models.values()):
+            if m is not self.first:
+                await m.engine.stop()
+
+    async def _idle_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            if self._lock.locked():
+                continue
+            for name in idle_victims(self.clock(), self.residents()):
+                async with self._lock:
+                    m = self.models[name]
+                    if m.loaded and not m.leases:
+                        try:
+                            await self._unload(m, "idle", 0.0)
+                        except ModelRefused as exc:
+                            log.warning("[idle-unload] %s: %s", name, exc.message)
+
+    async def metrics_text(self) -> bytes:
+        """Every model's metrics in one exposition, each sample labelled with its model (imp.engine.exposition),
+        and the fleet's own: resident bytes, loads and unloads, the budget; imp_model_loaded 0 for a model of
+        the catalog never loaded."""
+        from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+        from imp.engine.exposition import merge
+
+        reg = CollectorRegistry()
+        loaded = Gauge("imp_model_loaded", "1 while the model is loaded", ["model"], registry=reg)
+        resident = Gauge("imp_model_resident_bytes", "bytes the model holds while resident (0 unloaded), "
+                         "measured at its last load", ["model", "memory"], registry=reg)
+        swaps = Counter("imp_model_swaps", "model loads (in) and unloads for another model (out)",
+                        ["model", "direction"], registry=reg)
+        idle = Counter("imp_model_idle_unloads", "unloads after the model's idle-unload time", ["model"], registry=reg)
+        last = Gauge("imp_model_load_seconds_last", "seconds the model's last load took", ["model"], registry=reg)
+        budget = Gauge("imp_models_memory_budget_bytes", "--models-memory (0: no limit)", ["memory"], registry=reg)
+        budget.labels("device").set(self.budget.device)
+        budget.labels("host").set(self.budget.host)
+        Gauge("imp_models_swapping", "1 while a model loads or swaps (/ready: swapping)", registry=reg).set(
+            1 if self.swapping else 0)
+        for e in self.catalog.entries:
+            m = self.models.get(e.name)
+            if m is None:
+                loaded.labels(e.name).set(0)
+                continue
+            fp = m.footprint if m.loaded else Footprint()
+            resident.labels(e.name, "device").set(fp.device)
+            resident.labels(e.name, "host").set(fp.host)
+            swaps.labels(e.name, "in").inc(m.stats["swaps_in"])
+            swaps.labels(e.name, "out").inc(m.stats["swaps_out"])
+            idle.labels(e.name).inc(m.stats["idle_unloads"])
+            last.labels(e.name).set(m.load_seconds)
+        parts = [(name, await m.engine.metrics_text()) for name, m in self.models.items()]
+        return merge([*parts, ("", generate_latest(reg))])
+
+    async def drain(self, timeout_s: float) -> int:
+        """SIGTERM: every model's admitted requests finish (up to timeout_s); how many were left."""
+        left = await asyncio.gather(*(m.engine.drain(timeout_s) for m in self.models.values()))
+        return sum(left)
+
+
+def _bytes(f: Footprint) -> str:
+    parts = [f"{f.device / 2**20:.0f} MiB device"] if f.device else []
+    return ", ".join(parts + [f"{f.host / 2**20:.0f} MiB host"])

@@ -1,0 +1,202 @@
+"""The fleet's shell (imp.engine.fleet) over fake engines: leases, drains that never cancel, one swap at a
+time, a failed load restoring what it unloaded, adapters dropped on a swap, idle unloads. The budget's
+decisions themselves are test_residency's; the real thing through HTTP is test_models_server's."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from imp.core.residency import Budget
+from imp.engine.catalog import Catalog, Entry
+from imp.engine.fleet import Fleet
+from imp.engine.port import ModelRefused
+from imp.engine.port import LoraInfo
+from imp.messages import MemoryState
+
+MB = 2**20
+
+
+class FakeEngine:
+    def __init__(self, name: str, log: list):
+        self.name, self.log, self.fault, self.loaded = name, log, None, True
+        self.adapters: dict[int, LoraInfo] = {}
+        self.card = type("Card", (), {"name": name, "path": f"/m/{name}.gguf"})()
+
+    async def release(self, reason):
+        self.log.append(("release", self.name, reason))
+        self.loaded = False
+        return [MemoryState("executor", False, reason, 0.0, rss_before=200 * MB, rss_after=100 * MB)]
+
+    async def reload(self):
+        await asyncio.sleep(0.01)
+        self.log.append(("reload", self.name))
+        self.loaded = True
+        return [MemoryState("executor", True, "resume", 0.0)]
+
+    def loras(self):
+        return tuple(self.adapters.values())
+
+    def lora_named(self, name):
+        return next((i for i, a in self.adapters.items() if a.name == name), None)
+
+    async def lora_unload(self, lid, name, drain_s=30.0):
+        return self.adapters.pop(lid)
+
+    async def drain(self, timeout_s):
+        return 0
+
+    async def stop(self):
+        self.log.append(("stop", self.name))
+
+    async def metrics_text(self):
+        return f"# HELP imp_requests_total r\n# TYPE imp_requests_total counter\nimp_requests_total 1.0\n".encode()
+
+
+def _fleet(budget_mb=250, fail=(), drain_s=0.5, idle_s=0.0, entries=None):
+    log: list = []
+    entries = entries or {n: Entry(n, f"/m/{n}.gguf", 100 * MB) for n in "abc"}
+
+    async def build(entry):
+        await asyncio.sleep(0.02)
+        log.append(("build", entry.name))
+        if entry.name in fail:
+            raise ValueError(f"{entry.name}: not a GGUF")
+        e = FakeEngine(entry.name, log)
+        return e, f"text-{entry.name}", None
+
+    first = entries["a"]
+    f = Fleet(Catalog(tuple(entries.values())), Budget(0, budget_mb * MB), build, first,
+              (FakeEngine("a", log), "text-a", None), on_gpu=False, drain_s=drain_s, idle_s=idle_s)
+    return f, log
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_request_loads_its_model_and_the_least_recently_used_idle_one_goes():
+    async def go():
+        f, log = _fleet()
+        async with f.use("b") as m:
+            assert m.text == "text-b" and m.leases == 1
+        assert [n for n, x in f.models.items() if x.loaded] == ["a", "b"]
+        async with f.use("c"):
+            pass
+        assert [n for n, x in f.models.items() if x.loaded] == ["b", "c"]
+        assert ("release", "a", "model-swap") in log
+        assert f.models["a"].footprint.host == 100 * MB and f.models["a"].measured  # the larger: estimate, freed
+        async with f.use("a"):  # back by a reload of its own engine, not a second build
+            pass
+        assert log.count(("build", "a")) == 0 and ("reload", "a") in log
+        assert {n for n, x in f.models.items() if x.loaded} == {"c", "a"}
+        with pytest.raises(ModelRefused) as e:
+            f.resolve("nope")
+        assert e.value.status == 404 and e.value.code == "model_not_found" and "a, b, c" in e.value.message
+
+    run(go())
+
+
+def test_a_busy_model_is_drained_never_cancelled_and_a_timeout_keeps_it():
+    async def go():
+        f, log = _fleet(budget_mb=150, drain_s=5.0)
+        held = asyncio.Event()
+        done = asyncio.Event()
+
+        async def long_request():
+            async with f.use("a"):
+                held.set()
+                await asyncio.sleep(0.3)
+            done.set()
+
+        t = asyncio.create_task(long_request())
+        await held.wait()
+        async with f.use("b") as m:  # waits for a's request to end, then a goes
+            assert done.is_set() and m.entry.name == "b"
+            assert f.swapping is None
+        await t
+        assert not f.models["a"].loaded
+
+        f.drain_s = 0.1
+        async with f.use("b"):  # b busy for longer than the drain: the request for a is refused, b stays
+            with pytest.raises(ModelRefused) as e:
+                async with f.use("a"):
+                    pass
+        assert e.value.status == 503 and e.value.code == "model_swap_timeout" and e.value.retry_after
+        assert f.models["b"].loaded and not f.models["b"].leaving
+
+    run(go())
+
+
+def test_requests_waiting_for_one_model_share_one_load_and_a_leaver_does_not_cancel_it():
+    async def go():
+        f, log = _fleet(budget_mb=1000)
+        seen = []
+
+        async def one():
+            async with f.use("b") as m:
+                seen.append(m.entry.name)
+
+        gone = asyncio.create_task(asyncio.wait_for(f.acquire(f.catalog.named("b")), 0.001))
+        await asyncio.gather(one(), one(), one(), return_exceptions=True)
+        with pytest.raises(asyncio.TimeoutError):
+            await gone
+        assert seen == ["b"] * 3 and log.count(("build", "b")) == 1
+        assert f.models["b"].leases == 0
+
+    run(go())
+
+
+def test_a_model_that_fails_to_load_brings_back_what_its_swap_unloaded():
+    async def go():
+        f, log = _fleet(budget_mb=150, fail=("b",))
+        with pytest.raises(ModelRefused) as e:
+            async with f.use("b"):
+                pass
+        assert e.value.status == 500 and e.value.code == "model_load_failed" and "not a GGUF" in e.value.message
+        assert f.models["a"].loaded and "b" not in f.models and f.swapping is None
+        assert log[-1] == ("reload", "a")
+
+    run(go())
+
+
+def test_a_swap_drops_the_models_adapters_one_line_each(caplog):
+    async def go():
+        f, log = _fleet(budget_mb=150)
+        a = f.models["a"].engine
+        a.adapters[1] = LoraInfo(id=1, name="style", path="/l/style")
+        assert f.resolve("style") == (f.models["a"].entry, 1)  # an adapter's name reaches its base model
+        async with f.use("b"):
+            pass
+        assert a.adapters == {}
+        with pytest.raises(ModelRefused):
+            f.resolve("style")
+
+    with caplog.at_level(logging.INFO, logger="imp.fleet"):
+        run(go())
+    assert "[model-swap] dropped LoRA adapter 'style' (id=1, path=/l/style): model swapped" in caplog.text
+
+
+def test_unload_and_load_by_the_admin_and_the_idle_clock():
+    async def go():
+        entries = {n: Entry(n, f"/m/{n}.gguf", 100 * MB, idle_unload_s=(0.5 if n == "b" else None)) for n in "abc"}
+        f, log = _fleet(budget_mb=1000, entries=entries)
+        await f.start()
+        with pytest.raises(ModelRefused) as e:
+            await f.unload("b")
+        assert e.value.status == 409
+        await f.load("b")
+        await f.load("b")  # a no-op
+        assert log.count(("build", "b")) == 1
+        await f.unload("a")
+        assert not f.models["a"].loaded
+        await asyncio.sleep(1.8)  # b's own idle time passed; a has none (the server's is 0)
+        assert not f.models["b"].loaded and f.models["b"].stats["idle_unloads"] == 1
+        text = (await f.metrics_text()).decode()
+        assert 'imp_requests_total{model="a"} 1.0' in text and 'imp_requests_total{model="b"} 1.0' in text
+        assert 'imp_model_loaded{model="c"} 0.0' in text and "imp_models_memory_budget_bytes" in text
+        await f.stop()
+
+    run(go())

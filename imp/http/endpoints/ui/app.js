@@ -180,12 +180,11 @@ async function loadModels() {
   }
   const wanted = load(KEY.settings, {}).model;
   select.replaceChildren();
-  // the loaded model first; the rest of --models-dir is listed but not served
+  // the loaded models first; the rest of --models-dir loads when a request names it (models on demand)
   const sorted = [...state.models].sort((a, b) => (b.loaded !== false) - (a.loaded !== false));
   for (const m of sorted) {
-    const o = el("option", null, m.id + (m.loaded === false ? " (not loaded)" : ""));
+    const o = el("option", null, m.id + (m.loaded === false ? " (loads on first use)" : ""));
     o.value = m.id;
-    o.disabled = m.loaded === false;
     select.append(o);
   }
   const ok = sorted.find((m) => m.id === wanted && m.loaded !== false) || sorted.find((m) => m.loaded !== false);

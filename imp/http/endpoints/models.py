@@ -64,17 +64,10 @@ def _fleet(request: web.Request):
     return fleet
 
 
-def _name(body: dict) -> str:
-    v = body.get("model")
-    if not isinstance(v, str) or not v:
-        raise bad("'model' must be the name of a model (GET /v1/models)", "model")
-    return v
-
-
 async def load(request: web.Request) -> web.Response:
     fleet = _fleet(request)
     body = await B.read_json(request)
-    name = _name(body)
+    name = B.model_name(body)
     try:
         m = await fleet.load(name)
     except ModelRefused as exc:
@@ -85,7 +78,7 @@ async def load(request: web.Request) -> web.Response:
 async def unload(request: web.Request) -> web.Response:
     fleet = _fleet(request)
     body = await B.read_json(request)
-    name = _name(body)
+    name = B.model_name(body)
     drain = body.get("drain_s")
     if drain is not None and (isinstance(drain, bool) or not isinstance(drain, (int, float)) or not 0 <= drain <= 3600):
         raise bad("'drain_s' must be a number of seconds in 0..3600", "drain_s")

@@ -95,11 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--embedding-model: {exc}")
     import os
 
-    from imp.config import api_servers, fleet_mode
+    from imp.config import api_servers
 
-    if fleet_mode(cfg) and api_servers(cfg, os.cpu_count() or 1) > 0:
-        p.error("--models-dir / --models-file serve in one process for now: the API-server processes do not "
-                "route by model yet; leave --api-servers out (or 0)")
     if api_servers(cfg, os.cpu_count() or 1) > 0:  # an engine process and API-server processes
         from imp.procs import supervise
 

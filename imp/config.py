@@ -272,8 +272,6 @@ def api_servers(cfg: ServerConfig, cores: int) -> int:
     process; on a GPU the per-token host work moves off the engine's loop."""
     if cfg.api_servers >= 0:
         return cfg.api_servers
-    if fleet_mode(cfg):  # the API servers do not yet route by model (imp/engine/fleet.py): HTTP in the engine's process
-        return 0
     if not cfg.device.startswith("cuda") or cores < 4:
         return 0
     return max(1, min(4, cores // 16))  # one on a 16-core host: measured best at 16-64 streams

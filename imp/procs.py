@@ -98,28 +98,42 @@ def engine_main(argv: list[str]) -> int:
     except (StoreOpenError, ValueError) as exc:
         _progress(f"cannot start: {exc}")
         return 2
+    from imp.config import fleet_mode
+    from imp.engine.catalog import CatalogError
+
+    fleet = None
     try:
-        engine, _text = load_engine(cfg, store)
-    except (ModelFileError, FetchError) as exc:  # a wrong --model: one line, not a traceback
+        if fleet_mode(cfg):  # models on demand: the fleet lives here, the API servers route by model
+            from dataclasses import replace
+
+            from imp.server import fleet_for
+
+            engine, text = load_engine(replace(cfg, idle_unload_s=0.0), store)
+            fleet = fleet_for(cfg, engine, text)
+        else:
+            engine, _text = load_engine(cfg, store)
+    except (ModelFileError, FetchError, CatalogError) as exc:  # a wrong --model: one line, not a traceback
         _progress(f"cannot start: {exc}")
         return 2
     settle_after_boot()
-    _run(_engine(cfg, engine, args["endpoint"], int(args["ready"])))
+    _run(_engine(cfg, engine, args["endpoint"], int(args["ready"]), fleet))
     return 0
 
 
-async def _engine(cfg: ServerConfig, engine, endpoint: str, ready_fd: int) -> None:
+async def _engine(cfg: ServerConfig, engine, endpoint: str, ready_fd: int, fleet=None) -> None:
     from imp.engine.host import EngineHost
     from imp.server import drain
 
     await engine.start()
+    if fleet is not None:
+        await fleet.start()
     rate_take = None
     if cfg.rate_limit:  # one set of buckets for every API server
         from imp.http.access import RateLimiter
 
         limiter = RateLimiter(cfg.rate_limit)
         rate_take = lambda caller: limiter.take(caller, time.monotonic())  # noqa: E731
-    host = EngineHost(engine, endpoint, grammars=engine.grammars, rate_take=rate_take)
+    host = EngineHost(engine, endpoint, grammars=engine.grammars, rate_take=rate_take, fleet=fleet)
     await host.start()
     if cfg.agent_port:  # HAProxy's agent-check lives where the figures are: the engine (imp.http.agent)
         from imp.http.agent import engine_answer, start_agent
@@ -131,7 +145,7 @@ async def _engine(cfg: ServerConfig, engine, endpoint: str, ready_fd: int) -> No
     _ready(ready_fd)
     await signals.get()
     _progress(f"engine: draining (up to {cfg.shutdown_timeout_s:g}s) ...")
-    left = await drain(engine, signals, cfg.shutdown_timeout_s)
+    left = await drain(fleet or engine, signals, cfg.shutdown_timeout_s)
     if left:
         _progress(f"engine: {left} requests still running are cut")
     await asyncio.sleep(0.05)  # the last Items go out before the Bye
@@ -140,6 +154,8 @@ async def _engine(cfg: ServerConfig, engine, endpoint: str, ready_fd: int) -> No
     while host.peers and loop.time() < deadline:
         await asyncio.sleep(0.05)
     await host.stop()
+    if fleet is not None:  # the other models' logs
+        await fleet.stop()
     await engine.stop()  # the event log and the store are flushed and closed
 
 
@@ -172,7 +188,16 @@ async def _api(cfg, text, grammars, api_keys, endpoint: str, index: int, sock, r
 
     port = RemoteEngine(endpoint, text.tokenizer, api=index)
     await port.start()
-    app = create_app(port, text, cfg, grammars=grammars, api_keys=api_keys, rate=port.rate_take, embedder=embedder)
+    fleet = None
+    if port.default_model:  # models on demand: route by model; each model's text side read here when named
+        from dataclasses import replace
+
+        from imp.engine.remote_fleet import RemoteFleet
+        from imp.server import load_text
+
+        fleet = RemoteFleet(port, lambda path: load_text(replace(cfg, model=path)), (port.card.path, text, grammars))
+    app = create_app(port, text, cfg, grammars=grammars, api_keys=api_keys, rate=port.rate_take, embedder=embedder,
+                     fleet=fleet)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=max(1.0, cfg.shutdown_timeout_s))
     await runner.setup()

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+import msgspec
 from aiohttp import web
 
 from imp.config import ServerConfig, replica_devices, step_tokens
@@ -318,6 +319,8 @@ def fleet_for(cfg: ServerConfig, engine, text):
     catalog = scan(cfg.models_dir, cfg.models_file, model_header)
     first = next((e for e in catalog.entries if Path(e.path) == Path(engine.card.path).resolve()), None)
     first = first or entry_for(Path(engine.card.path), engine.card.name, header=model_header)
+    # the fleet's name everywhere (responses' `model`, metrics' label, the log's header): set before it starts
+    engine.card = msgspec.structs.replace(engine.card, name=first.name)
     gb = 2**30
     budget = Budget(int(cfg.models_memory_gb * gb), int(cfg.models_host_memory_gb * gb)) if gpu else \
         Budget(0, int(cfg.models_memory_gb * gb))
@@ -326,6 +329,7 @@ def fleet_for(cfg: ServerConfig, engine, text):
         mcfg = dataclasses.replace(cfg, model=entry.path, event_log=model_log(cfg.event_log, entry.name),
                                    idle_unload_s=0.0, agent_port=0)
         eng, tm = await asyncio.to_thread(load_engine, mcfg, None)  # the file read off the loop
+        eng.card = msgspec.structs.replace(eng.card, name=entry.name)
         await eng.start()
         return eng, tm, eng.grammars
 

@@ -20,6 +20,8 @@ MB = 2**20
 
 
 class FakeEngine:
+    store = None
+
     def __init__(self, name: str, log: list):
         self.name, self.log, self.fault, self.loaded = name, log, None, True
         self.adapters: dict[int, LoraInfo] = {}
@@ -198,5 +200,53 @@ def test_unload_and_load_by_the_admin_and_the_idle_clock():
         assert 'imp_requests_total{model="a"} 1.0' in text and 'imp_requests_total{model="b"} 1.0' in text
         assert 'imp_model_loaded{model="c"} 0.0' in text and "imp_models_memory_budget_bytes" in text
         await f.stop()
+
+    run(go())
+
+
+def test_the_engine_host_leases_a_model_per_request_and_a_client_gone_during_the_load_holds_nothing():
+    """The process layout's side (imp.engine.host): an Open naming a fleet model waits for it, holds a lease
+    until its Close; a Close while the model still loads opens nothing; a name nothing matches is the
+    request's Reject."""
+    import os
+
+    from imp.engine import wire
+    from imp.engine.host import EngineHost
+    from imp.engine.port import Submission
+    from imp.messages import Reject, SamplingParams
+
+    class Handle:
+        def __init__(self, rid):
+            self.req_id, self.done, self.queue = rid, False, None
+
+    async def go():
+        f, log = _fleet(budget_mb=1000)
+        closed = []
+        FakeEngine.open = lambda self, sub: Handle(sub.req_id)
+        FakeEngine.close = lambda self, h, lora=0: closed.append(h.req_id)
+        try:
+            host = EngineHost(f.first.engine, "ipc:///nonexistent", fleet=f)
+            out = []
+            host._send = lambda ident, frames: out.extend(frames)
+            host._on(b"p", wire.Hello(0, os.getpid()))
+            peer = host.peers[b"p"]
+            sub = lambda rid: Submission(req_id=rid, prompt=(1, 2), params=SamplingParams(max_tokens=2))  # noqa: E731
+            host._on(b"p", wire.Open(sub("gone"), "b"))
+            await asyncio.sleep(0)
+            host._on(b"p", wire.Close("gone"))  # its client left while b loads
+            host._on(b"p", wire.Open(sub("kept"), "c"))
+            host._on(b"p", wire.Open(sub("nope"), "no-such-model"))
+            await asyncio.sleep(0.2)
+            assert f.models["b"].loaded and f.models["b"].leases == 0 and "gone" not in peer.open
+            assert "kept" in peer.open and f.models["c"].leases == 1
+            host._on(b"p", wire.Close("kept"))
+            assert f.models["c"].leases == 0 and closed == ["kept"]
+            host._flush()
+            rejects = [r for fr in out if isinstance(fr, wire.Items) for r in fr.items if isinstance(r, Reject)]
+            assert [(r.req_id, r.status) for r in rejects] == [("nope", 404)]
+            states = [fr for fr in out if isinstance(fr, wire.State)]
+            assert states and set(states[-1].models) == {"a", "b", "c"}  # every swap told the API servers
+        finally:
+            del FakeEngine.open, FakeEngine.close
 
     run(go())

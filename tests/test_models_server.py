@@ -20,8 +20,10 @@ from tests.serverproc import ServerProcess, call
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def fleet_server(smollm2_path, tmp_path_factory):
+@pytest.fixture(scope="module", params=[0, 2], ids=["one-process", "api-servers-2"])
+def fleet_server(request, smollm2_path, tmp_path_factory):
+    """One process, and the process layout (the fleet in the engine process, two API servers routing by
+    model: imp.engine.remote_fleet)."""
     from tests.fixtures.synth import write_synthetic_gguf
 
     d = tmp_path_factory.mktemp("fleet")
@@ -37,7 +39,7 @@ def fleet_server(smollm2_path, tmp_path_factory):
     log = d / "events.log"
     srv = ServerProcess(str(models / "smol.gguf"), "--models-dir", str(models), "--models-file",
                         str(models / "models.toml"), "--kv-cache-tokens", "4096", "--models-memory", "0.30",
-                        "--event-log", str(log), log_path=d / "server.out")
+                        "--event-log", str(log), "--api-servers", str(request.param), log_path=d / "server.out")
     srv.dir = d
     with srv:
         yield srv
@@ -128,6 +130,14 @@ def test_admin_load_unload_and_every_models_log_replays(fleet_server):
     assert st == 200 and body["unloaded"] and not body["loaded"], body
     st, body = call(url, "/admin/models/unload", {"model": "llama-synth"})
     assert st == 409 and body["error"]["code"] == "model_not_loaded"
+    ask = {"model": "llama-synth", "messages": [{"role": "user", "content": "hi"}]}
+    for path, b in (("/v1/estimate", ask), ("/v1/chat/completions", {**ask, "dry_run": True})):
+        st, est = call(url, path, b)  # an estimate never loads a model (capacity reference)
+        assert st == 200 and est["resident"] is False and est["model"] == "llama-synth", est
+    row = _loaded(url)["llama-synth"]
+    assert not row["loaded"] and row["max_context_at_width_1"] is None and row["context_length"] == 2048
+    st, est = call(url, "/v1/estimate", {**ask, "model": "smol"})
+    assert st == 200 and est["resident"] is True and est["prompt_tokens"] > 0, est
     st, body = call(url, "/admin/models/load", {"model": "nope"})
     assert st == 404 and body["error"]["code"] == "model_not_found"
     st, body = call(url, "/admin/models/load", {})

@@ -82,6 +82,7 @@ class Fleet:
         self._pending: dict[str, asyncio.Future] = {}  # name -> the swap bringing it in
         self._idle_task: asyncio.Task | None = None
         self.swap_seconds: list[float] = []  # every load's seconds (build or reload), for /metrics
+        self.on_change = None  # () -> None after a model loads or unloads (the engine host tells the API servers)
 
     # ------------------------------------------------------------------ names
 
@@ -110,8 +111,12 @@ class Fleet:
         try:
             yield m
         finally:
-            m.leases -= 1
-            m.last_used = self.clock()
+            self.release(m)
+
+    def release(self, m: Model) -> None:
+        """A lease from `acquire` ends."""
+        m.leases -= 1
+        m.last_used = self.clock()
 
     async def acquire(self, entry: Entry) -> Model:
         while True:
@@ -211,7 +216,12 @@ class Fleet:
         m.stats["swaps_in"] += 1
         self.swap_seconds.append(m.load_seconds)
         log.info("[model-swap] %s loaded in %.2fs (%s)", entry.name, m.load_seconds, _bytes(m.footprint))
+        self._changed()
         return m
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     async def _unload(self, m: Model, reason: str, drain_s: float) -> None:
         """Drain m's requests (never cancelled) for up to drain_s, drop its adapters, release its weights."""
@@ -239,6 +249,7 @@ class Fleet:
                 m.footprint = Footprint(max(freed.device, m.footprint.device), max(freed.host, m.footprint.host))
                 m.measured = True
             log.info("[model-swap] %s unloaded (%s): %s freed", m.entry.name, reason, _bytes(freed) if freed else "?")
+            self._changed()
         finally:
             m.leaving = False
 
@@ -263,6 +274,86 @@ class Fleet:
                 return m
 
         return await asyncio.shield(asyncio.ensure_future(unload()))  # a client that leaves does not cut it
+
+    # ------------------------------------------------------------------ what HTTP reads (imp.engine.port.Models)
+
+    @property
+    def default(self) -> str:
+        return self.first.entry.name
+
+    @contextlib.asynccontextmanager
+    async def serve(self, name: str, timeout_s: float = 0.0, load: bool = True):
+        """(port, text model, grammars) of the model name names, resident for the block (a lease). load=False
+        (an estimate, which never loads a model): ModelRefused 409 model_not_loaded when it is not resident."""
+        if not load:
+            self.resident_now(name)
+        async with self.use(name, timeout_s) as m:
+            yield m.engine, m.text, m.grammars
+
+    def resident_now(self, name: str) -> Model:
+        entry, _ = self.resolve(name)
+        m = self.models.get(entry.name)
+        if m is None or not m.loaded or m.leaving:
+            raise ModelRefused(409, "model_not_loaded", f"model {entry.name!r} is not loaded")
+        return m
+
+    def row(self, e: Entry) -> dict:
+        """One model's /v1/models row: resident or not, its bytes and its context figures."""
+        m = self.models.get(e.name)  # None: never loaded
+        loaded = m is not None and m.loaded
+        row = {"id": e.name, "object": "model", "created": e.created, "owned_by": "imp", "loaded": loaded,
+               "size_bytes": e.size_bytes, "context_length": e.context_length,
+               "max_context_at_width_1": None}  # the capacity reference: null until its pool exists
+        if e.aliases:
+            row["aliases"] = list(e.aliases)
+        if m is not None:
+            card = m.engine.card
+            row.update(context_length=card.context_length, loads=m.loads, last_load_seconds=round(m.load_seconds, 3))
+            if loaded:  # its KV pool exists now
+                row.update(max_context_at_width_1=min(card.context_length, card.kv_blocks * card.block_size),
+                           kv_capacity_tokens=card.kv_blocks * card.block_size * card.replicas)
+        fp = m.footprint if loaded else Footprint()
+        row.update(resident_bytes=fp.device + fp.host, resident_device_bytes=fp.device, resident_host_bytes=fp.host)
+        if self.swapping == e.name:
+            row["loading"] = True
+        return row
+
+    async def rows(self) -> list[dict]:
+        """Every model of the catalogue, then the resident models' LoRA adapters (`parent`: their base)."""
+        out = [self.row(e) for e in self.catalog.entries]
+        for m in self.models.values():
+            if m.loaded:
+                out += [{"id": a.name, "object": "model", "created": m.engine.card.created, "owned_by": "imp",
+                         "parent": m.entry.name, "root": a.path, "lora_id": a.id} for a in m.engine.loras()]
+        return out
+
+    async def status(self) -> dict:
+        return {"swapping": self.swapping, "loaded": [n for n, m in self.models.items() if m.loaded]}
+
+    async def resident(self) -> list[dict]:
+        """/v1/metrics' resident_models: a row per resident model."""
+        out = []
+        for m in self.models.values():
+            if m.loaded:
+                card, snap = m.engine.card, await m.engine.snapshot()
+                out.append({"model": m.entry.name, "kind": "chat", "in_flight": snap.queue.running,
+                            "waiting": snap.queue.waiting, "resident_device_bytes": m.footprint.device,
+                            "resident_host_bytes": m.footprint.host, "context_length": card.context_length,
+                            "kv_capacity_tokens": card.kv_blocks * card.block_size, "kv_blocks_free": snap.kv.free,
+                            "kv_blocks_total": snap.kv.total})
+        return out
+
+    def ports(self) -> list:
+        """The resident models' engines (LoRA admin: each numbers its own adapters)."""
+        return [m.engine for m in self.models.values() if m.loaded]
+
+    async def load_row(self, name: str) -> dict:
+        m = await self.load(name)
+        return {**self.row(m.entry), "loaded": True}
+
+    async def unload_row(self, name: str, drain_s: float | None = None) -> dict:
+        m = await self.unload(name, drain_s)
+        return {**self.row(m.entry), "unloaded": True}
 
     # ------------------------------------------------------------------ idle unload, lifecycle
 

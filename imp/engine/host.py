@@ -23,33 +23,38 @@ import zmq
 import zmq.asyncio
 
 from imp.engine import wire
-from imp.engine.port import LoraRefused
+from imp.engine.port import LoraRefused, ModelRefused
 from imp.messages import Fault, Reject
 
 log = logging.getLogger("imp.engine.host")
 
 
 class _Peer:
-    __slots__ = ("ident", "api", "pid", "open", "out")
+    __slots__ = ("ident", "api", "pid", "open", "out", "pending")
 
     def __init__(self, ident: bytes, api: int, pid: int):
         self.ident, self.api, self.pid = ident, api, pid
-        self.open: dict[str, tuple] = {}  # req_id -> (ingress handle, lora id)
+        self.open: dict[str, tuple] = {}  # req_id -> (engine, ingress handle, lora id, fleet Model or None)
         self.out: list = []  # Items not yet sent this turn
+        self.pending: set[str] = set()  # requests waiting for their model (a swap); a Close takes one out
 
 
 class _Sink:
     """Stands in for a request handle's queue: what ingress delivers goes to the peer."""
 
-    __slots__ = ("host", "peer", "handle")
+    __slots__ = ("host", "peer", "handle", "own")
 
-    def __init__(self, host: "EngineHost", peer: _Peer, handle):
+    def __init__(self, host: "EngineHost", peer: _Peer, handle, own: bool = False):
         self.host, self.peer, self.handle = host, peer, handle
+        self.own = own  # a fleet model's engine (not the boot one): its fault is this request's alone
 
     def put_nowait(self, item) -> None:
-        if isinstance(item, Fault):  # said once to every peer, as State
-            self.host._check_fault()
-            return
+        if isinstance(item, Fault):  # the boot engine's: said once to every peer, as State
+            if self.own:
+                item = Reject(self.handle.req_id, 500, "engine_faulted", item.error)
+            else:
+                self.host._check_fault()
+                return
         self.peer.out.append(item)
         self.host._wake()
         if self.handle.done:
@@ -61,10 +66,14 @@ class EngineHost:
     """Serves `engine` (an imp.engine.local.LocalEngine: its handles carry token ids) to the
     API servers connecting to `endpoint` (an ipc:// or tcp:// ZMQ address)."""
 
-    def __init__(self, engine, endpoint: str, grammars=None, watch_s: float = 0.25, rate_take=None):
+    def __init__(self, engine, endpoint: str, grammars=None, watch_s: float = 0.25, rate_take=None, fleet=None):
         """rate_take: (caller) -> seconds to wait, --rate-limit's one set of buckets for every
-        API server (injected at boot), or None."""
+        API server (injected at boot), or None; fleet: models on demand (imp.engine.fleet.Fleet, whose boot
+        model's engine is `engine`), or None."""
         self.engine = engine
+        self.fleet = fleet
+        if fleet is not None:  # a swap changes the resident models and drops adapters: every API server hears
+            fleet.on_change = self._broadcast_state
         self.endpoint = endpoint
         self.grammars = grammars  # compile a request's grammar here before it is queued
         self.rate_take = rate_take
@@ -124,7 +133,12 @@ class EngineHost:
         self._wake()
 
     def _state(self) -> wire.State:
-        return wire.State(fault=self._fault, loras=self.engine.loras())
+        if self.fleet is None:
+            return wire.State(fault=self._fault, loras=self.engine.loras())
+        res = {n: m for n, m in self.fleet.models.items() if m.loaded}
+        return wire.State(fault=self._fault, loras=self.engine.loras(),
+                          models={n: m.engine.card for n, m in res.items()},
+                          model_loras={n: m.engine.loras() for n, m in res.items()})
 
     def _broadcast_state(self) -> None:
         st = self._state()
@@ -139,9 +153,13 @@ class EngineHost:
             self._broadcast_state()
 
     def _finished(self, peer: _Peer, req_id: str) -> None:
+        peer.pending.discard(req_id)
         ent = peer.open.pop(req_id, None)
         if ent is not None:
-            self.engine.close(*ent)
+            eng, h, lora, m = ent
+            eng.close(h, lora)
+            if m is not None:  # the request's lease on its model ends (imp.engine.fleet)
+                self.fleet.release(m)
 
     # ------------------------------------------------------------------ input
 
@@ -166,7 +184,8 @@ class EngineHost:
             for old in [p for p in self.peers.values() if p.api == f.api or p.ident == ident]:
                 self._drop(old, "restarted")
             peer = self.peers[ident] = _Peer(ident, f.api, f.pid)
-            self._reply(peer, wire.Welcome(eng.card, os.getpid(), eng.loras(), eng.store is not None))
+            self._reply(peer, wire.Welcome(eng.card, os.getpid(), eng.loras(), eng.store is not None,
+                                           self.fleet.default if self.fleet is not None else ""))
             self._reply(peer, self._state())
             log.info("API server %d (pid %d) connected", f.api, f.pid)
             return
@@ -174,7 +193,10 @@ class EngineHost:
             log.warning("frame %s from an API server that did not say Hello", type(f).__name__)
             return
         t = type(f)
-        if t is wire.Open:
+        if t is wire.Open and f.model and self.fleet is not None:
+            peer.pending.add(f.sub.req_id)
+            self._spawn(self._open_model(peer, f.sub, f.model))
+        elif t is wire.Open:
             c = f.sub.params.constraint
             if c is not None and self.grammars is not None and self.grammars.get(c) is None:
                 self._spawn(self._open_compiled(peer, f.sub))  # compiled off the loop, then queued
@@ -184,13 +206,14 @@ class EngineHost:
             self._finished(peer, f.req_id)
         elif t is wire.StopChoice:
             if f.req_id in peer.open:
-                eng.stop_choice(f.req_id, f.index)
+                peer.open[f.req_id][0].stop_choice(f.req_id, f.index)
         elif t is wire.Think:
-            eng.end_thinking(f.req_id, f.token_ids)
+            ent = peer.open.get(f.req_id)
+            (ent[0] if ent is not None else eng).end_thinking(f.req_id, f.token_ids)
         elif t is wire.SessionEnd:
             eng.close_session(f.session_id)
         elif t is wire.Report:
-            eng.report(f.stats)
+            self._engine_of(f.stats.model if self.fleet is not None else "").report(f.stats)
         elif t is wire.Call:
             self._spawn(self._call(peer, f))
         elif t is wire.StoreCall:
@@ -206,7 +229,47 @@ class EngineHost:
             self._reply(peer, Reject(sub.req_id, status, code, getattr(exc, "message", str(exc))))
             return
         h.queue = _Sink(self, peer, h)
-        peer.open[sub.req_id] = (h, sub.params.lora)
+        peer.open[sub.req_id] = (self.engine, h, sub.params.lora, None)
+
+    async def _open_model(self, peer: _Peer, sub, name: str) -> None:
+        """A request for a fleet model: a lease on it (waiting for a swap if need be), then opened on its
+        engine; a refusal is the request's Reject. A request closed while it waited is not opened."""
+        rid = sub.req_id
+        try:
+            entry, _ = self.fleet.resolve(name)
+            m = await self.fleet.acquire(entry)
+        except ModelRefused as exc:
+            if rid in peer.pending:
+                peer.pending.discard(rid)
+                self._reply(peer, Reject(rid, exc.status, exc.code, exc.message))
+            return
+        if rid not in peer.pending or self.peers.get(peer.ident) is not peer:
+            self.fleet.release(m)  # its client left while the model loaded
+            return
+        peer.pending.discard(rid)
+        c = sub.params.constraint
+        if c is not None and m.grammars is not None and m.grammars.get(c) is None:
+            try:
+                await m.grammars.compile(c)
+            except Exception:  # noqa: BLE001 - HTTP compiled it already; the book compiles again if need be
+                log.debug("grammar for %s did not compile in the engine", rid, exc_info=True)
+        try:
+            h = m.engine.open(sub)
+        except (LoraRefused, ValueError) as exc:
+            self.fleet.release(m)
+            status, code = (exc.status, exc.code) if isinstance(exc, LoraRefused) else (400, "invalid_request")
+            self._reply(peer, Reject(rid, status, code, getattr(exc, "message", str(exc))))
+            return
+        h.queue = _Sink(self, peer, h, own=m.engine is not self.engine)
+        peer.open[rid] = (m.engine, h, sub.params.lora, m)
+
+    def _engine_of(self, model: str):
+        """The engine a per-model call is for: the boot one for "" (or a model never loaded)."""
+        if not model or self.fleet is None:
+            return self.engine
+        m = self.fleet.models.get(model) or next(  # a report names the card's model, which is the fleet's name
+            (x for x in self.fleet.models.values() if x.engine.card.name == model), None)
+        return m.engine if m is not None else self.engine
 
     async def _open_compiled(self, peer: _Peer, sub) -> None:
         try:
@@ -222,9 +285,26 @@ class EngineHost:
         t.add_done_callback(self._calls.discard)
 
     async def _call(self, peer: _Peer, f: wire.Call) -> None:
-        eng = self.engine
+        eng = self._engine_of(f.model)
+        fleet = self.fleet
         try:
-            if f.method == "snapshot":
+            if f.method.startswith("model") and fleet is None:
+                raise ModelRefused(400, "models_not_enabled", "this engine serves one model")
+            if f.method == "model_use":
+                v = await self._model_use(*f.args)
+            elif f.method == "models_rows":
+                v = await fleet.rows()
+            elif f.method == "models_status":
+                v = await fleet.status()
+            elif f.method == "models_resident":
+                v = await fleet.resident()
+            elif f.method == "models_load":
+                v = await fleet.load_row(*f.args)
+            elif f.method == "models_unload":
+                v = await fleet.unload_row(*f.args)
+            elif f.method == "metrics_text" and fleet is not None:
+                v = await fleet.metrics_text()
+            elif f.method == "snapshot":
                 v = eng.figures(*f.args)
             elif f.method == "warm":
                 v = eng.warm_now(*f.args)
@@ -248,11 +328,23 @@ class EngineHost:
             else:
                 raise LoraRefused(400, "unknown_call", f"unknown engine call {f.method!r}")
             self._reply(peer, wire.Answer(f.call_id, wire.raw(v)))
-        except LoraRefused as exc:
+        except (LoraRefused, ModelRefused) as exc:
             self._reply(peer, wire.Answer(f.call_id, status=exc.status, code=exc.code, message=exc.message))
         except Exception as exc:  # noqa: BLE001 - the caller gets an answer, never a hang
             log.exception("engine call %s failed", f.method)
             self._reply(peer, wire.Answer(f.call_id, status=500, code="engine_error", message=str(exc)))
+
+    async def _model_use(self, name: str, load: bool = True) -> wire.ModelUse:
+        """The model name resolves to, resident now (loaded if need be: the API server waits in this call,
+        its request's timeout on its side); its card is what HTTP checks the request against. load=False:
+        ModelRefused 409 model_not_loaded when it is not resident (an estimate never loads a model)."""
+        if not load:
+            self.fleet.resident_now(name)
+        entry, _ = self.fleet.resolve(name)
+        m = self.fleet.models.get(entry.name)
+        if m is None or not m.loaded or m.leaving:
+            m = await self.fleet.load(entry.name)
+        return wire.ModelUse(entry.name, entry.path, m.engine.card)
 
     async def _store(self, peer: _Peer, f: wire.StoreCall) -> None:
         store = self.engine.store

@@ -224,6 +224,10 @@ class EnginePort(Protocol):
 
     async def drain(self, timeout_s: float) -> int: ...
 
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
     async def lora_load(self, path: str, name: str | None) -> LoraInfo:
         """Load an adapter (path relative to --lora-dir, or inside it); LoraRefused."""
 
@@ -240,3 +244,34 @@ class EnginePort(Protocol):
     def store(self):
         """The Responses store's client (async put / get / chain / delete / input_items, each
         answering a StoreReply), or None when the server runs without a store."""
+
+
+class Models(Protocol):
+    """Models on demand (--models-dir): what HTTP asks of the fleet, in this process (imp.engine.fleet) or in
+    the engine process (imp.engine.remote_fleet). Every refusal is a ModelRefused."""
+
+    default: str  # the boot model's name: a request without `model` gets it
+
+    def serve(self, name: str, timeout_s: float = 0.0, load: bool = True):
+        """async context manager -> (EnginePort, TextModel, GrammarCache) of the model name names, loaded first
+        if need be (load=False: ModelRefused 409 model_not_loaded instead), kept resident until the block ends."""
+
+    async def rows(self) -> list[dict]: ...  # /v1/models: every model, then the resident models' adapters
+
+    async def status(self) -> dict: ...  # {"swapping": name | None, "loaded": [names]}
+
+    async def resident(self) -> list[dict]: ...  # /v1/metrics resident_models
+
+    async def load_row(self, name: str) -> dict: ...
+
+    async def unload_row(self, name: str, drain_s: float | None = None) -> dict: ...
+
+    async def metrics_text(self) -> bytes: ...
+
+    def ports(self) -> list: ...  # the resident models' EnginePorts
+
+    async def drain(self, timeout_s: float) -> int: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...

@@ -41,7 +41,8 @@ class EngineGone(Exception):
 
 
 # calls that wait on a drain or a model load: the engine answers them when done
-_SLOW_CALLS = {"suspend": 3600.0, "resume": 600.0, "lora_load": 600.0, "lora_unload": 600.0, "ask_peers": 10.0}
+_SLOW_CALLS = {"suspend": 3600.0, "resume": 600.0, "lora_load": 600.0, "lora_unload": 600.0, "ask_peers": 10.0,
+               "model_use": 3600.0, "models_load": 3600.0, "models_unload": 3600.0}
 
 
 class RemoteEngine:
@@ -70,6 +71,9 @@ class RemoteEngine:
         self._store: StoreClient | None = None
         self._peer_handler = None  # HTTP's answer to a control call for a request it may run
         self._control_tasks: set[asyncio.Task] = set()
+        self.default_model = ""  # models on demand: the fleet's boot model ("" = one model)
+        self.models: dict[str, ModelCard] = {}  # the fleet's resident models' cards, from State
+        self.model_loras: dict[str, tuple[LoraInfo, ...]] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -88,6 +92,7 @@ class RemoteEngine:
         w = await asyncio.wait_for(self._welcome, self.connect_timeout_s)
         self.card, self.engine_pid = w.card, w.engine_pid
         self._loras = w.loras
+        self.default_model = w.default_model
         if w.store:
             self._store = StoreClient(lambda _to, msg: self._store_call(msg), reply_to=f"api{self.api}",
                                       prefix=f"a{self.api}")
@@ -143,6 +148,7 @@ class RemoteEngine:
                         fut.set_result(f)
                 elif t is wire.State:
                     self._loras = f.loras
+                    self.models, self.model_loras = f.models, f.model_loras
                     if f.fault and not self._fault:
                         self._faulted(f.fault)
                 elif t is wire.Welcome:
@@ -189,12 +195,12 @@ class RemoteEngine:
             if self._store is not None:
                 self._store.fail_all(error)
 
-    async def _call(self, method: str, *args, typ=None, timeout_s: float | None = None):
+    async def _call(self, method: str, *args, typ=None, timeout_s: float | None = None, model: str = ""):
         if self._fault and not wire.alive(self.engine_pid):
             raise EngineGone(self._fault)
         cid = next(self._ids)
         fut = self._calls[cid] = asyncio.get_running_loop().create_future()
-        self._send(wire.Call(cid, method, args))
+        self._send(wire.Call(cid, method, args, model))
         # a live engine that does not answer (hung) must not hang the handler for ever
         limit = timeout_s if timeout_s is not None else _SLOW_CALLS.get(method, 30.0)
         try:
@@ -216,17 +222,18 @@ class RemoteEngine:
     def fault(self) -> str | None:
         return self._fault or None
 
-    def submit(self, sub: Submission) -> RenderedStream:
+    def submit(self, sub: Submission, tokenizer=None, model: str = "") -> RenderedStream:
+        """tokenizer, model: a fleet model's (imp.engine.remote_fleet), else the boot engine's."""
         if sub.req_id in self.streams:
             raise ValueError(f"duplicate request id {sub.req_id}")
         rid = sub.req_id
-        s = self.streams[rid] = RenderedStream(self.tokenizer, sub, asyncio.Queue(),
+        s = self.streams[rid] = RenderedStream(tokenizer or self.tokenizer, sub, asyncio.Queue(),
                                                lambda i: self._send(wire.StopChoice(rid, i)),
                                                lambda: self._forget(rid))
         if self._fault:
             s.queue.put_nowait(Fault("engine", self._fault))
         else:  # stop strings stay here: the engine sends token ids, this process makes the text
-            self._send(wire.Open(msgspec.structs.replace(sub, stop=())))
+            self._send(wire.Open(msgspec.structs.replace(sub, stop=()), model))
         return s
 
     def end_thinking(self, req_id: str, token_ids: tuple[int, ...]) -> bool:

@@ -40,9 +40,11 @@ class Hello(Frame):
 
 
 class Open(Frame):
-    """Submit a request (port.submit). Stop strings stay with the API server."""
+    """Submit a request (port.submit). Stop strings stay with the API server. model: the fleet's model it
+    names (models on demand; "" = the boot engine): the engine takes a lease on it, loading it if need be."""
 
     sub: Submission
+    model: str = ""
 
 
 class Close(Frame):
@@ -78,6 +80,7 @@ class Call(Frame):
     call_id: int
     method: str
     args: tuple[Any, ...] = ()
+    model: str = ""  # the fleet model a per-model call (snapshot, warm, lora_*) is for; "" = the boot engine
 
 
 StoreMsg = Union[StorePut, StoreGet, StoreGetChain, StoreDelete, StoreListInputItems]
@@ -98,6 +101,7 @@ class Welcome(Frame):
     engine_pid: int
     loras: tuple[LoraInfo, ...] = ()
     store: bool = False
+    default_model: str = ""  # models on demand: the boot model's name in the fleet ("" = one model)
 
 
 class Items(Frame):
@@ -111,6 +115,17 @@ class State(Frame):
 
     fault: str = ""
     loras: tuple[LoraInfo, ...] = ()
+    # models on demand: each resident model's card and adapters (HTTP's LoRA names and admin read them)
+    models: dict[str, ModelCard] = msgspec.field(default_factory=dict)
+    model_loras: dict[str, tuple[LoraInfo, ...]] = msgspec.field(default_factory=dict)
+
+
+class ModelUse(msgspec.Struct, frozen=True, array_like=True):
+    """The answer to a "model_use" call: the fleet's model a name resolved to, resident now."""
+
+    name: str
+    path: str
+    card: ModelCard
 
 
 class Answer(Frame):

@@ -111,7 +111,7 @@ def create_app(port, text, config, grammars=None, api_keys: tuple[str, ...] | No
     api_keys: every accepted key (read at boot from --api-key and --api-key-file; None:
     just config.api_key); rate: where --rate-limit's buckets are (see access_mw); embedder: the
     sentence-embedding model of --embedding-model (None: /v1/embeddings and /v1/rerank are 400s); fleet:
-    the imp.engine.fleet.Fleet of --models-dir (port is then its boot model's engine), or None."""
+    the imp.engine.port.Models of --models-dir (port is then its boot model's), or None."""
     if api_keys is None:
         api_keys = (config.api_key,) if config.api_key else ()
     app = web.Application(middlewares=[context_mw, access_mw(api_keys, config.rate_limit, rate)],

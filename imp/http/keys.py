@@ -15,4 +15,4 @@ CONFIG: web.AppKey = web.AppKey("config", object)  # imp.config.ServerConfig
 LIVE: web.AppKey = web.AppKey("live_requests", object)  # imp.http.control.LiveRequests
 GRAMMARS: web.AppKey = web.AppKey("grammars", object)  # imp.constrain.compile.GrammarCache, or None
 EMBEDDER: web.AppKey = web.AppKey("embedder", object)  # imp.model.bert.BertEncoder (duck-typed), or None
-FLEET: web.AppKey = web.AppKey("fleet", object)  # imp.engine.fleet.Fleet (models on demand), or None
+FLEET: web.AppKey = web.AppKey("fleet", object)  # imp.engine.port.Models (models on demand), or None

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from imp.engine.port import ModelCard, Snapshot
 from imp.http import keys
-from imp.http.pipeline.served import served
+from imp.http.pipeline.served import NotResident, not_resident, served
 from imp.http.dialects.chat.parse import parse as parse_chat
 from imp.http.pipeline import fields as B
 from imp.http.pipeline.estimate import blocks_for, estimate_for
@@ -231,14 +231,6 @@ def prometheus(snap: dict) -> str:
 # --------------------------------------------------------------------------- handlers
 
 
-async def _resident_row(m) -> dict:
-    card, snap = m.engine.card, await m.engine.snapshot()
-    return {"model": card.name, "kind": "chat", "in_flight": snap.queue.running, "waiting": snap.queue.waiting,
-            "resident_device_bytes": m.footprint.device, "resident_host_bytes": m.footprint.host,
-            "context_length": card.context_length, "kv_capacity_tokens": card.kv_blocks * card.block_size,
-            "kv_blocks_free": snap.kv.free, "kv_blocks_total": snap.kv.total}
-
-
 async def capacity_plan(request: web.Request) -> web.Response:
     if request.query.get("model") and request.app.get(keys.FLEET) is not None:  # that model's pool
         async with served(request, request.query["model"]) as model:
@@ -260,9 +252,12 @@ async def estimate_route(request: web.Request) -> web.Response:
     never run (the same answer as "dry_run": true on a generation route)."""
     body = await B.read_json(request)
     B.boolean(body, "dry_run")  # a non-boolean is a 400 here as well
-    async with served(request, body.get("model")) as model:
-        return web.json_response(await estimate_for(request, parse_chat(body, model.text.tokenizer.vocab_size),
-                                                    model.port, model.text))
+    try:  # an estimate never loads a model (capacity reference)
+        async with served(request, body.get("model"), load=False) as model:
+            return web.json_response(await estimate_for(request, parse_chat(body, model.text.tokenizer.vocab_size),
+                                                        model.port, model.text))
+    except NotResident as nr:
+        return web.json_response(await not_resident(request, nr.name))
 
 
 async def metrics_json(request: web.Request) -> web.Response:
@@ -273,7 +268,7 @@ async def metrics_json(request: web.Request) -> web.Response:
     snap = snapshot(port.card, await port.snapshot(with_live=True))
     fleet = request.app.get(keys.FLEET)
     if fleet is not None:  # models on demand: a row per resident model (the sections above are the boot model's)
-        snap["server"]["resident_models"] = [await _resident_row(m) for m in fleet.models.values() if m.loaded]
+        snap["server"]["resident_models"] = await fleet.resident()
     if fmt == "prometheus":
         return web.Response(text=prometheus(snap), content_type="text/plain", charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})

@@ -54,7 +54,7 @@ def _ports(request: web.Request) -> list:
     fleet = request.app.get(keys.FLEET)
     if fleet is None:
         return [request.app[keys.PORT]]
-    return [m.engine for m in fleet.models.values() if m.loaded]
+    return fleet.ports()
 
 
 async def unload(request: web.Request) -> web.Response:

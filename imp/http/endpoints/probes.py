@@ -8,7 +8,6 @@ from pathlib import Path
 from aiohttp import web
 
 from imp.http import keys
-from imp.http.endpoints import models as fleet_models
 from imp.http.endpoints import readiness
 from imp.http.endpoints.capacity import band_of
 from imp.http.errors import ApiError, bad
@@ -62,8 +61,8 @@ async def health(request: web.Request) -> web.Response:
     }
     fleet = request.app.get(keys.FLEET)
     if fleet is not None:  # models on demand: the figures above are the boot model's
-        body["swapping"] = fleet.swapping
-        body["models_loaded"] = [n for n, m in fleet.models.items() if m.loaded]
+        st = await fleet.status()
+        body["swapping"], body["models_loaded"] = st["swapping"], st["loaded"]
     if snap.fault:
         body.update(status="unhealthy", code="engine_faulted", error=snap.fault)
         return web.json_response(body, status=503)
@@ -100,8 +99,9 @@ async def ready(request: web.Request) -> web.Response:
         return no(code, hint="POST /admin/resume")
     if code:
         return no(code)
-    if fleet is not None and fleet.swapping:
-        return no("swapping", model=fleet.swapping)
+    swapping = (await fleet.status())["swapping"] if fleet is not None else None
+    if swapping:
+        return no("swapping", model=swapping)
     # an idle suspend stays ready: the next request reloads the model inside itself
     return web.json_response({"ready": True, "model": port.card.name, "suspended": False,
                               "idle_suspended": snap.idle_suspended})
@@ -193,8 +193,7 @@ async def models(request: web.Request) -> web.Response:
     card = port.card
     fleet = request.app.get(keys.FLEET)
     if fleet is not None:  # models on demand: every model of the catalog, resident or not
-        return web.json_response({"object": "list", "data": fleet_models.listing(request, fleet,
-                                                                                 _embedding(request, card))})
+        return web.json_response({"object": "list", "data": [*await fleet.rows(), *_embedding(request, card)]})
     return web.json_response({"object": "list", "data": [_model_entry(card), *_adapters(port, card),
                                                          *_embedding(request, card),
                                                          *_directory(card, request.app[keys.CONFIG].models_dir)]})
@@ -205,7 +204,7 @@ async def model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     fleet = request.app.get(keys.FLEET)
     if fleet is not None:
-        for m in fleet_models.listing(request, fleet, _embedding(request, card)):
+        for m in [*await fleet.rows(), *_embedding(request, card)]:
             if m["id"] == name or name in m.get("aliases", ()):
                 return web.json_response(m)
         raise ApiError(404, f"model '{name[:128]}' not found", code="model_not_found")

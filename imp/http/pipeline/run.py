@@ -40,7 +40,7 @@ from imp.http.pipeline.dialect import Dialect, Job, ParseContext, Renderer
 from imp.http.pipeline.driver import StreamFault, generate
 from imp.http.pipeline.estimate import estimate_for
 from imp.http.pipeline.live import live_requests
-from imp.http.pipeline.served import Served, served
+from imp.http.pipeline.served import NotResident, Served, not_resident, served
 from imp.http.pipeline.sse import sse_start, stream_failed
 from imp.messages import Delta
 
@@ -64,8 +64,12 @@ def handler(dialect: Dialect):
 
 async def run(request: web.Request, dialect: Dialect, headers: dict[str, str]) -> web.StreamResponse:
     body = await fields.read_json(request)
-    async with served(request, body.get("model")) as model:  # models on demand: loaded first if need be
-        return await _run(request, dialect, headers, body, model)
+    dry = dialect.dry_run and fields.boolean(body, "dry_run")
+    try:  # models on demand: loaded first if need be (a dry run never loads one)
+        async with served(request, body.get("model"), load=not dry) as model:
+            return await _run(request, dialect, headers, body, model)
+    except NotResident as nr:
+        return web.json_response(await not_resident(request, nr.name))
 
 
 async def _run(request: web.Request, dialect: Dialect, headers: dict[str, str], body: dict,

@@ -25,6 +25,23 @@ class Served(NamedTuple):
     grammars: object  # imp.constrain.compile.GrammarCache, or None
 
 
+class NotResident(Exception):
+    """An estimate named a model that is not loaded: its answer says resident: false (it never loads one)."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+
+async def not_resident(request: web.Request, name: str) -> dict:
+    """The estimate of a request for a model that is not loaded: what the catalogue knows, nothing measured."""
+    rows = await request.app[keys.FLEET].rows()
+    row = next((r for r in rows if r["id"] == name or name in r.get("aliases", ())), {})
+    return {"model": row.get("id", name), "resident": False, "prompt_tokens": None, "warm_tokens": 0,
+            "cache_tier": "miss", "need_blocks": None, "need_bytes": None, "fits_now": False, "fits_drained": None,
+            "context_ok": None, "context_limit": row.get("context_length"), "est_ttft_s": None}
+
+
 def refusal(exc: ModelRefused) -> ApiError:
     headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after else None
     # OpenAI's own answer to an unknown model: 404, invalid_request_error, model_not_found (the Anthropic
@@ -34,24 +51,27 @@ def refusal(exc: ModelRefused) -> ApiError:
 
 
 @contextlib.asynccontextmanager
-async def served(request: web.Request, name):
-    """The Served model for the request's `model` (None or not a string: the boot model)."""
+async def served(request: web.Request, name, load: bool = True):
+    """The Served model for the request's `model` (None or not a string: the boot model). load=False (an
+    estimate): a model that is not resident raises NotResident instead of loading."""
     app = request.app
-    fleet = app.get(keys.FLEET)
+    fleet = app.get(keys.FLEET)  # an imp.engine.port.Models, or None
     if fleet is None:
         yield Served(app[keys.PORT], app[keys.TEXT], app[keys.GRAMMARS])
         return
-    name = name if isinstance(name, str) and name else fleet.first.entry.name
+    name = name if isinstance(name, str) and name else fleet.default
     timeout = app[keys.CONFIG].request_timeout_s
+    lease = fleet.serve(name, timeout, load)
     try:
-        lease = fleet.use(name, timeout)
-        m = await lease.__aenter__()
+        got = await lease.__aenter__()
     except ModelRefused as exc:
+        if not load and exc.code == "model_not_loaded":
+            raise NotResident(name) from None
         raise refusal(exc) from None
     except asyncio.TimeoutError:
         raise ApiError(503, f"model {name[:128]!r} was not loaded within the request timeout ({timeout:g}s)",
                        code="model_swap_timeout", headers={"Retry-After": "5"}) from None
     try:
-        yield Served(m.engine, m.text, m.grammars)
+        yield Served(*got)
     finally:
         await lease.__aexit__(None, None, None)

@@ -330,6 +330,7 @@ def fleet_for(cfg: ServerConfig, engine, text):
                                    idle_unload_s=0.0, agent_port=0)
         eng, tm = await asyncio.to_thread(load_engine, mcfg, None)  # the file read off the loop
         eng.card = msgspec.structs.replace(eng.card, name=entry.name)
+        eng.store_home = engine  # the one Responses store
         await eng.start()
         return eng, tm, eng.grammars
 

@@ -86,6 +86,11 @@ def test_models_by_name_swap_within_the_budget_and_answer_alike(fleet_server):
     with pytest.raises(anthropic.NotFoundError) as e2:
         message("no-such-model")
     assert e2.value.body["error"]["type"] == "not_found_error"
+    # one Responses store for every model: a response made on one model continues on another
+    r1 = oa.responses.create(model="qwen3-synth", input="Name a colour.", max_output_tokens=8, temperature=0)
+    r2 = oa.responses.create(model="smol", input="And another?", previous_response_id=r1.id, max_output_tokens=8,
+                             temperature=0)
+    assert r1.model == "qwen3-synth" and r2.model == "smol" and oa.responses.retrieve(r1.id).id == r1.id
     st, body = call(url, "/v1/completions", {"model": "broken", "prompt": "x", "max_tokens": 2})
     assert st == 500 and body["error"]["code"] == "model_load_failed", body
     assert call(url, "/v1/completions", {"model": "smol", "prompt": "x", "max_tokens": 2})[0] == 200  # serves on

@@ -467,11 +467,15 @@ class LocalEngine:
         if self.otlp is not None:  # the gaps are the metrics' only: the log carries them once
             self.ingress.send("otlp", msgspec.structs.replace(stats, itl_s=()))
 
+    store_home = None  # models on demand: the boot model's engine, whose store this one uses (imp.server)
+
     @property
     def store(self):
         """The Responses store's client (put / get / chain / delete / input_items -> StoreReply),
-        or None when the server runs without one."""
-        return self.ingress.store
+        or None when the server runs without one. A fleet model's engine has no store of its own: one
+        SQLite file for every model, so a previous_response_id made on one model is found on another."""
+        own = self.ingress.store
+        return own if own is not None or self.store_home is None else self.store_home.store
 
     async def metrics_text(self) -> bytes:
         return self.metrics.exposition()

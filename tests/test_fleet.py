@@ -160,6 +160,11 @@ def test_a_model_that_fails_to_load_brings_back_what_its_swap_unloaded():
         assert e.value.status == 500 and e.value.code == "model_load_failed" and "not a GGUF" in e.value.message
         assert f.models["a"].loaded and "b" not in f.models and f.swapping is None
         assert log[-1] == ("reload", "a")
+        n = len(log)
+        with pytest.raises(ModelRefused) as e:  # the same file again: refused at once, nothing unloaded for it
+            async with f.use("b"):
+                pass
+        assert e.value.code == "model_load_failed" and "has not changed" in e.value.message and len(log) == n
 
     run(go())
 

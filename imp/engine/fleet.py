@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -80,6 +81,7 @@ class Fleet:
         self.swapping: str | None = None  # the model being loaded now (/ready: swapping)
         self._lock = asyncio.Lock()
         self._pending: dict[str, asyncio.Future] = {}  # name -> the swap bringing it in
+        self.failed: dict[str, tuple[float, str]] = {}  # name -> (its file's mtime, why) of a load that failed
         self._idle_task: asyncio.Task | None = None
         self.swap_seconds: list[float] = []  # every load's seconds (build or reload), for /metrics
         self.on_change = None  # () -> None after a model loads or unloads (the engine host tells the API servers)
@@ -168,6 +170,10 @@ class Fleet:
 
     async def _bring(self, entry: Entry) -> None:
         """Under the lock: unload what the plan says, then load entry (a failed load reloads what went)."""
+        failed = self.failed.get(entry.name)
+        if failed is not None and failed[0] == _mtime(entry.path):  # the same file failed before: evict nothing
+            raise ModelRefused(500, "model_load_failed", f"model {entry.name!r} failed to load: {failed[1]} "
+                                                         "(the file has not changed since)")
         plan = plan_load(entry.name, self.need(entry), self.residents(), self.budget)
         if not plan.fits:
             raise ModelRefused(400, "model_too_large", plan.why)
@@ -177,18 +183,12 @@ class Fleet:
             for name in plan.evict:
                 await self._unload(self.models[name], "model-swap", self.drain_s)
                 gone.append(name)
-            m = await self._load(entry)
-            # the first load's estimate may have been short: with the measured bytes, what else must go
-            later = plan_load(entry.name, m.footprint, self.residents(), self.budget)
-            for name in later.evict:
-                try:
-                    await self._unload(self.models[name], "model-swap", self.drain_s)
-                except ModelRefused as exc:  # entry is loaded and serves; the budget is over until the next swap
-                    log.warning("[model-swap] over --models-memory after loading %s: %s", entry.name, exc.message)
+            await self._load(entry)
         except ModelRefused:
             raise
         except Exception as exc:  # noqa: BLE001 - a file that does not load: the caller's answer, the rest restored
             log.warning("[model-swap] loading %s failed: %s: %s", entry.name, type(exc).__name__, exc)
+            self.failed[entry.name] = (_mtime(entry.path), f"{type(exc).__name__}: {exc}")
             for name in gone:  # what this swap unloaded comes back (its adapters do not: the reference says so)
                 try:
                     await self._load(self.models[name].entry)
@@ -423,6 +423,13 @@ class Fleet:
         """SIGTERM: every model's admitted requests finish (up to timeout_s); how many were left."""
         left = await asyncio.gather(*(m.engine.drain(timeout_s) for m in self.models.values()))
         return sum(left)
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return -1.0
 
 
 def _bytes(f: Footprint) -> str:

@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -149,7 +150,9 @@ def test_admin_load_unload_and_every_models_log_replays(fleet_server):
     assert st == 400 and body["error"]["param"] == "model"
     ready = json.load(urllib.request.urlopen(url + "/ready", timeout=30))
     assert ready["ready"] is True
-    fleet_server.stop()  # SIGTERM: every model's log flushed and closed
+    t0 = time.monotonic()
+    assert fleet_server.stop() == 0  # SIGTERM: every model's log flushed and closed
+    assert time.monotonic() - t0 < 8  # the process layout too (its API servers reaped: was 11.5 s)
     logs = sorted(fleet_server.dir.glob("events*.log"))
     assert {p.name for p in logs} >= {"events.log", "events.qwen3-synth.log", "events.llama-synth.log"}
     for p in logs:

@@ -154,7 +154,7 @@ def test_admin_load_unload_and_every_models_log_replays(fleet_server):
     assert fleet_server.stop() == 0  # SIGTERM: every model's log flushed and closed
     assert time.monotonic() - t0 < 8  # the process layout too (its API servers reaped: was 11.5 s)
     logs = sorted(fleet_server.dir.glob("events*.log"))
-    assert {p.name for p in logs} >= {"events.log", "events.qwen3-synth.log", "events.llama-synth.log"}
+    assert {p.name for p in logs} >= {"events.log", "events.llama-synth.log"}  # and each model's the others loaded
     for p in logs:
         r = subprocess.run([sys.executable, "-m", "imp", "replay", str(p)], capture_output=True, text=True)
         assert r.returncode == 0, (p, r.stdout + r.stderr)

@@ -109,6 +109,7 @@ def test_scan_reads_the_directory_and_the_models_file(tmp_path):
     ("[nope]\n", "is not a model of --models-dir"),
     ("[a]\naliases = \"x\"\n", "aliases must be a list"),
     ("[a]\ncolour = 1\n", "unknown keys"),
+    ("[a.gguf]\naliases = []\n", r'quoted in TOML: \["a.gguf"\]'),
     ("[a]\nidle_unload_seconds = -1\n", "idle_unload_seconds"),
     ("[a]\npath = \"/does/not/exist.gguf\"\n", "does not exist"),
     ("[a\n", "not valid TOML"),

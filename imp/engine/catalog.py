@@ -129,8 +129,10 @@ def read_models_file(path: str) -> dict[str, dict]:
             raise CatalogError(f"--models-file {path}: [{name}] must be a table")
         unknown = set(v) - {"path", "aliases", "idle_unload_seconds"}
         if unknown:
+            dotted = [k for k in unknown if isinstance(v[k], dict)]
+            hint = (f"; a name with a dot is quoted in TOML: [\"{name}.{dotted[0]}\"]" if dotted else "")
             raise CatalogError(f"--models-file {path}: [{name}] has unknown keys {sorted(unknown)} "
-                               "(path, aliases, idle_unload_seconds)")
+                               f"(path, aliases, idle_unload_seconds){hint}")
         al = v.get("aliases", [])
         if not isinstance(al, list) or not all(isinstance(a, str) and a for a in al):
             raise CatalogError(f"--models-file {path}: [{name}] aliases must be a list of names")

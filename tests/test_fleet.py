@@ -255,3 +255,56 @@ def test_the_engine_host_leases_a_model_per_request_and_a_client_gone_during_the
             del FakeEngine.open, FakeEngine.close
 
     run(go())
+
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+OPS = st.lists(st.tuples(st.sampled_from(["use", "use", "use", "load", "unload", "cancel"]),
+                         st.sampled_from("abcd"), st.integers(0, 3)), min_size=1, max_size=24)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(OPS, st.integers(100, 450), st.sampled_from([0.0, 0.05]))
+def test_random_traffic_never_overruns_the_budget_and_leaves_no_lease(ops, budget_mb, drain_s):
+    """Requests (held a few ticks), admin loads and unloads and clients that give up, all at once: the
+    resident models always fit the budget, every lease comes back, every refusal is a ModelRefused."""
+    sizes = {"a": 100, "b": 150, "c": 200, "d": 500}  # d never fits a budget under 500 MB
+
+    async def go():
+        entries = {n: Entry(n, f"/m/{n}.gguf", mb * MB) for n, mb in sizes.items()}
+        f, log = _fleet(budget_mb=budget_mb, drain_s=drain_s, entries=entries)
+        worst = 0
+
+        def check():
+            nonlocal worst
+            used = sum(m.footprint.host for m in f.models.values() if m.loaded)
+            worst = max(worst, used)
+            assert all(m.leases >= 0 for m in f.models.values())
+
+        async def request(name, ticks):
+            async with f.use(name):
+                check()
+                for _ in range(ticks):
+                    await asyncio.sleep(0.005)
+
+        tasks = []
+        for op, name, ticks in ops:
+            if op == "use":
+                tasks.append(asyncio.create_task(request(name, ticks)))
+            elif op == "load":
+                tasks.append(asyncio.create_task(f.load(name)))
+            elif op == "unload":
+                tasks.append(asyncio.create_task(f.unload(name, 0.01)))
+            elif tasks:
+                tasks[-1].cancel()  # a client that leaves (while its model loads, or mid-request)
+            await asyncio.sleep(0.002 * ticks)
+            check()
+        for r in await asyncio.gather(*tasks, return_exceptions=True):
+            assert r is None or isinstance(r, (ModelRefused, asyncio.CancelledError)) or hasattr(r, "entry"), r
+        await asyncio.sleep(0.05)  # swaps whose waiters left run to their end
+        check()
+        assert worst <= budget_mb * MB  # with the first model (a, 100 MB) resident at boot, every budget >= 100
+        assert all(m.leases == 0 and not m.leaving for m in f.models.values())
+        assert f.swapping is None and not f._lock.locked()
+
+    run(go())

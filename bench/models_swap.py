@@ -137,6 +137,7 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--llama", default=None, help="llama-server binary (the peer's start-up time)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--api-servers", type=int, default=0, help="the process layout (the fleet in the engine process)")
     a = ap.parse_args()
     from imp.fetch import resolve_model
     from tests.fixtures.synth import write_synthetic_gguf
@@ -152,7 +153,7 @@ def main() -> int:
                          n_heads=16, n_kv_heads=4, d_ff=2816, vocab=512, head_dim=64)
     files = {n: str(d / "models" / f"{n}.gguf") for n in ("SmolLM2", "gemma3-270m", "qwen3-synth")}
     log = d / "events.log"
-    proc, url = start_imp(files["SmolLM2"], 0, "cpu", ["--models-dir", str(d / "models"), "--kv-cache-tokens", "4096",
+    proc, url = start_imp(files["SmolLM2"], a.api_servers, "cpu", ["--models-dir", str(d / "models"), "--kv-cache-tokens", "4096",
                                                        "--models-memory", str(a.budget_gb), "--event-log", str(log),
                                                        "--threads", str(a.threads)], False, d / "server.log")
     rows = []
@@ -183,7 +184,8 @@ def main() -> int:
         _stop(proc)
     flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} {os.uname().nodename} cpu flags: "
-          f"{' '.join(f for f in flags if f.startswith(('avx', 'amx')))}; budget {a.budget_gb} GB, {a.threads} threads")
+          f"{' '.join(f for f in flags if f.startswith(('avx', 'amx')))}; budget {a.budget_gb} GB, {a.threads} threads, "
+          f"--api-servers {a.api_servers}")
     print("\n| model | load | file | /admin/models/load s | first token after s | llama-server start s |")
     print("|---|---|---|---|---|---|")
     for name, kind, fc, load_s, ttft in rows:

@@ -74,6 +74,7 @@ class RemoteEngine:
         self.default_model = ""  # models on demand: the fleet's boot model ("" = one model)
         self.models: dict[str, ModelCard] = {}  # the fleet's resident models' cards, from State
         self.model_loras: dict[str, tuple[LoraInfo, ...]] = {}
+        self.on_state = None  # () -> None after a State frame (imp.engine.remote_fleet reads its models)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -149,6 +150,8 @@ class RemoteEngine:
                 elif t is wire.State:
                     self._loras = f.loras
                     self.models, self.model_loras = f.models, f.model_loras
+                    if self.on_state is not None:
+                        self.on_state()
                     if f.fault and not self._fault:
                         self._faulted(f.fault)
                 elif t is wire.Welcome:

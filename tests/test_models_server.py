@@ -142,6 +142,7 @@ def test_admin_load_unload_and_every_models_log_replays(fleet_server):
         assert st == 200 and est["resident"] is False and est["model"] == "llama-synth", est
     row = _loaded(url)["llama-synth"]
     assert not row["loaded"] and row["max_context_at_width_1"] is None and row["context_length"] == 2048
+    assert call(url, "/admin/models/load", {"model": "smol"})[0] == 200
     st, est = call(url, "/v1/estimate", {**ask, "model": "smol"})
     assert st == 200 and est["resident"] is True and est["prompt_tokens"] > 0, est
     st, body = call(url, "/admin/models/load", {"model": "nope"})

@@ -221,15 +221,20 @@ class EngineHost:
         elif t is wire.ControlReply:
             self._control_reply(f)
 
-    def _open(self, peer: _Peer, sub) -> None:
+    def _open(self, peer: _Peer, sub, m=None) -> None:
+        """Queue the request on the boot engine, or on fleet model m's (its lease taken already: given back
+        if the request is refused here)."""
+        eng = self.engine if m is None else m.engine
         try:
-            h = self.engine.open(sub)
+            h = eng.open(sub)
         except (LoraRefused, ValueError) as exc:
+            if m is not None:
+                self.fleet.release(m)
             status, code = (exc.status, exc.code) if isinstance(exc, LoraRefused) else (400, "invalid_request")
             self._reply(peer, Reject(sub.req_id, status, code, getattr(exc, "message", str(exc))))
             return
-        h.queue = _Sink(self, peer, h)
-        peer.open[sub.req_id] = (self.engine, h, sub.params.lora, None)
+        h.queue = _Sink(self, peer, h, own=eng is not self.engine)
+        peer.open[sub.req_id] = (eng, h, sub.params.lora, m)
 
     async def _open_model(self, peer: _Peer, sub, name: str) -> None:
         """A request for a fleet model: a lease on it (waiting for a swap if need be), then opened on its
@@ -247,21 +252,7 @@ class EngineHost:
             self.fleet.release(m)  # its client left while the model loaded
             return
         peer.pending.discard(rid)
-        c = sub.params.constraint
-        if c is not None and m.grammars is not None and m.grammars.get(c) is None:
-            try:
-                await m.grammars.compile(c)
-            except Exception:  # noqa: BLE001 - HTTP compiled it already; the book compiles again if need be
-                log.debug("grammar for %s did not compile in the engine", rid, exc_info=True)
-        try:
-            h = m.engine.open(sub)
-        except (LoraRefused, ValueError) as exc:
-            self.fleet.release(m)
-            status, code = (exc.status, exc.code) if isinstance(exc, LoraRefused) else (400, "invalid_request")
-            self._reply(peer, Reject(rid, status, code, getattr(exc, "message", str(exc))))
-            return
-        h.queue = _Sink(self, peer, h, own=m.engine is not self.engine)
-        peer.open[rid] = (m.engine, h, sub.params.lora, m)
+        await self._open_compiled(peer, sub, m)
 
     def _engine_of(self, model: str):
         """The engine a per-model call is for: the boot one for "" (or a model never loaded)."""
@@ -271,13 +262,19 @@ class EngineHost:
             (x for x in self.fleet.models.values() if x.engine.card.name == model), None)
         return m.engine if m is not None else self.engine
 
-    async def _open_compiled(self, peer: _Peer, sub) -> None:
-        try:
-            await self.grammars.compile(sub.params.constraint)
-        except Exception:  # noqa: BLE001 - HTTP compiled it already; the book compiles again if need be
-            log.debug("grammar for %s did not compile in the engine", sub.req_id, exc_info=True)
+    async def _open_compiled(self, peer: _Peer, sub, m=None) -> None:
+        """The request's grammar compiled (off the loop) where its engine's cache lacks it, then queued."""
+        grammars = self.grammars if m is None else m.grammars
+        c = sub.params.constraint
+        if c is not None and grammars is not None and grammars.get(c) is None:
+            try:
+                await grammars.compile(c)
+            except Exception:  # noqa: BLE001 - HTTP compiled it already; the book compiles again if need be
+                log.debug("grammar for %s did not compile in the engine", sub.req_id, exc_info=True)
         if self.peers.get(peer.ident) is peer:
-            self._open(peer, sub)
+            self._open(peer, sub, m)
+        elif m is not None:
+            self.fleet.release(m)
 
     def _spawn(self, coro) -> None:
         t = asyncio.create_task(coro)
@@ -338,12 +335,10 @@ class EngineHost:
         """The model name resolves to, resident now (loaded if need be: the API server waits in this call,
         its request's timeout on its side); its card is what HTTP checks the request against. load=False:
         ModelRefused 409 model_not_loaded when it is not resident (an estimate never loads a model)."""
-        if not load:
-            self.fleet.resident_now(name)
         entry, _ = self.fleet.resolve(name)
         m = self.fleet.models.get(entry.name)
-        if m is None or not m.loaded or m.leaving:
-            m = await self.fleet.load(entry.name)
+        if m is None or not m.loaded or m.leaving:  # a resident model answers at once, even during a swap
+            m = await self.fleet.load(entry.name) if load else self.fleet.resident_now(entry.name)
         return wire.ModelUse(entry.name, entry.path, m.engine.card)
 
     async def _store(self, peer: _Peer, f: wire.StoreCall) -> None:

@@ -62,7 +62,7 @@ async def served(request: web.Request, name, load: bool = True):
     name = name if isinstance(name, str) and name else fleet.default
     timeout = app[keys.CONFIG].request_timeout_s
     lease = fleet.serve(name, timeout, load)
-    try:
+    try:  # entered by hand: a refusal to enter is the request's answer, an error in the body is not a refusal
         got = await lease.__aenter__()
     except ModelRefused as exc:
         if not load and exc.code == "model_not_loaded":

@@ -49,7 +49,8 @@ if [ ! -x build/bin/llama-server ]; then
          -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
          -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
   fi
-  cmake -S src -B build -G Ninja -DCMAKE_BUILD_TYPE=Release "${isa[@]}" \
+  gen=Ninja; command -v ninja >/dev/null || gen="Unix Makefiles"  # a bare GPU image may lack ninja
+  cmake -S src -B build -G "$gen" -DCMAKE_BUILD_TYPE=Release "${isa[@]}" \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
     -DBUILD_SHARED_LIBS=OFF
   cmake --build build --target ${LLAMA_TARGETS:-llama-server llama-bench} -j "$JOBS"

@@ -13,6 +13,13 @@ Three models in one --models-dir (SmolLM2, Gemma 3 270M and a synthetic Qwen3 wr
    from /metrics against the clients' own. Then SIGTERM and `python -m imp replay` of every model's log.
 
     .venv/bin/python bench/models_swap.py --llama /tmp/llama-cpp-native/build/bin/llama-server
+
+On a GPU (`--device cuda:0`): SmolLM2's shape (random weights, bench/write_synth.py) and two 8B-shaped BF16
+files (the GPU forward runs llama only), a budget that holds SmolLM2 and one 8B, so every request that names
+the other 8B swaps: the same two tables, the card's used memory (nvidia-smi) after each load and unload
+beside what /v1/models says is resident, and llama-server (CUDA, `-ngl 999`) as the peer.
+
+    python3 bench/models_swap.py --device cuda:0 --budget-gb 30 --kv-tokens 32768 --llama .../llama-server
 """
 
 from __future__ import annotations
@@ -63,14 +70,24 @@ def first_token_s(url: str, model: str) -> float:
     raise RuntimeError("no token")
 
 
-def llama_start_s(binary: str, model: str, threads: int, log: Path) -> float:
+def card_used_gib() -> float | None:
+    """The card's used memory as nvidia-smi sees it (every process's), None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=30).stdout
+        return float(out.split()[0]) / 1024
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def llama_start_s(binary: str, model: str, threads: int, log: Path, gpu: bool = False) -> float:
     from tests.serverproc import free_port
 
     port = free_port()
     t0 = time.perf_counter()
     proc = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", "4096",
-                             "-t", str(threads)], stdin=subprocess.DEVNULL, stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT)
+                             "-t", str(threads), *(["-ngl", "999"] if gpu else [])], stdin=subprocess.DEVNULL,
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     try:
         wait_ready(f"http://127.0.0.1:{port}", proc, "llama-server")
         return time.perf_counter() - t0
@@ -129,6 +146,31 @@ def load_phase(url: str, models: dict[str, str], seconds: float, clients: int) -
     return out
 
 
+def cpu_files(models: Path) -> dict[str, str]:
+    """SmolLM2 (the boot model), Gemma 3 270M and a synthetic Qwen3: copies, their pages this run's to drop."""
+    from imp.fetch import resolve_model
+    from tests.fixtures.synth import write_synthetic_gguf
+
+    for name, key in (("SmolLM2", "smollm2-135m"), ("gemma3-270m", "gemma-3-270m")):
+        shutil.copy(resolve_model(key, progress=False), models / f"{name}.gguf")
+    write_synthetic_gguf(str(models / "qwen3-synth.gguf"), arch="qwen3", n_layers=12, d_model=1024,
+                         n_heads=16, n_kv_heads=4, d_ff=2816, vocab=512, head_dim=64)
+    return {n: str(models / f"{n}.gguf") for n in ("SmolLM2", "gemma3-270m", "qwen3-synth")}
+
+
+def gpu_files(models: Path, source_8b: str | None) -> dict[str, str]:
+    """SmolLM2's shape (the boot model) and two 8B-shaped BF16 files (random weights, bench/write_synth.py,
+    or copies of --source-8b: two files, two inodes, each its own pages to drop; a copy is ~10 s, a write ~1 min)."""
+    here = Path(__file__).resolve().parent
+    todo = [("135m-q4_1", "smol")] + ([] if source_8b else [("8b-bf16", "llama8b-a")])
+    for shape, name in todo:
+        subprocess.run([sys.executable, str(here / "write_synth.py"), shape, str(models / f"{name}.gguf")], check=True,
+                       stdout=subprocess.DEVNULL)
+    for name in ("llama8b-b", "llama8b-a") if source_8b else ("llama8b-b",):
+        shutil.copy(source_8b or models / "llama8b-a.gguf", models / f"{name}.gguf")
+    return {n: str(models / f"{n}.gguf") for n in ("smol", "llama8b-a", "llama8b-b")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default="/tmp/imp-models-swap")
@@ -138,45 +180,52 @@ def main() -> int:
     ap.add_argument("--llama", default=None, help="llama-server binary (the peer's start-up time)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--api-servers", type=int, default=0, help="the process layout (the fleet in the engine process)")
+    ap.add_argument("--device", default="cpu", help="cuda:0: SmolLM2's shape and two 8B-shaped files on the card")
+    ap.add_argument("--kv-tokens", type=int, default=4096, help="--kv-cache-tokens (each model's pool)")
+    ap.add_argument("--source-8b", default=None, help="GPU: an 8B-shaped file written before, copied twice")
     a = ap.parse_args()
-    from imp.fetch import resolve_model
-    from tests.fixtures.synth import write_synthetic_gguf
-
+    gpu = a.device.startswith("cuda")
     d = Path(a.dir)
     shutil.rmtree(d, ignore_errors=True)
     (d / "models").mkdir(parents=True)
-    models = {"SmolLM2": str(resolve_model("smollm2-135m", progress=False)),
-              "gemma3-270m": str(resolve_model("gemma-3-270m", progress=False))}
-    for name, path in models.items():
-        shutil.copy(path, d / "models" / f"{name}.gguf")  # copies: their pages are this run's to drop
-    write_synthetic_gguf(str(d / "models" / "qwen3-synth.gguf"), arch="qwen3", n_layers=12, d_model=1024,
-                         n_heads=16, n_kv_heads=4, d_ff=2816, vocab=512, head_dim=64)
-    files = {n: str(d / "models" / f"{n}.gguf") for n in ("SmolLM2", "gemma3-270m", "qwen3-synth")}
+    files = gpu_files(d / "models", a.source_8b) if gpu else cpu_files(d / "models")
+    boot, swapped = list(files)[0], list(files)[1:]
     log = d / "events.log"
-    proc, url = start_imp(files["SmolLM2"], a.api_servers, "cpu", ["--models-dir", str(d / "models"), "--kv-cache-tokens", "4096",
-                                                       "--models-memory", str(a.budget_gb), "--event-log", str(log),
-                                                       "--threads", str(a.threads)], False, d / "server.log")
+    proc, url = start_imp(files[boot], a.api_servers, a.device, ["--models-dir", str(d / "models"), "--kv-cache-tokens",
+                                                                 str(a.kv_tokens), "--models-memory", str(a.budget_gb),
+                                                                 "--event-log", str(log), "--threads", str(a.threads)],
+                          False, d / "server.log")
     rows = []
+
+    def resident() -> str:
+        listing = json.load(urllib.request.urlopen(url + "/v1/models", timeout=30))["data"]
+        return ", ".join(f"{m['id']} {m['resident_bytes'] / 2**30:.2f}" for m in listing if m.get("loaded"))
+
     try:
-        for name in ("gemma3-270m", "qwen3-synth", "SmolLM2"):
-            plan = ([("reload", True), ("reload", False)] if name == "SmolLM2" else
+        rows.append((boot, "boot", "-", None, None, card_used_gib(), resident()))
+        for name in (*swapped, boot):
+            plan = ([("reload", True), ("reload", False)] if name == boot else
                     [("first load", True), ("reload", True), ("reload", False)])
             for kind, cold in plan:
-                post(url, "/admin/models/unload", {"model": name})  # 409 when it is not resident: fine
+                t0 = time.perf_counter()
+                st, _ = post(url, "/admin/models/unload", {"model": name})  # 409 when it is not resident: fine
+                if st == 200:
+                    rows.append((name, "unload", "-", time.perf_counter() - t0, None, card_used_gib(), resident()))
                 if cold:
                     drop_cache(files[name])
                 t0 = time.perf_counter()
                 st, body = post(url, "/admin/models/load", {"model": name})
                 load_s = time.perf_counter() - t0
                 assert st == 200, body
-                rows.append((name, kind, "cold" if cold else "warm", load_s, first_token_s(url, name)))
+                ttft = first_token_s(url, name)
+                rows.append((name, kind, "cold" if cold else "warm", load_s, ttft, card_used_gib(), resident()))
         peer = {}
         if a.llama:
-            for name in ("gemma3-270m", "SmolLM2", "qwen3-synth"):
+            for name in (*swapped, boot):
                 for cold in (True, False):
                     if cold:
                         drop_cache(files[name])
-                    peer[(name, cold)] = llama_start_s(a.llama, files[name], a.threads, d / f"llama-{name}.log")
+                    peer[(name, cold)] = llama_start_s(a.llama, files[name], a.threads, d / f"llama-{name}.log", gpu)
         load = load_phase(url, files, a.seconds, a.clients)
         metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
         listing = json.load(urllib.request.urlopen(url + "/v1/models", timeout=30))["data"]
@@ -185,12 +234,15 @@ def main() -> int:
     flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} {os.uname().nodename} cpu flags: "
           f"{' '.join(f for f in flags if f.startswith(('avx', 'amx')))}; budget {a.budget_gb} GB, {a.threads} threads, "
-          f"--api-servers {a.api_servers}")
-    print("\n| model | load | file | /admin/models/load s | first token after s | llama-server start s |")
-    print("|---|---|---|---|---|---|")
-    for name, kind, fc, load_s, ttft in rows:
-        p = peer.get((name, fc == "cold"))
-        print(f"| {name} | {kind} | {fc} | {load_s:.2f} | {ttft:.3f} | {f'{p:.2f}' if p else '-'} |")
+          f"--api-servers {a.api_servers}, device {a.device}, --kv-cache-tokens {a.kv_tokens}")
+    print("\n| model | step | file | /admin/models/<step> s | first token after s | llama-server start s "
+          "| card used GiB after | resident after (GiB) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, kind, fc, load_s, ttft, used, res in rows:
+        p = peer.get((name, fc == "cold")) if fc != "-" else None
+        print(f"| {name} | {kind} | {fc} | {f'{load_s:.2f}' if load_s is not None else '-'} | "
+              f"{f'{ttft:.3f}' if ttft is not None else '-'} | {f'{p:.2f}' if p else '-'} | "
+              f"{f'{used:.1f}' if used is not None else '-'} | {res} |")
     swaps = {}
     for line in metrics.splitlines():
         if line.startswith("imp_model_swaps_total{") or line.startswith("imp_requests_total{"):

@@ -41,6 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.serving import _stop, start_imp, wait_ready  # noqa: E402
 
 
+T0 = time.perf_counter()
+
+
+def note(*what) -> None:
+    """Progress on stderr as it happens: a run cut short by its time limit still says how far it got."""
+    print(f"[{time.perf_counter() - T0:.0f} s]", *what, file=sys.stderr, flush=True)
+
+
 def drop_cache(path: str) -> None:
     """The file's pages out of the page cache (clean pages: no root needed)."""
     fd = os.open(os.path.realpath(path), os.O_RDONLY)
@@ -166,8 +174,10 @@ def gpu_files(models: Path, source_8b: str | None) -> dict[str, str]:
     for shape, name in todo:
         subprocess.run([sys.executable, str(here / "write_synth.py"), shape, str(models / f"{name}.gguf")], check=True,
                        stdout=subprocess.DEVNULL)
+        note("wrote", name)
     for name in ("llama8b-b", "llama8b-a") if source_8b else ("llama8b-b",):
         shutil.copy(source_8b or models / "llama8b-a.gguf", models / f"{name}.gguf")
+        note("copied", name)
     return {n: str(models / f"{n}.gguf") for n in ("smol", "llama8b-a", "llama8b-b")}
 
 
@@ -196,6 +206,7 @@ def main() -> int:
                                                                  "--event-log", str(log), "--threads", str(a.threads)],
                           False, d / "server.log")
     rows = []
+    note("serving", url)
 
     def resident() -> str:
         listing = json.load(urllib.request.urlopen(url + "/v1/models", timeout=30))["data"]
@@ -203,14 +214,20 @@ def main() -> int:
 
     try:
         rows.append((boot, "boot", "-", None, None, card_used_gib(), resident()))
-        for name in (*swapped, boot):
-            plan = ([("reload", True), ("reload", False)] if name == boot else
-                    [("first load", True), ("reload", True), ("reload", False)])
-            for kind, cold in plan:
+        if gpu:  # a load on the card times its matmuls and captures its graphs again (~a minute for an 8B): fewer
+            steps = [(swapped[0], "first load", True), (swapped[1], "first load", True), (swapped[0], "reload", True),
+                     (swapped[1], "reload", False)]
+        else:
+            steps = [(name, kind, cold) for name in (*swapped, boot)
+                     for kind, cold in ([("reload", True), ("reload", False)] if name == boot else
+                                        [("first load", True), ("reload", True), ("reload", False)])]
+        for name, kind, cold in steps:
+            if True:
                 t0 = time.perf_counter()
                 st, _ = post(url, "/admin/models/unload", {"model": name})  # 409 when it is not resident: fine
                 if st == 200:
                     rows.append((name, "unload", "-", time.perf_counter() - t0, None, card_used_gib(), resident()))
+                    note(*rows[-1])
                 if cold:
                     drop_cache(files[name])
                 t0 = time.perf_counter()
@@ -219,6 +236,7 @@ def main() -> int:
                 assert st == 200, body
                 ttft = first_token_s(url, name)
                 rows.append((name, kind, "cold" if cold else "warm", load_s, ttft, card_used_gib(), resident()))
+                note(*rows[-1])
         peer = {}
         if a.llama:
             for name in (*swapped, boot):
@@ -226,7 +244,9 @@ def main() -> int:
                     if cold:
                         drop_cache(files[name])
                     peer[(name, cold)] = llama_start_s(a.llama, files[name], a.threads, d / f"llama-{name}.log", gpu)
+                    note("llama-server", name, cold, peer[(name, cold)])
         load = load_phase(url, files, a.seconds, a.clients)
+        note("load phase", {k: v for k, v in load.items() if k != "errors"}, load["errors"][:3])
         metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
         listing = json.load(urllib.request.urlopen(url + "/v1/models", timeout=30))["data"]
     finally:

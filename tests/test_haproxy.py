@@ -14,7 +14,12 @@ core of its own with one forward thread, so that neither starves the other:
 - /admin/suspend on one backend drains it through the checks: new requests go to the other;
 - SIGKILL of one backend under load fails exactly the requests it was running, each with a
   clean error (a JSON 502, or a stream cut short that the client sees at once), the proxy
-  marks it down within a check interval and new requests succeed.
+  marks it down within a check interval and new requests succeed;
+- a backend in the process layout (--api-servers 1) whose engine process is SIGKILLed (what the
+  kernel's OOM killer picks: the process with the model): its API server, still alive, ends each
+  running stream with the dialect's error event (engine_faulted) and answers the whole ones
+  with a JSON 500; /ready says so and the proxy marks it down within two checks, after which
+  new requests go to the other backend.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class Backend:
         self.log_dir = log_dir
         self.boots = 0
         self.proc: subprocess.Popen | None = None
+        self.extra: list[str] = []  # e.g. the process layout: ["--api-servers", "1"]
 
     def start(self) -> None:
         self.boots += 1
@@ -77,7 +83,7 @@ class Backend:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "imp", "--model", str(self.model), "--port", str(self.port),
              "--agent-port", str(self.agent_port), "--threads", "1", "--fixed-threads",
-             "--kv-cache-tokens", "8192", "--shutdown-timeout", "20", "--responses-store", "off"],
+             "--kv-cache-tokens", "8192", "--shutdown-timeout", "20", "--responses-store", "off", *self.extra],
             cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=out, stderr=subprocess.STDOUT,
             preexec_fn=(lambda: os.sched_setaffinity(0, {core})) if core is not None else None)
         out.close()
@@ -95,9 +101,17 @@ class Backend:
             time.sleep(0.2)
         raise TimeoutError(f"{self.name} not ready in {timeout}s: {self.tail()}")
 
-    def tail(self) -> str:
+    def engine_pid(self) -> int:
+        """The engine process of the process layout (the supervisor's "engine pid N" line)."""
+        import re
+
+        m = re.search(r"engine pid (\d+)", self.tail(100_000))
+        assert m, self.tail()
+        return int(m.group(1))
+
+    def tail(self, n: int = 2000) -> str:
         p = self.log_dir / f"{self.name}.{self.boots}.out"
-        return p.read_bytes()[-2000:].decode(errors="replace") if p.exists() else ""
+        return p.read_bytes()[-n:].decode(errors="replace") if p.exists() else ""
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
         if self.proc is None or self.proc.poll() is not None:
@@ -456,4 +470,67 @@ def test_sigkill_fails_only_the_requests_it_was_running(lb):
     for o in bad:
         assert o.status == 502 and json.loads(o.error)["error"]["code"] == "backend_failed", o.error
     # and whatever comes after the kill is served by the survivor
+    assert all(o.ok and o.backend == "imp2" for o in after), [(o.status, o.backend, o.error) for o in after]
+
+
+def test_sigkill_of_the_engine_process_ends_its_streams_with_an_error_event(lb):
+    """The process layout's engine killed: the API server writes each stream's last event itself."""
+    proxy, (b1, b2) = lb
+    b1.stop(signal.SIGKILL)  # the test before killed it (or left it up)
+    b1.extra = ["--api-servers", "1"]
+    b1.start()
+    b1.wait_ready()
+    proxy.wait_up({"imp1"})
+
+    async def scenario():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+            starts = [asyncio.Event() for _ in range(6)]
+            kinds = ["chat", "messages", "completions"]
+            streams = [asyncio.ensure_future(request(s, proxy.url, kinds[i % 3], 300 + i, True, 200, starts[i]))
+                       for i in range(6)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in starts)), 60)
+            plain = [asyncio.ensure_future(request(s, proxy.url, "completions", 400 + i, False, 200))
+                     for i in range(4)]
+            await asyncio.sleep(1.0)
+            running = {b.name: json.loads(urllib.request.urlopen(b.url + "/health").read())["queue_running"]
+                       for b in (b1, b2)}
+            os.kill(b1.engine_pid(), signal.SIGKILL)
+            killed = time.monotonic()
+            down_at = None
+            while time.monotonic() - killed < 6:
+                if not proxy.servers()["imp1"]["up"]:
+                    down_at = time.monotonic() - killed
+                    break
+                await asyncio.sleep(0.05)
+            after = [asyncio.ensure_future(request(s, proxy.url, "chat", 500 + i, i % 2 == 0)) for i in range(6)]
+            return running, killed, down_at, await asyncio.gather(*streams), await asyncio.gather(*plain), \
+                await asyncio.gather(*after)
+
+    try:
+        running, killed, down_at, streams, plain, after = asyncio.run(scenario())
+        ready = urllib.request.Request(b1.url + "/ready")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(ready, timeout=5)
+        assert e.value.code == 503 and json.loads(e.value.read())["code"] == "engine_faulted"
+    finally:
+        b1.stop(signal.SIGKILL)
+        b1.extra = []
+    on_victim = [o for o in streams if o.backend == "imp1"]
+    print(f"\nrunning at the engine's kill: {running}; streams on imp1: {len(on_victim)} of 6; marked down after "
+          f"{down_at}s")
+    for o in streams:
+        print(f"  stream on {o.backend}: ok={o.ok} after {o.ended_at - killed:+.2f}s {o.error[:110]}")
+    for o in plain:
+        print(f"  whole answer on {o.backend}: status {o.status} ok={o.ok} {o.error[:110]}")
+    print(f"  after the kill: {[(o.status, o.backend) for o in after]}")
+    assert down_at is not None and down_at <= 2 * 1.0 + 0.5, down_at  # fall 2 x inter 1s of /ready (or the agent)
+    assert [o.ok for o in streams] == [o.backend != "imp1" for o in streams]
+    for o in on_victim:  # the dialect's own error event, at once: never a cut connection, never a hang
+        assert "engine fault" in o.error and o.ended_at - killed < 3, o.error
+        assert o.tokens > 5, o.tokens
+    victim_plain = running["imp1"] - len(on_victim)
+    bad = [o for o in plain if not o.ok]
+    assert len(bad) == victim_plain, (running, [(o.status, o.error) for o in plain])
+    for o in bad:
+        assert o.status == 500 and json.loads(o.error)["error"]["code"] == "engine_faulted", o.error
     assert all(o.ok and o.backend == "imp2" for o in after), [(o.status, o.backend, o.error) for o in after]

@@ -30,6 +30,9 @@ def test_engine_fault_becomes_an_error_event():
     r = FakeResp()
     run(StreamFault("cuda died"), r)
     assert r.written == [b"engine_faulted:engine fault: cuda died"]
+    r = FakeResp()
+    run(StreamFault("injected", "engine_step_failed"), r)  # one step failed, the engine went on
+    assert r.written == [b"engine_step_failed:engine step failed: injected"]
 
 
 def test_our_bug_becomes_an_internal_error_event():

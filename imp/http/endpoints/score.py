@@ -137,7 +137,8 @@ async def _score(request: web.Request, body: dict, port, tm) -> web.Response:
     except* ApiError as group:
         raise group.exceptions[0] from None
     except* StreamFault as group:
-        raise ApiError(500, f"engine step failed: {group.exceptions[0]}", code="engine_step_failed") from None
+        fault = group.exceptions[0]
+        raise ApiError(500, fault.message, code=fault.code) from None
     n = sum(len(p) for p in prompts)
     return web.json_response({"scores": [t.result() for t in tasks], "model": port.card.name, "object": "scoring",
                               "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}})

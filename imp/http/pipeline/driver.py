@@ -31,7 +31,17 @@ log = logging.getLogger("imp.http")
 
 
 class StreamFault(Exception):
-    """The engine failed after the response had started."""
+    """The engine failed after the response had started: `engine_faulted` (the engine is gone or its device
+    poisoned: nothing more is served) or `engine_step_failed` (one step failed on the host; the engine goes on).
+    A stream ends in the dialect's error event with it, a whole answer is a 500 with it."""
+
+    def __init__(self, error: str, code: str = "engine_faulted"):
+        super().__init__(error)
+        self.code = code
+
+    @property
+    def message(self) -> str:
+        return f"{'engine fault' if self.code == 'engine_faulted' else 'engine step failed'}: {self}"
 
 
 def finish_label(reason: FinishReason) -> str:
@@ -138,14 +148,16 @@ async def generate(port: EnginePort, req_id: str, prompt: list[int], params: Sam
                 raise ApiError(item.status, item.message, code=item.code, headers=headers)
             if isinstance(item, Fault):
                 status = 500
+                fault = StreamFault(item.error, "engine_faulted")
                 if not started:
-                    raise ApiError(500, f"engine fault: {item.error}", code="engine_faulted")
-                raise StreamFault(item.error)
+                    raise ApiError(500, fault.message, code=fault.code)
+                raise fault
             if item.error and item.finish == FinishReason.ERROR:
                 status = 500
+                fault = StreamFault(item.error, "engine_step_failed")
                 if not started:
-                    raise ApiError(500, f"engine step failed: {item.error}", code="engine_step_failed")
-                raise StreamFault(item.error)
+                    raise ApiError(500, fault.message, code=fault.code)
+                raise fault
             started = True
             if item.token_ids:
                 now = time.monotonic()

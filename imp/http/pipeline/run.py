@@ -138,8 +138,8 @@ async def _complete(request: web.Request, out: Renderer, deltas: AsyncIterator[D
     try:
         async for d in deltas:
             out.take(d)
-    except StreamFault as exc:  # nothing was sent yet: a plain 500
-        raise ApiError(500, f"engine step failed: {exc}", code="engine_step_failed") from None
+    except StreamFault as exc:  # nothing was sent yet: a plain 500 with the fault's code
+        raise ApiError(500, exc.message, code=exc.code) from None
     return web.json_response(await out.body(), headers={"X-Request-Id": request["response_id"], **headers})
 
 

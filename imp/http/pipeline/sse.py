@@ -51,7 +51,7 @@ async def stream_failed(exc: Exception, resp: web.StreamResponse | None,
     if isinstance(exc, ConnectionError):
         return
     if isinstance(exc, StreamFault):
-        message, code = f"engine fault: {exc}", "engine_faulted"
+        message, code = exc.message, exc.code
     elif isinstance(exc, ApiError):  # a refusal after a keep-alive had started the stream
         message, code = exc.message, exc.code or "invalid_request_error"
     else:

@@ -31,7 +31,7 @@ if [ "${BENCH:-1}" = 1 ]; then
   L=/tmp/llama-cuda/build/bin/llama-server; [ -x $L ] || { echo "no llama-server (build log tail:)"; tail -5 $OUT/llama_build.txt; L=; }
   echo "[llama-server ${L:-absent} at $(( $(date +%s) - T0 )) s]"
   timeout ${BENCH_S:-400} python3 bench/models_swap.py --device cuda:0 --budget-gb ${BUDGET:-30} --kv-tokens 32768 \
-    --seconds ${SECONDS_LOAD:-60} --threads 16 --dir /tmp/ms --source-8b /tmp/8b.gguf ${L:+--llama $L} > $OUT/models_swap.txt 2>&1
+    --seconds ${SECONDS_LOAD:-60} --threads 16 --dir /tmp/ms $([ -f /tmp/8b.gguf ] && echo --source-8b /tmp/8b.gguf) ${L:+--llama $L} > $OUT/models_swap.txt 2>&1
   echo "bench rc $?"; cat $OUT/models_swap.txt | grep -v Warning | tail -40
   cp /tmp/ms/server.log $OUT/ 2>/dev/null; ls -la /tmp/ms/models; nvidia-smi --query-gpu=memory.used --format=csv,noheader
 fi

@@ -222,21 +222,20 @@ def main() -> int:
                      for kind, cold in ([("reload", True), ("reload", False)] if name == boot else
                                         [("first load", True), ("reload", True), ("reload", False)])]
         for name, kind, cold in steps:
-            if True:
-                t0 = time.perf_counter()
-                st, _ = post(url, "/admin/models/unload", {"model": name})  # 409 when it is not resident: fine
-                if st == 200:
-                    rows.append((name, "unload", "-", time.perf_counter() - t0, None, card_used_gib(), resident()))
-                    note(*rows[-1])
-                if cold:
-                    drop_cache(files[name])
-                t0 = time.perf_counter()
-                st, body = post(url, "/admin/models/load", {"model": name})
-                load_s = time.perf_counter() - t0
-                assert st == 200, body
-                ttft = first_token_s(url, name)
-                rows.append((name, kind, "cold" if cold else "warm", load_s, ttft, card_used_gib(), resident()))
+            t0 = time.perf_counter()
+            st, _ = post(url, "/admin/models/unload", {"model": name})  # 409 when it is not resident: fine
+            if st == 200:
+                rows.append((name, "unload", "-", time.perf_counter() - t0, None, card_used_gib(), resident()))
                 note(*rows[-1])
+            if cold:
+                drop_cache(files[name])
+            t0 = time.perf_counter()
+            st, body = post(url, "/admin/models/load", {"model": name})
+            load_s = time.perf_counter() - t0
+            assert st == 200, body
+            ttft = first_token_s(url, name)
+            rows.append((name, kind, "cold" if cold else "warm", load_s, ttft, card_used_gib(), resident()))
+            note(*rows[-1])
         peer = {}
         if a.llama:
             for name in (*swapped, boot):

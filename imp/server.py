@@ -175,8 +175,9 @@ def _load_models(cfg: ServerConfig) -> _Models:
         if device.startswith("cuda"):
             from imp.gpu.runner import GpuModelRunner
 
+            decided: dict = {}  # the first load's dense copies and matmul kernels, decided the same on a reload
             return lambda: GpuModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens,
-                                               device=device, max_graph_batch=cfg.max_batch_size,
+                                               device=device, max_graph_batch=cfg.max_batch_size, decided=decided,
                                                int8_act=cfg.gpu_activations == "int8",
                                                batch_invariant=cfg.batch_invariant,
                                                graphs=cfg.gpu_graphs != "off",

@@ -127,6 +127,26 @@ def test_sampled_and_logprob_steps_run(tmp_path_factory):
     assert 0 <= t1[0].token_id < 512
 
 
+def test_a_reload_decides_as_the_first_load(tmp_path_factory):
+    """The loader's `decided` (imp.server): a reload after a suspend or a model swap keeps the first load's dense
+    copies and matmul kernels (no timing again) and gives the same greedy tokens."""
+    from imp.gpu.runner import GpuModelRunner
+
+    path = _model(tmp_path_factory, T.Q8_0)
+    decided: dict = {}
+    prompts = [[5, 9, 200, 3] + list(range(40, 40 + 5 * i)) for i in range(4)]
+    first = GpuModelRunner.load(path, num_blocks=64, block_size=BS, max_graph_batch=8, int8_act=True, decided=decided)
+    tokens = greedy_run(first, prompts, 12)
+    assert decided["tuner"] and first.w.stats["times"], decided
+    choices = dict(decided["tuner"])
+    del first
+    again = GpuModelRunner.load(path, num_blocks=64, block_size=BS, max_graph_batch=8, int8_act=True, decided=decided)
+    assert again.w.tuner is decided["tuner"] and dict(again.w.tuner) == choices
+    assert not again.w.stats["times"]  # nothing timed: every shape's choice was there
+    assert again.w.dense == decided["dense"]
+    assert greedy_run(again, prompts, 12) == tokens
+
+
 @pytest.mark.parametrize("int8_act,cpu_weights", [(True, "gguf"), (False, "f32")])
 def test_smollm2_greedy_matches_cpu(smollm2_path, int8_act, cpu_weights):
     """The default GPU path (int8 activations) against the CPU's default (GGUF blocks, the same int8

@@ -85,8 +85,13 @@ class GpuModelRunner:
     def __init__(self, src: GGUFSource, num_blocks: int, block_size: int, device: str = "cuda:0",
                  kv_dtype=torch.bfloat16, dense: bool | None = None, graphs: bool = True, max_graph_batch: int = 64,
                  tune: bool = True, int8_act: bool = False, batch_invariant: bool = False,
-                 max_prompt_rows: int | None = 512):
+                 max_prompt_rows: int | None = 512, decided: dict | None = None):
+        """decided: what an earlier load of this model decided (dense copies or not, each matmul's kernel), to be
+        decided the same again, else filled in here: a model reloaded after a suspend or a swap runs the same
+        kernels, so it gives the same tokens and takes the same memory as before, whatever else the card holds
+        now (the dense copies are sized against the card's free memory), and skips the timing."""
         cfg: ModelConfig = src.config
+        decided = {} if decided is None else decided
         self.config = cfg
         self.metadata = src.metadata
         self.fingerprint = src.fingerprint
@@ -112,7 +117,9 @@ class GpuModelRunner:
         self._ring = [torch.zeros(MAX_SAMPLED, dtype=torch.int32).pin_memory() for _ in range(RING)]
         self._ring_i = 0
         self.batch_invariant = batch_invariant  # Linear refuses it without int8 activations
-        self.w: Weights = load_weights(src, self.device, dense, int8_act, batch_invariant)
+        self.w: Weights = load_weights(src, self.device, decided.get("dense", dense), int8_act, batch_invariant,
+                                       tuner=decided.get("tuner"))
+        decided.update(dense=self.w.dense, tuner=self.w.tuner)  # the tuner's choices land in it as they are made
         Hkv, D = cfg.n_kv_heads, cfg.head_dim
         shape = (cfg.n_layers, num_blocks, block_size, Hkv, D)
         self.k_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)

@@ -100,9 +100,10 @@ def _merge(ws: list[gemv_fp32_act.QWeight]) -> list[gemv_fp32_act.QWeight]:
 
 
 def load_weights(src: GGUFSource, device: torch.device, dense: bool | None = None, int8_act: bool = False,
-                 invariant: bool = False) -> Weights:
+                 invariant: bool = False, tuner: dict | None = None) -> Weights:
+    """tuner: an earlier load's choices ((Linear.key, N) -> mode) to run again instead of timing (a reload)."""
     cfg = src.config
-    tuner: dict = {}
+    tuner = {} if tuner is None else tuner
     stats: dict = {"times": {}, "failed": []}
     up = lambda name: _upload(src, name, device)  # noqa: E731
     raw: dict[str, list[gemv_fp32_act.QWeight]] = {}

@@ -102,3 +102,20 @@ def call(url: str, path: str, body: dict | None = None, method: str | None = Non
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def stream_completion(url: str, body: dict, timeout: float = 300) -> tuple[str, int, str | None]:
+    """POST /v1/completions with stream (and the usage chunk): (text, completion tokens, last finish_reason)."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    text, tokens, finish = "", 0, None
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                ev = json.loads(line[6:])
+                if ev.get("usage"):
+                    tokens = ev["usage"]["completion_tokens"]
+                for c in ev.get("choices") or []:
+                    text += c.get("text") or ""
+                    finish = c.get("finish_reason") or finish
+    return text, tokens, finish

@@ -86,20 +86,10 @@ def _complete(url: str, model: str, prompt: str) -> str:
 
 
 def _stream(url: str, model: str, prompt: str) -> tuple[str, int, str | None]:
-    body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    text, tokens, finish = "", 0, None
-    with urllib.request.urlopen(req, timeout=300) as r:
-        for line in r:
-            if line.startswith(b"data: {"):
-                ev = json.loads(line[6:])
-                if ev.get("usage"):
-                    tokens = ev["usage"]["completion_tokens"]
-                for c in ev.get("choices") or []:
-                    text += c.get("text") or ""
-                    finish = c.get("finish_reason") or finish
-    return text, tokens, finish
+    from tests.serverproc import stream_completion
+
+    return stream_completion(url, {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                                   "ignore_eos": True})
 
 
 NAMES = ("llama-a", "llama-b", "smol")

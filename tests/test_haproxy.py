@@ -421,42 +421,63 @@ def test_suspend_drains_a_backend_through_the_checks(lb):
     proxy.wait_up({"imp1"})
 
 
+async def kill_under_load(proxy, backends, kill, kinds: list[str], base: int, after_down: bool, wait_s: float):
+    """Long requests on both backends (6 streams of `kinds` in turn and 4 whole answers, 200 tokens: every one still
+    running at the kill), then kill() the first backend (or a process of it); 6 new requests right after, or
+    once the proxy has marked it down. (the queue_running of each at the kill, the kill's time, seconds until
+    marked down or None, the streams', the whole answers' and the new requests' Outcomes)."""
+    b1, b2 = backends
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        starts = [asyncio.Event() for _ in range(6)]
+        streams = [asyncio.ensure_future(request(s, proxy.url, kinds[i % len(kinds)], base + i, True, 200, starts[i]))
+                   for i in range(6)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in starts)), 60)
+        plain = [asyncio.ensure_future(request(s, proxy.url, "completions", base + 100 + i, False, 200))
+                 for i in range(4)]
+        await asyncio.sleep(1.0)
+        running = {b.name: json.loads(urllib.request.urlopen(b.url + "/health").read())["queue_running"]
+                   for b in (b1, b2)}
+        kill()
+        killed = time.monotonic()
+
+        def new_requests():
+            return [asyncio.ensure_future(request(s, proxy.url, "chat", base + 200 + i, i % 2 == 0)) for i in range(6)]
+
+        after = [] if after_down else new_requests()
+        down_at = None
+        while time.monotonic() - killed < wait_s:
+            if not proxy.servers()["imp1"]["up"]:
+                down_at = time.monotonic() - killed
+                break
+            await asyncio.sleep(0.05)
+        if after_down:
+            after = new_requests()
+        return running, killed, down_at, await asyncio.gather(*streams), await asyncio.gather(*plain), \
+            await asyncio.gather(*after)
+
+
+def show(what: str, running, killed, down_at, streams, plain, after) -> list:
+    """kill_under_load's outcomes printed; the streams that ran on the victim."""
+    on_victim = [o for o in streams if o.backend == "imp1"]
+    print(f"\nrunning at {what}: {running}; streams on imp1: {len(on_victim)} of 6; marked down after {down_at}s")
+    for o in streams:
+        print(f"  stream on {o.backend}: ok={o.ok} after {o.ended_at - killed:+.2f}s {o.error[:110]}")
+    for o in plain:
+        print(f"  whole answer on {o.backend}: status {o.status} ok={o.ok} {o.error[:120]}")
+    print(f"  after the kill: {[(o.status, o.backend) for o in after]}")
+    return on_victim
+
+
 def test_sigkill_fails_only_the_requests_it_was_running(lb):
     proxy, (b1, b2) = lb
 
-    async def scenario():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-            # long requests, so that every one is still running at the kill: 6 streams and 4 whole answers
-            starts = [asyncio.Event() for _ in range(6)]
-            streams = [asyncio.ensure_future(request(s, proxy.url, "chat", i, True, 200, starts[i]))
-                       for i in range(6)]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in starts)), 60)
-            plain = [asyncio.ensure_future(request(s, proxy.url, "completions", 100 + i, False, 200))
-                     for i in range(4)]
-            await asyncio.sleep(1.0)
-            running = {b.name: json.loads(urllib.request.urlopen(b.url + "/health").read())["queue_running"]
-                       for b in (b1, b2)}
-            b1.proc.send_signal(signal.SIGKILL)
-            killed = time.monotonic()
-            b1.proc.wait()
-            after = [asyncio.ensure_future(request(s, proxy.url, "chat", 200 + i, i % 2 == 0)) for i in range(6)]
-            down_at = None
-            while time.monotonic() - killed < 5:
-                if not proxy.servers()["imp1"]["up"]:
-                    down_at = time.monotonic() - killed
-                    break
-                await asyncio.sleep(0.05)
-            return running, killed, down_at, await asyncio.gather(*streams), await asyncio.gather(*plain), \
-                await asyncio.gather(*after)
+    def kill():
+        b1.proc.send_signal(signal.SIGKILL)
+        b1.proc.wait()
 
-    running, killed, down_at, streams, plain, after = asyncio.run(scenario())
-    on_victim = [o for o in streams if o.backend == "imp1"]
-    print(f"\nrunning at the kill: {running}; streams on imp1: {len(on_victim)} of 6; marked down after "
-          f"{down_at}s")
-    for o in streams:
-        print(f"  stream on {o.backend}: ok={o.ok} after {o.ended_at - killed:+.2f}s {o.error[:90]}")
-    for o in plain:
-        print(f"  whole answer: status {o.status} ok={o.ok} {o.error[:120]}")
+    running, killed, down_at, streams, plain, after = asyncio.run(
+        kill_under_load(proxy, (b1, b2), kill, ["chat"], 0, after_down=False, wait_s=5))
+    on_victim = show("the kill", running, killed, down_at, streams, plain, after)
     assert down_at is not None and down_at <= 1.0 + 0.2, down_at
     # streams: exactly those imp1 was running fail, at once and with an error the client sees
     assert [o.ok for o in streams] == [o.backend != "imp1" for o in streams]
@@ -482,32 +503,10 @@ def test_sigkill_of_the_engine_process_ends_its_streams_with_an_error_event(lb):
     b1.wait_ready()
     proxy.wait_up({"imp1"})
 
-    async def scenario():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-            starts = [asyncio.Event() for _ in range(6)]
-            kinds = ["chat", "messages", "completions"]
-            streams = [asyncio.ensure_future(request(s, proxy.url, kinds[i % 3], 300 + i, True, 200, starts[i]))
-                       for i in range(6)]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in starts)), 60)
-            plain = [asyncio.ensure_future(request(s, proxy.url, "completions", 400 + i, False, 200))
-                     for i in range(4)]
-            await asyncio.sleep(1.0)
-            running = {b.name: json.loads(urllib.request.urlopen(b.url + "/health").read())["queue_running"]
-                       for b in (b1, b2)}
-            os.kill(b1.engine_pid(), signal.SIGKILL)
-            killed = time.monotonic()
-            down_at = None
-            while time.monotonic() - killed < 6:
-                if not proxy.servers()["imp1"]["up"]:
-                    down_at = time.monotonic() - killed
-                    break
-                await asyncio.sleep(0.05)
-            after = [asyncio.ensure_future(request(s, proxy.url, "chat", 500 + i, i % 2 == 0)) for i in range(6)]
-            return running, killed, down_at, await asyncio.gather(*streams), await asyncio.gather(*plain), \
-                await asyncio.gather(*after)
-
     try:
-        running, killed, down_at, streams, plain, after = asyncio.run(scenario())
+        running, killed, down_at, streams, plain, after = asyncio.run(kill_under_load(
+            proxy, (b1, b2), lambda: os.kill(b1.engine_pid(), signal.SIGKILL), ["chat", "messages", "completions"],
+            300, after_down=True, wait_s=6))
         ready = urllib.request.Request(b1.url + "/ready")
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(ready, timeout=5)
@@ -515,14 +514,7 @@ def test_sigkill_of_the_engine_process_ends_its_streams_with_an_error_event(lb):
     finally:
         b1.stop(signal.SIGKILL)
         b1.extra = []
-    on_victim = [o for o in streams if o.backend == "imp1"]
-    print(f"\nrunning at the engine's kill: {running}; streams on imp1: {len(on_victim)} of 6; marked down after "
-          f"{down_at}s")
-    for o in streams:
-        print(f"  stream on {o.backend}: ok={o.ok} after {o.ended_at - killed:+.2f}s {o.error[:110]}")
-    for o in plain:
-        print(f"  whole answer on {o.backend}: status {o.status} ok={o.ok} {o.error[:110]}")
-    print(f"  after the kill: {[(o.status, o.backend) for o in after]}")
+    on_victim = show("the engine's kill", running, killed, down_at, streams, plain, after)
     assert down_at is not None and down_at <= 2 * 1.0 + 0.5, down_at  # fall 2 x inter 1s of /ready (or the agent)
     assert [o.ok for o in streams] == [o.backend != "imp1" for o in streams]
     for o in on_victim:  # the dialect's own error event, at once: never a cut connection, never a hang

@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from tests.serverproc import ServerProcess, call
+from tests.serverproc import ServerProcess, call, stream_completion
 
 pytestmark = pytest.mark.slow
 
@@ -102,19 +102,8 @@ def test_requests_during_swaps_all_finish(fleet_server):
     names = ["qwen3-synth", "llama-synth", "smol"] * 4
 
     def stream(i: int) -> tuple[str, int, str]:
-        body = {"model": names[i], "prompt": f"Count {i}:", "max_tokens": 24, "temperature": 0, "stream": True,
-                "ignore_eos": True, "stream_options": {"include_usage": True}}
-        req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        tokens, finish = 0, None
-        with urllib.request.urlopen(req, timeout=300) as r:
-            for line in r:
-                if line.startswith(b"data: {"):
-                    ev = json.loads(line[6:])
-                    if ev.get("usage"):
-                        tokens = ev["usage"]["completion_tokens"]
-                    for c in ev.get("choices") or []:
-                        finish = c.get("finish_reason") or finish
+        _, tokens, finish = stream_completion(url, {"model": names[i], "prompt": f"Count {i}:", "max_tokens": 24,
+                                                    "temperature": 0, "ignore_eos": True})
         return names[i], tokens, finish
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:

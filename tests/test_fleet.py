@@ -13,7 +13,7 @@ from imp.core.residency import Budget
 from imp.engine.catalog import Catalog, Entry
 from imp.engine.fleet import Fleet
 from imp.engine.port import ModelRefused
-from imp.engine.port import LoraInfo
+from imp.engine.port import LoraInfo, ResumeResult, SuspendResult
 from imp.messages import MemoryState
 
 MB = 2**20
@@ -49,6 +49,16 @@ class FakeEngine:
 
     async def drain(self, timeout_s):
         return 0
+
+    async def suspend(self, drain_s):
+        self.log.append(("suspend", self.name))
+        self.loaded = False
+        return SuspendResult(suspended=True, drained=True, in_flight=0, kv_released=True)
+
+    async def resume(self, reload=True):
+        self.log.append(("resume", self.name, reload))
+        self.loaded = self.loaded or reload
+        return ResumeResult(suspended=False, reloaded=reload)
 
     async def stop(self):
         self.log.append(("stop", self.name))
@@ -101,20 +111,26 @@ def test_a_request_loads_its_model_and_the_least_recently_used_idle_one_goes():
     run(go())
 
 
+async def long_request(f, name: str, seconds: float) -> tuple[asyncio.Task, asyncio.Event]:
+    """A request on `name` that holds its lease for `seconds`, started and holding it when this returns: (its
+    task, an event set when it has ended)."""
+    held, done = asyncio.Event(), asyncio.Event()
+
+    async def request():
+        async with f.use(name):
+            held.set()
+            await asyncio.sleep(seconds)
+        done.set()
+
+    t = asyncio.create_task(request())
+    await held.wait()
+    return t, done
+
+
 def test_a_busy_model_is_drained_never_cancelled_and_a_timeout_keeps_it():
     async def go():
         f, log = _fleet(budget_mb=150, drain_s=5.0)
-        held = asyncio.Event()
-        done = asyncio.Event()
-
-        async def long_request():
-            async with f.use("a"):
-                held.set()
-                await asyncio.sleep(0.3)
-            done.set()
-
-        t = asyncio.create_task(long_request())
-        await held.wait()
+        t, done = await long_request(f, "a", 0.3)
         async with f.use("b") as m:  # waits for a's request to end, then a goes
             assert done.is_set() and m.entry.name == "b"
             assert f.swapping is None
@@ -259,15 +275,16 @@ def test_the_engine_host_leases_a_model_per_request_and_a_client_gone_during_the
 
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-OPS = st.lists(st.tuples(st.sampled_from(["use", "use", "use", "load", "unload", "cancel"]),
+OPS = st.lists(st.tuples(st.sampled_from(["use", "use", "use", "load", "unload", "cancel", "suspend", "resume"]),
                          st.sampled_from("abcd"), st.integers(0, 3)), min_size=1, max_size=24)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(OPS, st.integers(100, 450), st.sampled_from([0.0, 0.05]))
 def test_random_traffic_never_overruns_the_budget_and_leaves_no_lease(ops, budget_mb, drain_s):
-    """Requests (held a few ticks), admin loads and unloads and clients that give up, all at once: the
-    resident models always fit the budget, every lease comes back, every refusal is a ModelRefused."""
+    """Requests (held a few ticks), admin loads and unloads, suspends and resumes and clients that give up, all
+    at once: the resident models always fit the budget, every lease comes back, every refusal is a
+    ModelRefused."""
     sizes = {"a": 100, "b": 150, "c": 200, "d": 500}  # d never fits a budget under 500 MB
 
     async def go():
@@ -295,16 +312,53 @@ def test_random_traffic_never_overruns_the_budget_and_leaves_no_lease(ops, budge
                 tasks.append(asyncio.create_task(f.load(name)))
             elif op == "unload":
                 tasks.append(asyncio.create_task(f.unload(name, 0.01)))
+            elif op == "suspend":
+                tasks.append(asyncio.create_task(f.suspend(0.01)))
+            elif op == "resume":
+                tasks.append(asyncio.create_task(f.resume()))
             elif tasks:
                 tasks[-1].cancel()  # a client that leaves (while its model loads, or mid-request)
             await asyncio.sleep(0.002 * ticks)
             check()
         for r in await asyncio.gather(*tasks, return_exceptions=True):
-            assert r is None or isinstance(r, (ModelRefused, asyncio.CancelledError)) or hasattr(r, "entry"), r
+            assert r is None or isinstance(r, (ModelRefused, asyncio.CancelledError)) or hasattr(r, "entry") or \
+                hasattr(r, "suspended"), r
         await asyncio.sleep(0.05)  # swaps whose waiters left run to their end
         check()
         assert worst <= budget_mb * MB  # with the first model (a, 100 MB) resident at boot, every budget >= 100
         assert all(m.leases == 0 and not m.leaving for m in f.models.values())
         assert f.swapping is None and not f._lock.locked()
+
+    run(go())
+
+
+def test_suspend_releases_every_model_and_nothing_loads_until_resume():
+    """POST /admin/suspend with models on demand: the boot model suspends, every other resident one is drained
+    (a running request finishes) and released; requests and admin loads are refused until the resume, which
+    brings the boot model back; the others load on demand again."""
+    async def go():
+        f, log = _fleet(budget_mb=250, drain_s=5.0)
+        async with f.use("b"):
+            pass
+        t, done = await long_request(f, "b", 0.2)
+        res = await f.suspend(5.0)
+        assert done.is_set()  # drained, never cancelled
+        await t
+        assert res.models_released == ("b",) and res.kv_released and not res.error, res
+        assert not any(m.loaded for m in f.models.values())
+        assert ("release", "b", "operator") in log and ("suspend", "a") in log
+        with pytest.raises(ModelRefused) as e:
+            async with f.use("c"):
+                pass
+        assert (e.value.status, e.value.code) == (503, "suspended")
+        with pytest.raises(ModelRefused) as e2:
+            await f.load("b")
+        assert (e2.value.status, e2.value.code) == (409, "suspended")
+        assert ("build", "c") not in log and ("reload", "b") not in log
+        assert (await f.suspend(1.0)).suspended  # a second one changes nothing: the resume still brings a back
+        await f.resume()
+        assert [n for n, m in f.models.items() if m.loaded] == ["a"] and ("resume", "a", True) in log
+        async with f.use("b") as m:
+            assert m.loaded and ("reload", "b") in log
 
     run(go())

@@ -117,6 +117,29 @@ def test_requests_during_swaps_all_finish(fleet_server):
     assert health["swapping"] is None and health["kv_blocks_used"] == 0
 
 
+def test_suspend_releases_every_model_until_resume(fleet_server):
+    """POST /admin/suspend with models on demand gives back every model's memory, not the boot model's alone;
+    nothing is served or loaded until /admin/resume, which brings the boot model back."""
+    url = fleet_server.url
+    ask = {"prompt": "x", "max_tokens": 2}
+    assert call(url, "/v1/completions", {**ask, "model": "smol"})[0] == 200
+    assert call(url, "/v1/completions", {**ask, "model": "qwen3-synth"})[0] == 200  # two resident now
+    st, body = call(url, "/admin/suspend?drain_s=10", {}, "POST")
+    assert st == 200 and body["suspended"] and body["kv_released"], body
+    assert body["models_released"] == ["qwen3-synth"], body
+    assert not any(m["loaded"] for m in _loaded(url).values())
+    for model in ("smol", "llama-synth"):
+        st, err = call(url, "/v1/completions", {**ask, "model": model})
+        assert st == 503 and err["error"]["code"] == "suspended", err
+    st, err = call(url, "/admin/models/load", {"model": "llama-synth"})
+    assert st == 409 and err["error"]["code"] == "suspended", err
+    assert not any(m["loaded"] for m in _loaded(url).values())  # nothing loaded meanwhile
+    st, body = call(url, "/admin/resume", {}, "POST")
+    assert st == 200 and body["reloaded"], body
+    assert [n for n, m in _loaded(url).items() if m["loaded"]] == ["smol"]
+    assert call(url, "/v1/completions", {**ask, "model": "llama-synth"})[0] == 200  # loads on demand again
+
+
 def test_admin_load_unload_and_every_models_log_replays(fleet_server):
     url = fleet_server.url
     st, body = call(url, "/admin/models/load", {"model": "llama-synth"})

@@ -25,9 +25,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
+import msgspec
+
 from imp.core.residency import Budget, Footprint, Resident, idle_victims, plan_load
 from imp.engine.catalog import Catalog, Entry
-from imp.engine.port import ModelRefused
+from imp.engine.port import ModelRefused, ResumeResult, SuspendResult
 
 log = logging.getLogger("imp.fleet")
 
@@ -85,6 +87,8 @@ class Fleet:
         self._idle_task: asyncio.Task | None = None
         self.swap_seconds: list[float] = []  # every load's seconds (build or reload), for /metrics
         self.on_change = None  # () -> None after a model loads or unloads (the engine host tells the API servers)
+        self.suspended = False  # POST /admin/suspend: nothing loads until /admin/resume
+        self._boot_resident = True  # the boot model was resident when the suspend came
 
     # ------------------------------------------------------------------ names
 
@@ -122,6 +126,7 @@ class Fleet:
 
     async def acquire(self, entry: Entry) -> Model:
         while True:
+            self._refuse_if_suspended(503)
             m = self.models.get(entry.name)
             if m is not None and m.loaded and not m.leaving:
                 m.leases += 1  # no await between the check and this: a swap cannot slip in
@@ -168,8 +173,14 @@ class Fleet:
     def idle_of(self, entry: Entry) -> float:
         return self.idle_s if entry.idle_unload_s is None else entry.idle_unload_s
 
+    def _refuse_if_suspended(self, status: int) -> None:
+        if self.suspended:
+            raise ModelRefused(status, "suspended", "the server is suspended: no model is served or loaded until "
+                                                    "POST /admin/resume")
+
     async def _bring(self, entry: Entry) -> None:
         """Under the lock: unload what the plan says, then load entry (a failed load reloads what went)."""
+        self._refuse_if_suspended(503)  # a swap queued before the suspend
         failed = self.failed.get(entry.name)
         if failed is not None and failed[0] == _mtime(entry.path):  # the same file failed before: evict nothing
             raise ModelRefused(500, "model_load_failed", f"model {entry.name!r} failed to load: {failed[1]} "
@@ -253,9 +264,11 @@ class Fleet:
         finally:
             m.leaving = False
 
-    async def load(self, name: str) -> Model:
-        """POST /admin/models/load: name resident (a no-op when it is)."""
+    async def load(self, name: str, for_request: bool = False) -> Model:
+        """POST /admin/models/load: name resident (a no-op when it is). for_request: an API server's request
+        waits for it (the process layout's model_use): refused as a request is while suspended (503, not 409)."""
         entry, _ = self.resolve(name)
+        self._refuse_if_suspended(503 if for_request else 409)
         await asyncio.shield(self._swap_to(entry))
         m = self.models[entry.name]
         m.last_used = self.clock()
@@ -274,6 +287,46 @@ class Fleet:
                 return m
 
         return await asyncio.shield(asyncio.ensure_future(unload()))  # a client that leaves does not cut it
+
+    async def suspend(self, drain_s: float) -> SuspendResult:
+        """POST /admin/suspend with models on demand: the card (or RAM) given back by every model, not the boot
+        model's alone. From now on nothing is served or loaded (503 / 409 `suspended`); the boot model suspends
+        as a single server does (its admission closed at once, sticky), while every other resident model is
+        drained (never cancelled) and released beside it. The boot model's result (its memory figures), the
+        others' names in models_released; a drain that timed out keeps that model (error)."""
+        first_time, self.suspended = not self.suspended, True
+        async with self._lock:  # after a swap under way: what it brought in is then released too
+            if first_time:  # what the resume brings back (a second suspend finds it released already)
+                self._boot_resident = self.first.loaded
+            boot = asyncio.ensure_future(self.first.engine.suspend(drain_s))  # beside the others' drains
+            released, errors = [], []
+            for m in [m for m in self.models.values() if m.loaded and m is not self.first]:
+                try:
+                    await self._unload(m, "operator", drain_s)
+                    released.append(m.entry.name)
+                except ModelRefused as exc:
+                    errors.append(exc.message)
+            res = await boot
+            if res.kv_released and self.first.loaded:  # the boot model's weights went with its suspend
+                self.first.loaded = False
+                self._changed()
+        # the memory figures stay the boot model's (the others' releases ran beside it: a sum would count twice);
+        # /v1/models shows what each holds now
+        return msgspec.structs.replace(res, models_released=tuple(released), kv_released=res.kv_released and not errors,
+                                       error="; ".join(x for x in (res.error, *errors) if x))
+
+    async def resume(self) -> ResumeResult:
+        """POST /admin/resume: the boot model loaded again if it was resident when the suspend came (a model
+        whose drain timed out stayed beside it: they fit), then admitted; the others load on demand as before."""
+        if not self.suspended:
+            return await self.first.engine.resume(reload=self.first.loaded)
+        back = self._boot_resident
+        res = await self.first.engine.resume(reload=back)
+        self.suspended = False
+        if back and not self.first.loaded and not self.first.engine.fault:
+            self.first.loaded, self.first.last_used = True, self.clock()
+            self._changed()
+        return res
 
     # ------------------------------------------------------------------ what HTTP reads (imp.engine.port.Models)
 

@@ -312,10 +312,10 @@ class EngineHost:
                 v = float(self.rate_take(*f.args))
             elif f.method == "metrics_text":
                 v = await eng.metrics_text()
-            elif f.method == "suspend":
-                v = await eng.suspend(*f.args)
+            elif f.method == "suspend":  # with models on demand, every model's (imp.engine.fleet)
+                v = await (fleet or eng).suspend(*f.args)
             elif f.method == "resume":
-                v = await eng.resume()
+                v = await (fleet or eng).resume()
             elif f.method == "lora_load":
                 v = await eng.lora_load(*f.args)
                 self._broadcast_state()
@@ -338,7 +338,7 @@ class EngineHost:
         entry, _ = self.fleet.resolve(name)
         m = self.fleet.models.get(entry.name)
         if m is None or not m.loaded or m.leaving:  # a resident model answers at once, even during a swap
-            m = await self.fleet.load(entry.name) if load else self.fleet.resident_now(entry.name)
+            m = await self.fleet.load(entry.name, for_request=True) if load else self.fleet.resident_now(entry.name)
         return wire.ModelUse(entry.name, entry.path, m.engine.card)
 
     async def _store(self, peer: _Peer, f: wire.StoreCall) -> None:

@@ -351,12 +351,15 @@ class LocalEngine:
                          if m.device_free_before else "")
         return states
 
-    async def resume(self) -> ResumeResult:
+    async def resume(self, reload: bool = True) -> ResumeResult:
+        """Admit again; released weights and KV pool are loaded first. reload=False: admit only, the weights
+        stay released (models on demand: a boot model a swap had released before the suspend stays so, and
+        loads on demand as before)."""
         if self.draining:  # a shutdown is not undone by an admin call
             return ResumeResult(suspended=False, reloaded=False)
         released = [n for n in self.executors if n in self.ingress.memory and not self.ingress.memory[n].loaded]
-        states = await self._ask(Reload(), released, self.ingress.memory) if released else []
-        self.idle_suspended = False
+        states = await self._ask(Reload(), released, self.ingress.memory) if released and reload else []
+        self.idle_suspended = bool(released) and not reload
         self.ingress.resume()
         return ResumeResult(suspended=False, reloaded=bool(states),
                             seconds=max((m.seconds for m in states), default=0.0))

@@ -141,6 +141,7 @@ class SuspendResult(_Value):
     device_free_before: int = 0
     device_free_after: int = 0
     error: str = ""  # why the memory was not released (drain timed out, a runner that cannot unload)
+    models_released: tuple[str, ...] = ()  # models on demand: the other resident models, drained and released
 
 
 class ResumeResult(_Value):
@@ -267,6 +268,10 @@ class Models(Protocol):
     async def unload_row(self, name: str, drain_s: float | None = None) -> dict: ...
 
     async def metrics_text(self) -> bytes: ...
+
+    async def suspend(self, drain_s: float) -> SuspendResult: ...  # every model released; nothing loads until resume
+
+    async def resume(self) -> ResumeResult: ...
 
     def ports(self) -> list: ...  # the resident models' EnginePorts
 

@@ -164,6 +164,12 @@ class RemoteFleet:
     async def metrics_text(self) -> bytes:
         return await self.conn.metrics_text()
 
+    async def suspend(self, drain_s: float):
+        return await self.conn.suspend(drain_s)  # the engine host suspends its fleet
+
+    async def resume(self):
+        return await self.conn.resume()
+
     def ports(self) -> list:
         """The resident models (from the engine's last State) as ports; their tokenizers are not needed for
         what these serve (LoRA admin)."""

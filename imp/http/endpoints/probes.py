@@ -120,10 +120,13 @@ async def suspend(request: web.Request) -> web.Response:
         raise bad(f"'drain_s' must be a number of seconds, got {raw[:32]!r}", "drain_s") from None
     if not 0 <= drain_s <= 600:
         raise bad(f"'drain_s' must be in 0..600, got {drain_s}", "drain_s")
-    res = await request.app[keys.PORT].suspend(drain_s)
+    # models on demand: every resident model is released, and none loads until /admin/resume (imp.engine.fleet)
+    res = await (request.app.get(keys.FLEET) or request.app[keys.PORT]).suspend(drain_s)
     body = {"suspended": res.suspended, "drained": res.drained, "in_flight": res.in_flight,
             "kv_released": res.kv_released, "weights_released": res.kv_released,
             "memory": {"rss_before": res.rss_before, "rss_after": res.rss_after}}
+    if res.models_released:
+        body["models_released"] = list(res.models_released)
     if res.device_free_before or res.device_free_after:
         body["memory"].update(device_free_before=res.device_free_before, device_free_after=res.device_free_after)
     if res.error:
@@ -133,7 +136,7 @@ async def suspend(request: web.Request) -> web.Response:
 
 async def resume(request: web.Request) -> web.Response:
     """POST /admin/resume: admit again; released weights and KV pool are loaded first."""
-    res = await request.app[keys.PORT].resume()
+    res = await (request.app.get(keys.FLEET) or request.app[keys.PORT]).resume()
     return web.json_response({"suspended": res.suspended, "reloaded": res.reloaded, "seconds": round(res.seconds, 3)})
 
 

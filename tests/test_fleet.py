@@ -362,3 +362,21 @@ def test_suspend_releases_every_model_and_nothing_loads_until_resume():
             assert m.loaded and ("reload", "b") in log
 
     run(go())
+
+
+def test_requests_for_two_models_that_cannot_sit_together_take_turns():
+    """Each swap hands its waiters their leases before the next swap plans: requests for two models that never
+    fit together take turns (before, each swap evicted the model the one before had just loaded, for ever)."""
+    async def go():
+        entries = {n: Entry(n, f"/m/{n}.gguf", mb * MB) for n, mb in {"a": 100, "b": 150}.items()}
+        f, log = _fleet(budget_mb=150, drain_s=5.0, entries=entries)
+
+        async def request(name):
+            async with f.use(name):
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(asyncio.gather(*(request(n) for n in "babab")), 10)
+        assert all(m.leases == 0 for m in f.models.values())
+        assert sum(e[0] in ("build", "reload") for e in log) <= 5, log
+
+    run(go())

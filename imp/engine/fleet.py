@@ -83,6 +83,7 @@ class Fleet:
         self.swapping: str | None = None  # the model being loaded now (/ready: swapping)
         self._lock = asyncio.Lock()
         self._pending: dict[str, asyncio.Future] = {}  # name -> the swap bringing it in
+        self._tickets: dict[str, list[list]] = {}  # name -> its waiters' tickets: the swap puts a leased Model in each
         self.failed: dict[str, tuple[float, str]] = {}  # name -> (its file's mtime, why) of a load that failed
         self._idle_task: asyncio.Task | None = None
         self.swap_seconds: list[float] = []  # every load's seconds (build or reload), for /metrics
@@ -132,12 +133,28 @@ class Fleet:
                 m.leases += 1  # no await between the check and this: a swap cannot slip in
                 m.last_used = self.clock()
                 return m
-            # shielded: a request that times out or whose client leaves stops waiting, the swap goes on
-            await asyncio.shield(self._swap_to(entry))
+            # the swap hands this waiter its lease before it lets the next swap plan: were the lease taken only
+            # when the waiter wakes, the next swap (another model that cannot sit beside this one) could evict
+            # it first, and two such models' requests would swap each other out for ever
+            ticket: list[Model] = []
+            waiting = self._tickets.setdefault(entry.name, [])
+            waiting.append(ticket)
+            try:
+                # shielded: a request that times out or whose client leaves stops waiting, the swap goes on
+                await asyncio.shield(self._swap_to(entry))
+            except BaseException:
+                if ticket:  # handed a lease, but gone before it woke (its client left, its timeout)
+                    self.release(ticket[0])
+                raise
+            finally:
+                waiting[:] = [t for t in waiting if t is not ticket]  # by identity: empty tickets are all equal
+            if ticket:
+                return ticket[0]
 
     def _swap_to(self, entry: Entry) -> asyncio.Future:
         """The one swap that makes entry resident (every waiter for it shares it); one swap at a time runs,
-        under the lock, so a request for a model being drained waits here too."""
+        under the lock, so a request for a model being drained waits here too. Its waiters get their leases
+        inside it (acquire)."""
         t = self._pending.get(entry.name)
         if t is None or t.done():
             async def swap():
@@ -145,6 +162,12 @@ class Fleet:
                     m = self.models.get(entry.name)
                     if m is None or not m.loaded:
                         await self._bring(entry)
+                    m = self.models[entry.name]
+                    for ticket in self._tickets.get(entry.name, []):
+                        if not ticket and m.loaded and not self.suspended:
+                            ticket.append(m)
+                            m.leases += 1
+                            m.last_used = self.clock()
 
             t = self._pending[entry.name] = asyncio.ensure_future(swap())
             t.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: no "never retrieved" warning
@@ -289,6 +312,13 @@ class Fleet:
         return await asyncio.shield(asyncio.ensure_future(unload()))  # a client that leaves does not cut it
 
     async def suspend(self, drain_s: float) -> SuspendResult:
+        """(below) Shielded: a client that leaves does not cut a suspend half way."""
+        return await asyncio.shield(asyncio.ensure_future(self._suspend(drain_s)))
+
+    async def resume(self) -> ResumeResult:
+        return await asyncio.shield(asyncio.ensure_future(self._resume()))
+
+    async def _suspend(self, drain_s: float) -> SuspendResult:
         """POST /admin/suspend with models on demand: the card (or RAM) given back by every model, not the boot
         model's alone. From now on nothing is served or loaded (503 / 409 `suspended`); the boot model suspends
         as a single server does (its admission closed at once, sticky), while every other resident model is
@@ -315,18 +345,19 @@ class Fleet:
         return msgspec.structs.replace(res, models_released=tuple(released), kv_released=res.kv_released and not errors,
                                        error="; ".join(x for x in (res.error, *errors) if x))
 
-    async def resume(self) -> ResumeResult:
+    async def _resume(self) -> ResumeResult:
         """POST /admin/resume: the boot model loaded again if it was resident when the suspend came (a model
         whose drain timed out stayed beside it: they fit), then admitted; the others load on demand as before."""
-        if not self.suspended:
-            return await self.first.engine.resume(reload=self.first.loaded)
-        back = self._boot_resident
-        res = await self.first.engine.resume(reload=back)
-        self.suspended = False
-        if back and not self.first.loaded and not self.first.engine.fault:
-            self.first.loaded, self.first.last_used = True, self.clock()
-            self._changed()
-        return res
+        async with self._lock:  # after the suspend (or swap) under way: a swap must never plan around it
+            if not self.suspended:
+                return await self.first.engine.resume(reload=self.first.loaded)
+            back = self._boot_resident
+            res = await self.first.engine.resume(reload=back)
+            self.suspended = False
+            if back and not self.first.loaded and not self.first.engine.fault:
+                self.first.loaded, self.first.last_used = True, self.clock()
+                self._changed()
+            return res
 
     # ------------------------------------------------------------------ what HTTP reads (imp.engine.port.Models)
 

@@ -51,6 +51,9 @@ class ServerConfig:
     swap_space_gb: float = 4.0
     preemption_mode: str = "auto"
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long admitted requests may run on
+    # then: the listener stays open (everything 503 draining) until no request has come for this long, so a
+    # balancer that still routes here resends elsewhere instead of seeing a closed connection (imp/http/closing.py)
+    shutdown_quiet_s: float = 1.0
     # HAProxy agent-check port (imp/http/agent.py): one line a connection, up/drain/down and a weight from
     # queue and KV pressure, so load steers a balancer without failing its checks; 0 = off
     agent_port: int = 0
@@ -117,6 +120,7 @@ class ServerConfig:
             (self.swap_space_gb >= 0, "--swap-space must be >= 0 (GB; 0 = no swap area)"),
             (self.preemption_mode in ("auto", "swap", "recompute"), "--preemption-mode must be auto, swap or recompute"),
             (self.shutdown_timeout_s >= 0, "--shutdown-timeout must be >= 0"),
+            (0 <= self.shutdown_quiet_s <= 60, "--shutdown-quiet must be in 0..60 seconds"),
             (self.models_memory_gb >= 0, "--models-memory must be >= 0 (GB; 0 = no limit)"),
             (self.models_host_memory_gb >= 0, "--models-host-memory must be >= 0 (GB; 0 = no limit)"),
             (0 <= self.model_swap_drain_s <= 3600, "--model-swap-drain must be in 0..3600 seconds"),
@@ -191,6 +195,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "recompute (0 = none; on the CPU executor the pool is host memory already)")
     p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=d.shutdown_timeout_s,
                    help="on SIGTERM, seconds the admitted requests may run on (new ones get 503 draining)")
+    p.add_argument("--shutdown-quiet", dest="shutdown_quiet_s", type=float, default=d.shutdown_quiet_s,
+                   help="after the drain, keep answering 503 draining until no request has come for S seconds "
+                        "(a load balancer still routing here resends them elsewhere), within --shutdown-timeout")
     p.add_argument("--agent-port", type=int, default=d.agent_port,
                    help="answer HAProxy's agent-check on this TCP port: 'up ready N%%' (a weight from queue and KV "
                         "pressure), 'drain' while suspended or draining, 'down' after an engine fault (0 = off; "

@@ -185,6 +185,7 @@ async def _api(cfg, text, grammars, api_keys, endpoint: str, index: int, sock, r
 
     from imp.engine.remote import RemoteEngine
     from imp.http.app import create_app
+    from imp.http.closing import close_when_quiet
 
     port = RemoteEngine(endpoint, text.tokenizer, api=index)
     await port.start()
@@ -210,6 +211,10 @@ async def _api(cfg, text, grammars, api_keys, endpoint: str, index: int, sock, r
     await asyncio.wait((bye, stop), return_when=asyncio.FIRST_COMPLETED)
     if not bye.done():  # asked to stop without the engine: let this server's streams finish
         await port.drain(cfg.shutdown_timeout_s)
+    elif not stop.done():  # the engine drained: the listener closes once the balancer has stopped sending
+        quiet = asyncio.ensure_future(close_when_quiet(app, cfg.shutdown_quiet_s, cfg.shutdown_timeout_s))
+        await asyncio.wait((quiet, stop), return_when=asyncio.FIRST_COMPLETED)  # a SIGTERM here stops waiting
+        quiet.cancel()
     bye.cancel()
     stop.cancel()
     await runner.cleanup()

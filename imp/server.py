@@ -23,6 +23,7 @@ from imp.actors.otlp_config import OtlpConfig
 from imp.constrain.vocab import from_tokenizer
 from imp.engine.local import LocalEngine
 from imp.http.app import create_app
+from imp.http.closing import close_when_quiet
 from imp.precompile import boot_warm
 from imp.settle import settle_after_boot
 from imp.text.model import TextModel
@@ -339,17 +340,22 @@ def fleet_for(cfg: ServerConfig, engine, text):
                  drain_s=cfg.model_swap_drain_s, idle_s=cfg.idle_unload_s, kv_tokens=cfg.kv_cache_tokens or 16384)
 
 
+async def unless_signalled(aw, signals: asyncio.Queue):
+    """aw's result, or None when a (second) signal comes first (aw is cancelled then)."""
+    task = asyncio.ensure_future(aw)
+    again = asyncio.ensure_future(signals.get())
+    await asyncio.wait((task, again), return_when=asyncio.FIRST_COMPLETED)
+    again.cancel()
+    if not task.done():
+        task.cancel()
+        return None
+    return task.result()
+
+
 async def drain(engine, signals: asyncio.Queue, timeout_s: float) -> int | None:
     """SIGTERM's drain: admission closes (503 draining), admitted requests run on for up to
     timeout_s; a second signal stops waiting. How many were left, None if cut by a signal."""
-    drained = asyncio.ensure_future(engine.drain(timeout_s))
-    again = asyncio.ensure_future(signals.get())
-    await asyncio.wait((drained, again), return_when=asyncio.FIRST_COMPLETED)
-    again.cancel()
-    if not drained.done():
-        drained.cancel()
-        return None
-    return drained.result()
+    return await unless_signalled(engine.drain(timeout_s), signals)
 
 
 async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel, api_keys: tuple[str, ...],
@@ -383,7 +389,11 @@ async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel, api_ke
     # signal stops waiting). Then the app's cleanup stops the actors: the event log and the
     # Responses store are flushed and closed before the process exits 0.
     _progress(f"{signal.Signals(sig).name}: draining (up to {cfg.shutdown_timeout_s:g}s) ...")
+    t_sig = time.monotonic()
     left = await drain(fleet or engine, signals, cfg.shutdown_timeout_s)
+    if left is not None:  # the listener closes once the balancer has stopped sending (imp.http.closing)
+        await unless_signalled(close_when_quiet(app, cfg.shutdown_quiet_s,
+                                                cfg.shutdown_timeout_s - (time.monotonic() - t_sig)), signals)
     _progress("shutting down" + (f": the engine faulted ({engine.fault})" if engine.fault else
                                  f": {left} requests still running are cut" if left else
                                  ": second signal, requests still running are cut" if left is None else ""))

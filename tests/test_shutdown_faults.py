@@ -10,6 +10,7 @@ request with engine_faulted, /health and /ready turn 503 engine_faulted, later r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -139,3 +140,70 @@ def test_a_device_fault_ends_every_request_and_later_ones_fail_fast(smollm2_path
         assert st == 503 and r["code"] == "engine_faulted", r
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(30) == 0, srv.tail()
+
+
+async def _balancer(url: str, proc: subprocess.Popen, workers: int = 8, check_s: float = 0.2) -> dict[str, int]:
+    """What a load balancer does around a SIGTERM: requests on fresh connections (HAProxy's http-server-close)
+    from `workers` clients until its check has seen /ready fail twice, then none. The outcome of each:
+    an answer (its status), a refused connection (never sent: safe to resend) or a reset (sent, then the
+    connection closed unanswered: what a balancer cannot resend)."""
+    import aiohttp
+
+    seen: dict[str, int] = {}
+    routing = True
+    chat = {**CHAT, "max_tokens": 2}
+
+    async def worker(i: int) -> None:
+        n = 0
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                         timeout=aiohttp.ClientTimeout(total=60)) as s:
+            while routing:
+                n += 1
+                try:
+                    if n % 3 == 0:
+                        r = await s.get(url + "/v1/models")
+                    else:
+                        r = await s.post(url + "/v1/chat/completions", json=chat)
+                    await r.read()
+                    key = str(r.status)
+                except aiohttp.ClientConnectorError:
+                    key = "refused"
+                    await asyncio.sleep(0.01)
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    key = f"reset ({type(e).__name__})"
+                seen[key] = seen.get(key, 0) + 1
+
+    async def check() -> None:
+        nonlocal routing
+        fails = 0
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            while fails < 2:
+                await asyncio.sleep(check_s)
+                try:
+                    async with s.get(url + "/ready") as r:
+                        fails = 0 if r.status == 200 else fails + 1
+                except aiohttp.ClientError:
+                    fails += 1
+        routing = False
+
+    tasks = [asyncio.ensure_future(worker(i)) for i in range(workers)]
+    while sum(seen.values()) < 24:
+        await asyncio.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    await check()
+    await asyncio.gather(*tasks)
+    return seen
+
+
+@pytest.mark.parametrize("layout", [(), ("--api-servers", "1")], ids=["one-process", "api-servers"])
+def test_a_balancer_still_sending_at_sigterm_gets_answers_never_a_closed_connection(smollm2_path, tmp_path, layout):
+    """After the drain the listener stays open, answering 503 draining, until requests stop coming
+    (--shutdown-quiet): a request a balancer sent before its checks took the server out is answered,
+    never dropped on a closed connection (HAProxy would close its client's connection without a word)."""
+    with ServerProcess(smollm2_path, "--kv-cache-tokens", "4096", "--shutdown-timeout", "20", *layout,
+                       log_path=tmp_path / "server.out") as srv:
+        seen = asyncio.run(_balancer(srv.url, srv.proc))
+        assert srv.proc.wait(30) == 0, srv.tail()
+    print(f"\n{layout or 'one process'}: {seen}")
+    assert seen.get("200", 0) >= 24 and seen.get("503", 0) > 0, seen
+    assert not [k for k in seen if k.startswith("reset")], seen

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from imp.http import keys
 from imp.http.access import RateLimiter, key_matches, presented_key, retry_after
+from imp.http.closing import Closing, closing_mw
 from imp.http.endpoints.control import serve_peers
 from imp.http.pipeline.live import LiveRequests
 from imp.http.errors import ApiError, error_response
@@ -114,8 +115,10 @@ def create_app(port, text, config, grammars=None, api_keys: tuple[str, ...] | No
     the imp.engine.port.Models of --models-dir (port is then its boot model's), or None."""
     if api_keys is None:
         api_keys = (config.api_key,) if config.api_key else ()
-    app = web.Application(middlewares=[context_mw, access_mw(api_keys, config.rate_limit, rate)],
+    app = web.Application(middlewares=[context_mw, closing_mw(lambda r: r.path in _OPEN),
+                                       access_mw(api_keys, config.rate_limit, rate)],
                           client_max_size=BODY_LIMIT)
+    app[keys.CLOSING] = Closing()
     app[keys.PORT] = port
     app[keys.TEXT] = text
     app[keys.CONFIG] = config

@@ -16,3 +16,4 @@ LIVE: web.AppKey = web.AppKey("live_requests", object)  # imp.http.control.LiveR
 GRAMMARS: web.AppKey = web.AppKey("grammars", object)  # imp.constrain.compile.GrammarCache, or None
 EMBEDDER: web.AppKey = web.AppKey("embedder", object)  # imp.model.bert.BertEncoder (duck-typed), or None
 FLEET: web.AppKey = web.AppKey("fleet", object)  # imp.engine.port.Models (models on demand), or None
+CLOSING: web.AppKey = web.AppKey("closing", object)  # imp.http.closing.Closing: the gate after the drain

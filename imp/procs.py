@@ -138,7 +138,7 @@ async def _engine(cfg: ServerConfig, engine, endpoint: str, ready_fd: int, fleet
     if cfg.agent_port:  # HAProxy's agent-check lives where the figures are: the engine (imp.http.agent)
         from imp.http.agent import engine_answer, start_agent
 
-        await start_agent(cfg.host, cfg.agent_port, engine_answer(engine))
+        await start_agent(cfg.host, cfg.agent_port, engine_answer(engine, fleet))
     signals: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, signals.put_nowait, signal.SIGTERM)

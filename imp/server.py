@@ -375,7 +375,7 @@ async def _serve(cfg: ServerConfig, engine: LocalEngine, text: TextModel, api_ke
     if cfg.agent_port:  # HAProxy's agent-check: up/drain/down and a weight from queue and KV (imp.http.agent)
         from imp.http.agent import engine_answer, start_agent
 
-        await start_agent(cfg.host, cfg.agent_port, engine_answer(engine))
+        await start_agent(cfg.host, cfg.agent_port, engine_answer(engine, fleet))
         _progress(f"agent-check on {cfg.host}:{cfg.agent_port}")
     signals = asyncio.Queue()
     loop = asyncio.get_running_loop()

@@ -63,6 +63,31 @@ def test_agent_line(snap, line):
     assert readiness.agent_line(snap, CARD) == line
 
 
+def test_agent_line_with_other_resident_models():
+    """Models on demand: the resident models share the server, so the busiest sets the weight and a fault in
+    any is down; the boot model's state (suspended, draining: server-wide) still drains."""
+    idle, busy_other = (_snap(), CARD), (_snap(running=4), CARD)
+    assert readiness.agent_line(_snap(), CARD, (idle,)) == "up ready 100%\n"
+    assert readiness.agent_line(_snap(running=2), CARD, (busy_other,)) == "up ready 50%\n"
+    assert readiness.agent_line(_snap(), CARD, (idle, (_snap(fault="oom"), CARD))) == "down #engine_faulted\n"
+    assert readiness.agent_line(_snap(draining=True), CARD, (busy_other,)) == "drain #draining\n"
+
+
+async def test_agent_answer_reads_every_resident_model():
+    boot, other = FakeEngine(), FakeEngine()
+
+    class Fleet:
+        def ports(self):
+            return [boot, other]  # the boot model is among the resident: counted once
+
+    answer = engine_answer(boot, Fleet())
+    assert await answer() == "up ready 100%\n"
+    other.draining = True  # (a state only the boot model's port carries in a real fleet: here, a marker read)
+    assert await answer() == "up ready 100%\n"  # others' states other than a fault do not drain the server
+    other._fault = "device lost"
+    assert await answer() == "down #engine_faulted\n"
+
+
 def test_weight_moves_in_steps_and_never_leaves_the_range():
     seen = {readiness.weight(_snap(running=r, waiting=w, used=u), CARD)
             for r in range(9) for w in range(0, 12, 3) for u in range(0, 101, 7)}

@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from tests.serverproc import ServerProcess, call, stream_completion
+from tests.serverproc import ServerProcess, call, free_port, stream_completion
 
 pytestmark = pytest.mark.slow
 
@@ -38,10 +38,12 @@ def fleet_server(request, smollm2_path, tmp_path_factory):
     (models / "broken.gguf").write_bytes(b"GGUF")  # listed; naming it answers why it cannot load
     (models / "models.toml").write_text('[smol]\naliases = ["gpt-4o-mini"]\n')
     log = d / "events.log"
+    agent = free_port()
     srv = ServerProcess(str(models / "smol.gguf"), "--models-dir", str(models), "--models-file",
                         str(models / "models.toml"), "--kv-cache-tokens", "4096", "--models-memory", "0.30",
-                        "--event-log", str(log), "--api-servers", str(request.param), log_path=d / "server.out")
-    srv.dir = d
+                        "--event-log", str(log), "--api-servers", str(request.param), "--agent-port", str(agent),
+                        log_path=d / "server.out")
+    srv.dir, srv.agent_port = d, agent
     with srv:
         yield srv
 
@@ -115,6 +117,14 @@ def test_requests_during_swaps_all_finish(fleet_server):
     assert metrics.count("# TYPE imp_requests_total counter") == 1  # one family, a sample per model
     health = json.load(urllib.request.urlopen(url + "/health", timeout=30))
     assert health["swapping"] is None and health["kv_blocks_used"] == 0
+    # every resident model's own figures, not the boot model's alone; nothing left held in any
+    assert set(health["models"]) == set(health["models_loaded"]) and len(health["models"]) >= 1, health
+    assert all(m["kv_blocks_used"] == 0 and m["kv_blocks_total"] > 0 and m["fault"] is None
+               for m in health["models"].values()), health
+    import socket
+
+    with socket.create_connection(("127.0.0.1", fleet_server.agent_port), timeout=10) as sock:
+        assert sock.makefile().readline() == "up ready 100%\n"  # the agent reads the fleet; idle now
 
 
 def test_suspend_releases_every_model_until_resume(fleet_server):

@@ -36,11 +36,14 @@ async def start_agent(host: str, port: int, answer: Callable[[], Awaitable[str]]
     return await asyncio.start_server(one, host, port, reuse_address=True)
 
 
-def engine_answer(port) -> Callable[[], Awaitable[str]]:
-    """The agent's answer from an engine port (LocalEngine or, across processes, the same figures)."""
+def engine_answer(port, fleet=None) -> Callable[[], Awaitable[str]]:
+    """The agent's answer from an engine port (LocalEngine or, across processes, the same figures) and,
+    with models on demand, the fleet's other resident models (imp.engine.fleet, in the same process)."""
     from imp.http.endpoints.readiness import agent_line
 
     async def answer() -> str:
-        return agent_line(await port.snapshot(), port.card)
+        others = [p for p in fleet.ports() if p is not port] if fleet is not None else []
+        snaps = [(await p.snapshot(), p.card) for p in others]
+        return agent_line(await port.snapshot(), port.card, tuple(snaps))
 
     return answer

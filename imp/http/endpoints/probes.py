@@ -60,9 +60,16 @@ async def health(request: web.Request) -> web.Response:
         **_kv_fields(snap.kv),
     }
     fleet = request.app.get(keys.FLEET)
-    if fleet is not None:  # models on demand: the figures above are the boot model's
+    if fleet is not None:  # models on demand: the figures above are the boot model's; each resident one's here
         st = await fleet.status()
         body["swapping"], body["models_loaded"] = st["swapping"], st["loaded"]
+        body["models"] = {}
+        for p in fleet.ports():
+            s = await p.snapshot()
+            body["models"][p.card.name] = {
+                "queue_waiting": s.queue.waiting, "queue_running": s.queue.running,
+                "kv_blocks_total": s.kv.total, "kv_blocks_used": s.kv.used, "kv_blocks_reserved": s.kv.reserved,
+                "kv_block_size": s.kv.block_size, "fault": s.fault}
     if snap.fault:
         body.update(status="unhealthy", code="engine_faulted", error=snap.fault)
         return web.json_response(body, status=503)

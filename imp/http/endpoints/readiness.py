@@ -58,13 +58,17 @@ def weight(snap: Snapshot, card: ModelCard) -> int:
     return max(MIN_WEIGHT, min(100, pct))
 
 
-def agent_line(snap: Snapshot, card: ModelCard) -> str:
+def agent_line(snap: Snapshot, card: ModelCard, others: tuple = ()) -> str:
     """One HAProxy agent-check reply line. `down` for a fault (restart it), `drain` while suspended
     or draining (no new connections; those running finish), else `up ready N%`: `ready` lifts a
-    drain this server asked for earlier (HAProxy keeps an agent's drain until told otherwise)."""
+    drain this server asked for earlier (HAProxy keeps an agent's drain until told otherwise).
+    others: (Snapshot, ModelCard) of the other resident models (--models-dir): they share this
+    server's compute, so a fault in any is `down` and the busiest one sets the weight."""
     state = not_ready(snap)
+    if state != "engine_faulted" and any(o.fault for o, _ in others):
+        state = "engine_faulted"
     if state == "engine_faulted":
         return "down #engine_faulted\n"
     if state:
         return f"drain #{state}\n"
-    return f"up ready {weight(snap, card)}%\n"
+    return f"up ready {min(weight(s, c) for s, c in ((snap, card), *others))}%\n"

@@ -188,6 +188,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--llama", default=None, help="llama-server binary (the peer's start-up time)")
+    ap.add_argument("--llama-wait", type=float, default=0,
+                    help="seconds to wait for --llama to appear (a build still running beside the bench)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--api-servers", type=int, default=0, help="the process layout (the fleet in the engine process)")
     ap.add_argument("--device", default="cpu", help="cuda:0: SmolLM2's shape and two 8B-shaped files on the card")
@@ -237,6 +239,12 @@ def main() -> int:
             rows.append((name, kind, "cold" if cold else "warm", load_s, ttft, card_used_gib(), resident()))
             note(*rows[-1])
         peer = {}
+        t_wait = time.monotonic() + a.llama_wait
+        while a.llama and not os.access(a.llama, os.X_OK) and time.monotonic() < t_wait:
+            time.sleep(5)
+        if a.llama and not os.access(a.llama, os.X_OK):
+            note("no llama-server at", a.llama, "after", a.llama_wait, "s: no peer")
+            a.llama = None
         if a.llama:
             for name in (*swapped, boot):
                 for cold in (True, False):

@@ -137,12 +137,12 @@ def test_a_reload_decides_as_the_first_load(tmp_path_factory):
     prompts = [[5, 9, 200, 3] + list(range(40, 40 + 5 * i)) for i in range(4)]
     first = GpuModelRunner.load(path, num_blocks=64, block_size=BS, max_graph_batch=8, int8_act=True, decided=decided)
     tokens = greedy_run(first, prompts, 12)
-    assert decided["tuner"] and first.w.stats["times"], decided
+    assert decided["tuner"] and first.w.tune_stats["times"], decided
     choices = dict(decided["tuner"])
     del first
     again = GpuModelRunner.load(path, num_blocks=64, block_size=BS, max_graph_batch=8, int8_act=True, decided=decided)
     assert again.w.tuner is decided["tuner"] and dict(again.w.tuner) == choices
-    assert not again.w.stats["times"]  # nothing timed: every shape's choice was there
+    assert not again.w.tune_stats["times"]  # nothing timed: every shape's choice was there
     assert again.w.dense == decided["dense"]
     assert greedy_run(again, prompts, 12) == tokens
 

@@ -23,7 +23,7 @@ def server(smollm2_path, tmp_path_factory):
         yield srv
 
 
-@pytest.mark.parametrize("grammar,n", [("greet", 20), ("zip", 20), ("apply_patch", 10)])
+@pytest.mark.parametrize("grammar,n", [("greet", 20), ("zip", 20), ("apply_patch", 6)])  # apply_patch: ~6 s a sample
 def test_every_custom_call_parses_under_its_grammar(server, grammar, n):
     rows = asyncio.run(ct.run(server.url, n, 8, 256, [grammar]))
     print("\n" + ct.table(rows))

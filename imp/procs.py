@@ -212,6 +212,8 @@ async def _api(cfg, text, grammars, api_keys, endpoint: str, index: int, sock, r
     if not bye.done():  # asked to stop without the engine: let this server's streams finish
         await port.drain(cfg.shutdown_timeout_s)
     elif not stop.done():  # the engine drained: the listener closes once the balancer has stopped sending
+        # (bounded by the whole --shutdown-timeout from the Bye: this process never saw the signal's time;
+        # the supervisor stops an API server 10 s after the engine has gone anyway)
         quiet = asyncio.ensure_future(close_when_quiet(app, cfg.shutdown_quiet_s, cfg.shutdown_timeout_s))
         await asyncio.wait((quiet, stop), return_when=asyncio.FIRST_COMPLETED)  # a SIGTERM here stops waiting
         quiet.cancel()

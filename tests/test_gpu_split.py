@@ -19,6 +19,8 @@ class FakeForward:
     def __call__(self, m, lora=None):
         self.calls.append(int(m.tokens.shape[0]))
         self.splits.append(m.split)
+        if m.split is not None:  # the one-token shares come last: attention takes them in place
+            assert m.dec_from == m.split[0]
         pend = torch.full((m.tokens.shape[0],), -1.0)
         if m.pending is not None:
             rows, src, k = m.pending
@@ -115,7 +117,14 @@ def test_by_kind_runs_each_row_range_on_its_kind_s_kernel(monkeypatch):
 
     lin = L.Linear([QWeight("Q4_1", 4, 64, {})], torch.ones(4, 64, dtype=torch.float16), {}, int8_act=True)
     assert lin.mode(3, prompt=True) == "dense" and lin.mode(2) in L.gemv_int8_act.VARIANTS
-    monkeypatch.setattr(lin, "dense_mm", lambda x: torch.full((x.shape[0], 4), 7.0))
+    dense_rows = []
+
+    def fake_dense(x, out=None):
+        dense_rows.append(x.shape[0])
+        y = torch.full((x.shape[0], 4), 7.0)
+        return y if out is None else out.copy_(y)
+
+    monkeypatch.setattr(lin, "dense_mm", fake_dense)
     got = []
 
     def fake_gemv(p, xa, o, **kw):
@@ -128,6 +137,29 @@ def test_by_kind_runs_each_row_range_on_its_kind_s_kernel(monkeypatch):
     out = lin.by_kind(3, torch.randn(5, 64))
     assert out[:3].eq(7).all() and out[3:].eq(-1).all() and got == [(2, 64)]  # decode rows alone quantized
     assert lin.by_kind(5, torch.randn(5, 64)).eq(7).all() and len(got) == 1  # no decode rows: no GEMV
+    # decode rows past GEMV_MAX_ROWS take the dense copy as prompt rows do: one call over all rows (the weight
+    # read once, one launch), not one per kind
+    dense_rows.clear()
+    D = L.GEMV_MAX_ROWS + 1
+    assert lin.mode(D) == "dense"
+    assert lin.by_kind(3, torch.randn(3 + D, 64)).eq(7).all() and dense_rows == [3 + D] and len(got) == 1
+
+
+def test_by_kind_one_call_on_the_int8_gemm_when_both_kinds_take_it(monkeypatch):
+    """Without a dense copy, prompt rows and decode rows past GEMV_MAX_ROWS both take the int8 GEMM, whose
+    bits do not depend on M: one GEMM over all rows; at GEMV_MAX_ROWS decode rows or fewer, two kernels."""
+    from imp.gpu import linear as L
+    from imp.kernels.cuda.quant_weight import QWeight
+
+    lin = L.Linear([QWeight("Q4_1", 4, 64, {})], None, {}, int8_act=True)
+    calls = []
+    monkeypatch.setattr(lin, "run", lambda name, x, xa=None, out=None: calls.append((name, x.shape[0])) or
+                        (torch.zeros(x.shape[0], 4) if out is None else out))
+    lin.by_kind(16, torch.randn(16 + 12, 64))
+    assert calls == [("qmm", 28)]
+    calls.clear()
+    lin.by_kind(16, torch.randn(16 + 4, 64))
+    assert [c[0] for c in calls] == ["qmm", lin.mode(4)] and lin.mode(4) in L.gemv_int8_act.VARIANTS
 
 
 class NextTokenForward:

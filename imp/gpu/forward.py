@@ -163,7 +163,9 @@ class Forward:
         if m.all_decode:
             return k_attn.paged_decode(qkv, kc, vc, m.dec_bt, m.dec_lens, H)
         out = torch.empty(N, H * D, dtype=torch.float32, device=qkv.device)
-        if m.dec_bt is not None:
+        if m.dec_bt is not None and m.dec_from is not None:
+            k_attn.paged_decode(qkv[m.dec_from:], kc, vc, m.dec_bt, m.dec_lens, H, out=out[m.dec_from:])
+        elif m.dec_bt is not None:
             qd = qkv.index_select(0, m.dec_rows)
             out.index_copy_(0, m.dec_rows, k_attn.paged_decode(qd, kc, vc, m.dec_bt, m.dec_lens, H))
         if m.pf_tiles is not None and PAGED_PREFILL and k_pf.supports(kc, H):  # every chunk in one launch, cached or not

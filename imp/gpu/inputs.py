@@ -38,6 +38,9 @@ class Meta:
     # (P, Rp): rows [0, P) are prompt rows, [P, N) one-token decode rows, and the first Rp of out_rows are the
     # prompt rows': the matmuls run per kind (`Forward.mixed`)
     split: tuple[int, int] | None = None
+    # the decode rows are exactly [dec_from, N) (a mixed step's layout): attention reads their queries and writes
+    # their output in place instead of gathering and scattering dec_rows (two launches a layer fewer)
+    dec_from: int | None = None
 
 
 class Landing:

@@ -50,17 +50,26 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return _CAPTURE_STREAMS[idx]
 
 
-def _mm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [N, K] (w's dtype) @ w.T -> fp32, accumulating and writing in fp32 when torch can."""
+def _mm_f32(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, K] (w's dtype) @ w.T -> fp32, accumulating and writing in fp32 when torch can; out: an [N, rows]
+    fp32 row range to write (a graph then has no copy node a matmul)."""
     if _MM_OUT_DTYPE[0]:
         try:
-            return torch.mm(x, w.t(), out_dtype=torch.float32)
+            if out is not None and _MM_INTO[0] and out.is_contiguous():
+                try:
+                    return torch.mm(x, w.t(), out_dtype=torch.float32, out=out)
+                except (TypeError, RuntimeError, NotImplementedError):  # the out= overload missing: copy
+                    _MM_INTO[0] = False
+            y = torch.mm(x, w.t(), out_dtype=torch.float32)
+            return y if out is None else out.copy_(y)
         except (TypeError, RuntimeError):
             _MM_OUT_DTYPE[0] = False
-    return torch.mm(x, w.t()).float()
+    y = torch.mm(x, w.t()).float()
+    return y if out is None else out.copy_(y)
 
 
 _MM_OUT_DTYPE = [True]
+_MM_INTO = [True]
 
 
 class Linear:
@@ -159,8 +168,8 @@ class Linear:
             kernel(p, xa, out[:, r0:r0 + p.rows])
         return out
 
-    def dense_mm(self, x: torch.Tensor) -> torch.Tensor:
-        return _mm_f32(x.to(self.dense.dtype), self.dense)
+    def dense_mm(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return _mm_f32(x.to(self.dense.dtype), self.dense, out)
 
     def takes_q8(self, n: int, prompt: bool = False) -> bool:
         """Whether the call for n rows runs on int8 activations (the producer of x may then quantize it)."""
@@ -177,17 +186,27 @@ class Linear:
             return self.qmm(x, xa, out)
         if name == "gemv":
             return self.gemv(x, out)
-        y = self.dense_mm(x) if name == "dense" else gemv_fp32_act.gemv_bf16x(self.xw, x, variant=name)
+        if name == "dense":
+            return self.dense_mm(x, out)
+        y = gemv_fp32_act.gemv_bf16x(self.xw, x, variant=name)
         return y if out is None else out.copy_(y)
 
     def by_kind(self, P: int, x: torch.Tensor) -> torch.Tensor:
         """y [N, rows] fp32 for x [N, cols] fp32 whose rows [0, P) are prompt rows and [P, N) one-token
         decode rows: each part on the kernel its kind gets in a step of its own (`mode(P, prompt=True)`,
         `mode(N - P)`), quantized per part where that kernel takes int8. A step that mixes the kinds
-        then gives every row the bits it gets without the other kind beside it, in one forward."""
+        then gives every row the bits it gets without the other kind beside it, in one forward.
+        Where both kinds take the same kernel (decode rows past GEMV_MAX_ROWS: the dense copy or the int8 GEMM,
+        as prompt rows) it runs once over all N rows: the weight read once, half the launches (a mixed step's
+        fixed cost on a small model is mostly launches, on an 8B a second read of 16 GB). The int8 kernels give
+        a row the same bits at any M; cuBLAS picks its kernel by M, so dense rows were never batch invariant
+        (their M was already the step's bucket): no row loses a guarantee it had."""
         N = x.shape[0]
+        kinds = ((0, P, self.mode(P, prompt=True)), (P, N, self.mode(N - P)))
+        if P and N > P and kinds[0][2] == kinds[1][2]:
+            return self.run(kinds[0][2], x)
         out = torch.empty(N, self.rows, dtype=torch.float32, device=x.device)
-        for r0, r1, name in ((0, P, self.mode(P, prompt=True)), (P, N, self.mode(N - P))):
+        for r0, r1, name in kinds:
             if r1 > r0:
                 self.run(name, x[r0:r1], out=out[r0:r1])
         return out

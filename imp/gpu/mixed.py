@@ -214,7 +214,7 @@ class MixedGraphs:
             out_rows=torch.cat([v("p_head", cb).long(), self.rows[pb:N]]),
             pf_tiles=v("tiles", 4 * tb).view(tb, 4), pf_bt=v("pf_bt", cb * MB).view(cb, MB),
             pending=(v("ph_rows", db), v("ph_src", db), db) if dec else None,
-            split=(pb, cb) if self.split else None)
+            split=(pb, cb) if self.split else None, dec_from=pb if dec else None)
 
     def capture(self, forward: Callable[[Meta], torch.Tensor]) -> None:
         """Warm every bucket pair up on a side stream, then capture each, largest first, into one pool."""

@@ -516,6 +516,7 @@ class GpuModelRunner:
         m = eager_meta(sub, r, bs, dev, {j: src[i] for j, i in enumerate(order) if src and i in src})
         k = len(seqs) - len(one)
         m.split = (sum(len(s.token_ids) for s in sub[:k]), sum(c for _, c in starts[:k]))
+        m.dec_from = m.split[0]  # the one-token shares come last
         self._mark()
         out = self.fwd(m)
         at = {i: starts[j] for j, i in enumerate(order)}

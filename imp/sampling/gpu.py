@@ -21,6 +21,7 @@ from imp.kernels.cuda import sampling as k
 from imp.kernels.cuda.runtime import to_device
 from imp.messages import SampledToken, SeqWork
 from imp.sampling.cpu import LOGPROB_FLOOR, sample_one
+from imp.sampling.devcounts import DeviceCounts
 
 
 def draw_ids(logits: torch.Tensor, seqs: list[SeqWork], use_numba: bool = True, pending=None, counts=None
@@ -79,7 +80,13 @@ def bias_and_penalties(logits: torch.Tensor, works: list[SeqWork], use_numba: bo
     if b_ids:
         i32 = lambda v: to_device(v, torch.int32, dev)  # noqa: E731
         k.add_bias(logits, i32(b_rows), i32(b_ids), to_device(b_vals, torch.float32, dev), use_numba)
-    meta, S = penalty_segments(works, pending, V, counts)
+    if isinstance(counts, DeviceCounts):  # the counts on the device; the rows past its table: segments
+        rest = counts.penalize(logits, works, [r for r, w in enumerate(works) if w.params.penalized], pending)
+        if not rest:
+            return logits
+        meta, S = penalty_segments(works, pending, V, counts.host, only=set(rest))
+    else:
+        meta, S = penalty_segments(works, pending, V, counts)
     if S:
         src = pending[1] if pending is not None else None
         if src is not None and src.dtype != torch.int32:
@@ -88,17 +95,19 @@ def bias_and_penalties(logits: torch.Tensor, works: list[SeqWork], use_numba: bo
     return logits
 
 
-def penalty_segments(works: list[SeqWork], pending, V: int, counts=None) -> tuple[np.ndarray, int]:
+def penalty_segments(works: list[SeqWork], pending, V: int, counts=None, only: set[int] | None = None
+                     ) -> tuple[np.ndarray, int]:
     """The step's penalties packed for `k.penalize_segments` (its layout): one segment per penalized row
     with a history or a token in flight, the history's distinct ids in 0..V-1 with their counts.
     pending: (rows, src ids on the device[, slots]): row rows[j]'s in-flight token is src[slots[j]]
     (slots default: j). counts (HistoryCounts): each row's ids and counts kept from its last step, else
-    every history counted now. Returns (meta int32, S)."""
+    every history counted now. only: these rows alone (the others penalized elsewhere). Returns (meta int32, S)."""
     psrc_of: dict[int, int] = {}
     if pending is not None:
         slots = pending[2] if len(pending) > 2 else range(len(pending[0]))
         psrc_of = dict(zip(pending[0], slots))
-    seg = [r for r, w in enumerate(works) if w.params.penalized and (w.history or r in psrc_of)]
+    seg = [r for r, w in enumerate(works) if w.params.penalized and (w.history or r in psrc_of)
+           and (only is None or r in only)]
     S = len(seg)
     if not S:
         return np.zeros(0, np.int32), 0

@@ -123,6 +123,47 @@ def penalize_segments(logits: torch.Tensor, meta: torch.Tensor, S: int, src: tor
             L[r, pend] = pen1(L[r, pend], rep, pres, freq, 1)
 
 
+# One thread per (penalized row, vocabulary id): the row's counts live on the device (imp.sampling.devcounts: a row
+# of V int32 per sequence, kept across steps), so the host sends no history; an id with a zero count is untouched,
+# the others get pen1 with their count, the rounding of the segment kernel and the CPU reference.
+PENALIZE_DENSE_SRC = PENALIZE_SRC + r"""
+extern "C" __global__ void penalize_dense(float* __restrict__ logits, int V, const int* __restrict__ table,
+                                          const long long* __restrict__ rows, const long long* __restrict__ slots,
+                                          const float* __restrict__ prm, int S) {
+    const int s = blockIdx.y;
+    const int v = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= S || v >= V) return;
+    const int c = table[(size_t)slots[s] * V + v];
+    if (c == 0) return;
+    float* L = logits + (size_t)rows[s] * V;
+    L[v] = pen1(L[v], prm[3 * s], prm[3 * s + 1], prm[3 * s + 2], (float)c);
+}
+"""
+
+
+def penalize_dense(logits: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                   prm: torch.Tensor) -> None:
+    """In place on logits [R, V] fp32: row rows[s] penalized by the counts table[slots[s]] ([cap, V] int32) with
+    prm[s] = (repetition, presence, frequency) (float32 [S, 3]); rows / slots int64 [S]. CUDA: one launch; CPU
+    tensors: the same rule in torch (tests)."""
+    S, V = rows.shape[0], logits.shape[1]
+    if not S:
+        return
+    if logits.is_cuda:
+        cu.check(logits, "logits", torch.float32, 2)
+        cu.check(table, "table", torch.int32, 2)
+        cu.launch(cu.function(PENALIZE_DENSE_SRC, "penalize_dense"), ((V + THREADS - 1) // THREADS, S), (THREADS,),
+                  (cu.ptr(logits), cu.i32(V), cu.ptr(table), cu.ptr(rows.contiguous()), cu.ptr(slots.contiguous()),
+                   cu.ptr(prm.contiguous()), cu.i32(S)))
+        return
+    c = table.index_select(0, slots)  # [S, V]
+    x = logits.index_select(0, rows)
+    rep, pres, freq = (prm[:, i:i + 1] for i in range(3))
+    y = torch.where(rep != 1.0, torch.where(x > 0, x / rep, x * rep), x)
+    y = (y - pres) - freq * c.to(torch.float32)
+    logits.index_copy_(0, rows, torch.where(c > 0, y, x))
+
+
 @functools.lru_cache(maxsize=None)
 def _nb_add_bias():
     global cuda  # a module global, so the CUDA simulator can swap it in tests

@@ -170,7 +170,7 @@ def step_kinds(log_path: str, t0_ns: int, t1_ns: int) -> dict:
     return by
 
 
-async def run_level(engine, C: int, rounds: int, P: int, A: int, vocab: int) -> dict:
+async def run_level(engine, C: int, rounds: int, P: int, A: int, vocab: int, rep: float = 1.05) -> dict:
     from imp.engine.port import Submission
     from imp.messages import Delta, FinishReason, SamplingParams
 
@@ -186,7 +186,8 @@ async def run_level(engine, C: int, rounds: int, P: int, A: int, vocab: int) -> 
             i = issued[0]
             issued[0] += 1
             prompt = tuple(int(t) for t in rng.integers(LOW_ID, vocab, size=P))
-            sub = Submission(f"eng-{C}-{i}", prompt, SamplingParams(max_tokens=A, temperature=0.0, ignore_eos=True))
+            sub = Submission(f"eng-{C}-{i}", prompt, SamplingParams(max_tokens=A, temperature=0.0, ignore_eos=True,
+                                                                    repetition_penalty=rep))
             t0 = time.perf_counter()
             prev = None
             # the raw handle: token ids as the engine hands them over; rendering text (detok, stop strings)
@@ -222,7 +223,7 @@ async def run_level(engine, C: int, rounds: int, P: int, A: int, vocab: int) -> 
 def _http_share(job: tuple) -> dict:
     """One client process's share of an HTTP level: `streams` streams refilled until `total` requests
     have finished, each a streamed /v1/completions with a token-id prompt (the engine level's workload)."""
-    url, streams, total, P, A, vocab, seed, start_at = job
+    url, streams, total, P, A, vocab, seed, start_at, rep = job
 
     async def go() -> dict:
         import aiohttp
@@ -236,6 +237,7 @@ def _http_share(job: tuple) -> dict:
         async def one(s) -> None:
             prompt = rng.integers(LOW_ID, vocab, size=P).tolist()
             body = {"model": "bench", "prompt": prompt, "max_tokens": A, "temperature": 0, "ignore_eos": True,
+                    "repetition_penalty": rep,
                     "stream": True, "stream_options": {"include_usage": True}}
             t0, prev = time.perf_counter(), None
             async with s.post(url + "/v1/completions", json=body) as r:
@@ -271,13 +273,14 @@ def _http_share(job: tuple) -> dict:
     return asyncio.run(go())
 
 
-def run_http_level(pool, url: str, C: int, rounds: int, P: int, A: int, vocab: int, procs: int) -> dict:
+def run_http_level(pool, url: str, C: int, rounds: int, P: int, A: int, vocab: int, procs: int,
+                   rep: float = 1.05) -> dict:
     """The engine level's workload through HTTP, the streams spread over `procs` client processes
     (a pool started once); the wall is from the common start to the last process's last token."""
     procs = max(1, min(procs, C))
     start_at = time.time() + 0.5
     jobs = [(url, C // procs + (i < C % procs), (C // procs + (i < C % procs)) * rounds, P, A, vocab, 1000 * C + i,
-             start_at) for i in range(procs)]
+             start_at, rep) for i in range(procs)]
     parts = pool.map(_http_share, jobs)
     wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
     ttft = [x for p in parts for x in p["ttft"]]
@@ -295,6 +298,9 @@ def main() -> int:
     ap.add_argument("--streams", default="1,8")
     ap.add_argument("--prompt", type=int, default=234)
     ap.add_argument("--answer", type=int, default=128)
+    ap.add_argument("--repetition-penalty", type=float, default=1.05,
+                    help="every request's, in both the engine's levels and --http's (default: the server's default for "
+                         "HTTP requests, so both sides run the same sampler; 1.0: plain greedy, as before 2026-12-06)")
     ap.add_argument("--rounds", type=int, default=2, help="requests per stream")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--server-args", default="", help="more `python -m imp` flags (--max-batch-size ...)")
@@ -354,14 +360,15 @@ def main() -> int:
         await engine.start()
         try:
             await run_level(engine, 1, 1, 16, 4, vocab)  # warm: every step kind once
-            rows = [await run_level(engine, C, a.rounds, a.prompt, a.answer, vocab) for C in streams]
+            rows = [await run_level(engine, C, a.rounds, a.prompt, a.answer, vocab, a.repetition_penalty)
+                    for C in streams]
             if a.profile:
                 import cProfile
                 import pstats
 
                 prof = cProfile.Profile()
                 prof.enable()
-                row = await run_level(engine, a.profile, a.rounds, a.prompt, a.answer, vocab)
+                row = await run_level(engine, a.profile, a.rounds, a.prompt, a.answer, vocab, a.repetition_penalty)
                 prof.disable()
                 print(f"\nprofile at {a.profile} streams: {row['tok_s']:,.0f} tok/s, the event loop's thread, by own time")
                 pstats.Stats(prof).sort_stats(os.environ.get("IMP_PROFILE_SORT", "tottime")).print_stats(int(os.environ.get("IMP_PROFILE_TOP", "30")))
@@ -372,7 +379,7 @@ def main() -> int:
     with asyncio.Runner(loop_factory=loop_factory) as r:
         rows = r.run(run_all())
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}  model {a.model}  device {a.device}  prompt {a.prompt}  answer {a.answer}"
-          f"  rounds {a.rounds}  runner: prefill-512 {prefill:,.0f} tok/s")
+          f"  rounds {a.rounds}  repetition_penalty {a.repetition_penalty:g}  runner: prefill-512 {prefill:,.0f} tok/s")
     print("| streams | tok/s | bound tok/s | engine / bound | TTFT p50 / p99 ms | ITL p50 / p99 ms | runner decode tok/s "
           "| failed |")
     print("|---|---|---|---|---|---|---|---|")
@@ -421,7 +428,8 @@ def main() -> int:
             srv.wait_ready(900)
             with mp.get_context("spawn").Pool(a.client_procs) as pool:
                 run_http_level(pool, srv.url, 1, 1, 16, 4, vocab, 1)  # warm
-                http = [run_http_level(pool, srv.url, C, a.rounds, a.prompt, a.answer, vocab, a.client_procs)
+                http = [run_http_level(pool, srv.url, C, a.rounds, a.prompt, a.answer, vocab, a.client_procs,
+                                       a.repetition_penalty)
                         for C in streams]
         finally:
             srv.stop()

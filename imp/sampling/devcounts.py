@@ -14,6 +14,11 @@ which the device runs first). Anything else (a first share, a recompute after pr
 forced token, a row sampled on the host) is counted afresh from the share's history (+ its in-flight token, read
 on the device), once. A table of `max_bytes` at most (rows grow by doubling): sequences past it take the segment
 path, so memory stays bounded whatever the vocabulary.
+
+Not wired into the GPU runner yet (`bench/pending/devcounts_wiring.patch`): its first H100 run, with torch's
+sort-based index_put_(accumulate=True) for the adds, was 18 % faster than the segment path at 256 streams and
+13-29 % slower at 16-64 (ITL 1.6 -> 2.4 ms at 16); the adds are one atomic kernel now (`count_add`), not yet
+measured. The kernels are checked bit for bit against the CPU reference in the GPU lane (tests/test_devcounts.py).
 """
 
 from __future__ import annotations
@@ -114,18 +119,17 @@ class DeviceCounts:
                 sid_.append(u)
                 cnt.append(c.astype(np.int32))
             self.n[works[r].seq_id] = len(works[r].history)
-        if srow:
+        if srow:  # the rows were zeroed and each (row, id) comes once: a plain scatter (accumulating would sort)
             self.table.index_put_((to_device(torch.from_numpy(np.concatenate(srow)), torch.int64, dev),
                                    to_device(torch.from_numpy(np.concatenate(sid_)), torch.int64, dev)),
-                                  to_device(torch.from_numpy(np.concatenate(cnt)), torch.int32, dev), accumulate=True)
+                                  to_device(torch.from_numpy(np.concatenate(cnt)), torch.int32, dev), accumulate=False)
         if pending is not None:
             at = dict(zip(pending[0], pending[2] if len(pending) > 2 else range(len(pending[0]))))
             fly = [(s, at[r]) for r, s in stale if r in at]
             if fly:
                 # sampled ids are in 0..V-1 (an argmax over V): no mask, which would cost a sync
                 ids = pending[1].index_select(0, to_device([j for _, j in fly], torch.int64, dev)).to(torch.int64)
-                self.table.index_put_((to_device([s for s, _ in fly], torch.int64, dev), ids),
-                                      torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+                k.count_add(self.table, to_device([s for s, _ in fly], torch.int64, dev), ids)
                 for r, _ in stale:
                     if r in at:
                         self.n[works[r].seq_id] += 1
@@ -138,6 +142,6 @@ class DeviceCounts:
         rows_t, slots_t, sids = self._taken
         self._taken = None
         t = ids.index_select(0, rows_t).to(torch.int64)  # in 0..V-1 (an argmax): no mask (a mask syncs)
-        self.table.index_put_((slots_t, t), torch.ones_like(t, dtype=torch.int32), accumulate=True)
+        k.count_add(self.table, slots_t, t)
         for s in sids:
             self.n[s] += 1

@@ -141,6 +141,31 @@ extern "C" __global__ void penalize_dense(float* __restrict__ logits, int V, con
 """
 
 
+COUNT_ADD_SRC = r"""
+extern "C" __global__ void count_add(int* __restrict__ table, int V, const long long* __restrict__ slots,
+                                     const long long* __restrict__ ids, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) atomicAdd(table + (size_t)slots[i] * V + ids[i], 1);
+}
+"""
+
+
+def count_add(table: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor) -> None:
+    """table[slots[i], ids[i]] += 1 for every i (int32 [cap, V]; slots / ids int64 [n] on its device). CUDA: one
+    launch of atomic adds (torch's index_put_(accumulate=True) sorts: several launches a step, and on the H100 the
+    sampler with it ran 16-stream steps 1.6 -> 2.4 ms); CPU tensors: index_put_."""
+    n = slots.shape[0]
+    if not n:
+        return
+    if table.is_cuda:
+        cu.check(table, "table", torch.int32, 2)
+        cu.launch(cu.function(COUNT_ADD_SRC, "count_add"), ((n + THREADS - 1) // THREADS,), (THREADS,),
+                  (cu.ptr(table), cu.i32(table.shape[1]), cu.ptr(slots.contiguous()), cu.ptr(ids.contiguous()),
+                   cu.i32(n)))
+        return
+    table.index_put_((slots, ids), torch.ones(n, dtype=torch.int32), accumulate=True)
+
+
 def penalize_dense(logits: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
                    prm: torch.Tensor) -> None:
     """In place on logits [R, V] fp32: row rows[s] penalized by the counts table[slots[s]] ([cap, V] int32) with

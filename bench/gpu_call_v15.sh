@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 33, twenty-seventh session: a mixed step's matmuls once over both row kinds where they take the same kernel
+# Issue 33, twenty-seventh session ($PATCH: the mixed-step merge, then the device penalty counts): a mixed step's matmuls once over both row kinds where they take the same kernel
 # (bench/pending/mixed_merge.patch is the change; "old" = the tree with it reversed, in /tmp/old, same call).
 # Sections by $WHAT:
 #   tests    the GPU lane files the change touches ($TESTS)
@@ -16,8 +16,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; python3 --versio
 export PYTHONPATH=/tmp/site
 [ -f /tmp/smol.gguf ] || python3 bench/write_synth.py 135m-q4_1 /tmp/smol.gguf 2>&1 | tail -1
 here=$PWD
+PATCH=${PATCH:-bench/pending/mixed_merge.patch}  # the change under test ("old" = the tree with it reversed)
 if [ ! -d /tmp/old ]; then  # the tree before the change
-  mkdir -p /tmp/old && cp -r imp bench /tmp/old/ && (cd /tmp/old && patch -s -R -p1 < $here/bench/pending/mixed_merge.patch) \
+  mkdir -p /tmp/old && cp -r imp bench /tmp/old/ && (cd /tmp/old && patch -s -R -p1 < $here/$PATCH) \
     && echo "old tree: patch reversed" || echo "old tree: REVERSE FAILED"
 fi
 dir() { [ "$1" = old ] && echo /tmp/old || echo $here; }
@@ -41,9 +42,11 @@ eight)
     echo "8b $t P=$P rc $? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/engine8b_${t}_$P.txt | grep -v "idle\|prefill-only" | tail -12
   done; done ;;
 http)
-  timeout ${HTTP_S:-300} python3 bench/engine.py --model /tmp/smol.gguf --device cuda:0 --streams ${HSTREAMS:-1,16,64} \
+  for t in ${HTREES:-new}; do
+  (cd $(dir $t) && timeout ${HTTP_S:-300} python3 bench/engine.py --model /tmp/smol.gguf --device cuda:0 --streams ${HSTREAMS:-1,16,64} \
     --prompt 234 --answer 128 --rounds 2 --server-args "--kv-cache-tokens 131072 ${ARGS:-}" --http --client-procs 4 \
-    --json $OUT/http_new.json > $OUT/http_new.txt 2>&1
-  echo "http rc $? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/http_new.txt | grep -v "idle\|prefill-only" | tail -30 ;;
+    --json $OUT/http_$t.json > $OUT/http_$t.txt 2>&1)
+  echo "http $t rc $? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/http_$t.txt | grep -v "idle\|prefill-only" | tail -30
+  done ;;
 esac; echo "[$w: $(( $(date +%s) - t0 )) s]"; done
 echo "[total $(( $(date +%s) - T0 )) s]"

@@ -145,6 +145,37 @@ def runner_rates(runner, streams: list[int], P: int, vocab: int, steps: int = 12
     return prefill, decode
 
 
+def print_steps(rows: list[dict], log_path: str) -> None:
+    """The steps table of `rows` (each with streams, t0_ns, t1_ns, wall_s) from the event log at log_path; each
+    row gets its "steps"."""
+    print("\n| streams | step kind | steps | prompt / decode rows (mean) | executor ms p50 / p99 | device ms p50 / p99 "
+          "| device share of wall |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        by = step_kinds(log_path, row["t0_ns"], row["t1_ns"])
+        covered = 0.0
+        kinds = {}
+        for kind in ("decode-only", "mixed", "prefill-only"):
+            st = by.get(kind, [])
+            if not st:
+                kinds[kind] = dict(steps=0)
+                continue
+            es, ds = [x[0] for x in st], [x[1] for x in st]
+            cost = [d or e for e, d in zip(es, ds)]  # the device's time where measured (pipelined: the wall
+            share = sum(cost) / 1e9 / row["wall_s"]  # from plan to tokens also holds the step before)
+            covered += share
+            pr, dr = sum(x[2] for x in st) / len(st), sum(x[3] for x in st) / len(st)
+            kinds[kind] = dict(steps=len(st), prompt_rows=pr, decode_rows=dr, p50_ms=pct(es, 0.5) / 1e6,
+                               p99_ms=pct(es, 0.99) / 1e6, device_p50_ms=pct(ds, 0.5) / 1e6,
+                               device_p99_ms=pct(ds, 0.99) / 1e6, share=share)
+            dev = f"{pct(ds, 0.5) / 1e6:.2f} / {pct(ds, 0.99) / 1e6:.2f}" if any(ds) else "not timed"
+            print(f"| {row['streams']} | {kind} | {len(st)} | {pr:.0f} / {dr:.0f} | {pct(es, 0.5) / 1e6:.2f} / "
+                  f"{pct(es, 0.99) / 1e6:.2f} | {dev} | {100 * share:.0f} % |")
+        if covered <= 1.0:
+            print(f"| {row['streams']} | idle (no step running) | | | | | {100 * (1 - covered):.0f} % |")
+        row["steps"] = kinds
+
+
 def step_kinds(log_path: str, t0_ns: int, t1_ns: int) -> dict:
     """The steps whose result landed in [t0, t1], by kind, from the event log: per step (executor ns, device
     ns (0 where the runner does not time it), prompt rows, decode rows)."""
@@ -286,7 +317,9 @@ def run_http_level(pool, url: str, C: int, rounds: int, P: int, A: int, vocab: i
     ttft = [x for p in parts for x in p["ttft"]]
     itl = [x for p in parts for x in p["itl"]]
     tokens = sum(p["tokens"] for p in parts)
+    t0_ns, t1_ns = int(min(p["start"] for p in parts) * 1e9), int(max(p["end"] for p in parts) * 1e9)
     return dict(streams=C, requests=C * rounds, failed=sum(p["failed"] for p in parts), tokens=tokens, wall_s=wall,
+                t0_ns=t0_ns, t1_ns=t1_ns,
                 tok_s=tokens / wall, ttft_p50_ms=1e3 * pct(ttft, 0.5), ttft_p99_ms=1e3 * pct(ttft, 0.99),
                 itl_p50_ms=1e3 * pct(itl, 0.5), itl_p99_ms=1e3 * pct(itl, 0.99))
 
@@ -390,32 +423,7 @@ def main() -> int:
         print(f"| {C} | {row['tok_s']:,.0f} | {bound:,.0f} | {row['tok_s'] / bound:.2f} | {row['ttft_p50_ms']:.0f} / "
               f"{row['ttft_p99_ms']:.0f} | {row['itl_p50_ms']:.1f} / {row['itl_p99_ms']:.1f} | {decode[C]:,.0f} "
               f"| {row['failed']} |")
-    print("\n| streams | step kind | steps | prompt / decode rows (mean) | executor ms p50 / p99 | device ms p50 / p99 "
-          "| device share of wall |")
-    print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        by = step_kinds(str(logs / "events.log"), row["t0_ns"], row["t1_ns"])
-        covered = 0.0
-        kinds = {}
-        for kind in ("decode-only", "mixed", "prefill-only"):
-            st = by.get(kind, [])
-            if not st:
-                kinds[kind] = dict(steps=0)
-                continue
-            es, ds = [x[0] for x in st], [x[1] for x in st]
-            cost = [d or e for e, d in zip(es, ds)]  # the device's time where measured (pipelined: the wall
-            share = sum(cost) / 1e9 / row["wall_s"]  # from plan to tokens also holds the step before)
-            covered += share
-            pr, dr = sum(x[2] for x in st) / len(st), sum(x[3] for x in st) / len(st)
-            kinds[kind] = dict(steps=len(st), prompt_rows=pr, decode_rows=dr, p50_ms=pct(es, 0.5) / 1e6,
-                               p99_ms=pct(es, 0.99) / 1e6, device_p50_ms=pct(ds, 0.5) / 1e6,
-                               device_p99_ms=pct(ds, 0.99) / 1e6, share=share)
-            dev = f"{pct(ds, 0.5) / 1e6:.2f} / {pct(ds, 0.99) / 1e6:.2f}" if any(ds) else "not timed"
-            print(f"| {row['streams']} | {kind} | {len(st)} | {pr:.0f} / {dr:.0f} | {pct(es, 0.5) / 1e6:.2f} / "
-                  f"{pct(es, 0.99) / 1e6:.2f} | {dev} | {100 * share:.0f} % |")
-        if covered <= 1.0:
-            print(f"| {row['streams']} | idle (no step running) | | | | | {100 * (1 - covered):.0f} % |")
-        row["steps"] = kinds
+    print_steps(rows, str(logs / "events.log"))
     if a.http:
         from tests.serverproc import ServerProcess
 
@@ -443,6 +451,8 @@ def main() -> int:
             print(f"| {row['streams']} | {row['tok_s']:,.0f} | {h['tok_s']:,.0f} | {h['tok_s'] / row['tok_s']:.2f} "
                   f"| {h['ttft_p50_ms']:.0f} / {h['ttft_p99_ms']:.0f} | {h['itl_p50_ms']:.1f} / {h['itl_p99_ms']:.1f} "
                   f"| {h['failed']} |")
+        print("\nthrough HTTP, the engine's steps (the server's event log): the same sampler as the engine's levels")
+        print_steps(http, str(logs / "server-events.log"))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -125,14 +125,13 @@ class DeviceCounts:
                                   to_device(torch.from_numpy(np.concatenate(cnt)), torch.int32, dev), accumulate=False)
         if pending is not None:
             at = dict(zip(pending[0], pending[2] if len(pending) > 2 else range(len(pending[0]))))
-            fly = [(s, at[r]) for r, s in stale if r in at]
+            fly = [(r, s, at[r]) for r, s in stale if r in at]  # (row, table slot, its in-flight id's index)
             if fly:
                 # sampled ids are in 0..V-1 (an argmax over V): no mask, which would cost a sync
-                ids = pending[1].index_select(0, to_device([j for _, j in fly], torch.int64, dev)).to(torch.int64)
-                k.count_add(self.table, to_device([s for s, _ in fly], torch.int64, dev), ids)
-                for r, _ in stale:
-                    if r in at:
-                        self.n[works[r].seq_id] += 1
+                ids = pending[1].index_select(0, to_device([j for _, _, j in fly], torch.int64, dev)).to(torch.int64)
+                k.count_add(self.table, to_device([s for _, s, _ in fly], torch.int64, dev), ids)
+                for r, _, _ in fly:
+                    self.n[works[r].seq_id] += 1
 
     def record(self, ids: torch.Tensor) -> None:
         """After the draw: the ids the last `penalize`'s rows sampled (ids [R] on the device, by row) added to their

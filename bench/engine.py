@@ -254,7 +254,7 @@ async def run_level(engine, C: int, rounds: int, P: int, A: int, vocab: int, rep
 def _http_share(job: tuple) -> dict:
     """One client process's share of an HTTP level: `streams` streams refilled until `total` requests
     have finished, each a streamed /v1/completions with a token-id prompt (the engine level's workload)."""
-    url, streams, total, P, A, vocab, seed, start_at, rep = job
+    url, streams, total, P, A, vocab, seed, start_at, rep, peer = job
 
     async def go() -> dict:
         import aiohttp
@@ -268,8 +268,9 @@ def _http_share(job: tuple) -> dict:
         async def one(s) -> None:
             prompt = rng.integers(LOW_ID, vocab, size=P).tolist()
             body = {"model": "bench", "prompt": prompt, "max_tokens": A, "temperature": 0, "ignore_eos": True,
-                    "repetition_penalty": rep,
+                    ("repeat_penalty" if peer else "repetition_penalty"): rep,  # llama-server's name for it
                     "stream": True, "stream_options": {"include_usage": True}}
+            chunks, usage = 0, False
             t0, prev = time.perf_counter(), None
             async with s.post(url + "/v1/completions", json=body) as r:
                 if r.status != 200:
@@ -283,12 +284,16 @@ def _http_share(job: tuple) -> dict:
                     chunk = json.loads(raw[6:])
                     if chunk.get("usage"):
                         out["tokens"] += chunk["usage"]["completion_tokens"]
+                        usage = True
                     if chunk.get("choices") and chunk["choices"][0].get("text"):
+                        chunks += 1
                         if prev is None:
                             out["ttft"].append(now - t0)
                         else:
                             out["itl"].append(now - prev)
                         prev = now
+            if not usage:  # a server that sends no usage in the stream: its text chunks (a token each)
+                out["tokens"] += chunks
 
         async def worker(s) -> None:
             while issued[0] < total:
@@ -305,13 +310,13 @@ def _http_share(job: tuple) -> dict:
 
 
 def run_http_level(pool, url: str, C: int, rounds: int, P: int, A: int, vocab: int, procs: int,
-                   rep: float = 1.05) -> dict:
+                   rep: float = 1.05, peer: bool = False) -> dict:
     """The engine level's workload through HTTP, the streams spread over `procs` client processes
     (a pool started once); the wall is from the common start to the last process's last token."""
     procs = max(1, min(procs, C))
     start_at = time.time() + 0.5
     jobs = [(url, C // procs + (i < C % procs), (C // procs + (i < C % procs)) * rounds, P, A, vocab, 1000 * C + i,
-             start_at, rep) for i in range(procs)]
+             start_at, rep, peer) for i in range(procs)]
     parts = pool.map(_http_share, jobs)
     wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
     ttft = [x for p in parts for x in p["ttft"]]
@@ -350,6 +355,10 @@ def main() -> int:
     ap.add_argument("--http", action="store_true", help="then the same workload through the real server's HTTP "
                     "(/v1/completions, token-id prompts, streamed), started with the same flags")
     ap.add_argument("--client-procs", type=int, default=4, help="--http: client processes")
+    ap.add_argument("--llama-server", default=None, help="--http: then llama.cpp's llama-server (this binary) on the "
+                    "same file and workload, -np = streams")
+    ap.add_argument("--llama-threads", type=int, default=8, help="llama-server -t")
+    ap.add_argument("--llama-streams", default=None, help="llama-server's levels (default: --streams)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--log-dir", default=None, help="keep the event logs here (bench/step_timeline.py reads them)")
     a = ap.parse_args()
@@ -432,25 +441,53 @@ def main() -> int:
                                                     "IMP_NULL_TOKEN_US", "IMP_NULL_MIXED_US") if k in os.environ})
         import multiprocessing as mp
 
-        try:
-            srv.wait_ready(900)
-            with mp.get_context("spawn").Pool(a.client_procs) as pool:
+        peer = {}
+        with mp.get_context("spawn").Pool(a.client_procs) as pool:
+            try:
+                srv.wait_ready(900)
                 run_http_level(pool, srv.url, 1, 1, 16, 4, vocab, 1)  # warm
                 http = [run_http_level(pool, srv.url, C, a.rounds, a.prompt, a.answer, vocab, a.client_procs,
                                        a.repetition_penalty)
                         for C in streams]
-        finally:
-            srv.stop()
+            finally:
+                srv.stop()
+            if a.llama_server:  # the peer on the same file and workload, -np = streams, a server a level
+                from bench.serving import _stop, start_llama
+
+                for C in [int(x) for x in a.llama_streams.split(",")] if a.llama_streams else streams:
+                    try:
+                        proc, url = start_llama(a.llama_server, str(model), C, a.device, a.llama_threads,
+                                                tmp / f"llama-{C}.log", per_slot=a.prompt + a.answer + 64)
+                    except (RuntimeError, TimeoutError) as e:  # said in the table, the rest still measured
+                        print(f"llama-server at {C} streams: {e}", file=sys.stderr)
+                        continue
+                    try:
+                        run_http_level(pool, url, 1, 1, 16, 4, vocab, 1, peer=True)  # warm
+                        peer[C] = run_http_level(pool, url, C, a.rounds, a.prompt, a.answer, vocab, a.client_procs,
+                                                 a.repetition_penalty, peer=True)
+                        print(f"llama-server {C} streams: {peer[C]['tok_s']:,.0f} tok/s", file=sys.stderr, flush=True)
+                    finally:
+                        _stop(proc)
         print(f"\nthe same workload through HTTP (`python -m imp` with the same flags, /v1/completions streamed, "
-              f"{a.client_procs} client processes)")
+              f"{a.client_procs} client processes)" + (f"; llama-server beside (`-ngl 999 -np <streams>`, "
+                                                       f"repeat_penalty {a.repetition_penalty:g})" if peer else ""))
         print("| streams | engine tok/s | HTTP tok/s | HTTP / engine | HTTP TTFT p50 / p99 ms | HTTP ITL p50 / p99 ms "
-              "| failed |")
-        print("|---|---|---|---|---|---|---|")
+              "| failed |" + (" llama-server tok/s | imp / llama | llama TTFT p50 / p99 ms | llama ITL p50 / p99 ms |"
+                              if peer else ""))
+        print("|---|---|---|---|---|---|---|" + ("---|---|---|---|" if peer else ""))
         for row, h in zip(rows, http):
             row["http"] = h
-            print(f"| {row['streams']} | {row['tok_s']:,.0f} | {h['tok_s']:,.0f} | {h['tok_s'] / row['tok_s']:.2f} "
-                  f"| {h['ttft_p50_ms']:.0f} / {h['ttft_p99_ms']:.0f} | {h['itl_p50_ms']:.1f} / {h['itl_p99_ms']:.1f} "
-                  f"| {h['failed']} |")
+            line = (f"| {row['streams']} | {row['tok_s']:,.0f} | {h['tok_s']:,.0f} | {h['tok_s'] / row['tok_s']:.2f} "
+                    f"| {h['ttft_p50_ms']:.0f} / {h['ttft_p99_ms']:.0f} | {h['itl_p50_ms']:.1f} / {h['itl_p99_ms']:.1f} "
+                    f"| {h['failed']} |")
+            q = peer.get(row["streams"])
+            if peer and q is None:
+                line += " - | - | - | - |"
+            elif peer:
+                row["llama"] = q
+                line += (f" {q['tok_s']:,.0f} | {h['tok_s'] / q['tok_s']:.2f} | {q['ttft_p50_ms']:.0f} / "
+                         f"{q['ttft_p99_ms']:.0f} | {q['itl_p50_ms']:.1f} / {q['itl_p99_ms']:.1f} |")
+            print(line)
         print("\nthrough HTTP, the engine's steps (the server's event log): the same sampler as the engine's levels")
         print_steps(http, str(logs / "server-events.log"))
     if a.json:

@@ -5,7 +5,8 @@
 #   tests    the GPU lane files the change touches ($TESTS)
 #   engine   bench/engine.py, SmolLM2's shape, 234-token prompts, 128 tokens, streams $STREAMS, for each of $TREES
 #   eight    the 8B BF16 shape, --prompt $PROMPTS8 at $STREAMS8, for each of $TREES
-#   http     bench/engine.py --http (new tree only), streams $HSTREAMS
+#   http     bench/engine.py --http for each of $HTREES (default new), streams $HSTREAMS
+#   http8    the same on the 8B BF16 shape, --prompt $HPROMPT8 (250) at $HSTREAMS8 (1,16,64,256)
 # Every section prints as it goes (a cut call still says what it measured).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -17,8 +18,9 @@ export PYTHONPATH=/tmp/site
 [ -f /tmp/smol.gguf ] || python3 bench/write_synth.py 135m-q4_1 /tmp/smol.gguf 2>&1 | tail -1
 here=$PWD
 PATCH=${PATCH:-bench/pending/mixed_merge.patch}  # the change under test ("old" = the tree with it reversed)
+[ -d /tmp/old ] && [ ! -d /tmp/old/tests ] && cp -r tests /tmp/old/  # --http starts the server with tests/serverproc.py
 if [ ! -d /tmp/old ]; then  # the tree before the change
-  mkdir -p /tmp/old && cp -r imp bench /tmp/old/ && (cd /tmp/old && patch -s -R -p1 < $here/$PATCH) \
+  mkdir -p /tmp/old && cp -r imp bench tests /tmp/old/ && (cd /tmp/old && patch -s -R -p1 < $here/$PATCH) \
     && echo "old tree: patch reversed" || echo "old tree: REVERSE FAILED"
 fi
 dir() { [ "$1" = old ] && echo /tmp/old || echo $here; }
@@ -41,12 +43,17 @@ eight)
       --json $OUT/engine8b_${t}_$P.json > $OUT/engine8b_${t}_$P.txt 2>&1)
     echo "8b $t P=$P rc $? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/engine8b_${t}_$P.txt | grep -v "idle\|prefill-only" | tail -12
   done; done ;;
-http)
-  for t in ${HTREES:-new}; do
-  (cd $(dir $t) && timeout ${HTTP_S:-300} python3 bench/engine.py --model /tmp/smol.gguf --device cuda:0 --streams ${HSTREAMS:-1,16,64} \
-    --prompt 234 --answer 128 --rounds 2 --server-args "--kv-cache-tokens 131072 ${ARGS:-}" --http --client-procs 4 \
-    --json $OUT/http_$t.json > $OUT/http_$t.txt 2>&1)
-  echo "http $t rc $? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/http_$t.txt | grep -v "idle\|prefill-only" | tail -30
+http|http8)
+  M=/tmp/smol.gguf; P=234; S=${HSTREAMS:-1,16,64}; tag=""; trees=${HTREES:-new}
+  if [ $w = http8 ]; then  # the 8B BF16 shape through HTTP (250-token prompts: the issue's 4,000 tok/s workload)
+    [ -f /tmp/8b.gguf ] || python3 bench/write_synth.py 8b-bf16 /tmp/8b.gguf 2>&1 | tail -1
+    M=/tmp/8b.gguf; P=${HPROMPT8:-250}; S=${HSTREAMS8:-1,16,64,256}; tag=8b; trees=${HTREES8:-new}
+  fi
+  for t in $trees; do
+  (cd $(dir $t) && timeout ${HTTP_S:-300} python3 bench/engine.py --model $M --device cuda:0 --streams $S \
+    --prompt $P --answer 128 --rounds 2 --server-args "--kv-cache-tokens 131072 ${ARGS:-}" --http --client-procs 4 \
+    --json $OUT/http${tag}_$t.json > $OUT/http${tag}_$t.txt 2>&1)
+  echo "http$tag $t rc $? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/http${tag}_$t.txt | grep -v "idle\|prefill-only" | tail -30
   done ;;
 esac; echo "[$w: $(( $(date +%s) - t0 )) s]"; done
 echo "[total $(( $(date +%s) - T0 )) s]"

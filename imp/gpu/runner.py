@@ -68,7 +68,7 @@ from imp.model.rows import head_rows, with_prompt_logprobs
 from imp.model.runner import DEFAULT_KV_TOKENS
 from imp.sampling import gpu as sampler
 from imp.sampling import pending
-from imp.sampling.counts import HistoryCounts
+from imp.sampling.devcounts import DeviceCounts
 from imp.sampling.cpu import apply_bans, apply_guidance
 from imp.sampling.mirostat import MirostatState
 from imp.sampling.verify import drafts, verify
@@ -110,7 +110,7 @@ class GpuModelRunner:
         self._prev_rows: dict[str, int] = {}  # seq id -> index in _sampled, for the next step's PENDING_TOKEN
         self._start_ev = None  # the step being launched: its start event on the device (`_mark`)
         self._tables: dict[str, tuple[tuple[int, ...], int]] = {}  # seq id -> its block table last checked (`check`)
-        self._counts = HistoryCounts()  # penalty counts kept across steps (imp.sampling.counts)
+        self._counts = DeviceCounts(cfg.vocab_size, self.device)  # penalty counts kept on the device (imp.sampling.devcounts)
         self._mirostat = MirostatState()  # mirostat's mu by sequence (its rows are sampled on the host)
         self._prev: Landing | None = None
         self._dev_loras = None  # imp.gpu.lora.DeviceLoras, made at the first adapter step
@@ -544,7 +544,9 @@ class GpuModelRunner:
             constraints.apply(logits, seqs)  # in place: masked tokens -inf, before bias and the rest
         if any(s.banned for s in seqs):
             apply_bans(logits, seqs)  # a banned phrase's first token at the index it started: -inf
+        self._counts.drop_taken()
         ids, tokens = sampler.draw_ids(logits, seqs, self.use_numba_sampling, dev_pending, self._counts)
+        self._counts.record(ids)  # the penalized rows' ids counted on the device for the next step
         if tokens is not None:
             self._mirostat.keep(tokens)
         B = len(seqs)

@@ -300,7 +300,9 @@ def _http_share(job: tuple) -> dict:
                 issued[0] += 1
                 await one(s)
 
-        conn = aiohttp.TCPConnector(limit=0)
+        # llama-server closes a kept-alive connection between requests (a POST on it then gets ServerDisconnected,
+        # aiohttp does not resend): a connection a request for the peer
+        conn = aiohttp.TCPConnector(limit=0, force_close=peer)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600), connector=conn) as s:
             await asyncio.gather(*(worker(s) for _ in range(streams)))
         out["end"] = time.time()
@@ -457,7 +459,7 @@ def main() -> int:
                 for C in [int(x) for x in a.llama_streams.split(",")] if a.llama_streams else streams:
                     try:
                         proc, url = start_llama(a.llama_server, str(model), C, a.device, a.llama_threads,
-                                                tmp / f"llama-{C}.log", per_slot=a.prompt + a.answer + 64)
+                                                logs / f"llama-{C}.log", per_slot=a.prompt + a.answer + 64)
                     except (RuntimeError, TimeoutError) as e:  # said in the table, the rest still measured
                         print(f"llama-server at {C} streams: {e}", file=sys.stderr)
                         continue
@@ -466,6 +468,10 @@ def main() -> int:
                         peer[C] = run_http_level(pool, url, C, a.rounds, a.prompt, a.answer, vocab, a.client_procs,
                                                  a.repetition_penalty, peer=True)
                         print(f"llama-server {C} streams: {peer[C]['tok_s']:,.0f} tok/s", file=sys.stderr, flush=True)
+                    except Exception as e:  # noqa: BLE001 - the peer's failure is reported with its log, imp's rows stand
+                        log = (logs / f"llama-{C}.log").read_text(errors="replace").splitlines()
+                        print(f"llama-server at {C} streams failed: {e!r}; its log ends:\n" + "\n".join(log[-25:]),
+                              file=sys.stderr, flush=True)
                     finally:
                         _stop(proc)
         print(f"\nthe same workload through HTTP (`python -m imp` with the same flags, /v1/completions streamed, "

@@ -35,6 +35,9 @@ if [ ! -x build/bin/llama-server ]; then
   # On a machine without AVX-512 set LLAMA_NATIVE=1 (and no AMX trouble). LLAMA_TIER=avx2
   # (with LLAMA_DIR=/tmp/llama-cpp-avx2) builds the AVX2 tier on any box.
   # LLAMA_CUDA=1: the CUDA build for the GPU machine (Hopper only: sm_90), built there.
+  # AVX-VNNI (the VEX form) is not implied by AVX512-VNNI: an AMD EPYC (Zen 4) has the latter only, and a build
+  # with it on dies with SIGILL at its first matmul there
+  has() { grep -qw "$1" /proc/cpuinfo && echo ON || echo OFF; }
   if [ "${LLAMA_CUDA:-0}" = 1 ]; then
     isa=(-DGGML_NATIVE=ON -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)
   elif [ "${LLAMA_NATIVE:-0}" = 1 ]; then
@@ -47,7 +50,7 @@ if [ ! -x build/bin/llama-server ]; then
   else
     isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
          -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
-         -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+         -DGGML_AVX_VNNI=$(has avx_vnni) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
   fi
   gen=Ninja; command -v ninja >/dev/null || gen="Unix Makefiles"  # a bare GPU image may lack ninja
   cmake -S src -B build -G "$gen" -DCMAKE_BUILD_TYPE=Release "${isa[@]}" \

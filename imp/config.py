@@ -23,9 +23,11 @@ class ServerConfig:
     # (off by default: on the CPU it trades rare 600 ms stalls for many 100 ms steps, PERFORMANCE.md "ITL")
     itl_target_ms: float = 0.0
     # without a target: a step with decode rows takes at most this many times a decode-only step, unless the
-    # waiting prompts need more (imp/core/itl.py); 0 = off (the default: on the H200 through HTTP 2.5 cost 10-15 %
-    # at 16-64 streams against off, PERFORMANCE.md "Where the time goes at 64-256 streams")
-    itl_ratio: float = 0.0
+    # waiting prompts need more (imp/core/itl.py); 0 = off; -1 = auto: 3 on a GPU, off on a CPU. On the H100 the
+    # 8B shape's 860-token chunks beside 16 streams made ITL p99 4.2x p50, 2.6x at 3 (-2 % tok/s); SmolLM2's mixed
+    # steps stay under 3 decode steps, so it does not bind there (PERFORMANCE.md "The default penalty on the
+    # device"); 2.5 had cost 10-15 % through HTTP at 16-64 streams when a mixed step had a 2 ms fixed part
+    itl_ratio: float = -1.0
     # draft-free speculation (imp/core/spec.py) for requests that do not say ("speculative"): on / off / auto
     # (on where the executor says so: the CPU's; the GPU's verify steps are not pipelined and not yet measured,
     # so there a request asks for it); a draft is at most spec_draft_max tokens (0: never, whatever a request asks)
@@ -105,7 +107,8 @@ class ServerConfig:
             (self.max_batch_size >= 1, "--max-batch-size must be >= 1"),
             (self.max_step_tokens == 0 or self.max_step_tokens >= 16, "--max-step-tokens must be >= 16 (0 = auto)"),
             (self.itl_target_ms >= 0, "--itl-target-ms must be >= 0 (0 = off)"),
-            (self.itl_ratio == 0.0 or 1.2 <= self.itl_ratio <= 100, "--itl-ratio must be 0 (off) or 1.2..100"),
+            (self.itl_ratio in (-1.0, 0.0) or 1.2 <= self.itl_ratio <= 100,
+             "--itl-ratio must be -1 (auto), 0 (off) or 1.2..100"),
             (self.speculative in ("on", "off", "auto"), "--speculative must be on, off or auto"),
             (0 <= self.spec_draft_max <= 64, "--spec-draft-max must be 0..64"),
             (self.kv_cache_tokens is None or self.kv_cache_tokens >= self.block_size, "--kv-cache-tokens too small"),
@@ -160,7 +163,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "off: chunks of --max-step-tokens)")
     p.add_argument("--itl-ratio", type=float, default=d.itl_ratio,
                    help="without --itl-target-ms: a step beside running streams takes at most this many times a "
-                        "decode-only step, unless the waiting prompts need more (default 0 = off)")
+                        "decode-only step, unless the waiting prompts need more (0 = off; default -1 = auto: 3 on a "
+                        "GPU, off on a CPU)")
     p.add_argument("--speculative", choices=("on", "off", "auto"), default=d.speculative,
                    help="draft-free speculative decoding for requests that do not say (their \"speculative\"): "
                         "the sequence's own prompt and output predict its next tokens, verified in one step; the "
@@ -295,6 +299,14 @@ def pipeline_depth(cfg: ServerConfig) -> int:
 
 def step_tokens(cfg: ServerConfig) -> int:
     return cfg.max_step_tokens or (1024 if cfg.device.startswith("cuda") else 512)
+
+
+def itl_ratio(cfg: ServerConfig) -> float:
+    """--itl-ratio, auto resolved: 3 on a GPU (a large model's prompt chunks cost several decode steps there),
+    off on a CPU (where --itl-target-ms is the policy to reach for)."""
+    if cfg.itl_ratio >= 0:
+        return cfg.itl_ratio
+    return 3.0 if cfg.device.startswith("cuda") else 0.0
 
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from imp.config import ServerConfig, pipeline_depth, step_tokens
+from imp.config import ServerConfig, itl_ratio, pipeline_depth, step_tokens
 from imp.core.admission import AdmissionConfig, AdmissionCore
 from imp.core.kv import KvConfig, KvCore
 from imp.core.replicas import Routed
@@ -52,7 +52,7 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
             max_context=max_context,
             pipeline_depth=pipeline_depth(cfg),
             itl_target_ns=int(cfg.itl_target_ms * 1e6),
-            itl_ratio=cfg.itl_ratio,
+            itl_ratio=itl_ratio(cfg),
             spec_k_max=(cfg.spec_draft_max if draft_max is None else draft_max) if verifies_drafts else 0,
             swap_blocks=swap.blocks,
             swap_ns_per_block=swap.ns_per_block,

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
+from imp.config import ServerConfig, gpu_runner_options  # noqa: E402
 from imp.messages import PENDING_TOKEN, SamplingParams, SeqWork  # noqa: E402
 from imp.gpu.runner import GpuModelRunner  # noqa: E402
 from tests.fixtures.synth_raw import write_raw_gguf  # noqa: E402
@@ -394,8 +395,10 @@ def bench_model(name: str, path: str, copy_Bps: float, prefills: list[int], rows
     torch.cuda.empty_cache()
 
 
-CONFIGS = {"default": {}, "int8": {"int8_act": True}, "int8-nodense": {"int8_act": True, "dense": False},
-           "invariant": {"int8_act": True, "batch_invariant": True}}
+# "default": what `python -m imp --device cuda:0` loads (imp.config.gpu_runner_options on the defaults). Until
+# 2026-12-06 it was fp32 activations while the server ran int8 ones (issue 39): those rows were not what users run.
+CONFIGS = {"default": gpu_runner_options(ServerConfig(device="cuda:0")), "fp32": {"int8_act": False}, "int8": {"int8_act": True},
+           "int8-nodense": {"int8_act": True, "dense": False}, "invariant": {"int8_act": True, "batch_invariant": True}}
 
 
 def table(rows: list, ceil: dict) -> str:
@@ -418,9 +421,10 @@ def main() -> None:
     ap.add_argument("--prefill", default="512,4096")
     ap.add_argument("--dir", default="/tmp/imp_bench")
     ap.add_argument("--configs", default="default",
-                    help="runner configurations per model, comma list of default (fp32 activations) | int8 (int8 "
-                         "activations, --gpu-activations int8) | int8-nodense (and no fp16 dense copies) | invariant "
-                         "(--batch-invariant: every matmul on the int8 GEMM)")
+                    help="runner configurations per model, comma list of default (what `python -m imp --device "
+                         "cuda:0` runs: its defaults, int8 activations today) | fp32 (--gpu-activations fp32) | int8 | "
+                         "int8-nodense (and no fp16 dense copies) | invariant (--batch-invariant: every matmul on the "
+                         "int8 GEMM)")
     ap.add_argument("--extras", default="", help="models (comma list) that also get the per-matrix table, "
                     "the batch-1 legacy/unfused/fused comparison and the decode / prefill-512 profiles. "
                     "torch.profiler leaves CUPTI attached: models measured after it in the same process "
@@ -457,7 +461,7 @@ def main() -> None:
         (out / "gpu_bench.json").write_text(json.dumps(dict(res, rows=rows), indent=1, default=str))
         if name != "135m-q4_1":
             path.unlink()  # keep the disk free for the next 8B file
-    md = table(rows, ceil)
+    md = table(rows, ceil) + f"\n\nrows without a suffix: the server's defaults ({CONFIGS['default']}); a suffix names the other configuration"
     (out / "gpu_bench.md").write_text(md + "\n")
     print("\n" + md)
 

@@ -301,6 +301,11 @@ def step_tokens(cfg: ServerConfig) -> int:
     return cfg.max_step_tokens or (1024 if cfg.device.startswith("cuda") else 512)
 
 
+def gpu_runner_options(cfg: ServerConfig) -> dict:
+    """The GPU runner's numerics from a config: what imp.server loads it with, and bench/gpu.py's default rows."""
+    return {"int8_act": cfg.gpu_activations == "int8", "batch_invariant": cfg.batch_invariant}
+
+
 def itl_ratio(cfg: ServerConfig) -> float:
     """--itl-ratio, auto resolved: 3 on a GPU (a large model's prompt chunks cost several decode steps there),
     off on a CPU (where --itl-target-ms is the policy to reach for)."""

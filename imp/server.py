@@ -16,7 +16,7 @@ from typing import NamedTuple
 import msgspec
 from aiohttp import web
 
-from imp.config import ServerConfig, replica_devices, step_tokens
+from imp.config import ServerConfig, gpu_runner_options, replica_devices, step_tokens
 from imp.constrain.compile import GrammarCache
 from imp.actors.faults import FaultPlan
 from imp.actors.otlp_config import OtlpConfig
@@ -179,8 +179,7 @@ def _load_models(cfg: ServerConfig) -> _Models:
             decided: dict = {}  # the first load's dense copies and matmul kernels, decided the same on a reload
             return lambda: GpuModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens,
                                                device=device, max_graph_batch=cfg.max_batch_size, decided=decided,
-                                               int8_act=cfg.gpu_activations == "int8",
-                                               batch_invariant=cfg.batch_invariant,
+                                               **gpu_runner_options(cfg),
                                                graphs=cfg.gpu_graphs != "off",
                                                max_prompt_rows=step_tokens(cfg) if cfg.gpu_graphs == "all" else 0)
         return lambda: ModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens,

@@ -36,6 +36,12 @@ def test_gpu_activations_is_validated_and_reaches_the_cli():
     from imp.config import add_serve_args, config_from_args
 
     assert ServerConfig().gpu_activations == "int8"
+    from imp.config import gpu_runner_options
+
+    # the server's loader and bench/gpu.py's default rows take the runner's numerics from here (issue 39: the bench
+    # had measured fp32 activations while the server ran int8)
+    assert gpu_runner_options(ServerConfig(device="cuda:0")) == {"int8_act": True, "batch_invariant": False}
+    assert gpu_runner_options(ServerConfig(gpu_activations="fp32"))["int8_act"] is False
     with pytest.raises(ValueError, match="--gpu-activations"):
         ServerConfig(gpu_activations="int4")
     p = argparse.ArgumentParser()

@@ -13,7 +13,7 @@ fixed part is a GPU mixed graph's, which runs each matmul once per row kind):
 
       prompt tokens = (max(target, 2 x decode step) - decode step - fixed) / per token
 
-- a ratio (`ratio`, --itl-ratio; off by default): the step takes at most `ratio` decode-only
+- a ratio (`ratio`, --itl-ratio; auto: 3 on a GPU, off on a CPU): the step takes at most `ratio` decode-only
   steps (or, where that leaves prompt tokens less than the fixed part, whole-budget chunks), so at low load a rare arrival costs the streams one step of `ratio` times their ITL (the
   p99 / p50 the streams feel), **unless the waiting prompts need more**: at 256 streams with
   128-token answers two new prompts arrive every step, and a cap below that demand would grow

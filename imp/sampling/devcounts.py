@@ -15,10 +15,11 @@ forced token, a row sampled on the host) is counted afresh from the share's hist
 on the device), once. A table of `max_bytes` at most (rows grow by doubling): sequences past it take the segment
 path, so memory stays bounded whatever the vocabulary.
 
-Not wired into the GPU runner yet (`bench/pending/devcounts_wiring.patch`): its first H100 run, with torch's
-sort-based index_put_(accumulate=True) for the adds, was 18 % faster than the segment path at 256 streams and
-13-29 % slower at 16-64 (ITL 1.6 -> 2.4 ms at 16); the adds are one atomic kernel now (`count_add`), not yet
-measured. The kernels are checked bit for bit against the CPU reference in the GPU lane (tests/test_devcounts.py).
+The GPU runner's counts since 7e2f935. Its first H100 run, with torch's sort-based index_put_(accumulate=True)
+for the adds, was 13-29 % slower than the segment path at 16-64 streams; with one atomic kernel for them
+(`count_add`) it equals the segment path at 16-64 and is 4-9 % faster at 256 (PERFORMANCE.md "The default
+penalty on the device"). The kernels are checked bit for bit against the CPU reference in the GPU lane
+(tests/test_devcounts.py).
 """
 
 from __future__ import annotations

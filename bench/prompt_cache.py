@@ -10,7 +10,8 @@ Then the tier's own write and read rates on this disk against dd's.
 --prompt-tokens N: a completions request whose prompt is N token ids (a model with a toy tokenizer, as the
 GPU's random-weight 8B shape, makes ~4x more tokens of Claude Code's text than its context holds). Served
 with streaming either way; --drop-caches empties the OS page cache before the restart (root: the files
-come from the disk, not from memory).
+come from the disk, not from memory). --null-kv-bytes N: the null runner (no model math) with tier blocks of
+N bytes: the restart's host side alone, on a machine without the GPU (2097152 is the 8B shape's block).
 """
 
 from __future__ import annotations
@@ -76,10 +77,11 @@ def ttft_ids(url: str, ids: list[int], max_tokens: int) -> tuple[float, str, dic
     return (first or time.perf_counter()) - t0, "".join(text), usage
 
 
-def server(model: str, port: int, cache: str, ctx: int, log: Path, device: str = "cpu", extra=()):
+def server(model: str, port: int, cache: str, ctx: int, log: Path, device: str = "cpu", extra=(), env=None):
     cmd = [sys.executable, "-m", "imp", "--model", model, "--port", str(port), "--prompt-cache-dir", cache,
            "--kv-cache-tokens", str(ctx), "--device", device, *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            env=None if env is None else {**os.environ, **env})
 
 
 def dd_rates(d: Path) -> tuple[float, float]:
@@ -125,7 +127,10 @@ def main() -> int:
     ap.add_argument("--server-args", default="", help="more imp flags, one string")
     ap.add_argument("--prompt-tokens", type=int, default=0, help="a prompt of N token ids instead of Claude Code's")
     ap.add_argument("--drop-caches", action="store_true", help="empty the OS page cache before the restart")
+    ap.add_argument("--null-kv-bytes", type=int, default=0,
+                    help="no model math (IMP_NULL_RUNNER): tiers with blocks of N bytes, the restart's host side alone")
     a = ap.parse_args()
+    env = {"IMP_NULL_RUNNER": "1", "IMP_NULL_KV_BYTES": str(a.null_kv_bytes)} if a.null_kv_bytes else None
     cap = json.loads((ROOT / "tests/data/claude_code_request.json").read_text())
     body = dict(cap["body"], model="m", max_tokens=a.max_tokens, temperature=0)
     body.pop("stream", None)
@@ -148,7 +153,7 @@ def main() -> int:
                 print("page cache dropped before the restart")
             except OSError as exc:
                 print(f"page cache not dropped ({exc}): the restart may read the files from memory")
-        p = server(a.model, 8197, cache, a.ctx, work / f"server{run}.log", a.device, a.server_args.split())
+        p = server(a.model, 8197, cache, a.ctx, work / f"server{run}.log", a.device, a.server_args.split(), env)
         try:
             wait_ready(url, p, "imp")
             first = {1: "cold (empty pool, empty tier)", 2: "after a restart: from the disk tier" + (
@@ -159,6 +164,9 @@ def main() -> int:
         finally:
             p.terminate()
             p.wait(60)
+        for line in (work / f"server{run}.log").read_text(errors="replace").splitlines():
+            if "[tier] " in line:  # the executor's line per burst of loads: where a restart's read time went
+                print(f"server {run}: {line.split(': ', 1)[-1]}")
     cold = rows[0][1]
     print("\n| request | TTFT s | vs cold | prompt tokens | cache_read_input_tokens | same text as cold |")
     print("|---|---|---|---|---|---|")

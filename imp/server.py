@@ -168,11 +168,14 @@ def _load_models(cfg: ServerConfig) -> _Models:
             row_us = float(os.environ.get("IMP_NULL_ROW_US", "0"))  # its cost model: + a decode row, + a prompt token
             token_us = float(os.environ.get("IMP_NULL_TOKEN_US", "0"))
             mixed_us = float(os.environ.get("IMP_NULL_MIXED_US", "0"))  # + a step with both kinds of rows
+            kv_bytes = int(os.environ.get("IMP_NULL_KV_BYTES", "0"))  # > 0: prompt cache tiers, blocks this size
             if step_us > 0:
                 return lambda: PacedNullRunner.load(str(path), block_size=cfg.block_size,
                                                     kv_tokens=cfg.kv_cache_tokens, step_us=step_us,
-                                                    row_us=row_us, token_us=token_us, mixed_us=mixed_us)
-            return lambda: NullRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens)
+                                                    row_us=row_us, token_us=token_us, mixed_us=mixed_us,
+                                                    kv_bytes=kv_bytes)
+            return lambda: NullRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens,
+                                           kv_bytes=kv_bytes)
         if device.startswith("cuda"):
             from imp.gpu.runner import GpuModelRunner
 

@@ -186,3 +186,20 @@ def test_a_mixed_graph_gives_the_eager_step_s_logits(tmp_path_factory, int8_act)
         assert [t.token_id for t in gpu.step(seqs)] == want
     finally:
         gpu.mixed = saved
+
+
+def test_few_prompt_tiles_over_a_long_context_run_eagerly():
+    """A 16-row chunk after a 20k-token cached prefix splits its attention segments in an eager step (a
+    graph's launch cannot): the mixed graphs decline it; a short context or many tiles still take a graph."""
+    from imp.gpu.mixed import fits
+    from imp.messages import SamplingParams, SeqWork
+
+    p = SamplingParams(max_tokens=4)
+    tail = SeqWork("a", tuple(range(16)), 19984, tuple(range(1251)), True, p)
+    short = SeqWork("b", tuple(range(16)), 100, tuple(range(8)), True, p)
+    dec = SeqWork("c", (1,), 500, tuple(range(32)), True, p)
+    assert fits([tail], (16, 32), (0, 8), heads=32) is None
+    assert fits([tail], (16, 32), (0, 8)) == (16, 0)  # heads unknown: as before
+    assert fits([short, dec], (16, 32), (0, 8), heads=32) == (16, 8)
+    many = SeqWork("d", tuple(range(1024)), 19000, tuple(range(1251)), True, p)  # 64 tiles x 32 heads: in turn
+    assert fits([many], (1024,), (0,), heads=32) == (1024, 0)

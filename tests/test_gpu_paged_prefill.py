@@ -88,3 +88,70 @@ def test_forward_uses_one_launch_for_every_chunk():
     m = eager_meta(seqs, [39, 41, 42], 16, torch.device(DEV))
     assert m.pf_tiles.cpu().tolist() == [[0, 16, 0, 0], [16, 16, 0, 16], [32, 8, 0, 32], [40, 2, 1, 32]]
     assert m.pf_bt.cpu().tolist() == [[3, 4, 5], [9, 10, 11]]
+    assert m.pf_last == 39  # a's position 39, b's 33: the launch may split its segments by it
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (32, 8, 128)])
+def test_segments_in_turn_or_side_by_side_give_the_same_bits(H, Hkv, D):
+    """Keys in segments (64 keys here, 2048 in service): a launch that walks them in turn (many tiles, or a
+    graph's) and one that splits them over blocks and merges (few tiles, `last` given) agree bit for bit,
+    whatever the chunking; both match float64; a row inside its first segment keeps the one-pass bits."""
+    from imp.kernels.cuda import paged_prefill_attention as pp
+
+    g, kc, vc = _setup(H, Hkv, D, seed=2, num_blocks=64)
+    blocks = torch.randperm(kc.shape[0], generator=g).numpy().astype(np.int32)[:40]  # 640 positions
+    q = torch.randn(640, (H + 2 * Hkv) * D, generator=g).to(DEV)
+
+    def run(chunks, qq, last=None, seg=64):
+        tiles, bt = pp.plan(chunks)
+        out = torch.full((qq.shape[0], H * D), float("nan"), device=DEV)
+        pp.paged_prefill(qq, kc, vc, torch.from_numpy(tiles).to(DEV), torch.from_numpy(bt).to(DEV), H, out,
+                         last=last, seg=seg)
+        torch.cuda.synchronize()
+        return out
+
+    whole = run([(0, 640, blocks, 0)], q)  # no `last` (as a graph's launch): in turn
+    tail = [(0, 3, blocks, 600)]  # three rows after a 600-token prefix: one tile, split over 10 segments
+    assert pp.splits(1, H, 602, 64) == 10
+    split = run(tail, q[600:603], last=602)
+    turn = run(tail, q[600:603])
+    assert torch.equal(split, turn) and torch.equal(split, whole[600:603])
+    straddle = [(0, 16, blocks, 56)]  # rows 56..71: the first eight inside segment 0, the rest past it
+    assert torch.equal(run(straddle, q[56:72], last=71), whole[56:72])
+    ref = pp.reference(q, kc, vc, [(0, 640, blocks, 0)], H)
+    for r in (5, 63, 64, 300, 639):
+        err = float((whole[r].double() - ref[r]).norm() / ref[r].norm())
+        assert err < 1.5e-2, (r, err)
+    one_pass = run([(0, 640, blocks, 0)], q, seg=2048)  # every row inside one segment
+    assert torch.equal(one_pass[:64], whole[:64])  # the first segment's rows: the same bits
+    err = float((one_pass - whole).norm() / whole.norm())
+    assert 0 < err < 1.5e-2, err  # past it the probabilities round to bf16 against another running max
+
+
+def test_a_short_chunk_after_a_long_prefix_splits_and_is_faster():
+    """The 8B shape's restart step (16 rows after 19,984 cached positions, 32 heads): side by side vs in turn."""
+    from imp.kernels.cuda import paged_prefill_attention as pp
+
+    H, Hkv, D, bs = 32, 8, 128, 16
+    g, kc, vc = _setup(H, Hkv, D, seed=3, num_blocks=1300, bs=bs)
+    blocks = torch.randperm(kc.shape[0], generator=g).numpy().astype(np.int32)[:1250]
+    q = torch.randn(16, (H + 2 * Hkv) * D, generator=g).to(DEV)
+    chunks = [(0, 16, blocks, 19984)]
+    tiles, bt = pp.plan(chunks)
+    tiles, bt = torch.from_numpy(tiles).to(DEV), torch.from_numpy(bt).to(DEV)
+    outs, ms = [], []
+    for last in (19999, None):
+        out = torch.empty(16, H * D, device=DEV)
+        for _ in range(2):
+            pp.paged_prefill(q, kc, vc, tiles, bt, H, out, last=last)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(5):
+            pp.paged_prefill(q, kc, vc, tiles, bt, H, out, last=last)
+        e.record()
+        e.synchronize()
+        ms.append(s.elapsed_time(e) / 5)
+        outs.append(out)
+    print(f"16 rows at 20k context, one layer: side by side {ms[0]:.3f} ms, in turn {ms[1]:.3f} ms")
+    assert torch.equal(outs[0], outs[1])
+    assert ms[0] < ms[1] / 3

@@ -169,7 +169,7 @@ class Forward:
             qd = qkv.index_select(0, m.dec_rows)
             out.index_copy_(0, m.dec_rows, k_attn.paged_decode(qd, kc, vc, m.dec_bt, m.dec_lens, H))
         if m.pf_tiles is not None and PAGED_PREFILL and k_pf.supports(kc, H):  # every chunk in one launch, cached or not
-            k_pf.paged_prefill(qkv, kc, vc, m.pf_tiles, m.pf_bt, H, out)
+            k_pf.paged_prefill(qkv, kc, vc, m.pf_tiles, m.pf_bt, H, out, last=m.pf_last)
             return out
         for r0, r1, ctx, start in m.prefill:  # fp32 caches: torch SDPA per chunk
             k_prefill.prefill_attention(qkv[r0:r1, :H * D], kn[r0:r1], vn[r0:r1], kc, vc, ctx, start, H, out[r0:r1])

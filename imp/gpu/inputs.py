@@ -34,6 +34,7 @@ class Meta:
     all_decode: bool = False
     pf_tiles: torch.Tensor | None = None  # [T, 4] int32: every prefill chunk's rows for one paged_prefill launch
     pf_bt: torch.Tensor | None = None  # [C, max_blocks] int32: those chunks' block tables
+    pf_last: int | None = None  # the last key position of any tile (eager: lets few tiles split their segments)
     pending: tuple | None = None  # (rows [k] int32, src [k] int32, k): tokens[rows] = previous step's sampled[src]
     # (P, Rp): rows [0, P) are prompt rows, [P, N) one-token decode rows, and the first Rp of out_rows are the
     # prompt rows': the matmuls run per kind (`Forward.mixed`)
@@ -142,6 +143,7 @@ def eager_meta(seqs: list[SeqWork], rows: list[int], block_size: int, device: to
         tiles, pbt = paged_prefill_attention.plan(chunks)
         m.pf_tiles = to_device(torch.from_numpy(tiles), torch.int32, device)
         m.pf_bt = to_device(torch.from_numpy(pbt), torch.int32, device)
+        m.pf_last = int((tiles[:, 3] + tiles[:, 1]).max()) - 1
     return m
 
 

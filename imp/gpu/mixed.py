@@ -30,11 +30,11 @@ import numpy as np
 import torch
 
 from imp.gpu.inputs import Meta, decode_rows
+from imp.kernels.cuda.paged_prefill_attention import TILE_ROWS, splits
 from imp.gpu.linear import capture_stream
 from imp.messages import SeqWork
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
-TILE_ROWS = 16  # imp.kernels.cuda.paged_prefill_attention.TILE_ROWS (not imported: that module loads CuPy)
 MAX_CHUNKS = 64  # prompt shares one mixed graph takes (its head slots); a step with more runs eagerly
 
 
@@ -91,10 +91,13 @@ class Placed:
     used: int  # int32 elements of the buffer to copy
 
 
-def fits(seqs: list[SeqWork], pbs: tuple[int, ...], dbs: tuple[int, ...]) -> tuple[int, int] | None:
+def fits(seqs: list[SeqWork], pbs: tuple[int, ...], dbs: tuple[int, ...], heads: int = 0) -> tuple[int, int] | None:
     """(Pb, Db) for a step with prompt rows that a captured bucket takes, else None (eager): no prompt
-    logprobs, no drafts, at least one share of several tokens, rows and shares within the largest buckets."""
-    P = C = D = 0
+    logprobs, no drafts, at least one share of several tokens, rows and shares within the largest buckets,
+    and (heads > 0) not a few attention tiles over a long context: eagerly those run their key segments side
+    by side (`paged_prefill_attention.splits`, the same bits), a graph's fixed launch walks them in turn."""
+    P = C = D = T = 0
+    last = -1
     for s in seqs:
         if s.prompt_logprobs >= 0 or s.draft:
             return None
@@ -102,9 +105,11 @@ def fits(seqs: list[SeqWork], pbs: tuple[int, ...], dbs: tuple[int, ...]) -> tup
         if n > 1:
             P += n
             C += 1
+            T += -(-n // TILE_ROWS)
+            last = max(last, s.start_pos + n - 1)
         else:
             D += 1
-    if not C:
+    if not C or heads and splits(T, heads, last) > 1:
         return None
     pb = next((b for b in pbs if b >= P), None)
     db = next((b for b in dbs if b >= D), None)
@@ -181,8 +186,9 @@ class MixedGraphs:
     """The graphs of every (Pb, Db) bucket pair over one static input buffer (see the module docstring)."""
 
     def __init__(self, pbs: tuple[int, ...], dbs: tuple[int, ...], max_blocks: int, block_size: int, vocab: int,
-                 device: torch.device, split: bool):
+                 device: torch.device, split: bool, heads: int = 0):
         self.pbs, self.dbs = pbs, tuple(sorted(set((0,) + tuple(dbs))))
+        self.heads = heads  # > 0: steps whose prompt attention would split its key segments run eagerly
         self.block_size, self.device, self.split = block_size, device, split
         pmax, dmax = max(pbs), max(self.dbs)
         self.reg = Regions(N=pmax + dmax, D=dmax, C=head_slots(pmax), T=tile_slots(pmax), MB=max_blocks)
@@ -243,7 +249,7 @@ class MixedGraphs:
     def fits(self, seqs: list[SeqWork]) -> tuple[int, int] | None:
         if not self.graphs:
             return None
-        return fits(seqs, self.pbs, self.dbs)
+        return fits(seqs, self.pbs, self.dbs, self.heads)
 
     def replay(self, seqs: list[SeqWork], pair: tuple[int, int], src: dict[int, int] | None = None, mark=None
                ) -> tuple[torch.Tensor, dict[int, int]]:

@@ -150,7 +150,8 @@ class GpuModelRunner:
         self.mixed: MixedGraphs | None = None
         if graphs and buckets and max_prompt_rows and kv_dtype == torch.bfloat16 and cfg.head_dim in (64, 128):
             self.mixed = MixedGraphs(prompt_buckets(max_prompt_rows), buckets, self.graphs.max_blocks, block_size,
-                                     cfg.vocab_size, self.device, self._split_mixed)
+                                     cfg.vocab_size, self.device, self._split_mixed,
+                                     cfg.n_heads)
         if graphs and buckets:
             self._capture_or_fall_back()
 

@@ -21,6 +21,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import queue
+
+import numpy as np
+
 from imp.messages import SampledToken, SeqWork
 from imp.model.runner import DEFAULT_KV_TOKENS, default_num_blocks
 
@@ -29,14 +33,45 @@ class NullRunner:
     device = "cpu"
 
     def __init__(self, config, metadata: dict, fingerprint: str, num_blocks: int, block_size: int,
-                 token_id: int):
+                 token_id: int, kv_bytes: int = 0):
         self.config, self.metadata, self.fingerprint = config, metadata, fingerprint
         self.num_blocks, self.block_size = num_blocks, block_size
         self.token_id = token_id
         self.steps = 0
+        self.kv_bytes = kv_bytes  # > 0: tiers with blocks this size
+        self._ring: queue.Queue = queue.Queue()
+        self._made = 0
+
+    @property
+    def supports_kv_tier(self) -> bool:
+        return self.kv_bytes > 0
+
+    def kv_layout(self) -> str:
+        return f"null:{self.kv_bytes}"
+
+    def kv_block_bytes(self) -> int:
+        return self.kv_bytes
+
+    def kv_block(self, b: int):
+        payload = b.to_bytes(8, "little") * (self.kv_bytes // 8)
+        return lambda: payload
+
+    def kv_staging(self):
+        """As the GPU's ring (imp.gpu.kvcopy.DeviceBlocks.staging): 32 buffers, reused."""
+        if self._made < 32 and self._ring.empty():
+            self._made += 1
+            return _Staged(np.empty(self.kv_bytes, np.uint8))
+        return self._ring.get()
+
+    def kv_unstage(self, buf) -> None:
+        self._ring.put(buf)
+
+    def set_kv_block(self, b: int, data) -> None:
+        if isinstance(data, _Staged):
+            self._ring.put(data)
 
     @classmethod
-    def load(cls, path: str, block_size: int = 16, kv_tokens: int | None = None) -> "NullRunner":
+    def load(cls, path: str, block_size: int = 16, kv_tokens: int | None = None, kv_bytes: int = 0) -> "NullRunner":
         from imp.formats.gguf_loader import open_gguf
         from imp.formats.hf_dir import open_hf_dir
 
@@ -44,7 +79,7 @@ class NullRunner:
         # a token that renders as text and is no EOS: the middle of the vocabulary
         token = int(g.config.vocab_size) // 2
         return cls(g.config, g.metadata, g.fingerprint,
-                   default_num_blocks(kv_tokens or DEFAULT_KV_TOKENS, block_size), block_size, token)
+                   default_num_blocks(kv_tokens or DEFAULT_KV_TOKENS, block_size), block_size, token, kv_bytes)
 
     def step(self, seqs: list[SeqWork], constraints=None, lora=None) -> list[SampledToken]:
         self.steps += 1
@@ -53,6 +88,16 @@ class NullRunner:
 
     def forget(self, seq_ids) -> None:
         pass
+
+
+class _Staged:
+    """A staging buffer as the executor's read threads use one (torch's `.numpy()`)."""
+
+    def __init__(self, a: np.ndarray):
+        self.a = a
+
+    def numpy(self) -> np.ndarray:
+        return self.a
 
 
 class PacedNullRunner(NullRunner):
@@ -72,9 +117,10 @@ class PacedNullRunner(NullRunner):
 
     @classmethod
     def load(cls, path: str, block_size: int = 16, kv_tokens: int | None = None, step_us: int = 0,
-             row_us: float = 0.0, token_us: float = 0.0, mixed_us: float = 0.0) -> "PacedNullRunner":
-        r = NullRunner.load(path, block_size, kv_tokens)
-        return cls(r.config, r.metadata, r.fingerprint, r.num_blocks, r.block_size, r.token_id, step_us=step_us,
+             row_us: float = 0.0, token_us: float = 0.0, mixed_us: float = 0.0,
+             kv_bytes: int = 0) -> "PacedNullRunner":
+        r = NullRunner.load(path, block_size, kv_tokens, kv_bytes)
+        return cls(r.config, r.metadata, r.fingerprint, r.num_blocks, r.block_size, r.token_id, kv_bytes, step_us=step_us,
                    row_us=row_us, token_us=token_us, mixed_us=mixed_us)
 
     def cost_ns(self, seqs: list[SeqWork]) -> int:

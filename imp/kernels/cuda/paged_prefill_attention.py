@@ -16,6 +16,16 @@ exp2(0) = 1), so the bits a row gets do not depend on which rows share its tile,
 on the chunk it arrived in, or on a cached prefix: a request answers the same
 alone, batched or on a cache hit.
 
+Long contexts: the keys are taken in segments of SEG_KEYS absolute positions,
+each with its own online softmax, merged in order into the row's running
+(max, sum, O) (`seg_merge`; the first segment is taken as it is, so a row of
+up to SEG_KEYS keys gets exactly the one-pass bits). A block walks its tile's
+segments in turn, or, when a launch has few tiles over a long context
+(`splits`: a short chunk after a 20k-token cached prefix was 32 warps each
+walking 625 key tiles alone), every segment gets a block of its own and
+`paged_prefill_combine` merges their (o, max, sum) in the same order with the
+same roundings: the same bits either way, so the choice may follow the step.
+
 Math: tensor cores, mma.sync m16n8k16 bf16 -> fp32 (q and the probabilities
 rounded to bf16, as flash attention does; the cache is bf16 already). One warp a
 block: S = Q K^T over a 32-key tile (D/16 k-steps x 4 n-tiles), online softmax in
@@ -25,7 +35,8 @@ V transposed in shared memory (padded: no bank conflicts on fragment reads).
 
 Shapes: q [N, >= H*D] fp32 (qkv rows), kc/vc [num_blocks, bs, Hkv, D] bf16,
 tiles [T, 4] int32 (row0, rows <= 16, chunk, position of row0), bt [C, max_blocks]
-int32, out [N, H*D] fp32 (only the tiles' rows are written).
+int32, out [N, H*D] fp32 (only the tiles' rows are written; between segments it holds
+their running O), part [T, H, segments, 16, D + 2] fp32 when split (o, max, sum).
 """
 
 from __future__ import annotations
@@ -52,11 +63,30 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// (M, L) of a row so far and a segment's (m, l): 0 when the segment saw no key of the row (m = -inf: nothing
+// changes), 1 for the row's first segment (taken as it is: a row inside one segment gets o / l, as the kernel
+// always gave), 2 for a merge with scales a (the running O) and b (the segment's o). __fmul_rn / __fadd_rn are
+// never contracted into an FMA, so the in-kernel merge and `paged_prefill_combine` round alike: the same bits.
+__device__ __forceinline__ int seg_merge(float& M, float& L, float m, float l, float& a, float& b) {
+    if (m == NEG_INF) return 0;
+    if (M == NEG_INF) { M = m; L = l; return 1; }
+    const float M2 = fmaxf(M, m);
+    a = exp2f(M - M2);
+    b = exp2f(m - M2);
+    L = __fadd_rn(__fmul_rn(L, a), __fmul_rn(l, b));
+    M = M2;
+    return 2;
+}
+__device__ __forceinline__ float seg_mix(int how, float O, float a, float o, float b) {
+    return how == 1 ? o : __fadd_rn(__fmul_rn(O, a), __fmul_rn(o, b));
+}
+
 template <int D>
 __global__ void __launch_bounds__(32) paged_prefill(
     const float* __restrict__ q, int ldq, const u16* __restrict__ kc, const u16* __restrict__ vc,
     const int* __restrict__ tiles, const int* __restrict__ bt, int max_blocks,
-    float* __restrict__ out, int ldo, int H, int Hkv, int bs, float scale_log2) {
+    float* __restrict__ out, int ldo, int H, int Hkv, int bs, float scale_log2,
+    int seg, float* __restrict__ part, int nsplit) {
     constexpr int KS = D / 16;        // k-steps of S = Q K^T
     constexpr int NT = D / 8;         // n-tiles of O
     constexpr int KP = D + 8;         // padded K row (bf16)
@@ -90,13 +120,25 @@ __global__ void __launch_bounds__(32) paged_prefill(
             qa[ks][3] = pack_bf2(b2.x, b2.y);
         }
     }
+    const size_t tok = (size_t)Hkv * D;
+    constexpr int CH = D / 8;  // 16-byte chunks per key row
+    const int nseg = last / seg + 1;
+    int s_lo = 0, s_hi = nseg;  // in turn here; with `part`, block z's segment alone
+    if (part != nullptr) {
+        s_lo = blockIdx.z;
+        s_hi = s_lo + 1;
+        if (s_lo >= nseg) return;
+    }
+    float Ma = NEG_INF, Mb = NEG_INF, La = 0.f, Lb = 0.f;  // rows g, g+8 over the segments merged so far
+    float* oa = out + (size_t)(row0 + g) * ldo + (size_t)h * D;  // the running O between segments (pa >= 0)
+    float* ob = out + (size_t)(row0 + g + 8) * ldo + (size_t)h * D;
+    for (int sg = s_lo; sg < s_hi; ++sg) {
     float o[NT][4];
     #pragma unroll
     for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     float ma = NEG_INF, mb = NEG_INF, la = 0.f, lb = 0.f;  // rows g, g+8: running max (log2 units), lane's sum
-    const size_t tok = (size_t)Hkv * D;
-    constexpr int CH = D / 8;  // 16-byte chunks per key row
-    for (int k0 = 0; k0 <= last; k0 += 32) {
+    const int kend = min(last, sg * seg + seg - 1);
+    for (int k0 = sg * seg; k0 <= kend; k0 += 32) {
         __syncwarp();
         // stage K (row-major) and V (transposed) of keys k0..k0+31; keys past `last` are zeros
         #pragma unroll 4
@@ -178,17 +220,78 @@ __global__ void __launch_bounds__(32) paged_prefill(
     la += __shfl_xor_sync(0xffffffffu, la, 2);
     lb += __shfl_xor_sync(0xffffffffu, lb, 1);
     lb += __shfl_xor_sync(0xffffffffu, lb, 2);
-    const float ia = (la > 0.f) ? 1.f / la : 0.f, ib = (lb > 0.f) ? 1.f / lb : 0.f;
+    if (part != nullptr) {  // this segment's (o, m, l) per row: paged_prefill_combine merges them in order
+        float* pr = part + (((size_t)tile * H + h) * nsplit + sg) * 16 * (D + 2);
+        #pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const int c = n * 8 + 2 * t;
+            if (pa >= 0) *(float2*)(pr + (size_t)g * (D + 2) + c) = make_float2(o[n][0], o[n][1]);
+            if (pb >= 0) *(float2*)(pr + (size_t)(g + 8) * (D + 2) + c) = make_float2(o[n][2], o[n][3]);
+        }
+        if (t == 0 && pa >= 0) { pr[(size_t)g * (D + 2) + D] = ma; pr[(size_t)g * (D + 2) + D + 1] = la; }
+        if (t == 0 && pb >= 0) { pr[(size_t)(g + 8) * (D + 2) + D] = mb; pr[(size_t)(g + 8) * (D + 2) + D + 1] = lb; }
+        return;
+    }
+    float aa = 0.f, ba = 0.f, ab = 0.f, bb = 0.f;
+    const int ua = seg_merge(Ma, La, ma, la, aa, ba), ub = seg_merge(Mb, Lb, mb, lb, ab, bb);
+    const bool final_ = sg == nseg - 1;  // normalise there; between segments the running O waits in `out`
+    const float ia = (La > 0.f) ? 1.f / La : 0.f, ib = (Lb > 0.f) ? 1.f / Lb : 0.f;
     #pragma unroll
     for (int n = 0; n < NT; ++n) {
-        const int c = h * D + n * 8 + 2 * t;
-        if (pa >= 0) *(float2*)(out + (size_t)(row0 + g) * ldo + c) = make_float2(o[n][0] * ia, o[n][1] * ia);
-        if (pb >= 0) *(float2*)(out + (size_t)(row0 + g + 8) * ldo + c) = make_float2(o[n][2] * ib, o[n][3] * ib);
+        const int c = n * 8 + 2 * t;
+        if (pa >= 0 && (ua || final_)) {
+            float2 O = ua == 1 ? make_float2(0.f, 0.f) : *(const float2*)(oa + c);
+            if (ua) O = make_float2(seg_mix(ua, O.x, aa, o[n][0], ba), seg_mix(ua, O.y, aa, o[n][1], ba));
+            if (final_) { O.x *= ia; O.y *= ia; }
+            *(float2*)(oa + c) = O;
+        }
+        if (pb >= 0 && (ub || final_)) {
+            float2 O = ub == 1 ? make_float2(0.f, 0.f) : *(const float2*)(ob + c);
+            if (ub) O = make_float2(seg_mix(ub, O.x, ab, o[n][2], bb), seg_mix(ub, O.y, ab, o[n][3], bb));
+            if (final_) { O.x *= ib; O.y *= ib; }
+            *(float2*)(ob + c) = O;
+        }
+    }
+    }  // segments
+}
+
+// One block a (tile, head), a thread a column: the segments' (o, m, l) merged in order, as the kernel above
+// merges them in turn, then O / L.
+template <int D>
+__global__ void __launch_bounds__(D) paged_prefill_combine(
+    const int* __restrict__ tiles, const float* __restrict__ part, int nsplit, int seg,
+    float* __restrict__ out, int ldo, int H) {
+    const int tile = blockIdx.x, h = blockIdx.y, c = threadIdx.x;
+    const int row0 = tiles[tile * 4], nrows = tiles[tile * 4 + 1], pos0 = tiles[tile * 4 + 3];
+    const int nseg = (pos0 + nrows - 1) / seg + 1;
+    const float* pt = part + ((size_t)tile * H + h) * nsplit * 16 * (D + 2);
+    for (int r = 0; r < nrows; ++r) {
+        float M = NEG_INF, L = 0.f, O = 0.f;
+        for (int sg = 0; sg < nseg; ++sg) {
+            const float* pr = pt + ((size_t)sg * 16 + r) * (D + 2);
+            float a = 0.f, b = 0.f;
+            const int how = seg_merge(M, L, pr[D], pr[D + 1], a, b);
+            if (how) O = seg_mix(how, O, a, pr[c], b);
+        }
+        const float i = (L > 0.f) ? 1.f / L : 0.f;
+        out[(size_t)(row0 + r) * ldo + (size_t)h * D + c] = O * i;
     }
 }
 """
 
-_NAMES = ("paged_prefill<64>", "paged_prefill<128>")
+_NAMES = ("paged_prefill<64>", "paged_prefill<128>", "paged_prefill_combine<64>", "paged_prefill_combine<128>")
+
+SEG_KEYS = 2048  # a row's keys are scored in segments of this many absolute positions, merged in order
+SPLIT_BELOW = 512  # (tile, head) pairs under which a launch over several segments runs them side by side
+
+
+def splits(tiles: int, heads: int, last: int, seg: int = SEG_KEYS) -> int:
+    """How many blocks a (tile, head) gets: its segments side by side (then `paged_prefill_combine`) when the
+    launch has few tiles over a long context, else 1 (the segments in turn). The bits are the same either way,
+    so this is free to depend on the step: a 16-row chunk after a 20k-token cached prefix was 32 warps on the
+    8B shape, each walking 625 key tiles alone (~0.2 s a step, issue 35's restart TTFT)."""
+    n = last // seg + 1
+    return n if n > 1 and tiles * heads < SPLIT_BELOW else 1
 
 
 def supports(kc: torch.Tensor, n_heads: int) -> bool:
@@ -210,8 +313,11 @@ def plan(chunks: list[tuple[int, int, np.ndarray, int]]) -> tuple[np.ndarray, np
 
 
 def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tiles: torch.Tensor, bt: torch.Tensor,
-                  n_heads: int, out: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Writes the attention of every tile's rows into out [N, H*D] fp32 (see the module docstring)."""
+                  n_heads: int, out: torch.Tensor, scale: float | None = None, last: int | None = None,
+                  seg: int = SEG_KEYS) -> torch.Tensor:
+    """Writes the attention of every tile's rows into out [N, H*D] fp32 (see the module docstring). last: the
+    last key position of any tile (the host knows it; a graph's launch does not), which lets a launch of few
+    tiles over a long context run its segments side by side (`splits`); None: in turn."""
     cu.check(q, "q", torch.float32, 2, align=16)
     cu.check(kc, "kc", torch.bfloat16, 4, align=16)
     cu.check(vc, "vc", torch.bfloat16, 4, align=16)
@@ -225,14 +331,23 @@ def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tiles: to
         raise ValueError("caches and tables must be contiguous")
     if out.stride(0) % 2:
         raise ValueError("out rows must be 8-byte aligned")
+    if seg <= 0 or seg % KT:
+        raise ValueError(f"segments of whole key tiles: {seg}")
     T = tiles.shape[0]
     if T == 0:
         return out
     s = (1.0 / math.sqrt(D)) if scale is None else scale
+    n = 1 if last is None else splits(T, n_heads, last, seg)
+    part = torch.empty(T * n_heads * n * TILE_ROWS * (D + 2), dtype=torch.float32, device=q.device) if n > 1 else None
     fn = cu.function(SRC, f"paged_prefill<{D}>", _NAMES)
-    cu.launch(fn, (T, n_heads), (32,), (
+    cu.launch(fn, (T, n_heads, n), (32,), (
         cu.ptr(q), cu.i32(q.stride(0)), cu.ptr(kc), cu.ptr(vc), cu.ptr(tiles), cu.ptr(bt), cu.i32(bt.shape[1]),
-        cu.ptr(out), cu.i32(out.stride(0)), cu.i32(n_heads), cu.i32(Hkv), cu.i32(bs), cu.f32(s * math.log2(math.e))))
+        cu.ptr(out), cu.i32(out.stride(0)), cu.i32(n_heads), cu.i32(Hkv), cu.i32(bs), cu.f32(s * math.log2(math.e)),
+        cu.i32(seg), cu.ptr(part), cu.i32(n)))
+    if part is not None:
+        comb = cu.function(SRC, f"paged_prefill_combine<{D}>", _NAMES)
+        cu.launch(comb, (T, n_heads), (D,), (cu.ptr(tiles), cu.ptr(part), cu.i32(n), cu.i32(seg), cu.ptr(out),
+                                              cu.i32(out.stride(0)), cu.i32(n_heads)))
     return out
 
 

@@ -132,6 +132,9 @@ def test_a_restarted_server_reads_the_prompt_back_and_ignores_foreign_and_corrup
     out = logs[1].read_text()
     assert "blocks of this model's KV on disk" in out and "another model's or layout's cache, not read" in out
     assert "corrupt, not used" in out
+    import re
+
+    assert re.search(r"\[tier\] \d+ blocks \([0-9.]+ GB\) loaded in [0-9.]+ s: reads", out)  # a line a burst
     ro = tmp_path / "ro"
     ro.write_text("a file where the directory should be")
     with ServerProcess(str(smollm2_path), "--prompt-cache-dir", str(ro / "sub"), log_path=logs[2]) as srv:
@@ -286,3 +289,30 @@ def test_a_chain_longer_than_the_pool_can_hold_beside_a_pin_is_computed_not_load
     sim.drain(limit=3000)
     sim.kv.audit()
     assert set(sim.finished) == set(sim.enqueued) and not sim.kv.tier_rounds
+
+
+def test_the_null_runner_has_tiers_of_the_block_size_it_is_given(smollm2_path, tmp_path):
+    """bench/prompt_cache.py --null-kv-bytes: no model math, tier blocks of N bytes read back through the real
+    files, messages and allocator after a restart (the restart's host side timed without a GPU)."""
+    import json
+    import urllib.request
+
+    from tests.serverproc import ServerProcess
+
+    env = {"IMP_NULL_RUNNER": "1", "IMP_NULL_KV_BYTES": "65536"}
+    ids = list(range(300, 300 + 200))
+    body = json.dumps({"model": "m", "prompt": ids, "max_tokens": 2, "temperature": 0}).encode()
+
+    def ask(url):
+        req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.load(r)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cache, log = tmp_path / "pc", tmp_path / "s1.out"
+    with ServerProcess(str(smollm2_path), "--prompt-cache-dir", str(cache), env=env) as srv:
+        assert ask(srv.url) == 0
+    files = list(cache.glob("*/*.kv"))
+    assert len(files) == 12 and {f.stat().st_size for f in files} == {65536 + 192}  # 199 // 16 full blocks
+    with ServerProcess(str(smollm2_path), "--prompt-cache-dir", str(cache), env=env, log_path=log) as srv:
+        assert ask(srv.url) == 192
+    assert "[tier] 12 blocks (0.00 GB) loaded in" in log.read_text()

@@ -14,9 +14,10 @@ A step takes one of three paths:
       captured (prompt rows, decode rows) buckets (`imp.gpu.mixed`): the
       same, one graph per bucket pair (bf16 cache).
   eager: anything else (prompt logprobs, LoRA adapter rows, past the
-      buckets): the same kernels launched one by one; the prompt rows'
-      attention in one `paged_prefill_attention` launch a layer (torch SDPA
-      per chunk for an fp32 cache).
+      buckets, a few prompt tiles over a long context): the same kernels
+      launched one by one; the prompt rows' attention in one
+      `paged_prefill_attention` launch a layer, its key segments side by side
+      where the tiles are few (torch SDPA per chunk for an fp32 cache).
 A verify share (speculation) runs its drafted positions as one-token rows of
 one of these (`_verify_step`).
 

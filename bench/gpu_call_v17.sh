@@ -37,7 +37,7 @@ restart)
   [ -f /tmp/8b32k.gguf ] || python3 bench/write_synth.py 8b-bf16 /tmp/8b32k.gguf 32768 2>&1 | tail -1
   echo "8b ready at $(( $(date +%s) - T0 )) s"
   if [ ! -d /tmp/old ]; then
-    mkdir -p /tmp/old && cp -r imp bench tests pyproject.toml /tmp/old/ && (cd /tmp/old && patch -s -R -p1 < bench/pending/split_prefill_old.patch && echo "old tree made")
+    mkdir -p /tmp/old && cp -r imp bench tests pyproject.toml /tmp/old/ && (cd /tmp/old && patch -s -R -p1 < bench/pending/${OLD_PATCH:-split_prefill_old.patch} && echo "old tree made")
   fi
   n=0
   for tree in ${TREES:-new old}; do

@@ -56,6 +56,24 @@ def test_blocks_and_the_swap_area_round_trip(dtype):
         d.set_block(i % 12, buf)
     for b, want in last.items():
         assert d.block(b)() == want.tobytes()
+    # a chunk of loads (read side by side into one pinned buffer, one copy up, one launch to place them):
+    # slot 1 is a file that was not read (not placed), the ring of chunks reused past its size
+    n = d.chunk_blocks()
+    assert n == 64  # 12 KB blocks: the most a chunk takes
+    for rnd in range(kvcopy.CHUNKS + 2):
+        chunk = d.chunk_staging()
+        arr = chunk[0].numpy()
+        want = {}
+        for slot, b in ((0, (rnd + 4) % 12), (2, (rnd + 7) % 12), (3, (rnd + 1) % 12)):
+            x = torch.randn(d.block_bytes() // k.element_size(), generator=g, device="cuda").to(dtype)
+            arr[slot * d.block_bytes():(slot + 1) * d.block_bytes()] = x.cpu().view(torch.uint8).numpy()
+            want[b] = x.cpu().view(torch.uint8).numpy().tobytes()
+        untouched = {b: d.block(b)() for b in range(12) if b not in want}
+        d.set_blocks(chunk, [(0, (rnd + 4) % 12), (2, (rnd + 7) % 12), (3, (rnd + 1) % 12)])
+        for b, w in want.items():
+            assert d.block(b)() == w, (rnd, b)
+        for b, w in untouched.items():
+            assert d.block(b)() == w, (rnd, b)
     d.make_swap(10)
     k0, v0 = k.clone(), v.clone()
     blocks, slots = (3, 7, 1, 0), (4, 5, 6, 9)  # a run of three slots and one alone

@@ -153,6 +153,42 @@ def _timed(fn, *args):
     return fn(*args), time.perf_counter() - t0
 
 
+def _fetch_fill(tier, runner, key: bytes, block: int):
+    """A read thread's whole load for a runner whose block copies may be queued from any thread (the GPU's
+    DMAs go on the step stream; the block is the allocator's until KvLoaded, so no step touches it meanwhile):
+    ((filled, source), seconds reading, seconds queuing the copy). One hop of the event loop a block, not two
+    (a restart's 1,249 blocks left the step thread 0.4-0.7 s of copies to queue behind the loop's callbacks)."""
+    t0 = time.perf_counter()
+    data, source = _fetch(tier, runner, key)
+    t1 = time.perf_counter()
+    if data is not None:
+        runner.set_kv_block(block, data)
+    return (data is not None, source), t1 - t0, time.perf_counter() - t1
+
+
+def _fetch_fill_chunk(tier, runner, items: list[tuple[bytes, int]]):
+    """A read thread's chunk of loads (runners with `kv_chunk_blocks`): every file read into its slot of one
+    pinned chunk, then the chunk placed at once (`set_kv_blocks`: one copy up, one launch on a GPU).
+    ([(filled, source)] in items' order, seconds reading, seconds queuing the copies)."""
+    t0 = time.perf_counter()
+    chunk = runner.kv_chunk_staging()
+    n = runner.kv_block_bytes()
+    out, placed = [], []
+    try:
+        arr = chunk[0].numpy()
+        for i, (key, block) in enumerate(items):
+            data, source = tier.fetch(key, n, into=arr[i * n:(i + 1) * n])
+            out.append((data is not None, source))
+            if data is not None:
+                placed.append((i, block))
+    except BaseException:
+        runner.kv_chunk_unstage(chunk)  # the ring keeps its buffer
+        raise
+    t1 = time.perf_counter()
+    runner.set_kv_blocks(chunk, placed)  # gives the chunk back to its ring (behind its copies)
+    return out, t1 - t0, time.perf_counter() - t1
+
+
 class _Burst:
     """Loads in flight together (a restart reading a long prompt back): their count and where the time went."""
 
@@ -187,6 +223,7 @@ class ExecutorActor(Actor):
         self._reads = None  # the tier's read threads (loads side by side: a restart reads a long prompt back)
         self._loading: set[asyncio.Task] = set()
         self._burst: _Burst | None = None  # the loads in flight now, timed for one log line
+        self._chunking: list = []  # KvLoads taken since the last flush (runners that load a chunk at a time)
         super().__init__(bus)
         self.scheduler = scheduler  # its replica's scheduler (data parallel: "scheduler.i")
         self.runner = runner
@@ -298,8 +335,8 @@ class ExecutorActor(Actor):
     async def _tier_op(self, msg) -> None:
         """The tiers' I/O: a save copies its block (in the step thread, in order with the steps) before any later
         step writes over it, then writes the file on the tier's own thread without holding the steps back. A load
-        runs beside the messages after it, on one of the read threads, and fills its block (in the step thread)
-        before the allocator counts it (KvLoaded): no step reads or writes a block being loaded (the allocator
+        runs beside the messages after it, on one of the read threads, and fills its block (in the step thread, or
+        on the read thread where the runner says `kv_fill_anywhere`) before the allocator counts it (KvLoaded): no step reads or writes a block being loaded (the allocator
         holds it), so loads need no place in the steps' order. One whose file is not written yet (a save still
         queued) finds nothing: that block is computed, never wrong."""
         r, t = self.runner, self.tier
@@ -316,9 +353,51 @@ class ExecutorActor(Actor):
                 data = await loop.run_in_executor(self._pool, r.kv_block, msg.block)
                 loop.run_in_executor(self._io, t.save, msg.key, data)
             return
-        task = loop.create_task(self._load_block(msg, r, t))
+        if t is not None and r is not None and getattr(r, "kv_chunk_blocks", None) is not None:
+            # the loads that arrive together (an alloc's run of blocks) go in chunks: flushed once this
+            # actor's inbox is drained (a queued message is taken without yielding to the loop)
+            self._chunking.append(msg)
+            if len(self._chunking) == 1:
+                loop.call_soon(self._flush_loads)
+            return
+        self._track(self._load_block(msg, r, t))
+
+    def _track(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._loading.add(task)
         task.add_done_callback(self._loading.discard)
+
+    def _flush_loads(self) -> None:
+        msgs, self._chunking = self._chunking, []
+        r, t = self.runner, self.tier
+        if r is None or t is None:  # unloaded meanwhile: nothing to fill, the allocator forgets them
+            for m in msgs:
+                self._track(self._load_block(m, r, t))
+            return
+        # chunks of up to the runner's size, and at least one a read thread while there are that many loads
+        k = max(1, min(r.kv_chunk_blocks(), -(-len(msgs) // READ_THREADS)))
+        for i in range(0, len(msgs), k):
+            self._track(self._load_chunk(msgs[i:i + k], r, t))
+
+    async def _load_chunk(self, msgs: list, r, t) -> None:
+        loop = asyncio.get_running_loop()
+        burst = self._burst
+        if burst is None or burst.done:
+            burst = self._burst = _Burst(time.monotonic())
+        burst.flying += 1
+        try:
+            got, dt, ds = await loop.run_in_executor(self._reads, _fetch_fill_chunk, t, r,
+                                                     [(m.key, m.block) for m in msgs])
+        except Exception:  # noqa: BLE001 - a failed chunk is computed again, never a lost answer
+            log.exception("[tier] a chunk of %d loads failed; computed instead", len(msgs))
+            got, dt, ds = [(False, "")] * len(msgs), 0.0, 0.0
+        burst.read_s += dt
+        burst.set_s += ds
+        burst.blocks += sum(ok for ok, _ in got)
+        burst.flying -= 1
+        self._burst_done(burst, r)
+        for m, (ok, source) in zip(msgs, got):
+            self.send(self.kv, KvLoaded(m.key, m.block, ok, source))
 
     async def _load_block(self, msg: KvLoad, r, t) -> None:
         loop = asyncio.get_running_loop()
@@ -327,22 +406,32 @@ class ExecutorActor(Actor):
         if burst is None or burst.done:
             burst = self._burst = _Burst(time.monotonic())
         burst.flying += 1
-        if t is not None and r is not None:  # unloaded (suspend): nothing to fill, the allocator forgets it
+        if t is not None and r is not None and getattr(r, "kv_fill_anywhere", False):
+            (ok, source), dt, ds = await loop.run_in_executor(self._reads, _fetch_fill, t, r, msg.key, msg.block)
+            burst.read_s += dt
+            burst.set_s += ds
+            burst.blocks += ok
+        elif t is not None and r is not None:  # unloaded (suspend): nothing to fill, the allocator forgets it
             (data, source), dt = await loop.run_in_executor(self._reads, _timed, _fetch, t, r, msg.key)
             burst.read_s += dt
-            if data is not None:
+            if data is not None:  # on the step thread: the CPU pool's copy in order with its steps
                 _, dt = await loop.run_in_executor(self._pool, _timed, r.set_kv_block, msg.block, data)
                 burst.set_s += dt
                 burst.blocks += 1
                 ok = True
         burst.flying -= 1
-        if not burst.flying:  # the last in flight landed: one line a burst (a restart's prompt read back)
-            burst.done = True
-            if burst.blocks:
-                log.info("[tier] %d blocks (%.2f GB) loaded in %.3f s: reads %.3f s on %d threads, block copies "
-                         "%.3f s on the step thread", burst.blocks, burst.blocks * r.kv_block_bytes() / 1e9,
-                         time.monotonic() - burst.t0, burst.read_s, READ_THREADS, burst.set_s)
+        self._burst_done(burst, r)
         self.send(self.kv, KvLoaded(msg.key, msg.block, ok, source))
+
+    def _burst_done(self, burst: "_Burst", r) -> None:
+        if burst.flying:
+            return
+        burst.done = True  # the last in flight landed: one line a burst (a restart's prompt read back)
+        if burst.blocks and r is not None:
+            log.info("[tier] %d blocks (%.2f GB) loaded in %.3f s: reads %.3f s on %d threads, block copies "
+                     "%.3f s on %s", burst.blocks, burst.blocks * r.kv_block_bytes() / 1e9,
+                     time.monotonic() - burst.t0, burst.read_s, READ_THREADS, burst.set_s,
+                     "the read threads" if getattr(r, "kv_fill_anywhere", False) else "the step thread")
 
     async def _lora_load(self, msg: LoraLoad) -> None:
         loop = asyncio.get_running_loop()

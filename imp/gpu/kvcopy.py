@@ -23,6 +23,9 @@ import numpy as np
 import torch
 
 STAGING = 64  # pinned buffers a tier load reads a block into (a ring: each waits for its last DMA before reuse)
+CHUNK_BYTES = 32 << 20  # a chunk of tier loads: blocks read side by side into one pinned buffer, one copy up
+CHUNK_MAX = 64  # blocks a chunk at most (a small model's blocks)
+CHUNKS = 8  # pinned chunk buffers (a ring, as the staging one)
 
 
 class DeviceBlocks:
@@ -32,6 +35,10 @@ class DeviceBlocks:
         self._ring: queue.Queue = queue.Queue()  # (pinned buffer, the event after its last DMA)
         self._made = 0
         self._ring_lock = threading.Lock()
+        self._chunks: queue.Queue = queue.Queue()  # (pinned bytes, pinned pairs, the event after their copy)
+        self._chunks_made = 0
+        self._dev_chunk: torch.Tensor | None = None  # one on the device: its reuse is in stream order
+        self._dev_pairs: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ the disk tier
 
@@ -105,6 +112,53 @@ class DeviceBlocks:
             done = torch.cuda.Event()
             done.record()
             self.unstage(data, done)
+
+    def chunk_blocks(self) -> int:
+        """Blocks a chunk of tier loads holds (1: this pool takes them one at a time)."""
+        from imp.kernels.cuda import kv_scatter
+
+        if not kv_scatter.supports(self.k, self.v):
+            return 1
+        return max(1, min(CHUNK_MAX, CHUNK_BYTES // self.block_bytes()))
+
+    def chunk_staging(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pinned bytes of chunk_blocks() blocks, pinned int32 [2 * chunk_blocks()] pairs) from a ring of
+        CHUNKS, waiting here (a read thread) for one whose copy up is still queued."""
+        with self._ring_lock:
+            fresh = self._chunks_made < CHUNKS and self._chunks.empty()
+            self._chunks_made += fresh
+        if fresh:
+            n = self.chunk_blocks()
+            return (torch.empty(n * self.block_bytes(), dtype=torch.uint8, pin_memory=True),
+                    torch.empty(2 * n, dtype=torch.int32, pin_memory=True))
+        buf, pairs, done = self._chunks.get()
+        if done is not None:
+            done.synchronize()
+        return buf, pairs
+
+    def chunk_unstage(self, chunk, done=None) -> None:
+        self._chunks.put((*chunk, done))
+
+    def set_blocks(self, chunk, placed: list[tuple[int, int]]) -> None:
+        """placed: (slot in the chunk, pool block) for the blocks read whole. The chunk's slots up to the last
+        placed one go up in one copy, the pairs in another, then one launch puts each block in place
+        (`imp.kernels.cuda.kv_scatter`); the chunk returns to the ring behind an event."""
+        from imp.kernels.cuda import kv_scatter
+
+        buf, pairs = chunk
+        if placed:
+            n, bb = len(placed), self.block_bytes()
+            used = (max(i for i, _ in placed) + 1) * bb
+            if self._dev_chunk is None:
+                self._dev_chunk = torch.empty(buf.numel(), dtype=torch.uint8, device=self.k.device)
+                self._dev_pairs = torch.empty(pairs.numel(), dtype=torch.int32, device=self.k.device)
+            pairs.numpy()[:2 * n] = np.asarray(placed, dtype=np.int32).reshape(-1)
+            self._dev_chunk[:used].copy_(buf[:used], non_blocking=True)
+            self._dev_pairs[:2 * n].copy_(pairs[:2 * n], non_blocking=True)
+            kv_scatter.scatter(self._dev_chunk, self.k, self.v, self._dev_pairs, n)
+        done = torch.cuda.Event()
+        done.record()
+        self.chunk_unstage(chunk, done)
 
     # ------------------------------------------------------------------ the swap area
 

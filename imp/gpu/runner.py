@@ -226,7 +226,7 @@ class GpuModelRunner:
     supports_lora = True  # adapter rows run eagerly and unfused (imp.gpu.lora)
 
     # the prefix cache's disk tier and the swap area: the pool's blocks to host and back (imp.gpu.kvcopy), queued
-    # on the step stream from the step thread, in order with the steps
+    # on the step stream, in order with the steps (a tier load's from its read thread: see kv_fill_anywhere)
     supports_kv_tier = supports_swap = True
     kv_layout = property(lambda self: self.blocks.layout)
     kv_block_bytes = property(lambda self: self.blocks.block_bytes)
@@ -241,9 +241,27 @@ class GpuModelRunner:
     def kv_unstage(self, buf) -> None:
         self.blocks.unstage(buf)
 
+    kv_fill_anywhere = True  # a tier load's copies may be queued from a read thread (the block is held meanwhile)
+
     def set_kv_block(self, b: int, data) -> None:
         with self._lock:
+            cuda_rt.use_device(self.device.index or 0)  # per thread: a read thread starts on device 0
             self.blocks.set_block(b, data)
+
+    # tier loads a chunk at a time (imp.gpu.kvcopy.DeviceBlocks.set_blocks): read side by side into one pinned
+    # buffer, one copy up and one launch to place them
+    kv_chunk_blocks = property(lambda self: self.blocks.chunk_blocks)
+
+    def kv_chunk_staging(self):
+        return self.blocks.chunk_staging()
+
+    def kv_chunk_unstage(self, chunk) -> None:
+        self.blocks.chunk_unstage(chunk)
+
+    def set_kv_blocks(self, chunk, placed: list[tuple[int, int]]) -> None:
+        with self._lock:  # the chunk's copies and launch in one run on the stream (the device chunk is reused)
+            cuda_rt.use_device(self.device.index or 0)
+            self.blocks.set_blocks(chunk, placed)
 
     def make_swap(self, n_slots: int) -> None:
         self.blocks.make_swap(n_slots)

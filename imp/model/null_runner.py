@@ -41,6 +41,8 @@ class NullRunner:
         self.kv_bytes = kv_bytes  # > 0: tiers with blocks this size
         self._ring: queue.Queue = queue.Queue()
         self._made = 0
+        self._chunks: queue.Queue = queue.Queue()
+        self._chunks_made = 0
 
     @property
     def supports_kv_tier(self) -> bool:
@@ -65,6 +67,24 @@ class NullRunner:
 
     def kv_unstage(self, buf) -> None:
         self._ring.put(buf)
+
+    kv_fill_anywhere = True  # as the GPU runner's: a load's "copy" from its read thread
+
+    def kv_chunk_blocks(self) -> int:
+        return max(1, min(64, (32 << 20) // self.kv_bytes)) if self.kv_bytes else 1
+
+    def kv_chunk_staging(self):
+        """As the GPU's chunk ring: 8 buffers of kv_chunk_blocks() blocks, reused."""
+        if self._chunks_made < 8 and self._chunks.empty():
+            self._chunks_made += 1
+            return _Staged(np.empty(self.kv_chunk_blocks() * self.kv_bytes, np.uint8)), None
+        return self._chunks.get()
+
+    def kv_chunk_unstage(self, chunk) -> None:
+        self._chunks.put(chunk)
+
+    def set_kv_blocks(self, chunk, placed) -> None:
+        self._chunks.put(chunk)
 
     def set_kv_block(self, b: int, data) -> None:
         if isinstance(data, _Staged):

@@ -335,10 +335,11 @@ class ExecutorActor(Actor):
     async def _tier_op(self, msg) -> None:
         """The tiers' I/O: a save copies its block (in the step thread, in order with the steps) before any later
         step writes over it, then writes the file on the tier's own thread without holding the steps back. A load
-        runs beside the messages after it, on one of the read threads, and fills its block (in the step thread, or
-        on the read thread where the runner says `kv_fill_anywhere`) before the allocator counts it (KvLoaded): no step reads or writes a block being loaded (the allocator
-        holds it), so loads need no place in the steps' order. One whose file is not written yet (a save still
-        queued) finds nothing: that block is computed, never wrong."""
+        runs beside the messages after it, on one of the read threads, and fills its block (in the step thread; on
+        the read thread where the runner says `kv_fill_anywhere`, a chunk of blocks at once where it has
+        `kv_chunk_blocks`) before the allocator counts it (KvLoaded): no step reads or writes a block being loaded
+        (the allocator holds it), so loads need no place in the steps' order. One whose file is not written yet (a
+        save still queued) finds nothing: that block is computed, never wrong."""
         r, t = self.runner, self.tier
         loop = asyncio.get_running_loop()
         if t is not None and self._io is None:
@@ -353,7 +354,7 @@ class ExecutorActor(Actor):
                 data = await loop.run_in_executor(self._pool, r.kv_block, msg.block)
                 loop.run_in_executor(self._io, t.save, msg.key, data)
             return
-        if t is not None and r is not None and getattr(r, "kv_chunk_blocks", None) is not None:
+        if t is not None and r is not None and getattr(r, "kv_chunk_blocks", lambda: 1)() > 1:
             # the loads that arrive together (an alloc's run of blocks) go in chunks: flushed once this
             # actor's inbox is drained (a queued message is taken without yielding to the loop)
             self._chunking.append(msg)

@@ -59,7 +59,7 @@ class NullRunner:
         return lambda: payload
 
     def kv_staging(self):
-        """As the GPU's ring (imp.gpu.kvcopy.DeviceBlocks.staging): 32 buffers, reused."""
+        """As the GPU's per-block ring (imp.gpu.kvcopy.DeviceBlocks.staging; used where a chunk holds one block)."""
         if self._made < 32 and self._ring.empty():
             self._made += 1
             return _Staged(np.empty(self.kv_bytes, np.uint8))
@@ -71,6 +71,7 @@ class NullRunner:
     kv_fill_anywhere = True  # as the GPU runner's: a load's "copy" from its read thread
 
     def kv_chunk_blocks(self) -> int:
+        # imp.gpu.kvcopy's CHUNK_MAX and CHUNK_BYTES (not imported: that module loads torch, this runner does not)
         return max(1, min(64, (32 << 20) // self.kv_bytes)) if self.kv_bytes else 1
 
     def kv_chunk_staging(self):

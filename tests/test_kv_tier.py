@@ -123,9 +123,13 @@ def test_a_restarted_server_reads_the_prompt_back_and_ignores_foreign_and_corrup
 
         health = json.load(urllib.request.urlopen(srv.url + "/health", timeout=30))
         metrics = urllib.request.urlopen(srv.url + "/metrics", timeout=30).read().decode()
-    # every file but the corrupt one was read into the pool (those past it too: a later prompt may use them)
-    assert health["kv_tier_hits"] == n_full - 1 and health["kv_tier_misses"] == 1 and health["kv_tier_blocks"] >= n_full
-    assert f"imp_kv_tier_hits_total {float(n_full - 1)}" in metrics and "imp_kv_tier_misses_total 1.0" in metrics
+    # every file before the corrupt one was read into the pool, and those past it too (a later prompt may use
+    # them) unless the warm request computed them first: a clock tick retries its alloc once the corrupt block's
+    # read failed, while the reads past it are still on their way (a slow box: CI saw 48 of 50) -- each lands
+    # on a cached block and counts neither as a hit nor as a miss
+    hits = health["kv_tier_hits"]
+    assert k <= hits <= n_full - 1 and health["kv_tier_misses"] == 1 and health["kv_tier_blocks"] >= n_full, health
+    assert f"imp_kv_tier_hits_total {float(hits)}" in metrics and "imp_kv_tier_misses_total 1.0" in metrics
     assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == k * 16
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == n_full * 16
@@ -316,3 +320,35 @@ def test_the_null_runner_has_tiers_of_the_block_size_it_is_given(smollm2_path, t
     with ServerProcess(str(smollm2_path), "--prompt-cache-dir", str(cache), env=env, log_path=log) as srv:
         assert ask(srv.url) == 192
     assert "[tier] 12 blocks (0.00 GB) loaded in" in log.read_text()
+
+
+def test_a_load_that_lands_on_a_block_computed_meanwhile_is_neither_hit_nor_miss():
+    """A restart whose 4th file is corrupt: the alloc asks for all 8 blocks; once block 3's read failed, a retry
+    (a clock tick un-stalls the scheduler) computes blocks 3.. while the reads past 3 are still on their way. Those
+    land on blocks already cached: released, counted neither as hits nor as misses, and the pool stays whole (the
+    server test's hit count depends on this timing)."""
+    from imp.core.kv import KvConfig, KvCore
+    from imp.messages import KvLoad, KvLoaded, KvOp, KvRequest
+
+    toks = tuple(range(3, 3 + 4 * 8 + 1))  # 8 full blocks of 4 and the last token's
+    cfg = KvConfig(num_blocks=32, block_size=4, tier_blocks=100)
+    first = KvCore(cfg)
+    first.handle("scheduler", KvRequest(1, (KvOp("alloc", "a", len(toks), toks),)))
+    saves = first.handle("scheduler", KvRequest(2, (KvOp("free", "a", token_ids=toks),)))
+    keys = tuple(m.key for to, m in saves if to == "executor")
+    kv = KvCore(cfg)
+    kv.handle("engine", KvStored(keys))
+    out = kv.handle("scheduler", KvRequest(1, (KvOp("alloc", "b", len(toks), toks),)))
+    loads = [m for to, m in out if isinstance(m, KvLoad)]
+    assert [m.key for m in loads] == list(keys) and out[-1][1].results[0].loading
+    for m in loads[:4]:  # 0-2 read, 3 corrupt
+        kv.handle("executor", KvLoaded(m.key, m.block, m.key != keys[3]))
+    (res,) = kv.handle("scheduler", KvRequest(2, (KvOp("alloc", "b", len(toks), toks),)))[-1][1].results
+    assert res.ok and res.cached_tokens == 12  # the retry: 0-2 cached, 3.. computed
+    kv.handle("scheduler", KvRequest(3, (KvOp("grow", "b", len(toks), toks[12:]),)))  # 3..7 written: cache entries
+    for m in loads[4:]:
+        kv.handle("executor", KvLoaded(m.key, m.block, True))
+    assert (kv.tier_hits, kv.tier_misses) == (3, 1) and not kv.loading
+    kv.handle("scheduler", KvRequest(4, (KvOp("free", "b", token_ids=()),)))
+    kv.audit()
+    assert len(kv.clean) + len(kv.lru) == cfg.num_blocks

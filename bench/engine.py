@@ -13,7 +13,9 @@ until C x --rounds have finished; each prompt is --prompt random token ids (dist
 each answer --answer greedy tokens with ignore_eos. Reported per C:
 
 - tok/s: answer tokens / wall (first submit to last finish), TTFT and ITL p50 / p99 as the consumer of
-  each stream sees them (ITL: between consecutive deltas, so a merged delta counts once);
+  each stream sees them (ITL: between consecutive deltas, so a merged delta counts once); CPU µs a token:
+  the process's CPU time over the level (every thread: the engine's and the streams' readers) / answer
+  tokens, the host's cost a token that a noisy shared box's wall hides (with --null-step-us it is all host);
 - the steps by kind, read from the event log: decode-only, mixed (decode rows and prompt rows) and
   prefill-only: how many, their mean prompt and decode rows, the executor's time a step
   (StepResult.elapsed_ns: plan received -> tokens collected; pipelined on a GPU that also holds the
@@ -243,10 +245,11 @@ async def run_level(engine, C: int, rounds: int, P: int, A: int, vocab: int, rep
             finally:
                 engine.close(handle)
 
-    t0_ns, t0 = time.time_ns(), time.perf_counter()
+    t0_ns, t0, c0 = time.time_ns(), time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(C)))
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     return dict(streams=C, requests=total, failed=failed[0], tokens=tokens[0], wall_s=wall, tok_s=tokens[0] / wall,
+                cpu_us_token=1e6 * cpu / max(1, tokens[0]),
                 ttft_p50_ms=1e3 * pct(ttft, 0.5), ttft_p99_ms=1e3 * pct(ttft, 0.99),
                 itl_p50_ms=1e3 * pct(itl, 0.5), itl_p99_ms=1e3 * pct(itl, 0.99), t0_ns=t0_ns, t1_ns=time.time_ns())
 
@@ -425,15 +428,15 @@ def main() -> int:
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}  model {a.model}  device {a.device}  prompt {a.prompt}  answer {a.answer}"
           f"  rounds {a.rounds}  repetition_penalty {a.repetition_penalty:g}  runner: prefill-512 {prefill:,.0f} tok/s")
     print("| streams | tok/s | bound tok/s | engine / bound | TTFT p50 / p99 ms | ITL p50 / p99 ms | runner decode tok/s "
-          "| failed |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| failed | CPU µs a token |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         C = row["streams"]
         bound = 1.0 / (a.prompt / (a.answer * prefill) + 1.0 / decode[C]) if decode[C] == decode[C] else float("nan")
         row.update(bound_tok_s=bound, runner_prefill_tok_s=prefill, runner_decode_tok_s=decode[C])
         print(f"| {C} | {row['tok_s']:,.0f} | {bound:,.0f} | {row['tok_s'] / bound:.2f} | {row['ttft_p50_ms']:.0f} / "
               f"{row['ttft_p99_ms']:.0f} | {row['itl_p50_ms']:.1f} / {row['itl_p99_ms']:.1f} | {decode[C]:,.0f} "
-              f"| {row['failed']} |")
+              f"| {row['failed']} | {row['cpu_us_token']:.1f} |")
     print_steps(rows, str(logs / "events.log"))
     if a.http:
         from tests.serverproc import ServerProcess

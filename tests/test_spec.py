@@ -248,3 +248,22 @@ def test_acceptance_estimate_follows_the_verifies():
     assert d.alpha == 1.0
     d.observe(8, 6)
     assert d.alpha == 6 / 7
+
+
+def test_a_stop_that_is_the_first_kept_draft_token_is_the_token_that_goes_out(copying):
+    """A verify kept a draft whose first token is a stop (an end token copied from the prompt, say): the choice
+    ends at it and the TokenOut carries it, not the token sampled after the draft (a one-token cut once sent that
+    one: text after the end, and a wrong last token)."""
+    from imp.messages import SampledToken, TokenBatch, TokenOut
+
+    sim = Sim(num_blocks=64, max_context=256, max_step_tokens=32, spec_k_max=8)
+    sim.submit("s", prompt(20), _spec_params(max_tokens=60))
+    for _ in range(3):
+        sim.step()
+    (s,) = sim.sched.running
+    n = len(s.tokens)
+    out = []
+    sim.sched._sampled(s, SampledToken(s.id, 7, accepted=(SampledToken(s.id, EOS), SampledToken(s.id, 9))), out)
+    touts = [t for _, m in out for t in (m.outs if isinstance(m, TokenBatch) else (m,)) if isinstance(t, TokenOut)]
+    assert [t.token_ids for t in touts] == [(EOS,)] and touts[0].finish == FinishReason.STOP
+    assert s.tokens[n:] == [EOS]

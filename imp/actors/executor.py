@@ -106,31 +106,38 @@ def attach_state(plan: StepPlan, kept: dict[str, SamplingParams], hists: dict[st
     for sid in plan.freed:
         kept.pop(sid, None)
         hists.pop(sid, None)
-    out = []
-    for w in plan.seqs:
-        if w.params is None:
+    out, replace = [], msgspec.structs.replace
+    for w in plan.seqs:  # (a batch-256 step's rows: one struct copy a row at most, one needs_history)
+        p = w.params
+        if p is None:
             p = kept[w.seq_id]
-            w = msgspec.structs.replace(w, params=p)
+            hist = p.needs_history
         else:
-            p = kept[w.seq_id] = w.params
-            if p.needs_history:
+            kept[w.seq_id] = p
+            hist = p.needs_history
+            if hist:
                 hists[w.seq_id] = list(w.history)
         n = w.gen_index - w.pending
-        if w.sample and p.needs_history and not w.history and n > 0:
+        if hist and w.sample and not w.history and n > 0:
             h = hists[w.seq_id]
             if len(h) < n:
                 raise KeyError(f"{w.seq_id}: {n} tokens of history needed, {len(h)} kept")
-            w = msgspec.structs.replace(w, history=HistoryView(h, n))
+            w = replace(w, params=p, history=HistoryView(h, n))
+        elif w.params is None:
+            w = replace(w, params=p)
         out.append(w)
     return out
 
 
 def record_samples(tokens, hists: dict[str, list[int]]) -> None:
     """Append a step's sampled tokens (a verify's kept drafts first) to the histories kept for their sequences."""
+    if not hists:
+        return
     for t in tokens:
         h = hists.get(t.seq_id)
         if h is not None:
-            h.extend(a.token_id for a in t.accepted)
+            if t.accepted:
+                h.extend(a.token_id for a in t.accepted)
             h.append(t.token_id)
 
 

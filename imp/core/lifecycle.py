@@ -79,23 +79,30 @@ class RequestBook:
         """The token(s) a step sampled for the sequence: a verify's kept drafts, then `t`; the first
         that finishes the choice ends it, and what follows it is dropped."""
         p, r = s.params, s.req
-        ts = (*t.accepted, msgspec.structs.replace(t, accepted=())) if t.accepted else (t,)
-        if s.watch is not None:
-            return self._sampled_watched(s, ts, out)
-        reason = FinishReason.NONE
-        for i, x in enumerate(ts):
-            s.tokens.append(x.token_id)
-            reason = self._ends(s, x.token_id)
+        if t.accepted or s.watch is not None:
+            ts = (*t.accepted, msgspec.structs.replace(t, accepted=())) if t.accepted else (t,)
+            if s.watch is not None:
+                return self._sampled_watched(s, ts, out)
+            reason = FinishReason.NONE
+            for i, x in enumerate(ts):
+                s.tokens.append(x.token_id)
+                reason = self._ends(s, x.token_id)
+                if reason:
+                    ts = ts[:i + 1]
+                    s.num_computed = min(s.num_computed, len(s.tokens))  # past a dropped draft token: not its KV
+                    break
+            ids = [x.token_id for x in ts]
+        else:  # one token (most rows of most steps): the loop above without its tuples
+            ts, ids = (t,), (t.token_id,)
+            s.tokens.append(t.token_id)
+            reason = self._ends(s, t.token_id)
             if reason:
-                ts = ts[:i + 1]
-                s.num_computed = min(s.num_computed, len(s.tokens))  # past a dropped draft token: not its KV
-                break
+                s.num_computed = min(s.num_computed, len(s.tokens))
         if s.shadow is not None:  # the shadow decodes the choice's tokens
-            s.shadow.tokens.extend(x.token_id for x in ts)
+            s.shadow.tokens.extend(ids)
         if ts[-1].mu is not None:  # mirostat's state after the last token kept (a re-admission resumes it)
             s.mu = ts[-1].mu
-        ids = [x.token_id for x in ts] if len(ts) > 1 else [t.token_id]
-        tout = self._token_out(s, ids, reason, ts if p.logprobs >= 0 else [])
+        tout = self._token_out(s, ids, reason, ts if p.logprobs >= 0 else ())
         if p.prompt_logprobs >= 0 and s.index == 0 and not s.plp_sent:
             tout = msgspec.structs.replace(tout, prompt_logprobs=tuple(s.plp))
             s.plp, s.plp_sent = [], True

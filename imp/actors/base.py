@@ -1,4 +1,4 @@
-"""Actor runtime: a bus of asyncio queues that logs every delivery.
+"""Actor runtime: a bus of inboxes (imp.actors.channel) that logs every delivery.
 
 Each actor owns one inbox (FIFO) and its state; actors share nothing but
 messages. `Bus.send` is the only way a message moves, so the event log sees
@@ -17,6 +17,7 @@ import logging
 import time
 import traceback
 
+from imp.actors.channel import Channel
 from imp.core.core import Core
 from imp.log.eventlog import Envelope, EventLog
 from imp.messages import Fault, Msg, StepPlan
@@ -29,14 +30,14 @@ _STOP = object()
 class Bus:
     def __init__(self, eventlog: EventLog):
         self.log = eventlog
-        self.inboxes: dict[str, asyncio.Queue] = {}
+        self.inboxes: dict[str, Channel] = {}
         self.dead: dict[str, str] = {}  # actor -> error
         self.seq = 0
         self.step = 0
 
-    def register(self, name: str) -> asyncio.Queue:
+    def register(self, name: str) -> Channel:
         assert name not in self.inboxes, f"actor {name!r} registered twice"
-        q: asyncio.Queue = asyncio.Queue()
+        q = Channel()  # one consumer: the actor's own loop
         self.inboxes[name] = q
         return q
 

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 import msgspec
 
 from imp.actors.base import Actor, Bus
+from imp.actors.channel import Channel
 from imp.actors.faults import FaultPlan, is_device_fault
 from imp.actors import memory
 from imp.messages import (KvDrop, KvLoad, KvLoaded, KvSave, KvSwapIn, KvSwapOut, LoraLoad, LoraState, LoraUnload, MemoryState, Msg, Reload,
@@ -111,7 +112,7 @@ def attach_state(plan: StepPlan, kept: dict[str, SamplingParams], hists: dict[st
         p = w.params
         if p is None:
             p = kept[w.seq_id]
-            hist = p.needs_history
+            hist = w.seq_id in hists  # (kept from its first share iff its params need the history)
         else:
             kept[w.seq_id] = p
             hist = p.needs_history
@@ -245,7 +246,7 @@ class ExecutorActor(Actor):
         self._own_pool = lent is None
         self._pool = lent or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
         self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-wait")
-        self._landing: asyncio.Queue | None = None
+        self._landing: Channel | None = None
         self._collector: asyncio.Task | None = None
         self._last: dict[str, int] = {}  # sync path: what the previous step sampled
         self._params: dict[str, SamplingParams] = {}  # by sequence, from its first share
@@ -312,7 +313,7 @@ class ExecutorActor(Actor):
                 bad = exc
         if self.pipelined:
             if self._collector is None:
-                self._landing = asyncio.Queue()
+                self._landing = Channel()
                 self._collector = asyncio.create_task(self._collect_loop(), name=f"{self.name}-collect")
             try:
                 if bad is not None:

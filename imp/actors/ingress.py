@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from imp.actors.base import Actor, Bus
+from imp.actors.channel import Channel
 from imp.actors.store_client import StoreClient
 from imp.messages import (
     Cancel,
@@ -40,7 +41,7 @@ from imp.messages import (
 class RequestHandle:
     req_id: str
     n: int
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: Channel = field(default_factory=Channel)  # one reader: the request's stream
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0
     last_token_at: float = 0.0
@@ -205,20 +206,21 @@ class IngressActor(Actor):
                 h.queue.put_nowait(msg)
 
     def _deliver(self, msg: Delta, now: float) -> None:
-        h = self.handles.get(msg.req_id)
+        o = msg.out  # (its fields read once: a Delta's are properties through it, every token of every stream)
+        h = self.handles.get(o.req_id)
         if h is None:
             return  # handler gone (cancelled); the scheduler was told
-        if msg.out.spec_verify_steps:  # the verifies since this choice's last TokenOut
-            sp, o = h.spec, msg.out
+        if o.spec_verify_steps:  # the verifies since this choice's last TokenOut
+            sp = h.spec
             sp[0], sp[1], sp[2] = sp[0] + o.spec_verify_steps, sp[1] + o.spec_drafted, sp[2] + o.spec_accepted
-        if msg.token_ids:
-            h.generated += len(msg.token_ids)
+        if o.token_ids:
+            h.generated += len(o.token_ids)
             if h.first_token_at == 0.0:
                 h.first_token_at = now
-            elif msg.index == 0:
+            elif o.index == 0:
                 h.itl.append(now - h.last_token_at)
-            if msg.index == 0:
+            if o.index == 0:
                 h.last_token_at = now
         if msg.finish != FinishReason.NONE:
-            h.finished.add(msg.index)
+            h.finished.add(o.index)
         h.queue.put_nowait(msg)

@@ -98,11 +98,12 @@ class Seq:
     __slots__ = ("id", "req", "index", "params", "tokens", "status", "num_computed", "num_reported", "table", "in_kv",
                  "admit_no", "plp", "plp_sent", "epoch", "ahead", "pending", "send_params", "drafter", "spec_inflight",
                  "spec_drafted", "spec_accepted", "spec_verifies", "opened", "mu", "watch", "bans", "emitted", "held_lp",
-                 "n_prompt", "shadow", "guided", "swapped")
+                 "n_prompt", "shadow", "guided", "swapped", "hist")
 
     def __init__(self, req: Req, index: int, params, prompt: tuple[int, ...] | None = None,
                  guided: Seq | None = None):
         self.id, self.req, self.index, self.params = f"{req.id}#{index}", req, index, params
+        self.hist = params.needs_history  # (params never change: a property read once, not every step)
         self.tokens = list(req.prompt if prompt is None else prompt)  # prompt + generated
         self.n_prompt = len(self.tokens)
         # classifier-free guidance: a choice's shadow sequence (decoding the same tokens after another prompt),

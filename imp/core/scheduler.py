@@ -307,19 +307,22 @@ class SchedulerCore(RequestBook):
         batch = self._landed(msg.step)
         sampled = {t.seq_id: t for t in msg.tokens}
         n_tokens = n_decode = fed = drafted = accepted = verifies = misses = 0
+        running = Status.RUNNING
         for w in batch:
-            s = w.seq
-            n_tokens += w.n
-            n_decode += w.n - len(w.draft) == 1 and w.sample
-            fed += len(w.draft)
-            if w.draft:
+            s, n, draft = w.seq, w.n, w.draft
+            n_tokens += n
+            if draft:
+                n_decode += n - len(draft) == 1 and w.sample
+                fed += len(draft)
                 s.spec_inflight = False
-            if s.status is not Status.RUNNING or w.epoch != s.epoch:
+            else:
+                n_decode += n == 1 and w.sample
+            if s.status is not running or w.epoch != s.epoch:
                 continue  # ended, preempted or redirected while the step ran: its results are dropped
             t = sampled.get(s.id)
-            kept = len(t.accepted) if w.draft and t is not None else 0
-            s.num_computed += w.n - len(w.draft) + kept  # the positions of rejected drafts are written again
-            s.ahead, s.pending = s.ahead - w.n, s.pending - w.sample
+            kept = len(t.accepted) if draft and t is not None else 0
+            s.num_computed += n - len(draft) + kept if draft else n  # rejected drafts' positions are written again
+            s.ahead, s.pending = s.ahead - n, s.pending - w.sample
             if t is not None and t.prompt and not s.plp_sent:
                 last = s.plp[-1].position if s.plp else 0
                 s.plp += [e for e in t.prompt if e.position > last]  # a recompute scores again
@@ -363,8 +366,8 @@ class SchedulerCore(RequestBook):
         # mirostat: its state with the first share of an admission (2 tau before any draw); the runner keeps it
         mu = (2.0 * p.mirostat_tau if s.mu is None else s.mu) if sent is not None and p.mirostat else None
         if w.draft:  # a verify: the last known token and the draft; it samples generated token known - n_prompt
-            hist = tuple(s.tokens[n_prompt:known]) if p.needs_history and (sent is not None or
-                                                                          not self.config.history_once) else ()
+            hist = tuple(s.tokens[n_prompt:known]) if s.hist and (sent is not None or
+                                                                 not self.config.history_once) else ()
             return SeqWork(s.id, (s.tokens[start], *w.draft), start, s.table, True, sent, gen_index=known - n_prompt,
                            history=hist, draft=len(w.draft), mu=mu)
         banned = s.bans.get(n_gen, ()) if sample and s.bans else ()  # a rewind's bans at the index it samples
@@ -378,7 +381,7 @@ class SchedulerCore(RequestBook):
                 raise CoreError(f"{s.id}: {pending} unknown tokens in a {w.n}-token share")
             toks = (PENDING_TOKEN,)
         # s.table is a KvReply's tuple: shared, not copied
-        if not p.needs_history:
+        if not s.hist:
             hist = ()
         elif self.config.history_once:  # with the first share only: every generated token known (the executor
             hist = tuple(s.tokens[n_prompt:known]) if sent is not None else ()  # keeps it, appends its samples)

@@ -26,6 +26,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from imp.actors.channel import Channel
 from imp.actors.store_client import StoreClient
 from imp.engine import wire
 from imp.engine.render import RenderedStream
@@ -230,7 +231,7 @@ class RemoteEngine:
         if sub.req_id in self.streams:
             raise ValueError(f"duplicate request id {sub.req_id}")
         rid = sub.req_id
-        s = self.streams[rid] = RenderedStream(tokenizer or self.tokenizer, sub, asyncio.Queue(),
+        s = self.streams[rid] = RenderedStream(tokenizer or self.tokenizer, sub, Channel(),
                                                lambda i: self._send(wire.StopChoice(rid, i)),
                                                lambda: self._forget(rid))
         if self._fault:

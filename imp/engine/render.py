@@ -146,7 +146,7 @@ class RenderedStream:
             if d is None:
                 continue
             # the tokens that are already here go out as one chunk (this stream is behind)
-            while not q.empty() and mergeable(d, q._queue[0]):  # asyncio.Queue's deque: a peek
+            while not q.empty() and mergeable(d, q._queue[0]):  # a peek (a Channel's deque, or an asyncio.Queue's)
                 nd = self._render(q.get_nowait())
                 if nd is not None:
                     d = merge(d, nd)

@@ -154,8 +154,11 @@ def test_logits_match_hf_with_peft(smollm2_path, tmp_path):
 
     torch.manual_seed(0)
     d, f = str(smollm2_path.parent), smollm2_path.name
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    from tests.hf_gguf import one_read
+
+    with one_read():  # the file parsed once for both
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+        hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
     cfg = LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     pm = get_peft_model(hf, cfg).eval()

@@ -156,8 +156,11 @@ def test_gemma3_270m_matches_hf(gemma3_path):
     from imp.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(gemma3_path)
-    hf = AutoModelForCausalLM.from_pretrained(str(gemma3_path.parent), gguf_file=gemma3_path.name,
-                                              dtype=torch.float32).eval()
+    from tests.hf_gguf import one_read
+
+    with one_read():  # its config and its tensors from one parse of the file (~18 s a parse)
+        hf = AutoModelForCausalLM.from_pretrained(str(gemma3_path.parent), gguf_file=gemma3_path.name,
+                                                  dtype=torch.float32).eval()
     refs = [hf_steps(hf, tok.encode(p, add_special=True, parse_special=True)) for p in GEMMA_PROMPTS]
     assert all(s[0][0][0] == tok.bos_id == 2 for s in refs)  # Gemma needs its BOS
     for weights, bound in GEMMA_BOUNDS.items():

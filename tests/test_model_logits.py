@@ -156,8 +156,11 @@ def test_logits_match_hf_transformers(smollm2_path):
 
     torch.manual_seed(0)
     MODEL_DIR, MODEL_FILE = str(smollm2_path.parent), smollm2_path.name
-    tok = AutoTokenizer.from_pretrained(MODEL_DIR, gguf_file=MODEL_FILE)
-    hf = AutoModelForCausalLM.from_pretrained(MODEL_DIR, gguf_file=MODEL_FILE, dtype=torch.float32).eval()
+    from tests.hf_gguf import one_read
+
+    with one_read():  # the file parsed once for both
+        tok = AutoTokenizer.from_pretrained(MODEL_DIR, gguf_file=MODEL_FILE)
+        hf = AutoModelForCausalLM.from_pretrained(MODEL_DIR, gguf_file=MODEL_FILE, dtype=torch.float32).eval()
     ids = [tok(p)["input_ids"] for p in PROMPTS]
     refs = []  # per prompt: [(context so far, HF logits at its last position)] x 4
     for p in ids:

@@ -29,6 +29,7 @@ def test_engine_bench_on_the_tiny_model(tmp_path):
         assert row["failed"] == 0 and row["requests"] == 2 * C
         assert row["tokens"] == 2 * C * 12  # every answer in full (ignore_eos)
         assert row["tok_s"] > 0 and row["runner_prefill_tok_s"] > 0 and row["runner_decode_tok_s"] > 0
+        assert row["cpu_us_token"] > 0
         assert 0 < row["bound_tok_s"] < row["runner_decode_tok_s"]  # a prompt share costs something
         assert row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["itl_p50_ms"] <= row["itl_p99_ms"]
         steps = row["steps"]
@@ -36,3 +37,16 @@ def test_engine_bench_on_the_tiny_model(tmp_path):
         assert steps["prefill-only"]["steps"] + steps["mixed"]["steps"] >= 1
     # four streams refilled as they finish: a new prompt's chunk joins running decode rows
     assert rows[4]["steps"]["mixed"]["steps"] >= 1
+
+
+def test_host_cores_bench_runs_every_answer_to_its_end():
+    """bench/host_cores.py: the cores and the executor's bookkeeping without a model; every stream's answer whole,
+    refilled until C x rounds finished, and a CPU figure a token."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import host_cores
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    cpu, tokens, steps = host_cores.level(8, 2, 40, 12)
+    assert tokens == 8 * 2 * 12 and cpu > 0
+    assert 12 <= steps < 8 * 2 * 12  # rows batched: fewer steps than tokens

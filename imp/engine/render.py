@@ -12,11 +12,11 @@ string matched (`stop_choice`), so its KV is freed at once rather than at max_to
 
 from __future__ import annotations
 
-import asyncio
 from typing import Callable
 
 import msgspec
 
+from imp.actors.channel import Channel
 from imp.engine.port import StreamItem, Submission
 from imp.messages import Delta, DetokOpen, FinishReason, TokenOut
 from imp.text.stops import StopMatcher
@@ -111,7 +111,7 @@ class RenderedStream:
     Reject / Fault); `on_end` runs once when it ends or is closed early (closing early cancels
     the request upstream: that is the caller's `on_end`)."""
 
-    def __init__(self, tokenizer, sub: Submission, queue: asyncio.Queue,
+    def __init__(self, tokenizer, sub: Submission, queue: Channel,
                  stop_choice: Callable[[int], None], on_end: Callable[[], None]):
         self.req_id = sub.req_id
         self.n = sub.n
@@ -146,7 +146,7 @@ class RenderedStream:
             if d is None:
                 continue
             # the tokens that are already here go out as one chunk (this stream is behind)
-            while not q.empty() and mergeable(d, q._queue[0]):  # a peek (a Channel's deque, or an asyncio.Queue's)
+            while not q.empty() and mergeable(d, q.peek()):
                 nd = self._render(q.get_nowait())
                 if nd is not None:
                     d = merge(d, nd)

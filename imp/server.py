@@ -169,11 +169,16 @@ def _load_models(cfg: ServerConfig) -> _Models:
             token_us = float(os.environ.get("IMP_NULL_TOKEN_US", "0"))
             mixed_us = float(os.environ.get("IMP_NULL_MIXED_US", "0"))  # + a step with both kinds of rows
             kv_bytes = int(os.environ.get("IMP_NULL_KV_BYTES", "0"))  # > 0: prompt cache tiers, blocks this size
+            buckets = ()
+            if os.environ.get("IMP_NULL_BUCKETS") == "1":  # prompt rows cost their mixed-graph bucket (a GPU's)
+                from imp.gpu.mixed import prompt_buckets
+
+                buckets = prompt_buckets(step_tokens(cfg))
             if step_us > 0:
                 return lambda: PacedNullRunner.load(str(path), block_size=cfg.block_size,
                                                     kv_tokens=cfg.kv_cache_tokens, step_us=step_us,
                                                     row_us=row_us, token_us=token_us, mixed_us=mixed_us,
-                                                    kv_bytes=kv_bytes)
+                                                    kv_bytes=kv_bytes, buckets=buckets)
             return lambda: NullRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens,
                                            kv_bytes=kv_bytes)
         if device.startswith("cuda"):

@@ -203,3 +203,22 @@ def test_few_prompt_tiles_over_a_long_context_run_eagerly():
     assert fits([short, dec], (16, 32), (0, 8), heads=32) == (16, 8)
     many = SeqWork("d", tuple(range(1024)), 19000, tuple(range(1251)), True, p)  # 64 tiles x 32 heads: in turn
     assert fits([many], (1024,), (0,), heads=32) == (1024, 0)
+
+
+@pytest.mark.gpu
+def test_the_bucket_costs_cover_every_pair_with_decode_rows_and_change_no_token(tmp_path_factory):
+    """`prompt_costs` (the ITL policy's table, measured at boot on the captured graphs): one entry per
+    (prompt bucket, decode bucket) pair with decode rows, none negative, the largest prompt bucket costing
+    more than the smallest; a step run before and after measuring answers the same tokens (the replays touch
+    no sequence's KV)."""
+    gpu = _gpu_runner(tmp_path_factory, True)
+    rng = random.Random(5)
+    seqs = [SeqWork(seq_id=f"p{i}", token_ids=tuple(rng.randint(3, 500) for _ in range(n)), start_pos=0,
+                    block_table=tuple(range(10 * i, 10 * i + 6)), sample=True, params=G) for i, n in enumerate((40, 70))]
+    want = [t.token_id for t in gpu.step(seqs)]
+    gpu.forget([s.seq_id for s in seqs])
+    table = gpu.prompt_costs()
+    assert sorted((pb, db) for pb, db, _ in table) == sorted((pb, db) for pb in (16, 32, 64, 128) for db in (1, 2, 4, 8))
+    assert all(ns >= 0 for *_, ns in table)
+    assert any(ns > 0 for *_, ns in table)  # measured (a tiny model: launches more than rows)
+    assert [t.token_id for t in gpu.step(seqs)] == want

@@ -9,7 +9,7 @@ from __future__ import annotations
 from imp.core.itl import ItlBudget
 from imp.core.kv import KvConfig, KvCore
 from imp.core.scheduler import SchedulerConfig, SchedulerCore
-from imp.messages import Enqueue, KvRequest, SampledToken, SamplingParams, StepPlan, StepResult, Submit
+from imp.messages import Enqueue, KvRequest, SampledToken, SamplingParams, SeqWork, StepPlan, StepResult, Submit
 
 MS = 1_000_000
 DECODE_NS, TOKEN_NS = 20 * MS, MS  # the fake device: a step = 20 ms with decode rows + 1 ms a prompt token
@@ -246,3 +246,122 @@ def test_a_fixed_cost_of_prompt_rows_is_fitted_apart_from_their_per_token_cost()
     one.observe(1000 * us, 0, 8)
     one.observe(1000 * us + 256 * us, 128, 8)
     assert one.costs() == (0.0, 2 * us)
+
+
+# the 8B shape's mixed graphs, in the form the GPU runner measures them (ns the prompt-row bucket adds to a
+# decode-only step of that decode-row bucket): a fixed part, then ~25 µs a prompt row
+BUCKETS_8B = tuple((pb, db, int((2.5 + 0.025 * pb + 0.002 * db) * MS)) for pb in (16, 32, 64, 128, 256, 512, 1024)
+                   for db in (1, 2, 4, 8, 16, 32, 64, 128))
+
+
+def test_a_bucket_table_picks_the_largest_bucket_whose_measured_cost_fits_the_ratio():
+    from imp.core.itl import DRAIN_STEPS
+
+    b = ItlBudget(0, 16, 1024, ratio=3.0, table=BUCKETS_8B)
+    assert b.cap(0, 62) == 1024  # no decode-only step measured yet
+    b.observe(int(11.1 * MS), 0, 62)
+    # room 2 x 11.1 = 22.2 ms beside 62 decode rows (bucket 64): 512 rows add 2.5 + 12.8 + 0.128 ms, 1024 add 28.2
+    assert b.cap(0, 62) == 512
+    # the fit, fed what the old policy planned (whole-budget chunks of ~930 rows), is not what decides
+    for tokens in (930, 960, 940):
+        b.observe(int(37.3 * MS), tokens, 62)
+    assert b.cap(0, 62) == 512
+    small = ItlBudget(0, 16, 1024, ratio=3.0, table=BUCKETS_8B)
+    small.observe(int(7.6 * MS), 0, 16)
+    assert small.cap(0, 16) == 256  # 15.2 ms of room: 256 rows add 8.9 ms, 512 add 15.3
+    # the backlog's share is rounded up to its bucket (the step costs that bucket anyway), within the budget
+    assert small.cap(300 * DRAIN_STEPS, 16) == 512
+    assert small.cap(10**9, 16) == 1024
+    tight = ItlBudget(0, 16, 1024, ratio=1.5, table=BUCKETS_8B)
+    tight.observe(4 * MS, 0, 1)  # room 2 ms: less than any bucket's fixed part: whole-budget chunks
+    assert tight.cap(0, 1) == 1024
+    target = ItlBudget(30 * MS, 16, 1024, table=BUCKETS_8B)  # a target: 30 - 11.1 ms of room
+    target.observe(int(11.1 * MS), 0, 40)
+    assert target.cap(0, 40) == 512
+    past = ItlBudget(0, 16, 1024, ratio=3.0, table=BUCKETS_8B)
+    past.observe(int(30 * MS), 0, 200)  # more decode rows than the largest bucket: the largest bucket's row
+    assert past.cap(0, 200) == 1024
+    with __import__("pytest").raises(ValueError):
+        SchedulerConfig(num_blocks=8, prompt_step_ns=((16, 0, 5),))
+
+
+def test_with_a_bucketed_device_the_table_holds_the_ratio_where_the_fit_did_not():
+    """A fake device whose mixed steps cost their prompt-row bucket (a GPU's graphs): the streams' worst step
+    stays within the ratio with the boot's table; the fit alone plans between buckets and passes it."""
+
+    def run(table) -> tuple[float, int]:
+        cfg = SchedulerConfig(num_blocks=2048, block_size=16, max_context=4096, max_batch_size=64,
+                              max_step_tokens=1024, history_once=True, itl_ratio=3.0, prompt_step_ns=table)
+        sch, kv = SchedulerCore(cfg), KvCore(KvConfig(num_blocks=2048, block_size=16))
+        rows = {db: dict((pb, ns) for pb, d, ns in BUCKETS_8B if d == db) for db in (1, 2, 4, 8, 16, 32, 64, 128)}
+        queue, now, worst, prompts, n = [], 0, 0.0, 0, 0
+
+        def submit(rid):
+            nonlocal queue
+            k = 1000 * (len(rid) + int(rid[1:]))  # distinct prompts: no prefix-cache hits
+            sub = Submit(rid, tuple(range(k, k + 250)), SamplingParams(max_tokens=64, ignore_eos=True), now)
+            queue += sch.handle("admission", Enqueue(sub, 4))
+
+        for i in range(48):
+            submit(f"r{i}")
+        for step in range(600):
+            plan = None
+            while queue:
+                to, msg = queue.pop(0)
+                if to == "kv" and isinstance(msg, KvRequest):
+                    queue += kv.handle("scheduler", msg)
+                elif to == "scheduler":
+                    queue += sch.handle("kv", msg)
+                elif to == "executor" and isinstance(msg, StepPlan):
+                    plan = msg
+                elif to == "detok":
+                    for t in getattr(msg, "outs", (msg,)):
+                        if getattr(t, "finish", 0):
+                            n += 1
+                            submit(f"n{n}")  # a finished stream is replaced: a steady flow of new prompts
+            if plan is None:
+                break
+            p, d = _prompt_rows(plan), _decode_rows(plan)
+            db = next(x for x in rows if x >= max(d, 1))
+            dec = int((6 + 0.08 * d) * MS)
+            elapsed = dec + (rows[db][next(pb for pb in rows[db] if pb >= p)] if p else 0)
+            if p and d >= 32 and step >= 30:  # (the first steps: every stream's prompt, before a decode step landed)
+                worst = max(worst, elapsed / dec)
+                prompts += p
+            now += elapsed
+            toks = tuple(SampledToken(w.seq_id, 7) for w in plan.seqs if w.sample)
+            queue += sch.handle("executor", StepResult(plan.step, toks, now, elapsed))
+        return worst, prompts
+
+    fit_worst, fit_prompts = run(())
+    table_worst, table_prompts = run(BUCKETS_8B)
+    assert table_worst <= 3.0 < fit_worst, (table_worst, fit_worst)
+    assert table_prompts > 0.8 * fit_prompts  # the streams' prompts still flow
+
+
+def test_the_runner_s_bucket_costs_reach_the_scheduler_only_with_a_policy_on(tmp_path):
+    """The boot's glue (`imp.engine.local._prompt_costs` -> `build_cores`): a runner with mixed-graph buckets
+    (here the paced null runner that stands in for a GPU's) hands its table to the scheduler's frozen config
+    when an ITL policy is on; with the policy off, or a runner without buckets, the config has none."""
+    from imp.config import ServerConfig
+    from imp.engine.cores import build_cores
+    from imp.engine.local import _prompt_costs
+    from imp.model.null_runner import PacedNullRunner
+    from tests.fixtures.synth_raw import write_raw_gguf
+
+    from gguf import GGMLQuantizationType as T
+
+    path = write_raw_gguf(tmp_path / "t.gguf", n_layers=1, d_model=256, n_heads=2, n_kv_heads=2, d_ff=256, vocab=512,
+                          qtype=T.Q8_0)
+    bucketed = PacedNullRunner.load(str(path), step_us=7000, token_us=28, mixed_us=500, buckets=(16, 32, 64))
+    plain = PacedNullRunner.load(str(path), step_us=7000, token_us=28, mixed_us=500)
+    on, off = ServerConfig(itl_ratio=3.0), ServerConfig(itl_ratio=0)
+    table = _prompt_costs(on, bucketed)
+    assert (16, 64, 28 * 16 * 1000 + 500_000) in table and len(table) == 3 * 9
+    assert _prompt_costs(off, bucketed) == () and _prompt_costs(on, plain) == ()
+    assert build_cores(on, 64, 2048, "m", prompt_costs=table)[1].config.prompt_step_ns == table
+    assert build_cores(off, 64, 2048, "m", prompt_costs=table)[1].config.prompt_step_ns == ()
+    # and the paced device charges a step's prompt rows at their bucket, as the table says
+    seqs = [SeqWork("a", tuple(range(20)), 0, (0, 1), True, SamplingParams(max_tokens=4)),
+            SeqWork("b", (5,), 3, (2,), True, SamplingParams(max_tokens=4))]
+    assert bucketed.cost_ns(seqs) - plain.cost_ns(seqs) == 28 * (32 - 20) * 1000

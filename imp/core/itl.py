@@ -22,6 +22,13 @@ fixed part is a GPU mixed graph's, which runs each matmul once per row kind):
   with the load instead of a queue that does (without it the batch shrinks, so does the decode step
   and with it the ratio's room: a spiral down to 0.75 of the bound at 256 streams).
 
+Where the executor runs steps with prompt rows as graphs of fixed row buckets (a GPU's mixed graphs), a
+step costs what its bucket costs: 600 prompt rows cost what 1,024 do. The fit above sees only the chunk
+sizes it chose, so it cannot learn the jumps (on the 8B shape it settled on whole-budget chunks at 3.36x a
+decode step under ratio 3). There the boot measures the buckets (`table`: prompt-row bucket, decode-row
+bucket, ns the prompt rows add to that decode-only step) and both policies take the largest prompt bucket
+whose measured cost fits the room, at the step's decode-row bucket; the fit is not used for the room.
+
 Either is at least `min_tokens` (a prompt always progresses) and at most `max_tokens`. The costs
 come from the step times the executor reports (StepResult.cost_ns: the device's own
 time on a GPU, where the pipelined wall also holds the step before), so they are on the event log
@@ -45,12 +52,22 @@ def _avg(old: int, new: int) -> int:
 DECAY = 0.9  # the prompt-cost fit's memory: recent steps weigh most (a batch's cost drifts as it fills)
 
 
-class ItlBudget:
-    __slots__ = ("target_ns", "min_tokens", "max_tokens", "ratio", "decode_ns", "_s")
+def bucket_costs(table: tuple[tuple[int, int, int], ...]) -> dict[int, tuple[tuple[int, int], ...]]:
+    """decode-row bucket -> ((prompt-row bucket, ns added), ...) by prompt bucket, from the boot's table."""
+    by: dict[int, list[tuple[int, int]]] = {}
+    for pb, db, ns in table:
+        by.setdefault(db, []).append((pb, ns))
+    return {db: tuple(sorted(v)) for db, v in sorted(by.items())}
 
-    def __init__(self, target_ns: int, min_tokens: int, max_tokens: int, ratio: float = 0.0):
+
+class ItlBudget:
+    __slots__ = ("target_ns", "min_tokens", "max_tokens", "ratio", "decode_ns", "_s", "_table")
+
+    def __init__(self, target_ns: int, min_tokens: int, max_tokens: int, ratio: float = 0.0,
+                 table: tuple[tuple[int, int, int], ...] = ()):
         self.target_ns, self.min_tokens, self.max_tokens = target_ns, min_tokens, max_tokens
         self.ratio = 0.0 if target_ns else ratio  # a target, where given, is the policy
+        self._table = bucket_costs(table)  # {} : the fit alone
         self.decode_ns = 0  # a decode-only step, ns (the batch changes slowly: one average)
         # what prompt tokens add to a step: fixed + tokens x per token, a weighted least-squares fit of
         # (tokens, step - decode step) over the steps with prompt tokens. The fixed part is the GPU's:
@@ -97,7 +114,19 @@ class ItlBudget:
     def token_ns(self) -> int:
         return round(self.costs()[1])
 
-    def cap(self, waiting_tokens: int = 0) -> int:
+    def bucket_room(self, left_ns: float, decodes: int) -> int:
+        """The largest prompt-row bucket whose measured cost beside `decodes` decode rows is at most left_ns
+        (the decode-row bucket that holds them; past the largest, the largest); max_tokens where none is:
+        even the smallest bucket's fixed part passes the room, so chunks take the whole budget (fewer mixed
+        steps, each paying that part once)."""
+        fits = [pb for pb, ns in self._row(decodes) if ns <= left_ns]
+        return fits[-1] if fits else self.max_tokens
+
+    def _row(self, decodes: int) -> tuple[tuple[int, int], ...]:
+        dbs = tuple(self._table)
+        return self._table[next((d for d in dbs if d >= decodes), dbs[-1])]
+
+    def cap(self, waiting_tokens: int = 0, decodes: int = 1) -> int:
         """Prompt tokens for a step beside decode rows (max_tokens while off or not yet measured).
         waiting_tokens: the prompt tokens not yet computed of the requests that wait or are part way
         (the ratio policy's backlog term). The target's step may take twice a decode step where that is
@@ -105,6 +134,16 @@ class ItlBudget:
         computes a prompt at half its decode rate. Where the ratio leaves the prompt tokens less time than
         the fixed part (or none), chunks take the whole budget: each one pays the fixed part, so fewer
         and larger ones stall the streams least and keep the prefill rate."""
+        if self._table and self.on:
+            if self.decode_ns <= 0:
+                return self.max_tokens  # no decode-only step landed yet: nothing to hold a ratio to
+            if self.target_ns:
+                room = self.bucket_room(max(self.target_ns, 2 * self.decode_ns) - self.decode_ns, decodes)
+            else:  # the backlog's share rounded up to its bucket: the step costs that bucket anyway
+                need = -(-waiting_tokens // DRAIN_STEPS)
+                room = max(self.bucket_room((self.ratio - 1.0) * self.decode_ns, decodes),
+                           next((pb for pb, _ in self._row(decodes) if pb >= need), need) if need else 0)
+            return max(self.min_tokens, min(self.max_tokens, room))
         fixed, per = self.costs()
         if not self.on or per <= 0 or self.decode_ns <= 0 and not self.target_ns:
             return self.max_tokens

@@ -54,12 +54,21 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     swap_blocks: int = 0
     swap_ns_per_block: int = 0
     recompute_ns_per_token: int = 0
+    # the ITL policy's prompt costs where the executor runs steps with prompt rows as graphs of fixed row
+    # buckets (a GPU): (prompt-row bucket, decode-row bucket, ns the bucket's prompt rows add to that
+    # decode-only step), measured once at boot on the captured graphs. A step's cost moves in jumps at the
+    # buckets, and the online fit (prompt tokens -> ns) learns only from the chunk sizes it chose: on the 8B
+    # shape it settled on whole-budget chunks (~930 prompt rows beside 62 decode rows, 3.36x a decode step at
+    # ratio 3). With a table the policy picks whole buckets by their measured cost (`ItlBudget`). () = the
+    # online fit alone (a CPU; logs written before this field replay identically)
+    prompt_step_ns: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self):
         if min(self.num_blocks, self.block_size, self.max_context, self.max_batch_size,
                self.max_step_tokens, self.aging_ns) < 1 or self.request_timeout_ns < 0 \
                 or self.pipeline_depth not in (1, 2) or self.itl_target_ns < 0 or self.spec_k_max < 0 or self.itl_ratio < 0 \
-                or min(self.swap_blocks, self.swap_ns_per_block, self.recompute_ns_per_token) < 0:
+                or min(self.swap_blocks, self.swap_ns_per_block, self.recompute_ns_per_token) < 0 \
+                or any(len(e) != 3 or min(e) < 0 or min(e[:2]) < 1 for e in self.prompt_step_ns):
             raise ValueError(f"bad SchedulerConfig {self}")
 
 

@@ -87,7 +87,8 @@ class SchedulerCore(RequestBook):
         self.tier_wait = False  # an alloc waits for the disk tier's blocks: a stalled plan waits for KvReady
         self.step = 0
         self.kv = KvFigures(config.num_blocks, config.num_blocks, 0, 0, 0, config.block_size)
-        self.itl = ItlBudget(config.itl_target_ns, config.block_size, config.max_step_tokens, config.itl_ratio)
+        self.itl = ItlBudget(config.itl_target_ns, config.block_size, config.max_step_tokens, config.itl_ratio,
+                             config.prompt_step_ns)
         self.backlog = 0  # of the step being planned: prompt tokens not yet computed (the ratio policy's term)
         self.cost = StepCost()  # what a step's rows cost: how long a draft still pays (imp.core.spec)
 
@@ -445,7 +446,7 @@ class SchedulerCore(RequestBook):
         """Prompt tokens this step may still compute beside its `decodes` decode rows: the ITL
         target's share (`ItlBudget.cap`) less the prompt tokens already planned."""
         planned = sum(w.n for w in self.batch) - decodes
-        return max(0, min(budget, self.itl.cap(self.backlog) - planned))
+        return max(0, min(budget, self.itl.cap(self.backlog, decodes) - planned))
 
     def _grow_op(self, s: Seq, positions: int) -> KvOp | None:
         """A grow when the table must grow or a written block filled up (to cache it)."""

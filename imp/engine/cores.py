@@ -19,7 +19,8 @@ ADMIT_FACTOR = 8
 
 def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprint: str, replicas: int = 1,
                 verifies_drafts: bool = False, draft_max: int | None = None, tier_blocks: int = 0,
-                swap: SwapFacts = SwapFacts(), tier_demote: bool = False):
+                swap: SwapFacts = SwapFacts(), tier_demote: bool = False,
+                prompt_costs: tuple[tuple[int, int, int], ...] = ()):
     """admission, scheduler, kv (lists of `replicas` each when > 1, wrapped to talk to
     their own replica). Boot facts (pool size, context, fingerprint, whether the executor
     verifies drafts) go into each core's frozen config, and the configs into the event-log header."""
@@ -38,7 +39,7 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
     if replicas > 1:
         pairs = [build_cores(cfg, num_blocks, max_context, fingerprint, verifies_drafts=verifies_drafts,
                              draft_max=draft_max, tier_blocks=tier_blocks, swap=swap,
-                             tier_demote=tier_demote)[1:] for _ in range(replicas)]
+                             tier_demote=tier_demote, prompt_costs=prompt_costs)[1:] for _ in range(replicas)]
         return adm, [Routed(s, i) for i, (s, _) in enumerate(pairs)], [Routed(k, i) for i, (_, k) in enumerate(pairs)]
     sch = SchedulerCore(
         SchedulerConfig(
@@ -57,6 +58,8 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
             swap_blocks=swap.blocks,
             swap_ns_per_block=swap.ns_per_block,
             recompute_ns_per_token=swap.recompute_ns_per_token,
+            # the mixed graphs' measured bucket costs, for the ITL policy (only where one is on)
+            prompt_step_ns=prompt_costs if (cfg.itl_target_ms or itl_ratio(cfg)) else (),
         )
     )
     return adm, sch, kv

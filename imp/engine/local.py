@@ -25,7 +25,7 @@ from imp.actors.detok import DetokActor
 from imp.actors.executor import ExecutorActor
 from imp.actors.ingress import IngressActor
 from imp.actors.metrics import MetricsActor
-from imp.config import ServerConfig
+from imp.config import ServerConfig, itl_ratio
 from imp.constrain.book import ConstraintBook
 from imp.core.replicas import replica_name
 from imp.engine.cores import build_cores
@@ -50,6 +50,23 @@ def kv_bytes_per_token(runner) -> int | None:
         return None
     size = t.itemsize if hasattr(t, "itemsize") else t.element_size()  # numpy (the CPU pool) or torch
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * size
+
+
+def _prompt_costs(cfg: ServerConfig, runner) -> tuple[tuple[int, int, int], ...]:
+    """The runner's measured mixed-step bucket costs (a GPU's graphs; `prompt_costs`), for the ITL policy:
+    () where no policy is on or the runner has no buckets. Measured once here, frozen into the scheduler's
+    config (the event log's header), so a replay plans the same chunks."""
+    measure = getattr(runner, "prompt_costs", None)
+    if measure is None or not (cfg.itl_target_ms or itl_ratio(cfg)):
+        return ()
+    t0 = time.perf_counter()
+    table = tuple(measure())
+    if table:
+        dbs = sorted({db for _, db, _ in table})
+        mid = dbs[len(dbs) // 2]
+        log.info("mixed-step costs measured in %.1f s; beside %d decode rows a prompt bucket adds: %s", time.perf_counter() - t0,
+                 mid, ", ".join(f"{pb} rows {ns / 1e6:.2f} ms" for pb, db, ns in table if db == mid))
+    return table
 
 
 def _with_swap(load, n_slots: int):
@@ -110,12 +127,14 @@ class LocalEngine:
             x.make_swap(self.swap.blocks)
         if self.swap.blocks:  # a runner loaded again (suspend, idle unload) needs its area again
             self.loaders = [None if f is None else _with_swap(f, self.swap.blocks) for f in self.loaders]
+        prompt_costs = _prompt_costs(cfg, r)
         self.adm, schs, kvs = build_cores(cfg, r.num_blocks, self.max_context, r.fingerprint,
                                           replicas=len(self.runners), verifies_drafts=verifies, draft_max=draft_max,
                                           tier_blocks=tier_blocks, swap=self.swap,
                                           # a host tier alone outlives nothing the pool does not: it takes what
                                           # the pool evicts (a copy only under pressure) instead of every block
-                                          tier_demote=self.tiers[0] is not None and self.tiers[0].dir is None)
+                                          tier_demote=self.tiers[0] is not None and self.tiers[0].dir is None,
+                                          prompt_costs=prompt_costs)
         self.schs, self.kvs = (schs, kvs) if len(self.runners) > 1 else ([schs], [kvs])
         self.card = ModelCard(
             name=name, path=path, fingerprint=r.fingerprint, context_length=self.max_context,

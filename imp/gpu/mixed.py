@@ -246,6 +246,26 @@ class MixedGraphs:
         out = forward(self.meta(pb, db))  # [Cb + Db, V]
         self.logits[:out.shape[0]].copy_(out)
 
+    def costs(self, decode: dict[int, Callable[[], None]], reps: int = 2) -> tuple[tuple[int, int, int], ...]:
+        """(Pb, Db, ns) a captured pair costs more than the decode-only graph of Db (`decode`: Db -> its replay),
+        each the least of `reps` replays on the inert inputs the capture left (no sequence is touched: at boot,
+        before the first step). The scheduler's ITL policy plans whole buckets by these (imp.core.itl)."""
+
+        def time_ns(replay: Callable[[], None]) -> float:
+            best = float("inf")
+            for _ in range(reps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                replay()
+                b.record()
+                b.synchronize()
+                best = min(best, a.elapsed_time(b) * 1e6)
+            return best
+
+        base = {db: time_ns(f) for db, f in decode.items()}
+        return tuple((pb, db, max(0, round(time_ns(g.replay) - base[db])))
+                     for (pb, db), g in sorted(self.graphs.items()) if db in base)
+
     def fits(self, seqs: list[SeqWork]) -> tuple[int, int] | None:
         if not self.graphs:
             return None

@@ -208,6 +208,16 @@ class GpuModelRunner:
             log.warning(self.notes[-1])
             torch.cuda.synchronize(self.device)
 
+    @torch.inference_mode()
+    def prompt_costs(self) -> tuple[tuple[int, int, int], ...]:
+        """What the mixed graphs' prompt-row buckets add to a decode-only step, per decode-row bucket
+        ((Pb, Db, ns), imp.gpu.mixed `MixedGraphs.costs`); () without both kinds of graphs. Boot only."""
+        if self.mixed is None or not self.mixed.graphs or not self.graphs.graphs:
+            return ()
+        out = self.mixed.costs({db: g.replay for db, (g, _) in self.graphs.graphs.items()})
+        torch.cuda.synchronize(self.device)
+        return out
+
     # ------------------------------------------------------------------ interface
 
     @torch.inference_mode()

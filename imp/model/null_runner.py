@@ -128,26 +128,39 @@ class PacedNullRunner(NullRunner):
     its tokens at the prefill rate, so admission policies can be tried against a device's cost shape."""
 
     def __init__(self, *a, step_us: int = 0, row_us: float = 0.0, token_us: float = 0.0, mixed_us: float = 0.0,
-                 **kw):
+                 buckets: tuple[int, ...] = (), **kw):
         super().__init__(*a, **kw)
         self.step_ns = step_us * 1000
         self.row_ns, self.token_ns = int(row_us * 1000), int(token_us * 1000)
         self.mixed_ns = int(mixed_us * 1000)  # a step with both kinds of rows: a GPU's mixed graph's fixed part
+        # (): prompt rows cost their number; else a step's prompt rows cost the bucket that holds them, as a
+        # GPU's mixed graphs do (IMP_NULL_BUCKETS=1: imp.gpu.mixed's buckets), and prompt_costs() says so
+        self.buckets = buckets
         self._busy_until = 0  # monotonic ns at which the last launched step lands
         self._start = 0  # the last launched step's start on the make-believe device
 
     @classmethod
     def load(cls, path: str, block_size: int = 16, kv_tokens: int | None = None, step_us: int = 0,
              row_us: float = 0.0, token_us: float = 0.0, mixed_us: float = 0.0,
-             kv_bytes: int = 0) -> "PacedNullRunner":
+             kv_bytes: int = 0, buckets: tuple[int, ...] = ()) -> "PacedNullRunner":
         r = NullRunner.load(path, block_size, kv_tokens, kv_bytes)
         return cls(r.config, r.metadata, r.fingerprint, r.num_blocks, r.block_size, r.token_id, kv_bytes, step_us=step_us,
-                   row_us=row_us, token_us=token_us, mixed_us=mixed_us)
+                   row_us=row_us, token_us=token_us, mixed_us=mixed_us, buckets=buckets)
+
+    def _prompt(self, prompt: int) -> int:
+        return next((b for b in self.buckets if b >= prompt), prompt) if prompt and self.buckets else prompt
 
     def cost_ns(self, seqs: list[SeqWork]) -> int:
         rows = sum(1 for s in seqs if len(s.token_ids) == 1)
-        prompt = sum(len(s.token_ids) for s in seqs) - rows
+        prompt = self._prompt(sum(len(s.token_ids) for s in seqs) - rows)
         return self.step_ns + self.row_ns * rows + self.token_ns * prompt + (self.mixed_ns if rows and prompt else 0)
+
+    def prompt_costs(self) -> tuple[tuple[int, int, int], ...]:
+        """The GPU runner's table of what a prompt-row bucket adds to a decode-only step (its cost model's)."""
+        if not self.buckets:
+            return ()
+        return tuple((pb, db, self.token_ns * pb + self.mixed_ns) for pb in self.buckets
+                     for db in (1, 2, 4, 8, 16, 32, 64, 128, 256))
 
     def launch(self, seqs: list[SeqWork], constraints=None, lora=None) -> tuple[int, int, list[SampledToken]]:
         start = max(time.monotonic_ns(), self._busy_until)

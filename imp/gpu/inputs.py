@@ -181,13 +181,19 @@ class StaticInputs:
         self.hosts = [torch.zeros_like(self.dev, device="cpu").pin_memory() for _ in range(2)]
         self.events = [None, None]
         self.turn = 0
-        for h in self.hosts:
-            h.numpy()[2 * M:3 * M] = -1  # no KV writes from padding rows
-            h.numpy()[4 * M:5 * M] = -1  # no pending tokens
-        self.dev.copy_(self.hosts[0])
+        self.inert()
         gi = self.dev
         self.views = dict(tokens=gi[0:M], positions=gi[M:2 * M], slots=gi[2 * M:3 * M], lens=gi[3 * M:4 * M],
                           ph_rows=gi[4 * M:5 * M], ph_src=gi[5 * M:6 * M], bt=gi[6 * M:].view(M, MB))
+
+    def inert(self) -> None:
+        """Every row padding, host and device (nothing in flight: at construction, or the boot's cost replays)."""
+        M = self.M
+        for h in self.hosts:
+            h.zero_()
+            h.numpy()[2 * M:3 * M] = -1  # no KV writes from padding rows
+            h.numpy()[4 * M:5 * M] = -1  # no pending tokens
+        self.dev.copy_(self.hosts[0])
 
     def meta(self, b: int) -> Meta:
         """The bucket-b view the graph of b captures (and replays)."""

@@ -195,14 +195,20 @@ class MixedGraphs:
         end = self.reg.offsets["end"]
         self.dev = torch.zeros(end, dtype=torch.int32, device=device)
         self.hosts = [torch.zeros(end, dtype=torch.int32).pin_memory() for _ in range(2)]
-        for hb in self.hosts:
-            layout([], None, pmax, dmax, block_size, self.reg, hb.numpy())  # inert padding everywhere
-        self.dev.copy_(self.hosts[0])
+        self.inert()
         self.events = [None, None]
         self.turn = 0
         self.rows = torch.arange(pmax + dmax, dtype=torch.int64, device=device)  # constant row indices
         self.logits = torch.empty(head_slots(pmax) + dmax, vocab, dtype=torch.float32, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+
+    def inert(self) -> None:
+        """Inert padding everywhere, host and device (nothing in flight: at construction, or the boot's cost
+        replays, which must not read a real step's layout through another bucket's rows)."""
+        pmax, dmax = max(self.pbs), max(self.dbs)
+        for hb in self.hosts:
+            layout([], None, pmax, dmax, self.block_size, self.reg, hb.numpy())
+        self.dev.copy_(self.hosts[0])
 
     def meta(self, pb: int, db: int) -> Meta:
         """The (pb, db) view of the static inputs (built inside the capture: the int64 conversions are nodes)."""
@@ -248,8 +254,9 @@ class MixedGraphs:
 
     def costs(self, decode: dict[int, Callable[[], None]], reps: int = 2) -> tuple[tuple[int, int, int], ...]:
         """(Pb, Db, ns) a captured pair costs more than the decode-only graph of Db (`decode`: Db -> its replay),
-        each the least of `reps` replays on the inert inputs the capture left (no sequence is touched: at boot,
-        before the first step). The scheduler's ITL policy plans whole buckets by these (imp.core.itl)."""
+        each the least of `reps` replays on inert inputs (no KV written, no row read past its bucket: a real
+        step's layout replayed through a smaller bucket indexes past its rows). The decode graphs' inputs must be
+        inert too (the caller's). The scheduler's ITL policy plans whole buckets by these (imp.core.itl)."""
 
         def time_ns(replay: Callable[[], None]) -> float:
             best = float("inf")
@@ -262,6 +269,7 @@ class MixedGraphs:
                 best = min(best, a.elapsed_time(b) * 1e6)
             return best
 
+        self.inert()
         base = {db: time_ns(f) for db, f in decode.items()}
         return tuple((pb, db, max(0, round(time_ns(g.replay) - base[db])))
                      for (pb, db), g in sorted(self.graphs.items()) if db in base)

@@ -214,6 +214,8 @@ class GpuModelRunner:
         ((Pb, Db, ns), imp.gpu.mixed `MixedGraphs.costs`); () without both kinds of graphs. Boot only."""
         if self.mixed is None or not self.mixed.graphs or not self.graphs.graphs:
             return ()
+        torch.cuda.synchronize(self.device)  # nothing in flight reads the static inputs made inert below
+        self.graphs.inputs.inert()
         out = self.mixed.costs({db: g.replay for db, (g, _) in self.graphs.graphs.items()})
         torch.cuda.synchronize(self.device)
         return out

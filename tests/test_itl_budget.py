@@ -269,10 +269,8 @@ def test_a_bucket_table_picks_the_largest_bucket_whose_measured_cost_fits_the_ra
     small = ItlBudget(0, 16, 1024, ratio=3.0, table=BUCKETS_8B)
     small.observe(int(7.6 * MS), 0, 16)
     assert small.cap(0, 16) == 256  # 15.2 ms of room: 256 rows add 8.9 ms, 512 add 15.3
-    # the backlog's share in whole buckets, rounded down (a burst drains in at most twice DRAIN_STEPS steps
-    # rather than stalling the streams with the next bucket up), within the budget
-    assert small.cap(300 * DRAIN_STEPS, 16) == 256
-    assert small.cap(700 * DRAIN_STEPS, 16) == 512
+    # the backlog's share is rounded up to its bucket (the step costs that bucket anyway), within the budget
+    assert small.cap(300 * DRAIN_STEPS, 16) == 512
     assert small.cap(10**9, 16) == 1024
     # landed mixed steps that cost 1.6x the table's figure (a long context's attention, which the boot's inert
     # rows lack) shrink the room to the bucket that still fits: 256 rows at 8.9 x 1.6 = 14.2 ms of 15.2

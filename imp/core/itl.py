@@ -28,8 +28,10 @@ sizes it chose, so it cannot learn the jumps (on the 8B shape it settled on whol
 decode step under ratio 3). There the boot measures the buckets (`table`: prompt-row bucket, decode-row
 bucket, ns the prompt rows add to that decode-only step) and both policies take the largest prompt bucket
 whose measured cost fits the room, at the step's decode-row bucket; the fit is not used for the room.
-The boot times the graphs on inert rows, without the attention a real context adds, so each landed mixed
-step corrects the table by what it cost against the table's figure (`scale`, a running average).
+Tried and left out (paced null runner with the 8B's costs, PERFORMANCE.md): correcting the table online by
+what mixed steps cost against it (the boot's inert rows lack a real context's attention) read the decode
+part as the average decode-only step, over-charged the prompt rows at 256 streams and shrank the batch
+(TTFT p50 0.55 -> 1.1 s); the backlog's share rounded down to a bucket did the same (1.5 s).
 
 Either is at least `min_tokens` (a prompt always progresses) and at most `max_tokens`. The costs
 come from the step times the executor reports (StepResult.cost_ns: the device's own
@@ -52,7 +54,6 @@ def _avg(old: int, new: int) -> int:
 
 
 DECAY = 0.9  # the prompt-cost fit's memory: recent steps weigh most (a batch's cost drifts as it fills)
-MAX_SCALE = 4.0  # the bucket table's online correction stays within [1/4, 4] (one odd step cannot swing it far)
 
 
 def bucket_costs(table: tuple[tuple[int, int, int], ...]) -> dict[int, tuple[tuple[int, int], ...]]:
@@ -64,14 +65,13 @@ def bucket_costs(table: tuple[tuple[int, int, int], ...]) -> dict[int, tuple[tup
 
 
 class ItlBudget:
-    __slots__ = ("target_ns", "min_tokens", "max_tokens", "ratio", "decode_ns", "_s", "_table", "scale")
+    __slots__ = ("target_ns", "min_tokens", "max_tokens", "ratio", "decode_ns", "_s", "_table")
 
     def __init__(self, target_ns: int, min_tokens: int, max_tokens: int, ratio: float = 0.0,
                  table: tuple[tuple[int, int, int], ...] = ()):
         self.target_ns, self.min_tokens, self.max_tokens = target_ns, min_tokens, max_tokens
         self.ratio = 0.0 if target_ns else ratio  # a target, where given, is the policy
         self._table = bucket_costs(table)  # {} : the fit alone
-        self.scale = 1.0  # what landed mixed steps cost against the table's figure for them (observe)
         self.decode_ns = 0  # a decode-only step, ns (the batch changes slowly: one average)
         # what prompt tokens add to a step: fixed + tokens x per token, a weighted least-squares fit of
         # (tokens, step - decode step) over the steps with prompt tokens. The fixed part is the GPU's:
@@ -93,13 +93,6 @@ class ItlBudget:
                 self.decode_ns = _avg(self.decode_ns, elapsed_ns)
         elif prompt_tokens >= 2 * self.min_tokens:  # small chunks: too little to say what a token costs
             own = elapsed_ns - (self.decode_ns if decode_rows else 0)
-            if own > 0 and self._table and decode_rows and self.decode_ns > 0:
-                # the table's figure for this step's buckets against what it cost: the boot measured the graphs
-                # on inert rows, without the attention a real context adds (8B, 1,400-token prompts: 512-row
-                # chunks ran ~1.5x the table), so the room is judged in measured ns x this correction
-                want = self._add(prompt_tokens, decode_rows)
-                if want > 0:
-                    self.scale += (min(MAX_SCALE, max(1.0 / MAX_SCALE, own / want)) - self.scale) / 4
             if own > 0:
                 x, y, s = float(prompt_tokens), float(own), self._s
                 for k, v in enumerate((1.0, x, x * x, y, x * y)):
@@ -130,17 +123,12 @@ class ItlBudget:
         (the decode-row bucket that holds them; past the largest, the largest); max_tokens where none is:
         even the smallest bucket's fixed part passes the room, so chunks take the whole budget (fewer mixed
         steps, each paying that part once)."""
-        fits = [pb for pb, ns in self._row(decodes) if ns * self.scale <= left_ns]
+        fits = [pb for pb, ns in self._row(decodes) if ns <= left_ns]
         return fits[-1] if fits else self.max_tokens
 
     def _row(self, decodes: int) -> tuple[tuple[int, int], ...]:
         dbs = tuple(self._table)
         return self._table[next((d for d in dbs if d >= decodes), dbs[-1])]
-
-    def _add(self, prompt_tokens: int, decodes: int) -> int:
-        """The table's ns for a step of this many prompt rows beside this many decode rows (its buckets'), 0
-        past the largest prompt bucket (an eager step)."""
-        return next((ns for pb, ns in self._row(decodes) if pb >= prompt_tokens), 0)
 
     def cap(self, waiting_tokens: int = 0, decodes: int = 1) -> int:
         """Prompt tokens for a step beside decode rows (max_tokens while off or not yet measured).
@@ -155,9 +143,7 @@ class ItlBudget:
                 return self.max_tokens  # no decode-only step landed yet: nothing to hold a ratio to
             if self.target_ns:
                 room = self.bucket_room(max(self.target_ns, 2 * self.decode_ns) - self.decode_ns, decodes)
-            else:  # the backlog's share rounded up to its bucket: the step costs that bucket anyway. (Rounded down,
-                # a burst stalled the streams less, but at 256 streams the batch shrank: TTFT p50 0.55 -> 1.5 s on
-                # the paced null runner with the 8B's costs)
+            else:  # the backlog's share rounded up to its bucket: the step costs that bucket anyway
                 need = -(-waiting_tokens // DRAIN_STEPS)
                 room = max(self.bucket_room((self.ratio - 1.0) * self.decode_ns, decodes),
                            next((pb for pb, _ in self._row(decodes) if pb >= need), need) if need else 0)

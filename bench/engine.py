@@ -358,6 +358,10 @@ def main() -> int:
     ap.add_argument("--null-buckets", action="store_true",
                     help="--null-step-us's device: a step's prompt rows cost the mixed-graph bucket that holds them "
                          "(a GPU's graphs), and the runner tells the scheduler the buckets' costs as the GPU runner does")
+    ap.add_argument("--null-ctx-us", type=float, default=0.0,
+                    help="--null-step-us's device: + this a one-token row per 1,000 positions it attends to")
+    ap.add_argument("--null-prompt-ctx-us", type=float, default=0.0,
+                    help="--null-step-us's device: + this a prompt row per 1,000 positions it attends to")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the event loop's thread at this concurrency "
                     "(one more level after the table's; top 30 by own time)")
     ap.add_argument("--http", action="store_true", help="then the same workload through the real server's HTTP "
@@ -395,6 +399,7 @@ def main() -> int:
         os.environ["IMP_NULL_MIXED_US"] = str(a.null_mixed_us)
         if a.null_buckets:
             os.environ["IMP_NULL_BUCKETS"] = "1"
+        os.environ["IMP_NULL_CTX_US"], os.environ["IMP_NULL_PROMPT_CTX_US"] = str(a.null_ctx_us), str(a.null_prompt_ctx_us)
     from imp.server import load_engine
 
     engine, _text = load_engine(cfg)
@@ -448,7 +453,8 @@ def main() -> int:
 
         srv = ServerProcess(str(model), *argv[2:4], "--event-log", str(logs / "server-events.log"), *argv[6:], log_path=tmp / "server.log",
                             env={k: os.environ[k] for k in ("IMP_NULL_RUNNER", "IMP_NULL_STEP_US", "IMP_NULL_ROW_US",
-                                                    "IMP_NULL_TOKEN_US", "IMP_NULL_MIXED_US", "IMP_NULL_BUCKETS")
+                                                    "IMP_NULL_TOKEN_US", "IMP_NULL_MIXED_US", "IMP_NULL_BUCKETS",
+                                                    "IMP_NULL_CTX_US", "IMP_NULL_PROMPT_CTX_US")
                                  if k in os.environ})
         import multiprocessing as mp
 

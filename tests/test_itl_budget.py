@@ -365,3 +365,7 @@ def test_the_runner_s_bucket_costs_reach_the_scheduler_only_with_a_policy_on(tmp
     seqs = [SeqWork("a", tuple(range(20)), 0, (0, 1), True, SamplingParams(max_tokens=4)),
             SeqWork("b", (5,), 3, (2,), True, SamplingParams(max_tokens=4))]
     assert bucketed.cost_ns(seqs) - plain.cost_ns(seqs) == 28 * (32 - 20) * 1000
+    # and attention's share grows with the context: a decode row per 1,000 positions it reads, a prompt chunk's
+    # rows each reading start .. their own position
+    ctx = PacedNullRunner.load(str(path), step_us=7000, token_us=28, mixed_us=500, ctx_us=200, prompt_ctx_us=20)
+    assert ctx.cost_ns(seqs) - plain.cost_ns(seqs) == int(200_000 * 4 / 1000 + 20_000 * 20 * 10 / 1000)

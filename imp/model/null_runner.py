@@ -128,7 +128,7 @@ class PacedNullRunner(NullRunner):
     its tokens at the prefill rate, so admission policies can be tried against a device's cost shape."""
 
     def __init__(self, *a, step_us: int = 0, row_us: float = 0.0, token_us: float = 0.0, mixed_us: float = 0.0,
-                 buckets: tuple[int, ...] = (), **kw):
+                 buckets: tuple[int, ...] = (), ctx_us: float = 0.0, prompt_ctx_us: float = 0.0, **kw):
         super().__init__(*a, **kw)
         self.step_ns = step_us * 1000
         self.row_ns, self.token_ns = int(row_us * 1000), int(token_us * 1000)
@@ -136,16 +136,23 @@ class PacedNullRunner(NullRunner):
         # (): prompt rows cost their number; else a step's prompt rows cost the bucket that holds them, as a
         # GPU's mixed graphs do (IMP_NULL_BUCKETS=1: imp.gpu.mixed's buckets), and prompt_costs() says so
         self.buckets = buckets
+        # attention's share, which grows with the context (IMP_NULL_CTX_US, IMP_NULL_PROMPT_CTX_US): + ctx_us a
+        # one-token row per 1,000 positions it reads, + prompt_ctx_us a prompt row per 1,000 positions it reads
+        # (a chunk's rows read start .. their own position: n x (start + n / 2)). The 8B shape on an H100:
+        # decode steps of 16 rows 7.6 ms at ~300-token contexts, 11.2 ms at ~1,450 (~190 µs a row per 1,000)
+        self.ctx_ns, self.prompt_ctx_ns = ctx_us * 1000, prompt_ctx_us * 1000
         self._busy_until = 0  # monotonic ns at which the last launched step lands
         self._start = 0  # the last launched step's start on the make-believe device
 
     @classmethod
     def load(cls, path: str, block_size: int = 16, kv_tokens: int | None = None, step_us: int = 0,
              row_us: float = 0.0, token_us: float = 0.0, mixed_us: float = 0.0,
-             kv_bytes: int = 0, buckets: tuple[int, ...] = ()) -> "PacedNullRunner":
+             kv_bytes: int = 0, buckets: tuple[int, ...] = (), ctx_us: float = 0.0,
+             prompt_ctx_us: float = 0.0) -> "PacedNullRunner":
         r = NullRunner.load(path, block_size, kv_tokens, kv_bytes)
         return cls(r.config, r.metadata, r.fingerprint, r.num_blocks, r.block_size, r.token_id, kv_bytes, step_us=step_us,
-                   row_us=row_us, token_us=token_us, mixed_us=mixed_us, buckets=buckets)
+                   row_us=row_us, token_us=token_us, mixed_us=mixed_us, buckets=buckets, ctx_us=ctx_us,
+                   prompt_ctx_us=prompt_ctx_us)
 
     def _prompt(self, prompt: int) -> int:
         return next((b for b in self.buckets if b >= prompt), prompt) if prompt and self.buckets else prompt
@@ -153,7 +160,12 @@ class PacedNullRunner(NullRunner):
     def cost_ns(self, seqs: list[SeqWork]) -> int:
         rows = sum(1 for s in seqs if len(s.token_ids) == 1)
         prompt = self._prompt(sum(len(s.token_ids) for s in seqs) - rows)
-        return self.step_ns + self.row_ns * rows + self.token_ns * prompt + (self.mixed_ns if rows and prompt else 0)
+        ns = self.step_ns + self.row_ns * rows + self.token_ns * prompt + (self.mixed_ns if rows and prompt else 0)
+        if self.ctx_ns or self.prompt_ctx_ns:
+            for s in seqs:
+                n = len(s.token_ids)
+                ns += (self.ctx_ns * (s.start_pos + 1) if n == 1 else self.prompt_ctx_ns * n * (s.start_pos + n / 2)) / 1000
+        return int(ns)
 
     def prompt_costs(self) -> tuple[tuple[int, int, int], ...]:
         """The GPU runner's table of what a prompt-row bucket adds to a decode-only step (its cost model's)."""

@@ -314,6 +314,12 @@ def itl_ratio(cfg: ServerConfig) -> float:
     return 3.0 if cfg.device.startswith("cuda") else 0.0
 
 
+def itl_policy_on(cfg: ServerConfig) -> bool:
+    """An ITL policy (a target or the ratio, auto resolved) caps prompt chunks beside decode rows: the boot then
+    measures the runner's mixed-step buckets and the scheduler's config carries them."""
+    return bool(cfg.itl_target_ms or itl_ratio(cfg))
+
+
 
 def config_from_args(ns: argparse.Namespace) -> ServerConfig:
     fields = ServerConfig.__dataclass_fields__

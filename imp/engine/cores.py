@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from imp.config import ServerConfig, itl_ratio, pipeline_depth, step_tokens
+from imp.config import ServerConfig, itl_policy_on, itl_ratio, pipeline_depth, step_tokens
 from imp.core.admission import AdmissionConfig, AdmissionCore
 from imp.core.kv import KvConfig, KvCore
 from imp.core.replicas import Routed
@@ -59,7 +59,7 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
             swap_ns_per_block=swap.ns_per_block,
             recompute_ns_per_token=swap.recompute_ns_per_token,
             # the mixed graphs' measured bucket costs, for the ITL policy (only where one is on)
-            prompt_step_ns=prompt_costs if (cfg.itl_target_ms or itl_ratio(cfg)) else (),
+            prompt_step_ns=prompt_costs if itl_policy_on(cfg) else (),
         )
     )
     return adm, sch, kv

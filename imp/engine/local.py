@@ -25,7 +25,7 @@ from imp.actors.detok import DetokActor
 from imp.actors.executor import ExecutorActor
 from imp.actors.ingress import IngressActor
 from imp.actors.metrics import MetricsActor
-from imp.config import ServerConfig, itl_ratio
+from imp.config import ServerConfig, itl_policy_on
 from imp.constrain.book import ConstraintBook
 from imp.core.replicas import replica_name
 from imp.engine.cores import build_cores
@@ -57,7 +57,7 @@ def _prompt_costs(cfg: ServerConfig, runner) -> tuple[tuple[int, int, int], ...]
     () where no policy is on or the runner has no buckets. Measured once here, frozen into the scheduler's
     config (the event log's header), so a replay plans the same chunks."""
     measure = getattr(runner, "prompt_costs", None)
-    if measure is None or not (cfg.itl_target_ms or itl_ratio(cfg)):
+    if measure is None or not itl_policy_on(cfg):
         return ()
     t0 = time.perf_counter()
     table = tuple(measure())

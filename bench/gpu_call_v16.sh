@@ -5,7 +5,7 @@
 #   CONFIGS   imp flag sets separated by ';' ("" = the defaults): for each, bench/gpu_call_v15.sh's $WHAT sections
 #             with ARGS set to it, into $OUT/c<i>/
 #   PEER=1    bench/engine.py --http --llama-server on SmolLM2's shape (streams $PSTREAMS) and the 8B shape
-#             (250-token prompts, streams $PSTREAMS8), waiting for the build up to $BUILD_WAIT s
+#             (250-token prompts, streams $PSTREAMS8), waiting for the build up to $BUILD_WAIT s (PSMOL=0: the 8B alone)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 T0=$(date +%s); here=$PWD
@@ -29,7 +29,7 @@ if [ "${PEER:-0}" = 1 ]; then
   export PYTHONPATH=/tmp/site
   wait_build
   [ -f /tmp/smol.gguf ] || python3 bench/write_synth.py 135m-q4_1 /tmp/smol.gguf 2>&1 | tail -1
-  timeout ${PEER_S:-280} python3 bench/engine.py --model /tmp/smol.gguf --device cuda:0 --streams ${PSTREAMS:-1,16,64,256} \
+  [ "${PSMOL:-1}" = 1 ] && timeout ${PEER_S:-280} python3 bench/engine.py --model /tmp/smol.gguf --device cuda:0 --streams ${PSTREAMS:-1,16,64,256} \
     --prompt 234 --answer 128 --rounds 2 --server-args "--kv-cache-tokens 131072" --http --client-procs 4 \
     $([ -x $L ] && echo --llama-server $L) --json $OUT/peer_smol.json > $OUT/peer_smol.txt 2>&1
   echo "peer smol rc $? at $(( $(date +%s) - T0 )) s"; grep "^|\|llama-server" $OUT/peer_smol.txt | grep -v "idle\|prefill-only\|failed:" | tail -32

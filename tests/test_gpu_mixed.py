@@ -209,8 +209,8 @@ def test_few_prompt_tiles_over_a_long_context_run_eagerly():
 def test_the_bucket_costs_cover_every_pair_with_decode_rows_and_change_no_token(tmp_path_factory):
     """`prompt_costs` (the ITL policy's table, measured at boot on the captured graphs): one entry per
     (prompt bucket, decode bucket) pair with decode rows, none negative, the largest prompt bucket costing
-    more than the smallest; a step run before and after measuring answers the same tokens (the replays touch
-    no sequence's KV)."""
+    more than the smallest; `prompt_ctx_ns` (a prompt row's attention per 1,000 positions) positive; a step
+    run before and after measuring answers the same tokens (the replays touch no sequence's KV)."""
     gpu = _gpu_runner(tmp_path_factory, True)
     rng = random.Random(5)
     seqs = [SeqWork(seq_id=f"p{i}", token_ids=tuple(rng.randint(3, 500) for _ in range(n)), start_pos=0,
@@ -221,4 +221,9 @@ def test_the_bucket_costs_cover_every_pair_with_decode_rows_and_change_no_token(
     assert sorted((pb, db) for pb, db, _ in table) == sorted((pb, db) for pb in (16, 32, 64, 128) for db in (1, 2, 4, 8))
     assert all(ns >= 0 for *_, ns in table)
     assert any(ns > 0 for *_, ns in table)  # measured (a tiny model: launches more than rows)
+    assert [t.token_id for t in gpu.step(seqs)] == want
+    gpu.forget([s.seq_id for s in seqs])
+    # the prompt rows' attention by context: 128 rows from ~1.5k positions read blocks these sequences hold
+    # (reads only: the same tokens after)
+    assert gpu.prompt_ctx_ns() > 0
     assert [t.token_id for t in gpu.step(seqs)] == want

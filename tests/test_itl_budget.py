@@ -285,6 +285,72 @@ def test_a_bucket_table_picks_the_largest_bucket_whose_measured_cost_fits_the_ra
         SchedulerConfig(num_blocks=8, prompt_step_ns=((16, 0, 5),))
 
 
+def test_a_chunk_s_attention_by_its_start_takes_a_smaller_bucket_deeper_in_a_prompt():
+    """With `ctx_ns` (a prompt row's attention per 1,000 positions it reads) a bucket costs its table entry plus
+    ctx_ns x rows x (start + rows/2): the same room takes 512 rows at a prompt's start and fewer deeper in it,
+    where the table alone (inert rows, ctx_ns 0) would take 512 at every position."""
+    from imp.core.itl import ItlBudget
+
+    plain = ItlBudget(0, 16, 1024, ratio=3.0, table=BUCKETS_8B)
+    by_ctx = ItlBudget(0, 16, 1024, ratio=3.0, table=BUCKETS_8B, ctx_ns=24_000)
+    for b in (plain, by_ctx):
+        b.observe(int(11 * MS), 0, 16)  # decode-only steps of 11 ms: the ratio's room is 22 ms
+    # 512 rows: 2.5 + 12.8 + ~0 ms = 15.3 ms in the table; from position 0 their attention adds 512 x 256 x 24 ns
+    assert plain.cap(0, 16, 0) == plain.cap(0, 16, 1400) == 512
+    assert by_ctx.cap(0, 16, 0) == 512  # 15.3 + 3.1 ms
+    assert by_ctx.cap(0, 16, 1024) == 256  # 512 rows: 15.3 + 15.7 ms; 256: 8.9 + 7.1 ms
+    assert by_ctx.bucket_ns(256, 1000, 1024) == 1000 + 24_000 * 256 * (1024 + 128) / 1000
+    with __import__("pytest").raises(ValueError):
+        SchedulerConfig(num_blocks=8, prompt_ctx_ns=-1)
+
+
+def test_the_scheduler_reads_a_running_prompt_s_chunk_at_its_start():
+    """A long prompt part way through beside decode rows: its next chunk is read at the position it starts
+    from, so with the attention term it gets a smaller bucket than the table alone gives it."""
+
+    def chunks(ctx_ns: int) -> list[int]:
+        cfg = SchedulerConfig(num_blocks=2048, block_size=16, max_context=4096, max_batch_size=64,
+                              max_step_tokens=1024, history_once=True, itl_ratio=3.0, prompt_step_ns=BUCKETS_8B,
+                              prompt_ctx_ns=ctx_ns)
+        sch, kv = SchedulerCore(cfg), KvCore(KvConfig(num_blocks=2048, block_size=16))
+        queue, now, seen = [], 0, []
+
+        def submit(rid, n):
+            nonlocal queue
+            k = 10_000 * (1 + int(rid[1:]))
+            sub = Submit(rid, tuple(range(k, k + n)), SamplingParams(max_tokens=400, ignore_eos=True), now)
+            queue += sch.handle("admission", Enqueue(sub, 4))
+
+        for i in range(4):
+            submit(f"r{i}", 20)  # four short prompts: the decode rows
+        for step in range(40):
+            if step == 5:
+                submit("r9", 3000)  # a long prompt arrives beside them
+            plan = None
+            while queue:
+                to, msg = queue.pop(0)
+                if to == "kv" and isinstance(msg, KvRequest):
+                    queue += kv.handle("scheduler", msg)
+                elif to == "scheduler":
+                    queue += sch.handle("kv", msg)
+                elif to == "executor" and isinstance(msg, StepPlan):
+                    plan = msg
+            if plan is None:
+                break
+            p, d = _prompt_rows(plan), _decode_rows(plan)
+            if p and d and step >= 5:
+                seen.append(p)
+            now += int(11 * MS)
+            toks = tuple(SampledToken(w.seq_id, 7) for w in plan.seqs if w.sample)
+            queue += sch.handle("executor", StepResult(plan.step, toks, now, int(11 * MS) if not p else int(20 * MS)))
+        return seen
+
+    plain, by_ctx = chunks(0), chunks(24_000)
+    assert plain and set(plain[:-1]) == {512}, plain  # the table alone: 512-row chunks all the way
+    assert by_ctx[0] == 512 and min(by_ctx[:-1]) < 512, by_ctx  # deeper in: smaller chunks
+    assert sum(by_ctx) == sum(plain) == 3000
+
+
 def test_with_a_bucketed_device_the_table_holds_the_ratio_where_the_fit_did_not():
     """A fake device whose mixed steps cost their prompt-row bucket (a GPU's graphs): the streams' worst step
     stays within the ratio with the boot's table; the fit alone plans between buckets and passes it."""
@@ -356,11 +422,18 @@ def test_the_runner_s_bucket_costs_reach_the_scheduler_only_with_a_policy_on(tmp
     bucketed = PacedNullRunner.load(str(path), step_us=7000, token_us=28, mixed_us=500, buckets=(16, 32, 64))
     plain = PacedNullRunner.load(str(path), step_us=7000, token_us=28, mixed_us=500)
     on, off = ServerConfig(itl_ratio=3.0), ServerConfig(itl_ratio=0)
-    table = _prompt_costs(on, bucketed)
-    assert (16, 64, 28 * 16 * 1000 + 500_000) in table and len(table) == 3 * 9
-    assert _prompt_costs(off, bucketed) == () and _prompt_costs(on, plain) == ()
+    table, ctx_ns = _prompt_costs(on, bucketed)
+    assert (16, 64, 28 * 16 * 1000 + 500_000) in table and len(table) == 3 * 9 and ctx_ns == 0
+    assert _prompt_costs(off, bucketed) == ((), 0) and _prompt_costs(on, plain) == ((), 0)
     assert build_cores(on, 64, 2048, "m", prompt_costs=table)[1].config.prompt_step_ns == table
     assert build_cores(off, 64, 2048, "m", prompt_costs=table)[1].config.prompt_step_ns == ()
+    # with attention by context the runner says what a prompt row adds per 1,000 positions, and the config has it
+    by_ctx = PacedNullRunner.load(str(path), step_us=7000, token_us=28, mixed_us=500, buckets=(16, 32, 64),
+                                  prompt_ctx_us=24)
+    table, ctx_ns = _prompt_costs(on, by_ctx)
+    assert ctx_ns == 24_000 and len(table) == 3 * 9
+    assert build_cores(on, 64, 2048, "m", prompt_costs=table, prompt_ctx_ns=ctx_ns)[1].config.prompt_ctx_ns == 24_000
+    assert build_cores(off, 64, 2048, "m", prompt_costs=table, prompt_ctx_ns=ctx_ns)[1].config.prompt_ctx_ns == 0
     # and the paced device charges a step's prompt rows at their bucket, as the table says
     seqs = [SeqWork("a", tuple(range(20)), 0, (0, 1), True, SamplingParams(max_tokens=4)),
             SeqWork("b", (5,), 3, (2,), True, SamplingParams(max_tokens=4))]

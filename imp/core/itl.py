@@ -28,7 +28,13 @@ sizes it chose, so it cannot learn the jumps (on the 8B shape it settled on whol
 decode step under ratio 3). There the boot measures the buckets (`table`: prompt-row bucket, decode-row
 bucket, ns the prompt rows add to that decode-only step) and both policies take the largest prompt bucket
 whose measured cost fits the room, at the step's decode-row bucket; the fit is not used for the room.
-Tried and left out (paced null runner with the 8B's costs, PERFORMANCE.md): correcting the table online by
+The table's replays run on inert rows, so it lacks what a prompt chunk's attention over its context costs: on
+the 8B shape 512-row chunks at ~1,400-token contexts cost 3.4x a decode step where the table said they fit 3x.
+So the boot also measures what a prompt row adds per 1,000 positions it reads (`ctx_ns`), and a bucket costs its
+table entry plus ctx_ns x rows x (start + rows / 2) from the position its chunk starts at (the scheduler's).
+Tried and left out (paced null runner with the 8B's costs, PERFORMANCE.md): a ratio read against the median step
+(a mixed step's cost once most steps carry prompt rows; the rooms jumped at the crossing: ITL p99 / p50 5.3x at
+1,400 x 16); correcting the table online by
 what mixed steps cost against it (the boot's inert rows lack a real context's attention) read the decode
 part as the average decode-only step, over-charged the prompt rows at 256 streams and shrank the batch
 (TTFT p50 0.55 -> 1.1 s); the backlog's share rounded down to a bucket did the same (1.5 s).
@@ -65,13 +71,16 @@ def bucket_costs(table: tuple[tuple[int, int, int], ...]) -> dict[int, tuple[tup
 
 
 class ItlBudget:
-    __slots__ = ("target_ns", "min_tokens", "max_tokens", "ratio", "decode_ns", "_s", "_table")
+    __slots__ = ("target_ns", "min_tokens", "max_tokens", "ratio", "decode_ns", "_s", "_table", "ctx_ns")
 
     def __init__(self, target_ns: int, min_tokens: int, max_tokens: int, ratio: float = 0.0,
-                 table: tuple[tuple[int, int, int], ...] = ()):
+                 table: tuple[tuple[int, int, int], ...] = (), ctx_ns: int = 0):
         self.target_ns, self.min_tokens, self.max_tokens = target_ns, min_tokens, max_tokens
         self.ratio = 0.0 if target_ns else ratio  # a target, where given, is the policy
         self._table = bucket_costs(table)  # {} : the fit alone
+        # with a table: ns a prompt row adds per 1,000 positions it reads (its attention over the context, which
+        # the table's inert rows do not have): a chunk of n rows from position p adds ctx_ns x n x (p + n/2) / 1000
+        self.ctx_ns = ctx_ns
         self.decode_ns = 0  # a decode-only step, ns (the batch changes slowly: one average)
         # what prompt tokens add to a step: fixed + tokens x per token, a weighted least-squares fit of
         # (tokens, step - decode step) over the steps with prompt tokens. The fixed part is the GPU's:
@@ -118,23 +127,27 @@ class ItlBudget:
     def token_ns(self) -> int:
         return round(self.costs()[1])
 
-    def bucket_room(self, left_ns: float, decodes: int) -> int:
-        """The largest prompt-row bucket whose measured cost beside `decodes` decode rows is at most left_ns
-        (the decode-row bucket that holds them; past the largest, the largest); max_tokens where none is:
-        even the smallest bucket's fixed part passes the room, so chunks take the whole budget (fewer mixed
-        steps, each paying that part once)."""
-        fits = [pb for pb, ns in self._row(decodes) if ns <= left_ns]
+    def bucket_ns(self, pb: int, ns: int, ctx: int) -> float:
+        """A prompt bucket's cost: the table's (inert rows) plus its rows' attention from position ctx."""
+        return ns + self.ctx_ns * pb * (ctx + pb / 2) / 1000
+
+    def bucket_room(self, left_ns: float, decodes: int, ctx: int = 0) -> int:
+        """The largest prompt-row bucket whose cost beside `decodes` decode rows, its chunk starting at position
+        ctx, is at most left_ns (the decode-row bucket that holds them; past the largest, the largest);
+        max_tokens where none is: even the smallest bucket's fixed part passes the room, so chunks take the
+        whole budget (fewer mixed steps, each paying that part once)."""
+        fits = [pb for pb, ns in self._row(decodes) if self.bucket_ns(pb, ns, ctx) <= left_ns]
         return fits[-1] if fits else self.max_tokens
 
     def _row(self, decodes: int) -> tuple[tuple[int, int], ...]:
         dbs = tuple(self._table)
         return self._table[next((d for d in dbs if d >= decodes), dbs[-1])]
 
-    def cap(self, waiting_tokens: int = 0, decodes: int = 1) -> int:
+    def cap(self, waiting_tokens: int = 0, decodes: int = 1, ctx: int = 0) -> int:
         """Prompt tokens for a step beside decode rows (max_tokens while off or not yet measured).
         waiting_tokens: the prompt tokens not yet computed of the requests that wait or are part way
-        (the ratio policy's backlog term). The target's step may take twice a decode step where that is
-        longer than the target: a model whose decode alone passes it (a large one on a CPU) still
+        (the ratio policy's backlog term); ctx: the position the step's first prompt chunk starts at (its rows'
+        attention, `ctx_ns`). The target's step may take twice a decode step where that is longer than the target: a model whose decode alone passes it (a large one on a CPU) still
         computes a prompt at half its decode rate. Where the ratio leaves the prompt tokens less time than
         the fixed part (or none), chunks take the whole budget: each one pays the fixed part, so fewer
         and larger ones stall the streams least and keep the prefill rate."""
@@ -142,10 +155,10 @@ class ItlBudget:
             if self.decode_ns <= 0:
                 return self.max_tokens  # no decode-only step landed yet: nothing to hold a ratio to
             if self.target_ns:
-                room = self.bucket_room(max(self.target_ns, 2 * self.decode_ns) - self.decode_ns, decodes)
+                room = self.bucket_room(max(self.target_ns, 2 * self.decode_ns) - self.decode_ns, decodes, ctx)
             else:  # the backlog's share rounded up to its bucket: the step costs that bucket anyway
                 need = -(-waiting_tokens // DRAIN_STEPS)
-                room = max(self.bucket_room((self.ratio - 1.0) * self.decode_ns, decodes),
+                room = max(self.bucket_room((self.ratio - 1.0) * self.decode_ns, decodes, ctx),
                            next((pb for pb, _ in self._row(decodes) if pb >= need), need) if need else 0)
             return max(self.min_tokens, min(self.max_tokens, room))
         fixed, per = self.costs()

@@ -62,13 +62,18 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     # ratio 3). With a table the policy picks whole buckets by their measured cost (`ItlBudget`). () = the
     # online fit alone (a CPU; logs written before this field replay identically)
     prompt_step_ns: tuple[tuple[int, int, int], ...] = ()
+    # beside the table: ns a prompt row adds per 1,000 positions of context it reads (attention, which the
+    # table's inert rows lack; measured at boot on a long chunk). 512-row chunks at ~1,400-token contexts cost
+    # 3.4x a decode step on the 8B shape where the table alone said they fit 3x. 0 = none (older logs)
+    prompt_ctx_ns: int = 0
 
     def __post_init__(self):
         if min(self.num_blocks, self.block_size, self.max_context, self.max_batch_size,
                self.max_step_tokens, self.aging_ns) < 1 or self.request_timeout_ns < 0 \
                 or self.pipeline_depth not in (1, 2) or self.itl_target_ns < 0 or self.spec_k_max < 0 or self.itl_ratio < 0 \
                 or min(self.swap_blocks, self.swap_ns_per_block, self.recompute_ns_per_token) < 0 \
-                or any(len(e) != 3 or min(e) < 0 or min(e[:2]) < 1 for e in self.prompt_step_ns):
+                or any(len(e) != 3 or min(e) < 0 or min(e[:2]) < 1 for e in self.prompt_step_ns) \
+                or self.prompt_ctx_ns < 0:
             raise ValueError(f"bad SchedulerConfig {self}")
 
 

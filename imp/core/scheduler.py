@@ -88,7 +88,7 @@ class SchedulerCore(RequestBook):
         self.step = 0
         self.kv = KvFigures(config.num_blocks, config.num_blocks, 0, 0, 0, config.block_size)
         self.itl = ItlBudget(config.itl_target_ns, config.block_size, config.max_step_tokens, config.itl_ratio,
-                             config.prompt_step_ns)
+                             config.prompt_step_ns, config.prompt_ctx_ns)
         self.backlog = 0  # of the step being planned: prompt tokens not yet computed (the ratio policy's term)
         self.cost = StepCost()  # what a step's rows cost: how long a draft still pays (imp.core.spec)
 
@@ -165,7 +165,7 @@ class SchedulerCore(RequestBook):
                 continue  # pipelined: a draft needs the token in flight; this step waits for it
             if s.pending and (vlen - n_prompt(s) >= s.params.max_tokens or vlen >= self.max_len):
                 continue  # the token in flight is its last
-            if vlen - start > 1 and decodes and budget > (room := self._prompt_room(budget, decodes)):
+            if vlen - start > 1 and decodes and budget > (room := self._prompt_room(budget, decodes, start)):
                 budget = room  # the first prefill chunk beside decode rows: the ITL target's share
                 if budget == 0:
                     break
@@ -192,8 +192,10 @@ class SchedulerCore(RequestBook):
                 w.seq.ahead, w.seq.pending = w.seq.ahead + w.n, w.seq.pending + w.sample
                 self.batch.append(w)
                 budget -= w.n
-        if decodes:  # new prompts beside decode rows: what is left of the ITL target's share
-            budget = min(budget, self._prompt_room(budget, decodes))
+        if decodes:  # new prompts beside decode rows: what is left of the ITL target's share (new prompts start at
+            # 0 before their cached part is known; the cost of the chunks planned so far is read at the first's start)
+            first = next((w.start for w in self.batch if w.n - len(w.draft) > 1), 0)
+            budget = min(budget, self._prompt_room(budget, decodes, first))
         reserved, counted, slots = self._reserved(), set(), c.max_batch_size - len(self.running)
         self.new_budget = budget  # what the new shares may compute once their cached part is known
         budget += max(0, c.admit_tokens - c.max_step_tokens)  # planning allowance for prompts the cache may hold
@@ -442,11 +444,11 @@ class SchedulerCore(RequestBook):
         ops += [op] if op else []
         return Work(g, n, op is not None, start=start, sample=start + n == len(g.tokens))
 
-    def _prompt_room(self, budget: int, decodes: int) -> int:
-        """Prompt tokens this step may still compute beside its `decodes` decode rows: the ITL
-        target's share (`ItlBudget.cap`) less the prompt tokens already planned."""
+    def _prompt_room(self, budget: int, decodes: int, ctx: int) -> int:
+        """Prompt tokens this step may still compute beside its `decodes` decode rows, its first prompt chunk
+        from position ctx: the ITL target's share (`ItlBudget.cap`) less the prompt tokens already planned."""
         planned = sum(w.n for w in self.batch) - decodes
-        return max(0, min(budget, self.itl.cap(self.backlog, decodes) - planned))
+        return max(0, min(budget, self.itl.cap(self.backlog, decodes, ctx) - planned))
 
     def _grow_op(self, s: Seq, positions: int) -> KvOp | None:
         """A grow when the table must grow or a written block filled up (to cache it)."""

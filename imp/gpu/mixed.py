@@ -274,6 +274,46 @@ class MixedGraphs:
         return tuple((pb, db, max(0, round(time_ns(g.replay) - base[db])))
                      for (pb, db), g in sorted(self.graphs.items()) if db in base)
 
+    def ctx_ns(self, num_blocks: int, ctx: int = 1536, reps: int = 2) -> int:
+        """ns a prompt row's attention adds per 1,000 positions it reads: the largest prompt bucket up to 512 rows
+        as one chunk from position ~ctx (no decode rows) against the same graph on inert inputs, over the rows'
+        n x (start + n/2) positions. It reads blocks 0.. of the pool whatever they hold and writes none (slots
+        -1): boot only, before any request. 0 where the pool or the block tables are too short to say."""
+        pb = max((p for p in self.pbs if p <= 512), default=0)
+        if not pb or (pb, 0) not in self.graphs:
+            return 0
+        bs = self.block_size
+        start = min(ctx, num_blocks * bs - pb, self.reg.MB * bs - pb) // bs * bs
+        if start < pb:
+            return 0
+        seq = SeqWork(seq_id="ctx", token_ids=(0,) * pb, start_pos=start,
+                      block_table=tuple(range((start + pb - 1) // bs + 1)), sample=False, params=None)
+        g = self.graphs[(pb, 0)]
+
+        def time_ns() -> float:
+            best = float("inf")
+            for _ in range(reps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                g.replay()
+                b.record()
+                b.synchronize()
+                best = min(best, a.elapsed_time(b) * 1e6)
+            return best
+
+        self.inert()
+        inert = time_ns()
+        h = self.hosts[0].numpy()
+        layout([seq], None, pb, 0, bs, self.reg, h)
+        o = self.reg.offsets
+        h[o["slots"]:o["slots"] + pb] = -1  # no KV written: the rows only read
+        self.dev.copy_(self.hosts[0])
+        try:
+            read = time_ns()
+        finally:
+            self.inert()
+        return max(0, round((read - inert) * 1000 / (pb * (start + pb / 2))))
+
     def fits(self, seqs: list[SeqWork]) -> tuple[int, int] | None:
         if not self.graphs:
             return None

@@ -220,6 +220,17 @@ class GpuModelRunner:
         torch.cuda.synchronize(self.device)
         return out
 
+    @torch.inference_mode()
+    def prompt_ctx_ns(self) -> int:
+        """What a prompt row's attention adds per 1,000 positions of context (`MixedGraphs.ctx_ns`), beside
+        `prompt_costs`' table of inert rows; 0 without mixed graphs. Boot only (it reads the pool's blocks)."""
+        if self.mixed is None or not self.mixed.graphs:
+            return 0
+        torch.cuda.synchronize(self.device)
+        out = self.mixed.ctx_ns(self.num_blocks)
+        torch.cuda.synchronize(self.device)
+        return out
+
     # ------------------------------------------------------------------ interface
 
     @torch.inference_mode()

@@ -140,7 +140,7 @@ class PacedNullRunner(NullRunner):
         # one-token row per 1,000 positions it reads, + prompt_ctx_us a prompt row per 1,000 positions it reads
         # (a chunk's rows read start .. their own position: n x (start + n / 2)). The 8B shape on an H100:
         # decode steps of 16 rows 7.6 ms at ~300-token contexts, 11.2 ms at ~1,450 (~190 µs a row per 1,000)
-        self.ctx_ns, self.prompt_ctx_ns = ctx_us * 1000, prompt_ctx_us * 1000
+        self.ctx_ns, self.pctx_ns = ctx_us * 1000, prompt_ctx_us * 1000
         self._busy_until = 0  # monotonic ns at which the last launched step lands
         self._start = 0  # the last launched step's start on the make-believe device
 
@@ -161,10 +161,10 @@ class PacedNullRunner(NullRunner):
         rows = sum(1 for s in seqs if len(s.token_ids) == 1)
         prompt = self._prompt(sum(len(s.token_ids) for s in seqs) - rows)
         ns = self.step_ns + self.row_ns * rows + self.token_ns * prompt + (self.mixed_ns if rows and prompt else 0)
-        if self.ctx_ns or self.prompt_ctx_ns:
+        if self.ctx_ns or self.pctx_ns:
             for s in seqs:
                 n = len(s.token_ids)
-                ns += (self.ctx_ns * (s.start_pos + 1) if n == 1 else self.prompt_ctx_ns * n * (s.start_pos + n / 2)) / 1000
+                ns += (self.ctx_ns * (s.start_pos + 1) if n == 1 else self.pctx_ns * n * (s.start_pos + n / 2)) / 1000
         return int(ns)
 
     def prompt_costs(self) -> tuple[tuple[int, int, int], ...]:
@@ -173,6 +173,10 @@ class PacedNullRunner(NullRunner):
             return ()
         return tuple((pb, db, self.token_ns * pb + self.mixed_ns) for pb in self.buckets
                      for db in (1, 2, 4, 8, 16, 32, 64, 128, 256))
+
+    def prompt_ctx_ns(self) -> int:
+        """The GPU runner's measure of a prompt row's attention, ns per 1,000 positions it reads (its cost model's)."""
+        return round(self.pctx_ns) if self.buckets else 0
 
     def launch(self, seqs: list[SeqWork], constraints=None, lora=None) -> tuple[int, int, list[SampledToken]]:
         start = max(time.monotonic_ns(), self._busy_until)

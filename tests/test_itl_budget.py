@@ -351,6 +351,55 @@ def test_the_scheduler_reads_a_running_prompt_s_chunk_at_its_start():
     assert sum(by_ctx) == sum(plain) == 3000
 
 
+def test_a_new_prompt_past_a_cached_prefix_is_sized_at_its_start():
+    """An agent's next turn: most of its prompt is in the prefix cache, so its first chunk starts thousands of
+    positions in. Planning knew only position 0; once the KV reply says where it starts, the attention term
+    sizes its chunk there (smaller), where the table alone keeps the whole bucket."""
+
+    def first_chunk(ctx_ns: int) -> int:
+        cfg = SchedulerConfig(num_blocks=2048, block_size=16, max_context=8192, max_batch_size=64,
+                              max_step_tokens=1024, history_once=True, itl_ratio=3.0, prompt_step_ns=BUCKETS_8B,
+                              prompt_ctx_ns=ctx_ns)
+        sch, kv = SchedulerCore(cfg), KvCore(KvConfig(num_blocks=2048, block_size=16, share_in_flight=True))
+        queue, now = [], 0
+        prefix = tuple(range(50_000, 53_000))
+
+        def submit(rid, prompt):
+            nonlocal queue
+            sub = Submit(rid, prompt, SamplingParams(max_tokens=400, ignore_eos=True), now)
+            queue += sch.handle("admission", Enqueue(sub, 4))
+
+        for i in range(4):
+            submit(f"r{i}", tuple(range(10_000 * (i + 1), 10_000 * (i + 1) + 20)))  # the decode rows
+        submit("r5", prefix)  # the agent's first turn: its prompt's blocks go into the prefix cache
+        for step in range(60):
+            if step == 30:
+                submit("r9", prefix + tuple(range(60_000, 60_600)))  # its next turn: 3,000 cached + 600 new
+            plan = None
+            while queue:
+                to, msg = queue.pop(0)
+                if to == "kv" and isinstance(msg, KvRequest):
+                    queue += kv.handle("scheduler", msg)
+                elif to == "scheduler":
+                    queue += sch.handle("kv", msg)
+                elif to == "executor" and isinstance(msg, StepPlan):
+                    plan = msg
+            if plan is None:
+                break
+            late = [len(w.token_ids) for w in plan.seqs if w.start_pos >= 2992 and len(w.token_ids) > 1]
+            if step >= 30 and late:
+                assert _decode_rows(plan) >= 4
+                return late[0]
+            now += int(11 * MS)
+            toks = tuple(SampledToken(w.seq_id, 7) for w in plan.seqs if w.sample)
+            queue += sch.handle("executor", StepResult(plan.step, toks, now, int(11 * MS) if not _prompt_rows(plan)
+                                                       else int(20 * MS)))
+        raise AssertionError("the second turn never ran")
+
+    assert first_chunk(0) == 512  # the table alone: the ratio's 22 ms take 512 rows (15.3 ms) at any position
+    assert first_chunk(24_000) == 128  # at ~3,000 positions 256 rows cost 8.9 + 19.3 ms, 128 rows 5.7 + 9.4
+
+
 def test_with_a_bucketed_device_the_table_holds_the_ratio_where_the_fit_did_not():
     """A fake device whose mixed steps cost their prompt-row bucket (a GPU's graphs): the streams' worst step
     stays within the ratio with the boot's table; the fit alone plans between buckets and passes it."""

@@ -233,6 +233,10 @@ class SchedulerCore(RequestBook):
         self._check(Phase.KV, msg.step)
         self.kv = msg.figures
         results, failed, shut_out = iter(msg.results), [], []
+        # a new share that starts past a cached prefix reads that context: with the ITL policy's attention term
+        # its chunk beside decode rows is sized at its start (planning knew only position 0)
+        decodes = sum(1 for w in self.batch if w.n == 1 and w.sample and not w.new) if self.itl.ctx_ns else 0
+        planned = sum(w.n for w in self.batch if not w.new) - decodes
         for w in self.batch:
             s, res = w.seq, next(results) if w.has_result else None
             if w.new:
@@ -253,9 +257,12 @@ class SchedulerCore(RequestBook):
                 self._set(s, Status.RUNNING)
                 w.start, w.epoch = s.num_computed, s.epoch
                 w.n = min(w.n, len(s.tokens) - w.start, self.new_budget)  # the cached part is free
+                if decodes and w.start:
+                    w.n = max(0 if planned else 1, min(w.n, self.itl.cap(self.backlog, decodes, w.start) - planned))
                 if s.shadow is not None or s.guided is not None:  # a guided pair samples only together
                     w.n = min(w.n, len(s.tokens) - 1 - w.start)
                 self.new_budget -= w.n
+                planned += w.n
                 w.sample = w.start + w.n == len(s.tokens)
                 s.ahead, s.pending = w.n, int(w.sample)
             elif res is not None and s.status is Status.RUNNING and w.epoch == s.epoch:

@@ -182,6 +182,19 @@ def layout(seqs: list[SeqWork], src: dict[int, int] | None, pb: int, db: int, bs
     return Placed(pb, db, head_at, o["dec_bt"] + db * MB)
 
 
+def least_ns(replay: Callable[[], None], reps: int) -> float:
+    """The least device time of `reps` replays, ns (CUDA events on the current stream)."""
+    best = float("inf")
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        replay()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e6)
+    return best
+
+
 class MixedGraphs:
     """The graphs of every (Pb, Db) bucket pair over one static input buffer (see the module docstring)."""
 
@@ -257,24 +270,12 @@ class MixedGraphs:
         each the least of `reps` replays on inert inputs (no KV written, no row read past its bucket: a real
         step's layout replayed through a smaller bucket indexes past its rows). The decode graphs' inputs must be
         inert too (the caller's). The scheduler's ITL policy plans whole buckets by these (imp.core.itl)."""
-
-        def time_ns(replay: Callable[[], None]) -> float:
-            best = float("inf")
-            for _ in range(reps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                replay()
-                b.record()
-                b.synchronize()
-                best = min(best, a.elapsed_time(b) * 1e6)
-            return best
-
         self.inert()
-        base = {db: time_ns(f) for db, f in decode.items()}
-        return tuple((pb, db, max(0, round(time_ns(g.replay) - base[db])))
+        base = {db: least_ns(f, reps) for db, f in decode.items()}
+        return tuple((pb, db, max(0, round(least_ns(g.replay, reps) - base[db])))
                      for (pb, db), g in sorted(self.graphs.items()) if db in base)
 
-    def ctx_ns(self, num_blocks: int, ctx: int = 1536, reps: int = 2) -> int:
+    def ctx_ns(self, num_blocks: int, ctx: int = 1536, reps: int = 3) -> int:
         """ns a prompt row's attention adds per 1,000 positions it reads: the largest prompt bucket up to 512 rows
         as one chunk from position ~ctx (no decode rows) against the same graph on inert inputs, over the rows'
         n x (start + n/2) positions. It reads blocks 0.. of the pool whatever they hold and writes none (slots
@@ -289,27 +290,15 @@ class MixedGraphs:
         seq = SeqWork(seq_id="ctx", token_ids=(0,) * pb, start_pos=start,
                       block_table=tuple(range((start + pb - 1) // bs + 1)), sample=False, params=None)
         g = self.graphs[(pb, 0)]
-
-        def time_ns() -> float:
-            best = float("inf")
-            for _ in range(reps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                g.replay()
-                b.record()
-                b.synchronize()
-                best = min(best, a.elapsed_time(b) * 1e6)
-            return best
-
         self.inert()
-        inert = time_ns()
+        inert = least_ns(g.replay, reps)
         h = self.hosts[0].numpy()
         layout([seq], None, pb, 0, bs, self.reg, h)
         o = self.reg.offsets
         h[o["slots"]:o["slots"] + pb] = -1  # no KV written: the rows only read
         self.dev.copy_(self.hosts[0])
         try:
-            read = time_ns()
+            read = least_ns(g.replay, reps)
         finally:
             self.inert()
         return max(0, round((read - inert) * 1000 / (pb * (start + pb / 2))))

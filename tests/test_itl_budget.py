@@ -304,6 +304,23 @@ def test_a_chunk_s_attention_by_its_start_takes_a_smaller_bucket_deeper_in_a_pro
         SchedulerConfig(num_blocks=8, prompt_ctx_ns=-1)
 
 
+def _next_plan(queue: list, sch, kv, detok=None) -> StepPlan | None:
+    """Deliver the cores' messages until the scheduler plans a step (its plan), or they run out (None);
+    detok(msg): what the scheduler sends the streams, where the caller wants it."""
+    plan = None
+    while queue:
+        to, msg = queue.pop(0)
+        if to == "kv" and isinstance(msg, KvRequest):
+            queue += kv.handle("scheduler", msg)
+        elif to == "scheduler":
+            queue += sch.handle("kv", msg)
+        elif to == "executor" and isinstance(msg, StepPlan):
+            plan = msg
+        elif to == "detok" and detok is not None:
+            detok(msg)
+    return plan
+
+
 def test_the_scheduler_reads_a_running_prompt_s_chunk_at_its_start():
     """A long prompt part way through beside decode rows: its next chunk is read at the position it starts
     from, so with the attention term it gets a smaller bucket than the table alone gives it."""
@@ -326,15 +343,7 @@ def test_the_scheduler_reads_a_running_prompt_s_chunk_at_its_start():
         for step in range(40):
             if step == 5:
                 submit("r9", 3000)  # a long prompt arrives beside them
-            plan = None
-            while queue:
-                to, msg = queue.pop(0)
-                if to == "kv" and isinstance(msg, KvRequest):
-                    queue += kv.handle("scheduler", msg)
-                elif to == "scheduler":
-                    queue += sch.handle("kv", msg)
-                elif to == "executor" and isinstance(msg, StepPlan):
-                    plan = msg
+            plan = _next_plan(queue, sch, kv)
             if plan is None:
                 break
             p, d = _prompt_rows(plan), _decode_rows(plan)
@@ -375,15 +384,7 @@ def test_a_new_prompt_past_a_cached_prefix_is_sized_at_its_start():
         for step in range(60):
             if step == 30:
                 submit("r9", prefix + tuple(range(60_000, 60_600)))  # its next turn: 3,000 cached + 600 new
-            plan = None
-            while queue:
-                to, msg = queue.pop(0)
-                if to == "kv" and isinstance(msg, KvRequest):
-                    queue += kv.handle("scheduler", msg)
-                elif to == "scheduler":
-                    queue += sch.handle("kv", msg)
-                elif to == "executor" and isinstance(msg, StepPlan):
-                    plan = msg
+            plan = _next_plan(queue, sch, kv)
             if plan is None:
                 break
             late = [len(w.token_ids) for w in plan.seqs if w.start_pos >= 2992 and len(w.token_ids) > 1]
@@ -419,21 +420,15 @@ def test_with_a_bucketed_device_the_table_holds_the_ratio_where_the_fit_did_not(
 
         for i in range(48):
             submit(f"r{i}")
+        def detok(msg):
+            nonlocal n
+            for t in getattr(msg, "outs", (msg,)):
+                if getattr(t, "finish", 0):
+                    n += 1
+                    submit(f"n{n}")  # a finished stream is replaced: a steady flow of new prompts
+
         for step in range(600):
-            plan = None
-            while queue:
-                to, msg = queue.pop(0)
-                if to == "kv" and isinstance(msg, KvRequest):
-                    queue += kv.handle("scheduler", msg)
-                elif to == "scheduler":
-                    queue += sch.handle("kv", msg)
-                elif to == "executor" and isinstance(msg, StepPlan):
-                    plan = msg
-                elif to == "detok":
-                    for t in getattr(msg, "outs", (msg,)):
-                        if getattr(t, "finish", 0):
-                            n += 1
-                            submit(f"n{n}")  # a finished stream is replaced: a steady flow of new prompts
+            plan = _next_plan(queue, sch, kv, detok)
             if plan is None:
                 break
             p, d = _prompt_rows(plan), _decode_rows(plan)

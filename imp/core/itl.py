@@ -152,8 +152,9 @@ class ItlBudget:
         """Prompt tokens for a step beside decode rows (max_tokens while off or not yet measured).
         waiting_tokens: the prompt tokens not yet computed of the requests that wait or are part way
         (the ratio policy's backlog term); ctx: the position the step's first prompt chunk starts at (its rows'
-        attention, `ctx_ns`). The target's step may take twice a decode step where that is longer than the target: a model whose decode alone passes it (a large one on a CPU) still
-        computes a prompt at half its decode rate. Where the ratio leaves the prompt tokens less time than
+        attention, `ctx_ns`). The target's step may take twice a decode step where that is longer than the
+        target: a model whose decode alone passes it (a large one on a CPU) still computes a prompt at half its
+        decode rate. Where the ratio leaves the prompt tokens less time than
         the fixed part (or none), chunks take the whole budget: each one pays the fixed part, so fewer
         and larger ones stall the streams least and keep the prefill rate."""
         if self._table and self.on:

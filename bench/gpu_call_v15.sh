@@ -7,7 +7,8 @@
 #   eight    the 8B BF16 shape, --prompt $PROMPTS8 at $STREAMS8, for each of $TREES
 #   http     bench/engine.py --http for each of $HTREES (default new), streams $HSTREAMS
 #   http8    the same on the 8B BF16 shape, --prompt $HPROMPT8 (250) at $HSTREAMS8 (1,16,64,256)
-# Every section prints as it goes (a cut call still says what it measured).
+# Every section prints as it goes (a cut call still says what it measured). FORWARD=1: $PATCH is a change not in the
+# tree (bench/pending/fine_buckets.patch): "old" is the tree, "new" this copy with the patch applied.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 T0=$(date +%s)
@@ -19,7 +20,10 @@ export PYTHONPATH=/tmp/site
 here=$PWD
 PATCH=${PATCH:-bench/pending/mixed_merge.patch}  # the change under test ("old" = the tree with it reversed)
 [ -d /tmp/old ] && [ ! -d /tmp/old/tests ] && cp -r tests /tmp/old/  # --http starts the server with tests/serverproc.py
-if [ ! -d /tmp/old ]; then  # the tree before the change
+if [ ! -d /tmp/old ] && [ "${FORWARD:-0}" = 1 ]; then  # PATCH is a change not in the tree: old = the tree as it is,
+  mkdir -p /tmp/old && cp -r imp bench tests /tmp/old/ && patch -s -p1 < $PATCH \
+    && echo "new tree: patch applied" || echo "new tree: APPLY FAILED"  # new = this copy with it applied
+elif [ ! -d /tmp/old ]; then  # the tree before the change
   mkdir -p /tmp/old && cp -r imp bench tests /tmp/old/ && (cd /tmp/old && patch -s -R -p1 < $here/$PATCH) \
     && echo "old tree: patch reversed" || echo "old tree: REVERSE FAILED"
 fi

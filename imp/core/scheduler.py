@@ -258,7 +258,7 @@ class SchedulerCore(RequestBook):
                 w.start, w.epoch = s.num_computed, s.epoch
                 w.n = min(w.n, len(s.tokens) - w.start, self.new_budget)  # the cached part is free
                 if decodes and w.start:
-                    w.n = max(0 if planned else 1, min(w.n, self.itl.cap(self.backlog, decodes, w.start) - planned))
+                    w.n = max(0, min(w.n, self.itl.cap(self.backlog, decodes, w.start) - planned))  # cap >= 1 block
                 if s.shadow is not None or s.guided is not None:  # a guided pair samples only together
                     w.n = min(w.n, len(s.tokens) - 1 - w.start)
                 self.new_budget -= w.n

@@ -352,3 +352,35 @@ def test_a_load_that_lands_on_a_block_computed_meanwhile_is_neither_hit_nor_miss
     kv.handle("scheduler", KvRequest(4, (KvOp("free", "b", token_ids=()),)))
     kv.audit()
     assert len(kv.clean) + len(kv.lru) == cfg.num_blocks
+
+
+def test_a_block_that_lands_from_the_tier_while_another_sequence_promised_it_is_no_longer_promised():
+    """share_in_flight with a tier: "y" asks the tier for a prompt's blocks; "x" (done waiting for the tier: its
+    TIER_ROUNDS spent, as after two rounds of failed reads) allocates the same prompt meanwhile and promises to
+    compute those blocks. When the reads land the blocks are cache entries: the promises go with them, as when a
+    promised block is written (found by the scheduler machine: "a cached block is still promised")."""
+    from imp.core.kv import TIER_ROUNDS, KvConfig, KvCore
+    from imp.messages import KvLoad, KvLoaded, KvOp, KvRequest
+
+    toks = tuple(range(3, 3 + 4 * 4 + 1))  # 4 full blocks of 4 and the last token's
+    cfg = KvConfig(num_blocks=32, block_size=4, tier_blocks=100, share_in_flight=True)
+    first = KvCore(cfg)
+    first.handle("scheduler", KvRequest(1, (KvOp("alloc", "a", len(toks), toks),)))
+    saves = first.handle("scheduler", KvRequest(2, (KvOp("free", "a", token_ids=toks),)))
+    keys = tuple(m.key for to, m in saves if to == "executor")
+    kv = KvCore(cfg)
+    kv.handle("engine", KvStored(keys))
+    out = kv.handle("scheduler", KvRequest(1, (KvOp("alloc", "y", len(toks), toks),)))
+    loads = [m for to, m in out if isinstance(m, KvLoad)]
+    assert len(loads) == 4 and out[-1][1].results[0].loading
+    kv.tier_rounds["x"] = TIER_ROUNDS
+    (res,) = kv.handle("scheduler", KvRequest(2, (KvOp("alloc", "x", len(toks), toks),)))[-1][1].results
+    assert res.ok and res.cached_tokens == 0 and set(kv.promised) == set(keys)
+    for m in loads:
+        kv.handle("executor", KvLoaded(m.key, m.block, True))
+    kv.audit()
+    assert not kv.promised and not kv.seqs["x"].promises
+    (res,) = kv.handle("scheduler", KvRequest(3, (KvOp("alloc", "y", len(toks), toks),)))[-1][1].results
+    assert res.ok and res.cached_tokens == 16  # y: the blocks from the tier, no wait for x
+    kv.handle("scheduler", KvRequest(4, (KvOp("free", "x", token_ids=toks), KvOp("free", "y", token_ids=toks[16:]))))
+    kv.audit()

@@ -455,6 +455,11 @@ class KvCore:
             self.block_hash[b] = m.key
             self.tier_hits += 1
             self.tier_host_hits += m.source == "host"
+            # a sequence that gave up waiting for the tier (TIER_ROUNDS) may have promised to compute this block
+            # meanwhile: the cache has it now, nobody need wait for that (as when a promised block is written)
+            owner = self.promised.pop(m.key, None)
+            if owner is not None:
+                self.seqs[owner].promises.remove(m.key)
         elif not m.ok:
             self.stored.pop(m.key, None)  # missing, corrupt or foreign: computed next time, and written again
             self.tier_misses += 1

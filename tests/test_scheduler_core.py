@@ -84,7 +84,7 @@ class Sim:
     def __init__(self, num_blocks=16, block_size=4, max_context=64, max_batch_size=8, max_step_tokens=16,
                  request_timeout_ns=0, aging_ns=20 * MS, max_queued_tokens=0, decode_reserve=8, pipeline_depth=1,
                  admit_tokens=0, history_once=False, share_in_flight=False, spec_k_max=0, token=None, tier_blocks=0,
-                 disk=None, swap_blocks=0, recompute_ns_per_token=1000, tier_demote=False):
+                 disk=None, swap_blocks=0, recompute_ns_per_token=1000, tier_demote=False, decode_lane=True):
         self.bs, self.num_blocks = block_size, num_blocks
         self.token = token or (lambda seed, g, sid: fake_token(seed, g, sid))  # the fake model: (seed, index, seq)
         self.max_len = min(max_context, num_blocks * block_size)
@@ -100,7 +100,8 @@ class Sim:
                                                    pipeline_depth=pipeline_depth, admit_tokens=admit_tokens,
                                                    history_once=history_once, spec_k_max=spec_k_max,
                                                    swap_blocks=swap_blocks, swap_ns_per_block=1,
-                                                   recompute_ns_per_token=recompute_ns_per_token))
+                                                   recompute_ns_per_token=recompute_ns_per_token,
+                                                   decode_lane=decode_lane))
         self.hold_kv = HoldKv(self.kv)
         self.adm = AdmissionCore(AdmissionConfig(num_blocks, block_size, max_context, max_queued_tokens,
                                                  admission_decode_tokens=decode_reserve))
@@ -685,17 +686,18 @@ class SchedulerMachine(RuleBasedStateMachine):
                 reserve=st.sampled_from([1, 8]), depth=st.sampled_from([1, 2]),
                 admit=st.sampled_from([0, 0, 8]), once=st.booleans(), share=st.booleans(),
                 spec=st.sampled_from([0, 0, 3, 8]), swap=st.sampled_from([0, 0, 3, 64]),
-                tier=st.sampled_from([0, 0, 6, 200]), demote=st.booleans(),
+                tier=st.sampled_from([0, 0, 6, 200]), demote=st.booleans(), lane=st.booleans(),
                 first=st.lists(REQUEST, min_size=1, max_size=6))
     def setup(self, num_blocks, block_size, max_batch_size, max_step_tokens, timeout, max_queued, reserve,
-              depth, admit, once, share, spec, swap, tier, demote, first):
+              depth, admit, once, share, spec, swap, tier, demote, lane, first):
         self.max_step_tokens = max_step_tokens
         self.sim = Sim(num_blocks, block_size, max_context=48, max_batch_size=max_batch_size,
                        max_step_tokens=max_step_tokens, request_timeout_ns=timeout, aging_ns=5 * MS,
                        max_queued_tokens=max_queued, decode_reserve=reserve,  # 1: preempts often
                        pipeline_depth=depth, admit_tokens=admit * max_step_tokens, history_once=once,
                        share_in_flight=share, spec_k_max=spec, token=repeating_token if spec else None,
-                       swap_blocks=swap, tier_blocks=tier, tier_demote=demote)
+                       swap_blocks=swap, tier_blocks=tier, tier_demote=demote, decode_lane=lane)
+        event(f"decode lane {lane}")
         event(f"swap area {swap}")
         event(f"tier {tier} demote {demote}" if tier else "no tier")
         event(f"pipeline depth {depth}")
@@ -850,3 +852,37 @@ def test_a_burst_of_one_prompt_computes_it_once_with_share_in_flight(share):
         assert [sim.finish[(r, 0)].cached_tokens for r in "abcd"] == [0, 16, 16, 16] and sim.kv.waits >= 3
     else:
         assert sim.kv.waits == 0
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_the_decode_lane_gives_the_general_path_s_tokens_and_joins_the_steady_rows(depth, monkeypatch):
+    """The decode lane (imp.core.lane) plans and lands the steady plain decode rows as arrays: with it the
+    outputs and finishes are the general path's, in a pool small enough to preempt
+    (members ejected and recomputed), with stop tokens, penalties (history sent once), a cancel mid-answer and
+    requests that ask for what keeps them off the lane (logprobs, n = 2)."""
+    from imp.core.lane import DecodeLane
+    joined = []
+    insert = DecodeLane.insert
+    monkeypatch.setattr(DecodeLane, "insert", lambda self, s: (joined.append(s.id), insert(self, s)))
+    got = []
+    for lane in (False, True):
+        sim = Sim(num_blocks=14, max_batch_size=6, max_step_tokens=12, pipeline_depth=depth, decode_lane=lane,
+                  history_once=True, max_context=40, decode_reserve=1)
+        for i in range(9):
+            p = params(6 + 2 * i, seed=i, ignore_eos=i % 2 == 0, repetition_penalty=1.1 if i % 3 == 0 else 1.0,
+                       logprobs=2 if i == 4 else -1)
+            sim.submit(f"r{i}", ids(5 + 2 * i, base=i % 4), p, n=2 if i == 7 else 1)
+            sim.step()
+        for _ in range(6):
+            sim.step()
+        sim.cancel("r8")
+        sim.drain()
+        assert sim.kv.figures().used == 0 and not sim.sched.running
+        q = sim.figures.queue
+        got.append((sim.tokens, {k: f.finish for k, f in sim.finish.items()}))
+        assert q.preemptions > 0, "the pool should have preempted someone"  # (which one, and how often, may
+        if not lane:  # differ: the lane's grows come first in a step's KV ops, so a dry pool fails another one)
+            assert not joined
+    assert got[0] == got[1]
+    assert len(set(joined)) >= 5 and not {"r4#0", "r7#0", "r7#1"} & set(joined)
+    assert sim.sched.lane is not None and len(sim.sched.lane) == 0

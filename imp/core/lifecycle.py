@@ -45,6 +45,12 @@ class RequestBook:
         self.texts: Texts | None = None  # the vocabulary's text, for banned phrases (a TokenTexts)
         self._orders = self._admits = 0
         self._reserved_running = 0  # sum of reserved over requests with a running sequence (kept by _set)
+        self.lane = None  # the scheduler's decode lane (imp.core.lane), when its config has one
+
+    def _own(self, s: Seq) -> None:
+        """Before anything but the lane touches a sequence's counters: out of the lane (imp.core.lane)."""
+        if s.lane >= 0:
+            self.lane.eject(s)
 
     def _enqueue(self, e: Enqueue, out: Out) -> None:
         m = e.submit
@@ -197,6 +203,7 @@ class RequestBook:
         for s in r.seqs:
             if s.status is Status.FINISHED or not ids or len(s.tokens) + len(ids) >= self.max_len:
                 continue
+            self._own(s)
             s.epoch, s.ahead, s.pending = s.epoch + 1, 0, 0  # work in flight fed the old context
             s.tokens.extend(ids)
             if s.shadow is not None:
@@ -212,6 +219,7 @@ class RequestBook:
             out.append(("detok", self._token_out(s, tuple(ids), FinishReason.NONE, ())))
 
     def _finish(self, s: Seq, reason: FinishReason, out: Out) -> None:
+        self._own(s)
         self._drop_kv(s)
         self._set(s, Status.FINISHED)
         g = s.shadow
@@ -257,6 +265,7 @@ class RequestBook:
 
     def _set(self, s: Seq, new: Status) -> None:
         """The one place a sequence changes state (and the lists follow)."""
+        self._own(s)
         if s.status is Status.WAITING:
             self.waiting.remove(s)
         elif s.status is Status.RUNNING:
@@ -288,6 +297,7 @@ class RequestBook:
             # never shared: enough for one decode to grow next step.
             if s.status is Status.RUNNING:
                 victim = max(self.running, key=lambda v: (v.req.priority, v.admit_no))
+                self._own(victim)
                 if self._swaps(victim):
                     self._swap_out(victim)
                     continue
@@ -297,6 +307,7 @@ class RequestBook:
                     self._preempt(partner)
 
     def _preempt(self, victim: Seq) -> None:
+        self._own(victim)
         self._free(victim)
         victim.num_computed = victim.num_reported = 0
         self._set(victim, Status.WAITING)
@@ -312,6 +323,7 @@ class RequestBook:
                 and n * c.swap_ns_per_block < kept * c.recompute_ns_per_token)
 
     def _swap_out(self, victim: Seq) -> None:
+        self._own(victim)
         kept = min(victim.num_computed, len(victim.tokens) - 1)
         self.frees.append(KvOp("swap_out", victim.id, kept, tuple(victim.tokens[victim.num_reported:kept])))
         victim.in_kv, victim.table = False, ()

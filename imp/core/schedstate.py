@@ -66,6 +66,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     # table's inert rows lack; measured at boot on a long chunk). 512-row chunks at ~1,400-token contexts cost
     # 3.4x a decode step on the 8B shape where the table alone said they fit 3x. 0 = none (older logs)
     prompt_ctx_ns: int = 0
+    # True: running sequences in the steady plain decode state are planned and updated as arrays
+    # (`imp.core.lane.DecodeLane`): one token fed, one sampled, nothing else asked. The tokens are the same; the
+    # rows of a step come in another order (the lane's first), so logs written before this field (False) replay
+    # identically only without it
+    decode_lane: bool = False
 
     def __post_init__(self):
         if min(self.num_blocks, self.block_size, self.max_context, self.max_batch_size,
@@ -112,12 +117,15 @@ class Seq:
     __slots__ = ("id", "req", "index", "params", "tokens", "status", "num_computed", "num_reported", "table", "in_kv",
                  "admit_no", "plp", "plp_sent", "epoch", "ahead", "pending", "send_params", "drafter", "spec_inflight",
                  "spec_drafted", "spec_accepted", "spec_verifies", "opened", "mu", "watch", "bans", "emitted", "held_lp",
-                 "n_prompt", "shadow", "guided", "swapped", "hist")
+                 "n_prompt", "shadow", "guided", "swapped", "hist", "lane")
 
     def __init__(self, req: Req, index: int, params, prompt: tuple[int, ...] | None = None,
                  guided: Seq | None = None):
         self.id, self.req, self.index, self.params = f"{req.id}#{index}", req, index, params
         self.hist = params.needs_history  # (params never change: a property read once, not every step)
+        # its slot in the scheduler's decode lane (imp.core.lane), -1 when not there; while there, the lane's arrays
+        # hold its num_computed / ahead / pending (these fields are stale) and its rows are the lane's
+        self.lane = -1
         self.tokens = list(req.prompt if prompt is None else prompt)  # prompt + generated
         self.n_prompt = len(self.tokens)
         # classifier-free guidance: a choice's shadow sequence (decoding the same tokens after another prompt),

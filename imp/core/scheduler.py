@@ -54,10 +54,12 @@ from __future__ import annotations
 import collections
 
 import msgspec
+import numpy as np
 
 from imp.core.core import CoreError, Out
 from imp.core.guide import paired_share, unpaired
 from imp.core.itl import ItlBudget
+from imp.core.lane import DecodeLane, LaneRows
 from imp.core.lifecycle import RequestBook
 from imp.core.schedstate import Phase, SchedulerConfig, Seq, Status, Work
 from imp.core.spec import Drafter, StepCost
@@ -81,7 +83,8 @@ class SchedulerCore(RequestBook):
         self.freed: list[str] = []  # for the next StepPlan
         self.batch: list[Work] = []  # the step being prepared (phase KV)
         self.new_budget = 0  # of the step being prepared: tokens its new shares may still compute (_on_kv)
-        self.inflight: collections.deque[tuple[int, list[Work]]] = collections.deque()  # sent to the executor
+        # sent to the executor: (step, its general shares, its lane rows or None)
+        self.inflight: collections.deque[tuple[int, list[Work], LaneRows | None]] = collections.deque()
         self.phase = Phase.IDLE
         self.stalled = False  # a planned step came to nothing while another ran: wait for news
         self.tier_wait = False  # an alloc waits for the disk tier's blocks: a stalled plan waits for KvReady
@@ -91,6 +94,10 @@ class SchedulerCore(RequestBook):
                              config.prompt_step_ns, config.prompt_ctx_ns)
         self.backlog = 0  # of the step being planned: prompt tokens not yet computed (the ratio policy's term)
         self.cost = StepCost()  # what a step's rows cost: how long a draft still pays (imp.core.spec)
+        # the steady plain decode rows as arrays (imp.core.lane); the lane rows of the step being prepared
+        self.lane = DecodeLane(config.max_batch_size, config.block_size, self.max_len) if config.decode_lane else None
+        self.lane_rows: LaneRows | None = None
+        self._lane_n = 0
 
     def handle(self, sender: str, msg: Msg) -> Out:
         out: Out = []
@@ -137,14 +144,26 @@ class SchedulerCore(RequestBook):
         ops, self.frees, self.batch = self.frees, [], []
         budget = c.max_step_tokens
         n_prompt = lambda s: s.n_prompt  # noqa: E731
-        decodes = 0  # decode rows planned so far: they come first
         spare = self._spec_spare(budget)  # (draft tokens, KV blocks) drafts may take: never a decode row's
+        running, max_batch = self.running, c.max_batch_size
+        if self.lane is not None:  # the lane's rows first (decodes all): sequences that came to plain decoding join
+            lane = self.lane
+            if len(lane) < len(running):
+                for s in running:
+                    if s.lane < 0 and len(s.tokens) + s.pending - s.num_computed - s.ahead == 1 and lane.plain(
+                            s, c.spec_k_max, c.history_once):
+                        lane.insert(s)
+            running = [s for s in running if s.lane < 0] if len(lane) < len(running) else []
+            self.lane_rows = lane.plan(budget, ops)
+            budget -= len(self.lane_rows)
+        n_lane = self._lane_n = len(self.lane_rows) if self.lane is not None else 0
+        decodes = n_lane  # decode rows planned so far: they come first
         if self.itl.ratio:  # the waiting prompts and the running ones' uncomputed parts (a decode row's 1 is none)
             self.backlog = sum(len(s.tokens) - s.num_computed for s in self.waiting) + sum(
-                r for s in self.running if (r := len(s.tokens) + s.pending - s.num_computed - s.ahead) > 1)
-        batch, max_batch, grow_op = self.batch, c.max_batch_size, self._grow_op
-        for s in sorted(self.running, key=lambda s: len(s.tokens) + s.pending - s.num_computed - s.ahead > 1):
-            if budget == 0 or len(batch) == max_batch:  # decodes first, then prefill chunks
+                r for s in running if (r := len(s.tokens) + s.pending - s.num_computed - s.ahead) > 1)
+        batch, grow_op = self.batch, self._grow_op
+        for s in sorted(running, key=lambda s: len(s.tokens) + s.pending - s.num_computed - s.ahead > 1):
+            if budget == 0 or len(batch) + n_lane == max_batch:  # decodes first, then prefill chunks
                 break
             if s.spec_inflight or s.guided is not None:
                 continue  # a verify in flight: how many positions it keeps is unknown; a shadow: with its choice
@@ -223,7 +242,7 @@ class SchedulerCore(RequestBook):
             self.batch.append(Work(s, n, True, new=True))
             budget -= n
             slots -= 1
-        if ops or self.batch:
+        if ops or self.batch or n_lane:
             self.step += 1
             self.freed += [op.seq_id for op in ops if op.kind == "free"]
             self.phase = Phase.KV
@@ -233,10 +252,13 @@ class SchedulerCore(RequestBook):
         self._check(Phase.KV, msg.step)
         self.kv = msg.figures
         results, failed, shut_out = iter(msg.results), [], []
+        rows, n_lane = self.lane_rows, self._lane_n
+        lane_failed = self.lane.placed(rows, results) if n_lane else []  # (the lane's grows come first)
+        failed += lane_failed
         # a new share that starts past a cached prefix reads that context: with the ITL policy's attention term
         # its chunk beside decode rows is sized at its start (planning knew only position 0)
-        decodes = sum(1 for w in self.batch if w.n == 1 and w.sample and not w.new) if self.itl.ctx_ns else 0
-        planned = sum(w.n for w in self.batch if not w.new) - decodes
+        decodes = n_lane + sum(1 for w in self.batch if w.n == 1 and w.sample and not w.new) if self.itl.ctx_ns else 0
+        planned = sum(w.n for w in self.batch if not w.new) + n_lane - decodes
         for w in self.batch:
             s, res = w.seq, next(results) if w.has_result else None
             if w.new:
@@ -297,13 +319,19 @@ class SchedulerCore(RequestBook):
                     s.spec_inflight = bool(w.draft)
                 else:  # its grow failed: it sits this step out
                     s.ahead, s.pending = s.ahead - w.n, s.pending - w.sample
-        self.batch, self.phase = [], Phase.IDLE
-        if not keep:  # frees only, or nothing could run: try again (after the step in flight lands)
+        self.batch, self.phase, self.lane_rows = [], Phase.IDLE, None
+        if n_lane:
+            rows = self.lane.settle(rows, lane_failed)
+            n_lane = len(rows)
+        if not keep and not n_lane:  # frees only, or nothing could run: try again (after the step in flight lands)
             self.stalled = True
             out.append(("metrics", self._figures()))
             return
-        self.inflight.append((self.step, keep))
-        out.append(("executor", StepPlan(self.step, tuple(self._work(w) for w in keep), tuple(self.freed))))
+        self.inflight.append((self.step, keep, rows if n_lane else None))
+        works = [self._work(w) for w in keep]
+        if n_lane:
+            works = self.lane.works(rows) + works
+        out.append(("executor", StepPlan(self.step, tuple(works), tuple(self.freed))))
         self.freed = []
 
     @staticmethod
@@ -314,10 +342,13 @@ class SchedulerCore(RequestBook):
         return r.salt if s.params.prompt_logprobs < 0 else f"{r.salt}\0plp\0{r.id}"
 
     def _on_result(self, msg: StepResult, out: Out) -> None:
-        batch = self._landed(msg.step)
+        batch, rows = self._landed(msg.step)
         sampled = {t.seq_id: t for t in msg.tokens}
         n_tokens = n_decode = fed = drafted = accepted = verifies = misses = 0
         running = Status.RUNNING
+        if rows is not None:  # the lane's rows (first in the plan): decode rows all
+            self.lane.land(rows, sampled, out, lambda s, t: self._ends_member(s, t, out))
+            n_tokens = n_decode = len(rows)
         for w in batch:
             s, n, draft = w.seq, w.n, w.draft
             n_tokens += n
@@ -329,6 +360,9 @@ class SchedulerCore(RequestBook):
                 n_decode += n == 1 and w.sample
             if s.status is not running or w.epoch != s.epoch:
                 continue  # ended, preempted or redirected while the step ran: its results are dropped
+            if s.lane >= 0:  # a share from before it joined the lane: its counters are the lane's
+                self._land_member(w, sampled.get(s.id), out)
+                continue
             t = sampled.get(s.id)
             kept = len(t.accepted) if draft and t is not None else 0
             s.num_computed += n - len(draft) + kept if draft else n  # rejected drafts' positions are written again
@@ -358,8 +392,32 @@ class SchedulerCore(RequestBook):
         self._advance(msg.now_ns, out)
         out.append(("metrics", self._figures()))
 
+    def _ends_member(self, s: Seq, t, out: Out) -> None:
+        """A lane row's token that ends its choice: the general path ends it."""
+        self.lane.eject(s)
+        self._sampled(s, t, out)
+
+    def _land_member(self, w: Work, t, out: Out) -> None:
+        """A share of a lane member planned before it joined (its prompt's or, after a preemption, its recompute's
+        last chunks: a member asks for no prompt logprobs and no drafts): landed on the lane's arrays, the
+        sampled position as its rows are."""
+        s, lane = w.seq, self.lane
+        if w.draft:
+            raise CoreError(f"{s.id} joined the lane with a verify in flight")
+        i, n = s.lane, w.n - w.sample  # positions before the sampled one (all of a chunk that samples nothing)
+        lane.computed[i] += n
+        lane.ahead[i] -= n
+        if w.sample:
+            sl = np.array([i])
+            lane.land(LaneRows(sl, lane.gen[sl], sl), {s.id: t} if t is not None else {}, out,
+                      lambda s, t: self._ends_member(s, t, out))
+
     def _on_failed(self, msg: StepFailed, out: Out) -> None:
-        for w in self._landed(msg.step):  # their KV may be garbage: the free reports nothing of this step
+        batch, rows = self._landed(msg.step)
+        for s in self.lane.members(rows) if rows is not None else ():
+            if s.status is Status.RUNNING:
+                self._end(s.req, FinishReason.ERROR, out, error=msg.error)
+        for w in batch:  # their KV may be garbage: the free reports nothing of this step
             w.seq.spec_inflight = w.seq.spec_inflight and not w.draft
             if w.seq.status is Status.RUNNING and w.epoch == w.seq.epoch:
                 self._end(w.seq.req, FinishReason.ERROR, out, error=msg.error)
@@ -454,7 +512,7 @@ class SchedulerCore(RequestBook):
     def _prompt_room(self, budget: int, decodes: int, ctx: int) -> int:
         """Prompt tokens this step may still compute beside its `decodes` decode rows, its first prompt chunk
         from position ctx: the ITL target's share (`ItlBudget.cap`) less the prompt tokens already planned."""
-        planned = sum(w.n for w in self.batch) - decodes
+        planned = sum(w.n for w in self.batch) + self._lane_n - decodes
         return max(0, min(budget, self.itl.cap(self.backlog, decodes, ctx) - planned))
 
     def _grow_op(self, s: Seq, positions: int) -> KvOp | None:
@@ -480,11 +538,11 @@ class SchedulerCore(RequestBook):
         if self.phase is not phase or step != self.step:
             raise CoreError(f"step {step} arrived in phase {self.phase.name} of step {self.step}")
 
-    def _landed(self, step: int) -> list[Work]:
-        """The oldest step in flight, whose result (or failure) this is."""
+    def _landed(self, step: int) -> tuple[list[Work], LaneRows | None]:
+        """The oldest step in flight, whose result (or failure) this is: its general shares and its lane rows."""
         if not self.inflight or self.inflight[0][0] != step:
-            raise CoreError(f"result of step {step} but in flight: {[st for st, _ in self.inflight]}")
-        return self.inflight.popleft()[1]
+            raise CoreError(f"result of step {step} but in flight: {[st for st, *_ in self.inflight]}")
+        return self.inflight.popleft()[1:]
 
 
 def _batch_tokens(out: Out) -> Out:

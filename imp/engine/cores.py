@@ -62,6 +62,7 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
             # the mixed graphs' measured bucket costs, for the ITL policy (only where one is on)
             prompt_step_ns=prompt_costs if itl_policy_on(cfg) else (),
             prompt_ctx_ns=prompt_ctx_ns if itl_policy_on(cfg) and prompt_costs else 0,
+            decode_lane=True,
         )
     )
     return adm, sch, kv

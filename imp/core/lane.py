@@ -1,0 +1,204 @@
+"""The decode lane: running sequences in the steady plain decode state, as arrays (issue 33, deliverable 3).
+
+At 64-256 streams most rows of most steps are the same thing: a sequence feeds its last token (or, pipelined, the
+one the step in flight samples) and samples one, nothing else asked. Planned and taken one Python object at a
+time (a `Work`, the branches of `_work`, `_on_result`'s and `_sampled`'s) they were ~4 us a row of the scheduler's
+host time. Here their counters live in numpy arrays indexed by a slot, and a step's rows are planned, placed
+and landed with array operations; the per-row Python left is the row's SeqWork in the plan, the token appended
+to its sequence and its TokenOut (`plan`, `works`, `land`).
+
+Who is in it: a running sequence in the decode state (one position to feed) whose request asks for nothing a
+row must carry or bring back (`plain`): no logprobs, mirostat, lens, grammar, drafts, banned phrases, guidance,
+n > 1, prompt logprobs still to score, params still to send. Every decision is the general path's
+(`SchedulerCore._start` / `_on_kv` / `_on_result`, `RequestBook._sampled` / `_ends`), made over the arrays:
+the same tokens. The rows come first in the plan, in slot order, and their grows first in the step's KV ops (so
+where the pool runs dry another sequence's grow may be the one that fails: who is preempted may differ).
+
+While a sequence is in the lane its `num_computed`, `ahead` and `pending` are the arrays' (the Seq's fields are
+stale); `tokens`, `table` and `num_reported` stay on the Seq. Whatever else touches a member goes through
+`eject` first (a state change, a finish, a preemption, end_thinking: each changes its epoch, so its rows in
+flight are dropped as the general path drops them) or, for a general share of it still in flight from before
+it came in, `sync_out` / `sync_in` around that share's landing. A row is valid at landing while its slot still
+holds the sequence it was planned for (`gen`, bumped at every insert). Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from imp.core.core import CoreError
+from imp.messages import PENDING_TOKEN, KvOp, SeqWork, TokenOut
+
+STOPS = 8  # stop tokens a member may have (EOS and a few): more, and it stays on the general path
+
+
+class LaneRows:
+    """A step's lane rows: their slots, each slot's generation when planned, and which of them asked the
+    allocator for a grow (their KV results come first in the reply, in this order)."""
+
+    __slots__ = ("slots", "gens", "grow")
+
+    def __init__(self, slots: np.ndarray, gens: np.ndarray, grow: np.ndarray):
+        self.slots, self.gens, self.grow = slots, gens, grow
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+class DecodeLane:
+    def __init__(self, size: int, block_size: int, max_len: int):
+        self.bs, self.max_len = block_size, max_len
+        z = lambda: np.zeros(size, np.int64)  # noqa: E731
+        self.computed, self.ahead, self.pending, self.ntok = z(), z(), z(), z()
+        self.nprompt, self.maxtok, self.cap, self.rblock, self.gen = z(), z(), z(), z(), z()
+        self.stops = np.full((size, STOPS), -2, np.int64)
+        self.occupied = np.zeros(size, bool)
+        self.seqs: list = [None] * size
+        self._free = list(range(size))  # a heap: the lowest free slot first (deterministic)
+
+    def __len__(self) -> int:
+        return len(self.seqs) - len(self._free)
+
+    @staticmethod
+    def plain(s, spec_k_max: int, history_once: bool) -> bool:
+        """Whether a running sequence's rows ask for nothing beyond a token fed and one sampled (see above)."""
+        p = s.params
+        return (s.shadow is None and s.guided is None and s.watch is None and not s.bans and not s.spec_inflight
+                and not s.send_params and s.opened and not s.swapped and len(s.req.seqs) == 1 and p.logprobs < 0
+                and not p.mirostat and p.logit_lens <= 0 and not p.constrained and not (p.drafts and spec_k_max)
+                and (p.prompt_logprobs < 0 or s.plp_sent) and (history_once or not s.hist)
+                and len(p.stop_token_ids) <= STOPS)
+
+    # ------------------------------------------------------------------ membership
+
+    def insert(self, s) -> None:
+        i = heapq.heappop(self._free)
+        s.lane, self.seqs[i] = i, s
+        self.occupied[i] = True
+        self.gen[i] += 1
+        self.sync_in(s)
+        p = s.params
+        self.nprompt[i], self.maxtok[i] = s.n_prompt, p.max_tokens
+        self.stops[i] = -2
+        stops = () if p.ignore_eos else p.stop_token_ids  # (ignore_eos without a grammar: no stop token ends it)
+        self.stops[i, :len(stops)] = stops
+
+    def eject(self, s) -> None:
+        """s leaves: its counters back on the Seq, its slot free (its rows in flight are dropped at landing)."""
+        i = s.lane
+        if i < 0:
+            return
+        self.sync_out(s)
+        self.seqs[i], self.occupied[i], s.lane = None, False, -1
+        heapq.heappush(self._free, i)
+
+    def sync_out(self, s) -> None:
+        i = s.lane
+        s.num_computed, s.ahead, s.pending = int(self.computed[i]), int(self.ahead[i]), int(self.pending[i])
+
+    def sync_in(self, s) -> None:
+        i = s.lane
+        self.computed[i], self.ahead[i], self.pending[i] = s.num_computed, s.ahead, s.pending
+        self.ntok[i], self.cap[i], self.rblock[i] = len(s.tokens), len(s.table) * self.bs, s.num_reported // self.bs
+
+    # ------------------------------------------------------------------ a step
+
+    def plan(self, budget: int, ops: list) -> LaneRows:
+        """The members that feed a row this step (at most `budget`, lowest slots first), their counters moved on
+        as the general path's plain decode row moves them; a grow op for each whose table must grow or whose
+        written block filled up (appended to ops, in row order)."""
+        vlen = self.ntok + self.pending
+        start = self.computed + self.ahead
+        m = self.occupied & (vlen - start == 1)
+        # pipelined: the token in flight is its last (max_tokens or the context): nothing more to feed
+        m &= ~((self.pending > 0) & ((vlen - self.nprompt >= self.maxtok) | (vlen >= self.max_len)))
+        slots = np.flatnonzero(m)[:budget]
+        bs = self.bs
+        grow = (vlen[slots] > self.cap[slots]) | (self.computed[slots] // bs != self.rblock[slots])
+        for i, pos in zip(slots[grow].tolist(), vlen[slots[grow]].tolist()):
+            s = self.seqs[i]
+            c = int(self.computed[i])
+            ops.append(KvOp("grow", s.id, pos, tuple(s.tokens[s.num_reported:c])))  # (as `_grow_op`)
+            s.num_reported = c
+            self.rblock[i] = c // bs
+        self.ahead[slots] += 1
+        self.pending[slots] += 1
+        return LaneRows(slots, self.gen[slots], grow)
+
+    def placed(self, rows: LaneRows, results) -> list:
+        """The allocator's answers to the rows' grows (the reply's first results): tables taken, and the
+        sequences whose grow failed (they sit this step out: `settle`)."""
+        failed = []
+        for i in rows.slots[rows.grow].tolist():
+            res = next(results)
+            s = self.seqs[i]
+            if res.ok:
+                s.table = res.block_table
+                self.cap[i] = len(s.table) * self.bs
+            else:
+                failed.append(s)
+        return failed
+
+    def settle(self, rows: LaneRows, failed: list) -> LaneRows:
+        """The rows that run, once preemptions are done: a member preempted meanwhile is gone from its slot; one
+        whose grow failed (and still runs) gives its row back."""
+        keep = self.occupied[rows.slots] & (self.gen[rows.slots] == rows.gens)
+        out = [s.lane for s in failed if s.lane >= 0]
+        if out:
+            self.ahead[out] -= 1
+            self.pending[out] -= 1
+            keep &= ~np.isin(rows.slots, out)
+        return rows if keep.all() else LaneRows(rows.slots[keep], rows.gens[keep], rows.grow[keep])
+
+    def members(self, rows: LaneRows) -> list:
+        """The sequences whose rows these still are."""
+        sl = rows.slots[self.occupied[rows.slots] & (self.gen[rows.slots] == rows.gens)]
+        return [self.seqs[i] for i in sl.tolist()]
+
+    def works(self, rows: LaneRows) -> list[SeqWork]:
+        """The rows' shares: one token at start (PENDING_TOKEN when the step in flight samples it), sampled at
+        generated index start + 1 - n_prompt, its table as the last KvReply gave it, nothing else."""
+        seqs, out = self.seqs, []
+        starts = (self.computed[rows.slots] + self.ahead[rows.slots] - 1).tolist()
+        for i, st in zip(rows.slots.tolist(), starts):
+            s = seqs[i]
+            tk = s.tokens
+            if st < len(tk):  # known (a result may have landed since planning)
+                out.append(SeqWork(s.id, (tk[st],), st, s.table, True, None, gen_index=st + 1 - s.n_prompt))
+            else:
+                out.append(SeqWork(s.id, (PENDING_TOKEN,), st, s.table, True, None, gen_index=st + 1 - s.n_prompt,
+                                   pending=1))
+        return out
+
+    def land(self, rows: LaneRows, sampled: dict, out: list, ends) -> None:
+        """A landed step's rows: the still valid ones computed one more position and sampled one token each;
+        a token that ends its choice goes to `ends(s, t)` (the general path: eject, `_sampled`), every other one
+        is appended and goes out as a TokenOut. A valid row without its token is the executor's bug."""
+        sl = rows.slots[self.occupied[rows.slots] & (self.gen[rows.slots] == rows.gens)]
+        if not len(sl):
+            return
+        self.computed[sl] += 1
+        self.ahead[sl] -= 1
+        self.pending[sl] -= 1
+        seqs = self.seqs
+        try:
+            ts = [sampled[seqs[i].id] for i in sl.tolist()]
+        except KeyError as e:
+            raise CoreError(f"a step sampled nothing for {e.args[0]}") from None
+        if not (self.computed[sl] == self.ntok[sl]).all():
+            raise CoreError("a lane row landed off its sequence's end")
+        ids = np.fromiter((t.token_id for t in ts), np.int64, len(ts))
+        n = self.ntok[sl] + 1
+        fin = ((self.stops[sl] == ids[:, None]).any(1) | (n - self.nprompt[sl] >= self.maxtok[sl])
+               | (n >= self.max_len))
+        self.ntok[sl] = n
+        for i, t, f in zip(sl.tolist(), ts, fin.tolist()):
+            s = seqs[i]
+            if f:
+                ends(s, t)
+            else:
+                s.tokens.append(t.token_id)
+                out.append(("detok", TokenOut(s.req.id, s.index, (t.token_id,))))
+

@@ -322,25 +322,35 @@ def test_the_null_runner_has_tiers_of_the_block_size_it_is_given(smollm2_path, t
     assert "[tier] 12 blocks (0.00 GB) loaded in" in log.read_text()
 
 
-def test_a_load_that_lands_on_a_block_computed_meanwhile_is_neither_hit_nor_miss():
-    """A restart whose 4th file is corrupt: the alloc asks for all 8 blocks; once block 3's read failed, a retry
-    (a clock tick un-stalls the scheduler) computes blocks 3.. while the reads past 3 are still on their way. Those
-    land on blocks already cached: released, counted neither as hits nor as misses, and the pool stays whole (the
-    server test's hit count depends on this timing)."""
-    from imp.core.kv import KvConfig, KvCore
-    from imp.messages import KvLoad, KvLoaded, KvOp, KvRequest
+def _restarted_and_loading(cfg, toks, seq: str):
+    """A KV core after a restart whose tier holds toks' full blocks (written by another core), and `seq`'s alloc of
+    toks asking for all of them: (the core, the blocks' keys, the KvLoads in flight)."""
+    from imp.core.kv import KvCore
+    from imp.messages import KvLoad, KvOp, KvRequest
 
-    toks = tuple(range(3, 3 + 4 * 8 + 1))  # 8 full blocks of 4 and the last token's
-    cfg = KvConfig(num_blocks=32, block_size=4, tier_blocks=100)
     first = KvCore(cfg)
     first.handle("scheduler", KvRequest(1, (KvOp("alloc", "a", len(toks), toks),)))
     saves = first.handle("scheduler", KvRequest(2, (KvOp("free", "a", token_ids=toks),)))
     keys = tuple(m.key for to, m in saves if to == "executor")
     kv = KvCore(cfg)
     kv.handle("engine", KvStored(keys))
-    out = kv.handle("scheduler", KvRequest(1, (KvOp("alloc", "b", len(toks), toks),)))
+    out = kv.handle("scheduler", KvRequest(1, (KvOp("alloc", seq, len(toks), toks),)))
     loads = [m for to, m in out if isinstance(m, KvLoad)]
     assert [m.key for m in loads] == list(keys) and out[-1][1].results[0].loading
+    return kv, keys, loads
+
+
+def test_a_load_that_lands_on_a_block_computed_meanwhile_is_neither_hit_nor_miss():
+    """A restart whose 4th file is corrupt: the alloc asks for all 8 blocks; once block 3's read failed, a retry
+    (a clock tick un-stalls the scheduler) computes blocks 3.. while the reads past 3 are still on their way. Those
+    land on blocks already cached: released, counted neither as hits nor as misses, and the pool stays whole (the
+    server test's hit count depends on this timing)."""
+    from imp.core.kv import KvConfig
+    from imp.messages import KvLoaded, KvOp, KvRequest
+
+    toks = tuple(range(3, 3 + 4 * 8 + 1))  # 8 full blocks of 4 and the last token's
+    cfg = KvConfig(num_blocks=32, block_size=4, tier_blocks=100)
+    kv, keys, loads = _restarted_and_loading(cfg, toks, "b")
     for m in loads[:4]:  # 0-2 read, 3 corrupt
         kv.handle("executor", KvLoaded(m.key, m.block, m.key != keys[3]))
     (res,) = kv.handle("scheduler", KvRequest(2, (KvOp("alloc", "b", len(toks), toks),)))[-1][1].results
@@ -359,20 +369,12 @@ def test_a_block_that_lands_from_the_tier_while_another_sequence_promised_it_is_
     TIER_ROUNDS spent, as after two rounds of failed reads) allocates the same prompt meanwhile and promises to
     compute those blocks. When the reads land the blocks are cache entries: the promises go with them, as when a
     promised block is written (found by the scheduler machine: "a cached block is still promised")."""
-    from imp.core.kv import TIER_ROUNDS, KvConfig, KvCore
-    from imp.messages import KvLoad, KvLoaded, KvOp, KvRequest
+    from imp.core.kv import TIER_ROUNDS, KvConfig
+    from imp.messages import KvLoaded, KvOp, KvRequest
 
     toks = tuple(range(3, 3 + 4 * 4 + 1))  # 4 full blocks of 4 and the last token's
     cfg = KvConfig(num_blocks=32, block_size=4, tier_blocks=100, share_in_flight=True)
-    first = KvCore(cfg)
-    first.handle("scheduler", KvRequest(1, (KvOp("alloc", "a", len(toks), toks),)))
-    saves = first.handle("scheduler", KvRequest(2, (KvOp("free", "a", token_ids=toks),)))
-    keys = tuple(m.key for to, m in saves if to == "executor")
-    kv = KvCore(cfg)
-    kv.handle("engine", KvStored(keys))
-    out = kv.handle("scheduler", KvRequest(1, (KvOp("alloc", "y", len(toks), toks),)))
-    loads = [m for to, m in out if isinstance(m, KvLoad)]
-    assert len(loads) == 4 and out[-1][1].results[0].loading
+    kv, keys, loads = _restarted_and_loading(cfg, toks, "y")
     kv.tier_rounds["x"] = TIER_ROUNDS
     (res,) = kv.handle("scheduler", KvRequest(2, (KvOp("alloc", "x", len(toks), toks),)))[-1][1].results
     assert res.ok and res.cached_tokens == 0 and set(kv.promised) == set(keys)

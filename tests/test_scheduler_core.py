@@ -886,3 +886,29 @@ def test_the_decode_lane_gives_the_general_path_s_tokens_and_joins_the_steady_ro
     assert got[0] == got[1]
     assert len(set(joined)) >= 5 and not {"r4#0", "r7#0", "r7#1"} & set(joined)
     assert sim.sched.lane is not None and len(sim.sched.lane) == 0
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_lane_member_ended_while_its_grow_is_with_the_allocator_is_dropped_from_the_step(depth):
+    """A cancel that lands between a step's KvRequest (with a lane member's grow in it) and the KvReply: the member
+    left the lane at once, so its answer is moot and its row does not run; the other member's does."""
+    sim = Sim(num_blocks=40, block_size=4, pipeline_depth=depth)
+    sim.submit("a", ids(5), params(max_tokens=30, ignore_eos=True))
+    sim.submit("b", ids(6, base=3), params(max_tokens=30, ignore_eos=True))
+    for _ in range(60):
+        sim.hold_kv.hold = True
+        sim.step()
+        held = [op for m in sim.hold_kv.held for op in m.ops]
+        if any(op.kind == "grow" and op.seq_id == "a#0" for op in held) and sim.sched.lane.seqs.count(None) < len(
+                sim.sched.lane.seqs) - 1:
+            break
+        sim.hold_kv.hold = False
+        while sim.release_kv():
+            pass
+    else:
+        raise AssertionError("a#0 never grew from the lane")
+    sim.cancel("a")
+    assert sim.finish[("a", 0)].finish is FinishReason.CANCELLED
+    sim.drain()
+    assert sim.output("b") == sim.expected("b", 0) and len(sim.output("b")) == 30
+    assert sim.kv.figures().used == 0 and not sim.sched.running

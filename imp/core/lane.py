@@ -130,9 +130,11 @@ class DecodeLane:
     def placed(self, rows: LaneRows, results) -> list:
         """The allocator's answers to the rows' grows (the reply's first results): tables taken, and the
         sequences whose grow failed (they sit this step out: `settle`)."""
-        failed = []
-        for i in rows.slots[rows.grow].tolist():
+        failed, g = [], rows.grow
+        for i, gen in zip(rows.slots[g].tolist(), rows.gens[g].tolist()):
             res = next(results)
+            if not self.occupied[i] or self.gen[i] != gen:
+                continue  # ended (a cancel, a timeout) since planning: it left the lane, its answer is moot
             s = self.seqs[i]
             if res.ok:
                 s.table = res.block_table

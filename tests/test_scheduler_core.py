@@ -32,7 +32,7 @@ from imp.core.scheduler import SchedulerConfig, SchedulerCore
 from imp.core.router import Router, route
 from imp.messages import (
     PENDING_TOKEN, Cancel, Enqueue, Figures, Finished, FinishReason, KvDrop, KvLoad, KvLoaded, KvReply, KvRequest,
-    KvSave, KvSwapIn, KvSwapOut, Reject, SampledToken,
+    Constraint, KvSave, KvSwapIn, KvSwapOut, Reject, SampledToken,
     SamplingParams, SessionClose, StepFailed, StepPlan, StepResult, Submit, Tick, TokenBatch, TokenOut,
 )
 
@@ -859,18 +859,22 @@ def test_the_decode_lane_gives_the_general_path_s_tokens_and_joins_the_steady_ro
     """The decode lane (imp.core.lane) plans and lands the steady plain decode rows as arrays: with it the
     outputs and finishes are the general path's, in a pool small enough to preempt
     (members ejected and recomputed), with stop tokens, penalties (history sent once), a cancel mid-answer and
-    requests that ask for what keeps them off the lane (logprobs, n = 2)."""
+    requests that ask for what keeps them off the lane (logprobs, n = 2); grammar rows in it end at a stop token even
+    with ignore_eos, as on the general path."""
     from imp.core.lane import DecodeLane
     joined = []
     insert = DecodeLane.insert
     monkeypatch.setattr(DecodeLane, "insert", lambda self, s: (joined.append(s.id), insert(self, s)))
     got = []
+    # r2 (a grammar, ignore_eos): a seed whose fake model draws EOS in its lane rows, before max_tokens
+    eos_seed = next(x for x in range(1, 100_000) if EOS in [fake_token(x, g, "r2#0") for g in range(3, 9)]
+                    and EOS not in [fake_token(x, g, "r2#0") for g in range(3)])
     for lane in (False, True):
         sim = Sim(num_blocks=14, max_batch_size=6, max_step_tokens=12, pipeline_depth=depth, decode_lane=lane,
                   history_once=True, max_context=40, decode_reserve=1)
         for i in range(9):
-            p = params(6 + 2 * i, seed=i, ignore_eos=i % 2 == 0, repetition_penalty=1.1 if i % 3 == 0 else 1.0,
-                       logprobs=2 if i == 4 else -1)
+            p = params(6 + 2 * i, seed=eos_seed if i == 2 else i, ignore_eos=i % 2 == 0, repetition_penalty=1.1 if i % 3 == 0 else 1.0,
+                       logprobs=2 if i == 4 else -1, constraint=Constraint("regex", ".*") if i in (2, 5) else None)
             sim.submit(f"r{i}", ids(5 + 2 * i, base=i % 4), p, n=2 if i == 7 else 1)
             sim.step()
         for _ in range(6):
@@ -884,7 +888,8 @@ def test_the_decode_lane_gives_the_general_path_s_tokens_and_joins_the_steady_ro
         if not lane:  # differ: the lane's grows come first in a step's KV ops, so a dry pool fails another one)
             assert not joined
     assert got[0] == got[1]
-    assert len(set(joined)) >= 5 and not {"r4#0", "r7#0", "r7#1"} & set(joined)
+    assert len(set(joined)) >= 5 and {"r2#0"} <= set(joined) and not {"r4#0", "r7#0", "r7#1"} & set(joined)
+    assert got[1][1][("r2", 0)] is FinishReason.STOP  # ignore_eos, but a grammar: the stop token ends it
     assert sim.sched.lane is not None and len(sim.sched.lane) == 0
 
 

@@ -8,8 +8,10 @@ and landed with array operations; the per-row Python left is the row's SeqWork i
 to its sequence and its TokenOut (`plan`, `works`, `land`).
 
 Who is in it: a running sequence in the decode state (one position to feed) whose request asks for nothing a
-row must carry or bring back (`plain`): no logprobs, mirostat, lens, grammar, drafts, banned phrases, guidance,
-n > 1, prompt logprobs still to score, params still to send. Every decision is the general path's
+row must carry or bring back (`plain`): no logprobs, mirostat, lens, drafts, banned phrases, guidance, n > 1,
+prompt logprobs still to score, params still to send. A grammar's rows are in it (the executor keeps the
+grammar's state; here it changes only which stop tokens end the choice), as are penalized ones where the history
+goes once (`history_once`). Every decision is the general path's
 (`SchedulerCore._start` / `_on_kv` / `_on_result`, `RequestBook._sampled` / `_ends`), made over the arrays:
 the same tokens. The rows come first in the plan, in slot order, and their grows first in the step's KV ops (so
 where the pool runs dry another sequence's grow may be the one that fails: who is preempted may differ).
@@ -67,7 +69,7 @@ class DecodeLane:
         p = s.params
         return (s.shadow is None and s.guided is None and s.watch is None and not s.bans and not s.spec_inflight
                 and not s.send_params and s.opened and not s.swapped and len(s.req.seqs) == 1 and p.logprobs < 0
-                and not p.mirostat and p.logit_lens <= 0 and not p.constrained and not (p.drafts and spec_k_max)
+                and not p.mirostat and p.logit_lens <= 0 and not (p.drafts and spec_k_max)
                 and (p.prompt_logprobs < 0 or s.plp_sent) and (history_once or not s.hist)
                 and len(p.stop_token_ids) <= STOPS)
 
@@ -82,7 +84,8 @@ class DecodeLane:
         p = s.params
         self.nprompt[i], self.maxtok[i] = s.n_prompt, p.max_tokens
         self.stops[i] = -2
-        stops = () if p.ignore_eos else p.stop_token_ids  # (ignore_eos without a grammar: no stop token ends it)
+        # (`_ends`' rule: ignore_eos without a grammar, no stop token ends it; a grammar ends at EOS all the same)
+        stops = () if p.ignore_eos and not p.constrained else p.stop_token_ids
         self.stops[i, :len(stops)] = stops
 
     def eject(self, s) -> None:

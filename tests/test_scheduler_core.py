@@ -859,8 +859,8 @@ def test_the_decode_lane_gives_the_general_path_s_tokens_and_joins_the_steady_ro
     """The decode lane (imp.core.lane) plans and lands the steady plain decode rows as arrays: with it the
     outputs and finishes are the general path's, in a pool small enough to preempt
     (members ejected and recomputed), with stop tokens, penalties (history sent once), a cancel mid-answer and
-    requests that ask for what keeps them off the lane (logprobs, n = 2); grammar rows in it end at a stop token even
-    with ignore_eos, as on the general path."""
+    a request that asks for what keeps it off the lane (logprobs); grammar rows in it end at a stop token even
+    with ignore_eos, as on the general path; both choices of an n = 2 request join it."""
     from imp.core.lane import DecodeLane
     joined = []
     insert = DecodeLane.insert
@@ -888,7 +888,7 @@ def test_the_decode_lane_gives_the_general_path_s_tokens_and_joins_the_steady_ro
         if not lane:  # differ: the lane's grows come first in a step's KV ops, so a dry pool fails another one)
             assert not joined
     assert got[0] == got[1]
-    assert len(set(joined)) >= 5 and {"r2#0"} <= set(joined) and not {"r4#0", "r7#0", "r7#1"} & set(joined)
+    assert len(set(joined)) >= 5 and {"r2#0", "r7#0", "r7#1"} <= set(joined) and "r4#0" not in joined
     assert got[1][1][("r2", 0)] is FinishReason.STOP  # ignore_eos, but a grammar: the stop token ends it
     assert sim.sched.lane is not None and len(sim.sched.lane) == 0
 

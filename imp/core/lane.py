@@ -8,8 +8,10 @@ and landed with array operations; the per-row Python left is the row's SeqWork i
 to its sequence and its TokenOut (`plan`, `works`, `land`).
 
 Who is in it: a running sequence in the decode state (one position to feed) whose request asks for nothing a
-row must carry or bring back (`plain`): no logprobs, mirostat, lens, drafts, banned phrases, guidance, n > 1,
-prompt logprobs still to score, params still to send. A grammar's rows are in it (the executor keeps the
+row must carry or bring back (`plain`): no logprobs, mirostat, lens, drafts, banned phrases, guidance, prompt
+logprobs still to score, params still to send. The choices of an n > 1 request are in it (each has had its first
+token, so choice 0 has released its siblings already: `_sampled`'s release is a no-op for it; a waiting sibling's
+fork reads the lead's num_computed, which in the lane is a lower bound already past the prompt's blocks). A grammar's rows are in it (the executor keeps the
 grammar's state; here it changes only which stop tokens end the choice), as are penalized ones where the history
 goes once (`history_once`). Every decision is the general path's
 (`SchedulerCore._start` / `_on_kv` / `_on_result`, `RequestBook._sampled` / `_ends`), made over the arrays:
@@ -68,7 +70,7 @@ class DecodeLane:
         """Whether a running sequence's rows ask for nothing beyond a token fed and one sampled (see above)."""
         p = s.params
         return (s.shadow is None and s.guided is None and s.watch is None and not s.bans and not s.spec_inflight
-                and not s.send_params and s.opened and not s.swapped and len(s.req.seqs) == 1 and p.logprobs < 0
+                and not s.send_params and s.opened and not s.swapped and p.logprobs < 0
                 and not p.mirostat and p.logit_lens <= 0 and not (p.drafts and spec_k_max)
                 and (p.prompt_logprobs < 0 or s.plp_sent) and (history_once or not s.hist)
                 and len(p.stop_token_ids) <= STOPS)

@@ -151,7 +151,7 @@ class DecodeLane:
     def settle(self, rows: LaneRows, failed: list) -> LaneRows:
         """The rows that run, once preemptions are done: a member preempted meanwhile is gone from its slot; one
         whose grow failed (and still runs) gives its row back."""
-        keep = self.occupied[rows.slots] & (self.gen[rows.slots] == rows.gens)
+        keep = self._valid(rows)
         out = [s.lane for s in failed if s.lane >= 0]
         if out:
             self.ahead[out] -= 1
@@ -159,10 +159,13 @@ class DecodeLane:
             keep &= ~np.isin(rows.slots, out)
         return rows if keep.all() else LaneRows(rows.slots[keep], rows.gens[keep], rows.grow[keep])
 
+    def _valid(self, rows: LaneRows) -> np.ndarray:
+        """Which rows' slots still hold the sequence each was planned for."""
+        return self.occupied[rows.slots] & (self.gen[rows.slots] == rows.gens)
+
     def members(self, rows: LaneRows) -> list:
         """The sequences whose rows these still are."""
-        sl = rows.slots[self.occupied[rows.slots] & (self.gen[rows.slots] == rows.gens)]
-        return [self.seqs[i] for i in sl.tolist()]
+        return [self.seqs[i] for i in rows.slots[self._valid(rows)].tolist()]
 
     def works(self, rows: LaneRows) -> list[SeqWork]:
         """The rows' shares: one token at start (PENDING_TOKEN when the step in flight samples it), sampled at
@@ -183,7 +186,7 @@ class DecodeLane:
         """A landed step's rows: the still valid ones computed one more position and sampled one token each;
         a token that ends its choice goes to `ends(s, t)` (the general path: eject, `_sampled`), every other one
         is appended and goes out as a TokenOut. A valid row without its token is the executor's bug."""
-        sl = rows.slots[self.occupied[rows.slots] & (self.gen[rows.slots] == rows.gens)]
+        sl = rows.slots[self._valid(rows)]
         if not len(sl):
             return
         self.computed[sl] += 1
@@ -209,3 +212,13 @@ class DecodeLane:
                 s.tokens.append(t.token_id)
                 out.append(("detok", TokenOut(s.req.id, s.index, (t.token_id,))))
 
+    def land_share(self, s, n: int, sample: bool, t, out: list, ends) -> None:
+        """A general share of member s planned before it joined (n positions, the last sampled when `sample`: its
+        prompt's or, after a preemption, its recompute's last chunks), landed on the arrays: the positions before
+        the sampled one counted here, the sampled one as `land` takes a row."""
+        i = s.lane
+        self.computed[i] += n - sample
+        self.ahead[i] -= n - sample
+        if sample:
+            sl = np.array([i])
+            self.land(LaneRows(sl, self.gen[sl], np.zeros(1, bool)), {s.id: t} if t is not None else {}, out, ends)

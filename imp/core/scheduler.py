@@ -54,7 +54,6 @@ from __future__ import annotations
 import collections
 
 import msgspec
-import numpy as np
 
 from imp.core.core import CoreError, Out
 from imp.core.guide import paired_share, unpaired
@@ -148,12 +147,14 @@ class SchedulerCore(RequestBook):
         running, max_batch = self.running, c.max_batch_size
         if self.lane is not None:  # the lane's rows first (decodes all): sequences that came to plain decoding join
             lane = self.lane
-            if len(lane) < len(running):
+            if len(lane) < len(running):  # (all of them in it: the general path plans none)
                 for s in running:
                     if s.lane < 0 and len(s.tokens) + s.pending - s.num_computed - s.ahead == 1 and lane.plain(
                             s, c.spec_k_max, c.history_once):
                         lane.insert(s)
-            running = [s for s in running if s.lane < 0] if len(lane) < len(running) else []
+                running = [s for s in running if s.lane < 0]
+            else:
+                running = []
             self.lane_rows = lane.plan(budget, ops)
             budget -= len(self.lane_rows)
         n_lane = self._lane_n = len(self.lane_rows) if self.lane is not None else 0
@@ -346,8 +347,9 @@ class SchedulerCore(RequestBook):
         sampled = {t.seq_id: t for t in msg.tokens}
         n_tokens = n_decode = fed = drafted = accepted = verifies = misses = 0
         running = Status.RUNNING
+        ends = lambda s, t: self._ends_member(s, t, out)  # noqa: E731 (a lane row's token that ends its choice)
         if rows is not None:  # the lane's rows (first in the plan): decode rows all
-            self.lane.land(rows, sampled, out, lambda s, t: self._ends_member(s, t, out))
+            self.lane.land(rows, sampled, out, ends)
             n_tokens = n_decode = len(rows)
         for w in batch:
             s, n, draft = w.seq, w.n, w.draft
@@ -361,7 +363,9 @@ class SchedulerCore(RequestBook):
             if s.status is not running or w.epoch != s.epoch:
                 continue  # ended, preempted or redirected while the step ran: its results are dropped
             if s.lane >= 0:  # a share from before it joined the lane: its counters are the lane's
-                self._land_member(w, sampled.get(s.id), out)
+                if draft:  # (a member drafts nothing, and joins with no verify in flight)
+                    raise CoreError(f"{s.id} joined the lane with a verify in flight")
+                self.lane.land_share(s, n, w.sample, sampled.get(s.id), out, ends)
                 continue
             t = sampled.get(s.id)
             kept = len(t.accepted) if draft and t is not None else 0
@@ -396,21 +400,6 @@ class SchedulerCore(RequestBook):
         """A lane row's token that ends its choice: the general path ends it."""
         self.lane.eject(s)
         self._sampled(s, t, out)
-
-    def _land_member(self, w: Work, t, out: Out) -> None:
-        """A share of a lane member planned before it joined (its prompt's or, after a preemption, its recompute's
-        last chunks: a member asks for no prompt logprobs and no drafts): landed on the lane's arrays, the
-        sampled position as its rows are."""
-        s, lane = w.seq, self.lane
-        if w.draft:
-            raise CoreError(f"{s.id} joined the lane with a verify in flight")
-        i, n = s.lane, w.n - w.sample  # positions before the sampled one (all of a chunk that samples nothing)
-        lane.computed[i] += n
-        lane.ahead[i] -= n
-        if w.sample:
-            sl = np.array([i])
-            lane.land(LaneRows(sl, lane.gen[sl], sl), {s.id: t} if t is not None else {}, out,
-                      lambda s, t: self._ends_member(s, t, out))
 
     def _on_failed(self, msg: StepFailed, out: Out) -> None:
         batch, rows = self._landed(msg.step)

@@ -49,13 +49,13 @@ class DecodeGraphs:
         return bool(self.graphs) and len(seqs) <= max(self.graphs) and all(
             len(s.token_ids) == 1 and s.sample and s.prompt_logprobs < 0 for s in seqs)
 
-    def replay(self, seqs: list[SeqWork], src: dict[int, int] | None = None, mark=None) -> torch.Tensor:
+    def replay(self, seqs: list[SeqWork], src: dict[int, int] | None = None, mark=None, cols=None) -> torch.Tensor:
         """logits [B, vocab] (a view of the graph's output: read before the next replay);
         src: share index -> previous-step slot for PENDING_TOKEN shares; mark(): called once the host's
         part is done, right before the step's first device work (GpuModelRunner.device_ns times from there)."""
         B = len(seqs)
         b = next(x for x in sorted(self.graphs) if x >= B)
-        self.inputs.write(seqs, b, src, mark)
+        self.inputs.write(seqs, b, src, mark, cols)
         g, out = self.graphs[b]
         g.replay()
         return out[:B]

@@ -1,4 +1,4 @@
-"""One step's device-side inputs: checks, the eager layout, the graphs' static buffers.
+"""One step's device-side inputs: the eager layout, the graphs' static buffers (the plan's check: imp.gpu.tables).
 
 A step is a list of `SeqWork` shares; the forward sees them as N new-token
 rows (`Meta`): token ids, positions, KV slots (block * block_size + offset,
@@ -58,36 +58,10 @@ class Landing:
             if self.tokens is not None:
                 self._ids = [t.token_id for t in self.tokens]
             else:
-                self.event.synchronize()
+                if self.event is not None:  # (None: CPU tensors, nothing in flight)
+                    self.event.synchronize()
                 self._ids = self.ring[:len(self.seq_ids)].tolist()
         return self._ids
-
-
-def check(seqs: list[SeqWork], context_length: int, block_size: int, num_blocks: int,
-          seen: dict[str, tuple[tuple[int, ...], int]] | None = None) -> None:
-    """Every share must fit the context and its block table the pool: a bad plan is a
-    ValueError (the step fails and its requests end), never a device fault. seen: seq id -> (the
-    table object last found in range, how many of its entries); a share whose table is that same
-    object (the scheduler hands a KvReply's tuple on until it changes) within those skips the scan (a tenth of the GPU executor's
-    host time at 256 streams went to scanning unchanged tables)."""
-    assert seqs, "empty step"
-    for s in seqs:
-        end = s.start_pos + len(s.token_ids)
-        if not s.token_ids:
-            raise ValueError(f"{s.seq_id}: no tokens")
-        if end > context_length:
-            raise ValueError(f"{s.seq_id}: position {end - 1} beyond context length {context_length}")
-        nb = (end - 1) // block_size + 1
-        if len(s.block_table) < nb:
-            raise ValueError(f"{s.seq_id}: block table too short for position {end - 1}")
-        if seen is not None and (got := seen.get(s.seq_id)) is not None and got[0] is s.block_table \
-                and nb <= got[1]:
-            continue
-        tbl = s.block_table[:nb]
-        if max(tbl) >= num_blocks or min(tbl) < 0:
-            raise ValueError(f"{s.seq_id}: block id out of range (num_blocks={num_blocks})")
-        if seen is not None:
-            seen[s.seq_id] = (s.block_table, nb)
 
 
 def eager_meta(seqs: list[SeqWork], rows: list[int], block_size: int, device: torch.device,
@@ -147,12 +121,27 @@ def eager_meta(seqs: list[SeqWork], rows: list[int], block_size: int, device: to
     return m
 
 
-def decode_rows(seqs: list[SeqWork], src: dict[int, int], bs: int, bt: np.ndarray) -> tuple[np.ndarray, ...]:
+def decode_rows(seqs: list[SeqWork], src: dict[int, int], bs: int, bt: np.ndarray, cols=None
+                ) -> tuple[np.ndarray, ...]:
     """One-token shares as arrays, in order: (token (0 where the previous step's sample feeds it), position,
     KV slot, previous-step slot or -1); each one's block table up to its position written into row k of
     bt. One pass over the shares for their scalars and one flat gather for the tables, not a numpy write
-    per field and share (a quarter of the GPU executor's host time at 256 streams)."""
+    per field and share (a quarter of the GPU executor's host time at 256 streams). cols: (the shares'
+    `imp.gpu.tables.Rows`, the runner's `Tables` that checked them): the scalars and tables gathered from those
+    instead (entries of a row's table past its position may then be written too)."""
     B = len(seqs)
+    srcv = np.full(B, -1, np.int64)
+    if src:
+        srcv[np.fromiter(src.keys(), np.int64, len(src))] = np.fromiter(src.values(), np.int64, len(src))
+    if cols is not None:
+        tr, tables = cols
+        pos = tr.pos
+        nbs = pos // bs + 1
+        width = int(nbs.max())
+        bt[:B, :width] = tables.rows(tr.slots, width)
+        tok = tr.tok0.copy()
+        tok[srcv >= 0] = 0
+        return tok, pos, bt[np.arange(B), nbs - 1].astype(np.int64) * bs + pos % bs, srcv
     pos = np.fromiter([s.start_pos for s in seqs], np.int64, B)
     nbs = pos // bs + 1
     flat = np.fromiter([b for s, n in zip(seqs, nbs.tolist()) for b in s.block_table[:n]], np.int64)
@@ -160,9 +149,6 @@ def decode_rows(seqs: list[SeqWork], src: dict[int, int], bs: int, bt: np.ndarra
     starts = ends - nbs
     rows = np.repeat(np.arange(B), nbs)
     bt[rows, np.arange(flat.size) - np.repeat(starts, nbs)] = flat
-    srcv = np.full(B, -1, np.int64)
-    if src:
-        srcv[np.fromiter(src.keys(), np.int64, len(src))] = np.fromiter(src.values(), np.int64, len(src))
     tok = np.fromiter([s.token_ids[0] for s in seqs], np.int64, B)
     tok[srcv >= 0] = 0
     return tok, pos, flat[ends - 1] * bs + pos % bs, srcv
@@ -178,7 +164,10 @@ class StaticInputs:
         M, MB = self.M, self.MB = max_batch, max_blocks
         self.block_size = block_size
         self.dev = torch.zeros(6 * M + M * MB, dtype=torch.int32, device=device)
-        self.hosts = [torch.zeros_like(self.dev, device="cpu").pin_memory() for _ in range(2)]
+        self.cuda = torch.device(device).type == "cuda"  # (CPU tensors: the host path alone, bench/executor_host.py)
+        self.hosts = [torch.zeros_like(self.dev, device="cpu") for _ in range(2)]
+        if self.cuda:
+            self.hosts = [h.pin_memory() for h in self.hosts]
         self.events = [None, None]
         self.turn = 0
         self.inert()
@@ -202,9 +191,9 @@ class StaticInputs:
                     dec_bt=st["bt"][:b], dec_lens=st["lens"][:b], prefill=[], out_rows=None, all_decode=True,
                     pending=(st["ph_rows"][:b], st["ph_src"][:b], b))
 
-    def write(self, seqs: list[SeqWork], b: int, src: dict[int, int] | None = None, mark=None) -> None:
+    def write(self, seqs: list[SeqWork], b: int, src: dict[int, int] | None = None, mark=None, cols=None) -> None:
         """Decode shares (one token each) into bucket b's inputs, padding rows inert;
-        one non-blocking host->device copy on the current stream."""
+        one non-blocking host->device copy on the current stream. cols: see `decode_rows`."""
         B, M, MB, bs = len(seqs), self.M, self.MB, self.block_size
         i_host = self.turn
         self.turn ^= 1
@@ -213,7 +202,7 @@ class StaticInputs:
         host = self.hosts[i_host]
         h = host.numpy()
         bt = h[6 * M:6 * M + b * MB].reshape(b, MB)
-        tok, pos, slot, srcv = decode_rows(seqs, src or {}, bs, bt)
+        tok, pos, slot, srcv = decode_rows(seqs, src or {}, bs, bt, cols)
         h[:B] = tok
         h[M:M + B] = pos
         h[2 * M:2 * M + B] = slot
@@ -228,6 +217,7 @@ class StaticInputs:
         if mark is not None:
             mark()
         self.dev[: 6 * M + b * MB].copy_(host[: 6 * M + b * MB], non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        self.events[i_host] = ev
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+            self.events[i_host] = ev

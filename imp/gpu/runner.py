@@ -56,7 +56,8 @@ from imp.formats.gguf_loader import ModelConfig
 from imp.gpu.forward import Forward
 from imp.gpu.graphs import DecodeGraphs
 from imp.gpu.lora import DeviceLoras
-from imp.gpu.inputs import Landing, check, eager_meta
+from imp.gpu.inputs import Landing, StaticInputs, eager_meta
+from imp.gpu.tables import Rows, Tables
 from imp.gpu.kvcopy import DeviceBlocks
 from imp.gpu.mixed import MixedGraphs, prompt_buckets
 from imp.gpu.linear import FUSED_CREDIT_US, GEMV_MAX_ROWS
@@ -70,6 +71,7 @@ from imp.model.runner import DEFAULT_KV_TOKENS
 from imp.sampling import gpu as sampler
 from imp.sampling import pending
 from imp.sampling.devcounts import DeviceCounts
+from imp.sampling.rowparams import RowParams
 from imp.sampling.cpu import apply_bans, apply_guidance
 from imp.sampling.mirostat import MirostatState
 from imp.sampling.verify import drafts, verify
@@ -110,8 +112,10 @@ class GpuModelRunner:
         self._sampled = torch.zeros(MAX_SAMPLED, dtype=torch.int32, device=self.device)  # last step's ids
         self._prev_rows: dict[str, int] = {}  # seq id -> index in _sampled, for the next step's PENDING_TOKEN
         self._start_ev = None  # the step being launched: its start event on the device (`_mark`)
-        self._tables: dict[str, tuple[tuple[int, ...], int]] = {}  # seq id -> its block table last checked (`check`)
+        # the sequences' block tables by slot, the plan's check (imp.gpu.tables)
+        self._tables = Tables(cfg.context_length, block_size, num_blocks, -(-cfg.context_length // block_size))
         self._counts = DeviceCounts(cfg.vocab_size, self.device)  # penalty counts kept on the device (imp.sampling.devcounts)
+        self._params = RowParams(self.device)  # the sequences' sampling params as columns (imp.sampling.rowparams)
         self._mirostat = MirostatState()  # mirostat's mu by sequence (its rows are sampled on the host)
         self._prev: Landing | None = None
         self._dev_loras = None  # imp.gpu.lora.DeviceLoras, made at the first adapter step
@@ -155,6 +159,31 @@ class GpuModelRunner:
                                      cfg.n_heads)
         if graphs and buckets:
             self._capture_or_fall_back()
+
+    @classmethod
+    def host_only(cls, vocab: int, block_size: int, num_blocks: int, context_length: int, max_batch: int
+                  ) -> GpuModelRunner:
+        """A runner without a device or a model, for the host's part of a step on CPU tensors (bench/executor_host.py,
+        tests): its decode "graphs" lay the inputs out as on a GPU (`StaticInputs.write`) and hand back the logits
+        in `host_logits` [max_batch, vocab] instead of replaying a forward; every other step is refused."""
+        r = object.__new__(cls)
+        r.config = ModelConfig(arch="llama", n_layers=0, d_model=0, n_heads=0, n_kv_heads=0, head_dim=0, d_ff=0,
+                               vocab_size=vocab, context_length=context_length, rope_theta=0.0, rms_eps=0.0,
+                               tied_embeddings=False)
+        r.num_blocks, r.block_size, r.device = num_blocks, block_size, torch.device("cpu")
+        r._lock, r.notes = threading.Lock(), []
+        r._sampled = torch.zeros(MAX_SAMPLED, dtype=torch.int32)
+        r._prev_rows, r._start_ev, r._prev, r._dev_loras = {}, None, None, None
+        r._tables = Tables(context_length, block_size, num_blocks, -(-context_length // block_size))
+        r._counts, r._params, r._mirostat = DeviceCounts(vocab, r.device), RowParams(r.device), MirostatState()
+        r._ring, r._ring_i = [torch.zeros(MAX_SAMPLED, dtype=torch.int32) for _ in range(RING)], 0
+        r.use_numba_sampling, r.mixed = False, None
+        buckets = tuple(b for i, b in enumerate(BUCKETS) if i == 0 or BUCKETS[i - 1] < max_batch)
+        r.graphs = DecodeGraphs(buckets, (context_length + block_size - 1) // block_size, block_size, r.device)
+        r.graphs.inputs = StaticInputs(max(buckets), r.graphs.max_blocks, block_size, r.device)
+        r.host_logits = torch.zeros(max(buckets), vocab)
+        r.graphs.graphs = {b: (_NoGraph(), r.host_logits[:b]) for b in buckets}
+        return r
 
     # ------------------------------------------------------------------ load
 
@@ -303,9 +332,9 @@ class GpuModelRunner:
     def forget(self, seq_ids) -> None:
         """Freed sequences (the executor passes each plan's `freed`): their penalty counts and mirostat state go."""
         self._counts.forget(seq_ids)
+        self._params.forget(seq_ids)
         self._mirostat.forget(seq_ids)
-        for sid in seq_ids:
-            self._tables.pop(sid, None)
+        self._tables.forget(seq_ids)
 
     def step(self, seqs: list[SeqWork], constraints=None, lora=None) -> list[SampledToken]:
         return self.collect(self.launch(seqs, constraints, lora))
@@ -329,12 +358,13 @@ class GpuModelRunner:
         lora (imp.model.lora.LoraTable): the adapters the seqs' params.lora name; a step with
         adapter rows runs eagerly (no graph), every projection getting its rows' deltas.
         """
-        self._check(seqs)
+        tr = self._check(seqs)
         with self._lock:
-            cuda_rt.use_device(self.device.index or 0)  # per thread: the executor's thread starts on device 0
+            if self.device.type == "cuda":  # (CPU tensors: `host_only`)
+                cuda_rt.use_device(self.device.index or 0)  # per thread: the executor's thread starts on device 0
             self._start_ev = None  # recorded by `_mark` once the host has laid the step out
             try:
-                h = self._launch(seqs, constraints, lora)
+                h = self._launch(seqs, constraints, lora, tr)
             except BaseException:
                 self._prev_rows, self._prev = {}, None  # nothing to feed the next step from
                 raise
@@ -378,8 +408,8 @@ class GpuModelRunner:
 
     # ------------------------------------------------------------------ one step
 
-    def _check(self, seqs: list[SeqWork]) -> None:
-        check(seqs, self.config.context_length, self.block_size, self.num_blocks, self._tables)
+    def _check(self, seqs: list[SeqWork]) -> Rows:
+        return self._tables.check(seqs)
 
     def _lora_arg(self, seqs: list[SeqWork], lora):
         if not lora or not any(w.params is not None and w.params.lora for w in seqs):
@@ -389,8 +419,11 @@ class GpuModelRunner:
         self._dev_loras.sync(lora, self.config)
         return self._dev_loras, self._dev_loras.rows(seqs, sum(len(w.token_ids) for w in seqs))
 
-    def _launch(self, seqs: list[SeqWork], constraints=None, lora=None) -> Landing:
+    def _launch(self, seqs: list[SeqWork], constraints=None, lora=None, tr: Rows | None = None) -> Landing:
+        n = len(seqs)
         seqs = self._mirostat.fill(pending.known(seqs, self._prev_rows))
+        if len(seqs) != n:  # (rows dropped: a failed step's sequences) tr's rows no longer line up
+            tr = None
         src = pending.pending_rows(seqs, self._prev_rows)
         if not seqs:
             return self._landed([], None, [])
@@ -400,7 +433,8 @@ class GpuModelRunner:
         if any(s.sample and s.params.logit_lens > 0 for s in seqs):
             return self._lens_step(seqs, src, constraints, la)
         if la is None and self.graphs.fits(seqs):  # every row samples: the graph's logits as they are
-            return self._sample_and_land(self.graphs.replay(seqs, src, self._mark), seqs, constraints)
+            cols = (tr, self._tables) if tr is not None else None
+            return self._sample_and_land(self.graphs.replay(seqs, src, self._mark, cols), seqs, constraints)
         logits, sample_at, plp_at = self._head_logits(seqs, src, la)  # a mixed graph, or eager
         order = sorted(sample_at)
         if not plp_at:
@@ -571,10 +605,10 @@ class GpuModelRunner:
         step's PENDING_TOKEN and start their copy to the host."""
         if len(seqs) > MAX_SAMPLED:
             raise ValueError(f"{len(seqs)} sequences sampled in one step (at most {MAX_SAMPLED})")
+        step = self._params.take(seqs)  # the rows' params as columns (imp.sampling.rowparams)
         dev_pending = None
-        hist = [i for i, s in enumerate(seqs) if s.pending and s.params.needs_history]
-        if hist and not any(s.params.host_sampled for s in seqs) and all(seqs[i].params.constraint is None
-                                                                         for i in hist):
+        hist = np.flatnonzero((step.pending > 0) & step.hist).tolist()
+        if hist and not step.host.any() and not step.grammar[hist].any():
             # penalties count the token in flight: it is on the device (last step's ids), counted there
             dev_pending = (hist, self._sampled, [self._prev_rows[seqs[i].seq_id] for i in hist])
         elif hist:
@@ -588,7 +622,7 @@ class GpuModelRunner:
         if any(s.banned for s in seqs):
             apply_bans(logits, seqs)  # a banned phrase's first token at the index it started: -inf
         self._counts.drop_taken()
-        ids, tokens = sampler.draw_ids(logits, seqs, self.use_numba_sampling, dev_pending, self._counts)
+        ids, tokens = sampler.draw_ids(logits, seqs, self.use_numba_sampling, dev_pending, self._counts, step)
         self._counts.record(ids)  # the penalized rows' ids counted on the device for the next step
         if tokens is not None:
             self._mirostat.keep(tokens)
@@ -597,8 +631,10 @@ class GpuModelRunner:
         ring = self._ring[self._ring_i]
         self._ring_i = (self._ring_i + 1) % RING
         ring[:B].copy_(self._sampled[:B], non_blocking=True)
-        ev = torch.cuda.Event(enable_timing=True)  # (device_ns: timed from the launch's start event)
-        ev.record()
+        ev = None
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)  # (device_ns: timed from the launch's start event)
+            ev.record()
         return self._landed([s.seq_id for s in seqs], ring, tokens, ev)
 
     def _landed(self, seq_ids: list[str], ring, tokens, event=None) -> Landing:
@@ -606,6 +642,13 @@ class GpuModelRunner:
         self._prev_rows = {sid: j for j, sid in enumerate(seq_ids)} if ring is not None else {}
         self._prev = h
         return h
+
+
+class _NoGraph:
+    """`host_only`'s stand-in for a captured graph: nothing to replay."""
+
+    def replay(self) -> None:
+        pass
 
 
 def _head_row_counts(seqs: list[SeqWork]) -> list[tuple[int, int]]:

@@ -31,6 +31,7 @@ from imp.kernels.cuda import sampling as k
 from imp.kernels.cuda.runtime import to_device
 from imp.messages import SeqWork
 from imp.sampling.counts import HistoryCounts
+from imp.sampling.rowparams import F_FREQ, F_REP
 
 MAX_BYTES = 256 << 20  # the table's bound: 256 MB (Gemma's 262k vocabulary: 256 rows)
 
@@ -76,34 +77,40 @@ class DeviceCounts:
         self.n[sid] = -1  # counted afresh at once
         return r
 
-    def penalize(self, logits: torch.Tensor, works: list[SeqWork], rows: list[int], pending=None) -> list[int]:
+    def penalize(self, logits: torch.Tensor, works: list[SeqWork], rows: list[int], pending=None, step=None
+                 ) -> list[int]:
         """In place on logits [R, V] fp32: the penalties of works[r] for r in rows (penalized rows, one share per
         sequence), from the table; returns the rows it could not take (the table is full): the segment path's.
         pending: `imp.sampling.gpu.draw_ids`'s (rows, ids on the device, slots): a row out of sync counts its
-        token in flight from there."""
+        token in flight from there. step (`imp.sampling.rowparams.Step`): the rows' params gathered on the
+        device instead of read from each row."""
         self._taken = None
-        take, slots, stale, rest = [], [], [], []
-        for r in rows:
-            w = works[r]
-            s = self._assign(w.seq_id)
-            if s is None:
-                rest.append(r)
-                continue
-            take.append(r)
-            slots.append(s)
-            if self.n[w.seq_id] != w.gen_index:
-                stale.append((r, s))
+        get, n = self.slot.get, self.n
+        slots = [get(works[r].seq_id) for r in rows]
+        if None in slots:  # a first share: a row in the table if it has room, else the segment path
+            for j, r in enumerate(rows):
+                if slots[j] is None:
+                    slots[j] = self._assign(works[r].seq_id)
+        take = [r for r, sl in zip(rows, slots) if sl is not None]
         if not take:
-            return rest
+            return list(rows)
+        rest = [r for r, sl in zip(rows, slots) if sl is None]
+        slots = [sl for sl in slots if sl is not None]
+        sids = [works[r].seq_id for r in take]
+        stale = [(r, sl) for r, sl, sid in zip(take, slots, sids) if n[sid] != works[r].gen_index]
         if stale:
             self._recount(works, stale, pending)
         dev = self.device
-        rows_t = to_device(take, torch.int64, dev)
-        slots_t = to_device(slots, torch.int64, dev)
-        prm = to_device(np.array([(works[r].params.repetition_penalty, works[r].params.presence_penalty,
-                                   works[r].params.frequency_penalty) for r in take], np.float32), torch.float32, dev)
+        rs = to_device(np.array([take, slots], np.int64), torch.int64, dev)  # one copy up: rows, slots
+        rows_t, slots_t = rs[0], rs[1]
+        if step is not None:
+            prm = step.f[:, F_REP:F_FREQ + 1].index_select(0, rows_t)
+        else:
+            prm = to_device(np.array([(works[r].params.repetition_penalty, works[r].params.presence_penalty,
+                                       works[r].params.frequency_penalty) for r in take], np.float32),
+                            torch.float32, dev)
         k.penalize_dense(logits, self.table, rows_t, slots_t, prm)
-        self._taken = (rows_t, slots_t, [works[r].seq_id for r in take])
+        self._taken = (rows_t, slots_t, sids)
         return rest
 
     def _recount(self, works: list[SeqWork], stale: list[tuple[int, int]], pending) -> None:

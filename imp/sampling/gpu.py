@@ -22,15 +22,22 @@ from imp.kernels.cuda.runtime import to_device
 from imp.messages import SampledToken, SeqWork
 from imp.sampling.cpu import LOGPROB_FLOOR, sample_one
 from imp.sampling.devcounts import DeviceCounts
+from imp.sampling.rowparams import F_MIN_P, F_TEMP, F_TOP_P, I_SEED, I_TOP_K, Step
 
 
-def draw_ids(logits: torch.Tensor, seqs: list[SeqWork], use_numba: bool = True, pending=None, counts=None
-             ) -> tuple[torch.Tensor, list[SampledToken] | None]:
+def draw_ids(logits: torch.Tensor, seqs: list[SeqWork], use_numba: bool = True, pending=None, counts=None,
+             step: Step | None = None) -> tuple[torch.Tensor, list[SampledToken] | None]:
     """A step's sampled ids [R] on the device, without a host sync where possible; the
     SampledTokens too when some row had to be sampled on the host (they are then final).
     pending: (rows: a list of P row indices, ids on the device[, slots: P indices into ids, default 0..P-1]):
     penalized rows whose history lacks the token the step in flight sampled, still on the device (row
-    rows[j]'s is ids[slots[j]]); the penalties count it there."""
+    rows[j]'s is ids[slots[j]]); the penalties count it there. step: the rows' params as columns
+    (`imp.sampling.rowparams`, the GPU runner's): the same draws without reading each row's params."""
+    if step is not None:
+        if step.plain.all():
+            return torch.argmax(logits, dim=-1), None
+        if not step.host.any():
+            return sample_ids(logits, seqs, use_numba, pending, counts, step)[0], None
     ps = [s.params for s in seqs]
     if all(p.plain_greedy for p in ps):
         return torch.argmax(logits, dim=-1), None
@@ -60,17 +67,19 @@ def sample_rows(logits: torch.Tensor, seqs: list[SeqWork], use_numba: bool = Tru
 
 
 def bias_and_penalties(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = True,
-                       pending=None, counts=None) -> torch.Tensor:
+                       pending=None, counts=None, step: Step | None = None) -> torch.Tensor:
     """In place on logits [R, V] fp32 (contiguous): logit_bias, then repetition/presence/frequency.
     pending: see draw_ids; those rows' in-flight token is counted on the device. The penalties of the
     whole step are one host->device copy and one kernel (`k.penalize_segments`): a step's host cost
     must stay under its device time at one stream (torch's index_put_ with accumulate cost 0.64 ms a
-    step there, the whole dense path 1.4 ms against a 0.8 ms SmolLM2 step on the H200)."""
+    step there, the whole dense path 1.4 ms against a 0.8 ms SmolLM2 step on the H200). step: the rows'
+    params as columns (see draw_ids): only the rows with a bias are read, the penalties' params gathered."""
     V = logits.shape[1]
     b_rows, b_ids, b_vals = [], [], []
-    for r, w in enumerate(works):
+    biased = np.flatnonzero(step.bias).tolist() if step is not None else range(len(works))
+    for r in biased:
         agg: dict[int, float] = {}
-        for t, val in w.params.logit_bias:
+        for t, val in works[r].params.logit_bias:
             if 0 <= t < V:
                 agg[t] = agg.get(t, 0.0) + float(val)
         b_rows += [r] * len(agg)
@@ -80,8 +89,10 @@ def bias_and_penalties(logits: torch.Tensor, works: list[SeqWork], use_numba: bo
     if b_ids:
         i32 = lambda v: to_device(v, torch.int32, dev)  # noqa: E731
         k.add_bias(logits, i32(b_rows), i32(b_ids), to_device(b_vals, torch.float32, dev), use_numba)
+    pen = (np.flatnonzero(step.penalized).tolist() if step is not None
+           else [r for r, w in enumerate(works) if w.params.penalized])
     if isinstance(counts, DeviceCounts):  # the counts on the device; the rows past its table: segments
-        rest = counts.penalize(logits, works, [r for r, w in enumerate(works) if w.params.penalized], pending)
+        rest = counts.penalize(logits, works, pen, pending, step)
         if not rest:
             return logits
         meta, S = penalty_segments(works, pending, V, counts.host, only=set(rest))
@@ -145,27 +156,38 @@ def sample(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = True) -
     return _to_sampled(tokens, processed, works)
 
 
-def sample_ids(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = True, pending=None, counts=None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drawn ids [R] int64 and the processed logits, left on the device (no host sync)."""
+def sample_ids(logits: torch.Tensor, works: list[SeqWork], use_numba: bool = True, pending=None, counts=None,
+               step: Step | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drawn ids [R] int64 and the processed logits, left on the device (no host sync). step: the rows'
+    params as columns (see draw_ids)."""
     R, V = logits.shape
     dev = logits.device
     x = logits.float().contiguous().clone()
-    bias_and_penalties(x, works, use_numba, pending, counts)
-    ps = [w.params for w in works]
-    greedy = [p.greedy for p in ps]
+    bias_and_penalties(x, works, use_numba, pending, counts, step)
     tokens = torch.argmax(x, dim=-1)
     processed = x
-    if not all(greedy):
+    if step is not None:
+        if step.greedy.all():
+            return tokens, processed
+        f, i, d = step.f, step.i, step.dev()
+        filt = k.filter_logits(x, f[:, F_TEMP].contiguous(), i[:, I_TOP_K].contiguous(), f[:, F_TOP_P].contiguous(),
+                               f[:, F_MIN_P].contiguous())
+        g = k.gumbel_noise(i[:, I_SEED].contiguous(), d[1].contiguous(), V)
+        is_greedy = to_device(torch.from_numpy(step.greedy), torch.bool, dev)
+    else:
+        ps = [w.params for w in works]
+        greedy = [p.greedy for p in ps]
+        if all(greedy):
+            return tokens, processed
         f = lambda vals, dt: to_device(vals, dt, dev)  # noqa: E731
         temp = f([p.temperature if p.temperature > 0 else 1.0 for p in ps], torch.float32)
         filt = k.filter_logits(x, temp, f([p.top_k for p in ps], torch.int64), f([p.top_p for p in ps], torch.float32),
-                             f([p.min_p for p in ps], torch.float32))
+                               f([p.min_p for p in ps], torch.float32))
         g = k.gumbel_noise(f([p.seed for p in ps], torch.int64), f([w.gen_index for w in works], torch.int64), V)
-        drawn = torch.argmax(filt + g, dim=-1)
         is_greedy = f(greedy, torch.bool)
-        tokens = torch.where(is_greedy, tokens, drawn)
-        processed = torch.where(is_greedy[:, None], x, filt)
+    drawn = torch.argmax(filt + g, dim=-1)
+    tokens = torch.where(is_greedy, tokens, drawn)
+    processed = torch.where(is_greedy[:, None], x, filt)
     return tokens, processed
 
 

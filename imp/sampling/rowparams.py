@@ -1,0 +1,148 @@
+"""The sampling parameters of the sequences a GPU runner holds, as columns by slot (issue 33, deliverable 3).
+
+Why: a step's sampler read each row's `SamplingParams` fields one Python attribute at a time — properties
+(`plain_greedy`, `host_sampled`, `penalized`) re-derived per row per step, a list per field, a host->device copy
+per list (a pinned staging buffer each: ~0.1 ms of host time apiece on an H100 host) — about a third of the GPU
+executor's host time at 256 streams. A sequence's params do not change while it runs (they come once per
+admission, `SchedulerConfig.history_once` / `attach_state`), so here they are derived once, when a sequence's
+params object is first seen, into numpy columns (flags on the host, numbers mirrored on the device); a step then
+costs one pass over its rows for (slot, gen_index, pending) and one copy up of those, and every per-row parameter
+the sampler wants is a gather (`Step`).
+
+A slot is a sequence's while the runner holds it (`forget` frees it, the plan's `freed`); a share whose params
+object is not the one its slot was filled from (a re-admission sends them again) refills it. Host only
+bookkeeping plus one device gather: no clock, no randomness.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from imp.kernels.cuda.runtime import to_device
+
+# the device columns: float32 [cap, 6] and int64 [cap, 2]
+F_TEMP, F_TOP_P, F_MIN_P, F_REP, F_PRES, F_FREQ = range(6)
+I_TOP_K, I_SEED = range(2)
+FLAGS = ("greedy", "plain", "penalized", "bias", "host", "hist", "grammar")
+
+
+class Step:
+    """One step's rows as columns: their slots, gen_index and pending (host int64 [R]), their flags (host bool
+    [R] each, `FLAGS`), and on the device their slots and gen_index (int64 [R]) and params (`f` [R, 6],
+    `i` [R, 2]) gathered on first use."""
+
+    __slots__ = ("owner", "cols", "slots", "gen", "pending", "_dev", "_f", "_i") + FLAGS
+
+    def __init__(self, owner: RowParams, cols: np.ndarray):
+        """cols: int64 [R, 3] = slot, gen_index, pending (`RowParams.take`)."""
+        self.owner, self.cols = owner, cols
+        self.slots, self.gen, self.pending = (np.ascontiguousarray(c) for c in cols.T)
+        slots = self.slots
+        for name in FLAGS:
+            setattr(self, name, getattr(owner, name)[slots])
+        self._dev = self._f = self._i = None
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def subset(self, rows) -> Step:
+        rows = np.asarray(rows, np.int64)
+        return Step(self.owner, self.cols[rows])
+
+    def dev(self) -> torch.Tensor:
+        """[2, R] int64 on the device: slots, gen_index (one copy up a step)."""
+        if self._dev is None:
+            self._dev = to_device(torch.from_numpy(np.stack([self.slots, self.gen])), torch.int64, self.owner.device)
+        return self._dev
+
+    @property
+    def f(self) -> torch.Tensor:
+        if self._f is None:
+            self._f = self.owner.dev_f().index_select(0, self.dev()[0])
+        return self._f
+
+    @property
+    def i(self) -> torch.Tensor:
+        if self._i is None:
+            self._i = self.owner.dev_i().index_select(0, self.dev()[0])
+        return self._i
+
+
+class RowParams:
+    def __init__(self, device, cap: int = 64):
+        self.device = torch.device(device)
+        self.slot: dict[str, int] = {}
+        self._cap = 0
+        self.obj: list = []
+        self.f = np.zeros((0, 6), np.float32)
+        self.i = np.zeros((0, 2), np.int64)
+        for name in FLAGS:
+            setattr(self, name, np.zeros(0, bool))
+        self.free: list[int] = []
+        self._dev_f = self._dev_i = None
+        self._dirty: list[int] = []
+        self._grow(cap)
+
+    def _grow(self, cap: int) -> None:
+        old = self._cap
+        self.obj += [None] * (cap - old)
+        self.f = np.concatenate([self.f, np.zeros((cap - old, 6), np.float32)])
+        self.i = np.concatenate([self.i, np.zeros((cap - old, 2), np.int64)])
+        for name in FLAGS:
+            setattr(self, name, np.concatenate([getattr(self, name), np.zeros(cap - old, bool)]))
+        self.free.extend(range(cap - 1, old - 1, -1))
+        self._cap = cap
+        self._dev_f = self._dev_i = None  # mirrored again, whole, at the next use
+
+    def forget(self, seq_ids) -> None:
+        for s in seq_ids:
+            j = self.slot.pop(s, None)
+            if j is not None:
+                self.obj[j] = None
+                self.free.append(j)
+
+    def take(self, works) -> Step:
+        """The step's rows (complete SeqWorks: params filled in) as columns; a sequence seen for the first time,
+        or with a params object other than its slot's, (re)fills its slot."""
+        get, obj = self.slot.get, self.obj
+        cols = np.array([(get(w.seq_id, -1), w.gen_index, w.pending) for w in works], np.int64).reshape(-1, 3)
+        slots = cols[:, 0]
+        for r in [r for r, (j, w) in enumerate(zip(slots.tolist(), works)) if j < 0 or obj[j] is not w.params]:
+            slots[r] = self._fill(works[r].seq_id, works[r].params)
+        return Step(self, cols)
+
+    def _fill(self, sid: str, p) -> int:
+        j = self.slot.get(sid)
+        if j is None:
+            if not self.free:
+                self._grow(2 * self._cap)
+            j = self.slot[sid] = self.free.pop()
+        self.obj[j] = p
+        self.f[j] = (p.temperature if p.temperature > 0 else 1.0, p.top_p, p.min_p, p.repetition_penalty,
+                     p.presence_penalty, p.frequency_penalty)
+        self.i[j] = (p.top_k, p.seed)
+        self.greedy[j], self.plain[j], self.penalized[j] = p.greedy, p.plain_greedy, p.penalized
+        self.bias[j], self.host[j], self.hist[j] = bool(p.logit_bias), p.host_sampled, p.needs_history
+        self.grammar[j] = p.constraint is not None
+        self._dirty.append(j)
+        return j
+
+    def _sync(self) -> None:
+        if self._dev_f is None:
+            self._dev_f = to_device(torch.from_numpy(self.f), torch.float32, self.device)
+            self._dev_i = to_device(torch.from_numpy(self.i), torch.int64, self.device)
+        elif self._dirty:
+            d = sorted(set(self._dirty))
+            at = to_device(d, torch.int64, self.device)
+            self._dev_f.index_copy_(0, at, to_device(torch.from_numpy(self.f[d]), torch.float32, self.device))
+            self._dev_i.index_copy_(0, at, to_device(torch.from_numpy(self.i[d]), torch.int64, self.device))
+        self._dirty = []
+
+    def dev_f(self) -> torch.Tensor:
+        self._sync()
+        return self._dev_f
+
+    def dev_i(self) -> torch.Tensor:
+        self._sync()
+        return self._dev_i

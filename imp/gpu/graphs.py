@@ -44,10 +44,14 @@ class DecodeGraphs:
             self.graphs[b] = (g, out)
         torch.cuda.synchronize(self.device)
 
-    def fits(self, seqs: list[SeqWork]) -> bool:
-        """A decode-only step small enough for a captured bucket."""
-        return bool(self.graphs) and len(seqs) <= max(self.graphs) and all(
-            len(s.token_ids) == 1 and s.sample and s.prompt_logprobs < 0 for s in seqs)
+    def fits(self, seqs: list[SeqWork], one: bool | None = None) -> bool:
+        """A decode-only step small enough for a captured bucket. one: whether every share feeds one token,
+        samples it and scores no prompt (the caller's columns), else read from the shares."""
+        if not self.graphs or len(seqs) > max(self.graphs):
+            return False
+        if one is not None:
+            return one
+        return all(len(s.token_ids) == 1 and s.sample and s.prompt_logprobs < 0 for s in seqs)
 
     def replay(self, seqs: list[SeqWork], src: dict[int, int] | None = None, mark=None, cols=None) -> torch.Tensor:
         """logits [B, vocab] (a view of the graph's output: read before the next replay);

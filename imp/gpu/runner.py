@@ -64,14 +64,14 @@ from imp.gpu.linear import FUSED_CREDIT_US, GEMV_MAX_ROWS
 from imp.gpu.weights import GGUFSource, Weights, load_weights
 from imp.kernels.cuda import runtime as cuda_rt
 from imp.kernels.cuda import kv_write as k_kv
-from imp.messages import LensLayer, SampledToken, SeqWork
+from imp.messages import PENDING_TOKEN, LensLayer, SampledToken, SeqWork
 from imp.model.llama import default_num_blocks, rope_tables
 from imp.model.rows import head_rows, with_prompt_logprobs
 from imp.model.runner import DEFAULT_KV_TOKENS
 from imp.sampling import gpu as sampler
 from imp.sampling import pending
 from imp.sampling.devcounts import DeviceCounts
-from imp.sampling.rowparams import RowParams
+from imp.sampling.rowparams import RowParams, Step
 from imp.sampling.cpu import apply_bans, apply_guidance
 from imp.sampling.mirostat import MirostatState
 from imp.sampling.verify import drafts, verify
@@ -111,6 +111,7 @@ class GpuModelRunner:
         cuda_rt.use_device(self.device.index or 0)
         self._sampled = torch.zeros(MAX_SAMPLED, dtype=torch.int32, device=self.device)  # last step's ids
         self._prev_rows: dict[str, int] = {}  # seq id -> index in _sampled, for the next step's PENDING_TOKEN
+        self._prev_at = np.full(0, -1, np.int64)  # the same by RowParams slot (`_landed`)
         self._start_ev = None  # the step being launched: its start event on the device (`_mark`)
         # the sequences' block tables by slot, the plan's check (imp.gpu.tables)
         self._tables = Tables(cfg.context_length, block_size, num_blocks, -(-cfg.context_length // block_size))
@@ -174,6 +175,7 @@ class GpuModelRunner:
         r._lock, r.notes = threading.Lock(), []
         r._sampled = torch.zeros(MAX_SAMPLED, dtype=torch.int32)
         r._prev_rows, r._start_ev, r._prev, r._dev_loras = {}, None, None, None
+        r._prev_at = np.full(0, -1, np.int64)
         r._tables = Tables(context_length, block_size, num_blocks, -(-context_length // block_size))
         r._counts, r._params, r._mirostat = DeviceCounts(vocab, r.device), RowParams(r.device), MirostatState()
         r._ring, r._ring_i = [torch.zeros(MAX_SAMPLED, dtype=torch.int32) for _ in range(RING)], 0
@@ -359,14 +361,16 @@ class GpuModelRunner:
         adapter rows runs eagerly (no graph), every projection getting its rows' deltas.
         """
         tr = self._check(seqs)
+        step = self._params.take(seqs)  # the shares' flags and params as columns (imp.sampling.rowparams)
         with self._lock:
             if self.device.type == "cuda":  # (CPU tensors: `host_only`)
                 cuda_rt.use_device(self.device.index or 0)  # per thread: the executor's thread starts on device 0
             self._start_ev = None  # recorded by `_mark` once the host has laid the step out
             try:
-                h = self._launch(seqs, constraints, lora, tr)
+                h = self._launch(seqs, constraints, lora, tr, step)
             except BaseException:
                 self._prev_rows, self._prev = {}, None  # nothing to feed the next step from
+                self._prev_at[:] = -1
                 raise
             h.start = self._start_ev
             return h
@@ -419,29 +423,34 @@ class GpuModelRunner:
         self._dev_loras.sync(lora, self.config)
         return self._dev_loras, self._dev_loras.rows(seqs, sum(len(w.token_ids) for w in seqs))
 
-    def _launch(self, seqs: list[SeqWork], constraints=None, lora=None, tr: Rows | None = None) -> Landing:
-        n = len(seqs)
-        seqs = self._mirostat.fill(pending.known(seqs, self._prev_rows))
-        if len(seqs) != n:  # (rows dropped: a failed step's sequences) tr's rows no longer line up
-            tr = None
-        src = pending.pending_rows(seqs, self._prev_rows)
+    def _launch(self, seqs: list[SeqWork], constraints=None, lora=None, tr: Rows | None = None,
+                step: Step | None = None) -> Landing:
+        if tr is not None and step is not None:
+            seqs, src, tr, step = self._known(seqs, tr, step)
+        else:
+            seqs = pending.known(seqs, self._prev_rows)
+            src = pending.pending_rows(seqs, self._prev_rows)
+        seqs = self._mirostat.fill(seqs)
         if not seqs:
             return self._landed([], None, [])
         la = self._lora_arg(seqs, lora)
-        if any(s.draft for s in seqs):
+        if step.draft.any() if step is not None else any(s.draft for s in seqs):
             return self._verify_step(seqs, src, constraints, la)
-        if any(s.sample and s.params.logit_lens > 0 for s in seqs):
+        if (step.sample & step.lens).any() if step is not None else any(
+                s.sample and s.params.logit_lens > 0 for s in seqs):
             return self._lens_step(seqs, src, constraints, la)
-        if la is None and self.graphs.fits(seqs):  # every row samples: the graph's logits as they are
+        one = None if step is None else bool((tr.ntok == 1).all() and step.sample.all() and not step.plp.any())
+        if la is None and self.graphs.fits(seqs, one):  # every row samples: the graph's logits as they are
             cols = (tr, self._tables) if tr is not None else None
-            return self._sample_and_land(self.graphs.replay(seqs, src, self._mark, cols), seqs, constraints)
+            return self._sample_and_land(self.graphs.replay(seqs, src, self._mark, cols), seqs, constraints, step)
         logits, sample_at, plp_at = self._head_logits(seqs, src, la)  # a mixed graph, or eager
         order = sorted(sample_at)
         if not plp_at:
             if not order:
                 return self._landed([], None, [])
             sel = logits.index_select(0, cuda_rt.to_device([sample_at[i] for i in order], torch.int64, self.device))
-            return self._sample_and_land(sel, [seqs[i] for i in order], constraints)
+            return self._sample_and_land(sel, [seqs[i] for i in order], constraints,
+                                         step.subset(order) if step is not None else None)
         # prompt logprobs: scored on the host now (not pipelined; such steps are prefill chunks)
         drawn: dict[int, SampledToken] = {}
         if order:
@@ -600,26 +609,51 @@ class GpuModelRunner:
         pieces = [out[a:a + c] for i in range(len(seqs)) for a, c in [at[i]] if c]
         return torch.cat(pieces) if pieces else out[:0]
 
-    def _sample_and_land(self, logits: torch.Tensor, seqs: list[SeqWork], constraints=None) -> Landing:
+    def _known(self, seqs: list[SeqWork], tr: Rows, step: Step):
+        """`pending.known` and `pending.pending_rows` over the columns: (the shares whose pending token the last
+        step sampled, share index -> its slot there, their Rows and Step, None where rows were dropped)."""
+        pend = step.pending > 0
+        if not pend.any():
+            return seqs, {}, tr, step
+        bad = pend & ((step.pending != 1) | (tr.ntok != 1) | (tr.tok0 != PENDING_TOKEN) | ~step.sample)
+        if bad.any():
+            pending.check(seqs[int(np.flatnonzero(bad)[0])])  # raises: the scheduler's bug, named
+        at = self._prev_of(step.slots)
+        keep = ~pend | (at >= 0)
+        if not keep.all():  # a failed step's sequences (the scheduler has ended them)
+            idx = np.flatnonzero(keep)
+            seqs, step, tr, pend, at = [seqs[i] for i in idx.tolist()], step.subset(idx), None, pend[idx], at[idx]
+        rows = np.flatnonzero(pend)
+        return seqs, dict(zip(rows.tolist(), at[rows].tolist())), tr, step
+
+    def _prev_of(self, slots: np.ndarray) -> np.ndarray:
+        """Each slot's row in the last landed step's sampled ids, -1 where it sampled none."""
+        if len(self._prev_at) < self._params.cap:
+            self._prev_at = np.concatenate([self._prev_at, np.full(self._params.cap - len(self._prev_at), -1)])
+        return self._prev_at[slots]
+
+    def _sample_and_land(self, logits: torch.Tensor, seqs: list[SeqWork], constraints=None, step: Step | None = None
+                         ) -> Landing:
         """Sample rows of logits for seqs; keep the ids on the device for the next
-        step's PENDING_TOKEN and start their copy to the host."""
+        step's PENDING_TOKEN and start their copy to the host. step: seqs' columns (else taken here)."""
         if len(seqs) > MAX_SAMPLED:
             raise ValueError(f"{len(seqs)} sequences sampled in one step (at most {MAX_SAMPLED})")
-        step = self._params.take(seqs)  # the rows' params as columns (imp.sampling.rowparams)
+        if step is None:
+            step = self._params.take(seqs)
         dev_pending = None
-        hist = np.flatnonzero((step.pending > 0) & step.hist).tolist()
-        if hist and not step.host.any() and not step.grammar[hist].any():
+        hist = np.flatnonzero((step.pending > 0) & step.hist)
+        if len(hist) and not step.host.any() and not step.grammar[hist].any():
             # penalties count the token in flight: it is on the device (last step's ids), counted there
-            dev_pending = (hist, self._sampled, [self._prev_rows[seqs[i].seq_id] for i in hist])
-        elif hist:
+            dev_pending = (hist.tolist(), self._sampled, self._prev_of(step.slots[hist]).tolist())
+        elif len(hist):
             # a grammar's state follows the token in flight (and a host-sampled row reads it): on the host
             prev = dict(zip(self._prev.seq_ids, self._prev.ids()))
             seqs = [pending.fill(s, prev[s.seq_id]) if s.pending and s.params.needs_history else s for s in seqs]
-        if any(s.guide for s in seqs):
+        if step.guide.any():
             apply_guidance(logits, seqs)  # l_b + s (l_a - l_b) on the device, before the masks
-        if constraints is not None:
+        if constraints is not None and step.grammar.any():
             constraints.apply(logits, seqs)  # in place: masked tokens -inf, before bias and the rest
-        if any(s.banned for s in seqs):
+        if step.banned.any():
             apply_bans(logits, seqs)  # a banned phrase's first token at the index it started: -inf
         self._counts.drop_taken()
         ids, tokens = sampler.draw_ids(logits, seqs, self.use_numba_sampling, dev_pending, self._counts, step)
@@ -635,11 +669,17 @@ class GpuModelRunner:
         if self.device.type == "cuda":
             ev = torch.cuda.Event(enable_timing=True)  # (device_ns: timed from the launch's start event)
             ev.record()
-        return self._landed([s.seq_id for s in seqs], ring, tokens, ev)
+        return self._landed([s.seq_id for s in seqs], ring, tokens, ev, step)
 
-    def _landed(self, seq_ids: list[str], ring, tokens, event=None) -> Landing:
+    def _landed(self, seq_ids: list[str], ring, tokens, event=None, step: Step | None = None) -> Landing:
+        """The step's landing, and where each sequence's sampled id sits for the next step's PENDING_TOKEN: by
+        seq id (`_prev_rows`) and by params slot (`_prev_at`, the columns' path)."""
         h = Landing(seq_ids, ring, event, tokens)
         self._prev_rows = {sid: j for j, sid in enumerate(seq_ids)} if ring is not None else {}
+        self._prev_at[:] = -1
+        if ring is not None:  # (a ring comes from `_sample_and_land` alone, with its step)
+            self._prev_of(step.slots[:0])  # (sized to the slots)
+            self._prev_at[step.slots] = np.arange(len(seq_ids))
         self._prev = h
         return h
 

@@ -24,20 +24,25 @@ from imp.kernels.cuda.runtime import to_device
 # the device columns: float32 [cap, 6] and int64 [cap, 2]
 F_TEMP, F_TOP_P, F_MIN_P, F_REP, F_PRES, F_FREQ = range(6)
 I_TOP_K, I_SEED = range(2)
-FLAGS = ("greedy", "plain", "penalized", "bias", "host", "hist", "grammar")
+FLAGS = ("greedy", "plain", "penalized", "bias", "host", "hist", "grammar", "lens")
 
 
 class Step:
-    """One step's rows as columns: their slots, gen_index and pending (host int64 [R]), their flags (host bool
-    [R] each, `FLAGS`), and on the device their slots and gen_index (int64 [R]) and params (`f` [R, 6],
-    `i` [R, 2]) gathered on first use."""
+    """One step's rows as columns: from the shares their slots, gen_index, pending, draft (host int64 [R]) and
+    whether each samples, scores prompt tokens, has a guidance shadow or banned tokens (host bool [R]); from
+    their params the flags (host bool [R] each, `FLAGS`); and on the device their slots and gen_index (int64
+    [R]) and params (`f` [R, 6], `i` [R, 2]) gathered on first use."""
 
-    __slots__ = ("owner", "cols", "slots", "gen", "pending", "_dev", "_f", "_i") + FLAGS
+    __slots__ = ("owner", "cols", "slots", "gen", "pending", "draft", "sample", "plp", "guide", "banned",
+                 "_dev", "_f", "_i") + FLAGS
 
     def __init__(self, owner: RowParams, cols: np.ndarray):
-        """cols: int64 [R, 3] = slot, gen_index, pending (`RowParams.take`)."""
+        """cols: int64 [R, 8] = slot, gen_index, pending, draft, sample, prompt_logprobs, guide, banned
+        (`RowParams.take`)."""
         self.owner, self.cols = owner, cols
-        self.slots, self.gen, self.pending = (np.ascontiguousarray(c) for c in cols.T)
+        (self.slots, self.gen, self.pending, self.draft, sample, plp, guide,
+         banned) = (np.ascontiguousarray(c) for c in cols.T)
+        self.sample, self.plp, self.guide, self.banned = sample > 0, plp >= 0, guide > 0, banned > 0
         slots = self.slots
         for name in FLAGS:
             setattr(self, name, getattr(owner, name)[slots])
@@ -95,6 +100,10 @@ class RowParams:
         self._cap = cap
         self._dev_f = self._dev_i = None  # mirrored again, whole, at the next use
 
+    @property
+    def cap(self) -> int:
+        return self._cap
+
     def forget(self, seq_ids) -> None:
         for s in seq_ids:
             j = self.slot.pop(s, None)
@@ -106,7 +115,8 @@ class RowParams:
         """The step's rows (complete SeqWorks: params filled in) as columns; a sequence seen for the first time,
         or with a params object other than its slot's, (re)fills its slot."""
         get, obj = self.slot.get, self.obj
-        cols = np.array([(get(w.seq_id, -1), w.gen_index, w.pending) for w in works], np.int64).reshape(-1, 3)
+        cols = np.array([(get(w.seq_id, -1), w.gen_index, w.pending, w.draft, w.sample, w.prompt_logprobs,
+                          bool(w.guide), bool(w.banned)) for w in works], np.int64).reshape(-1, 8)
         slots = cols[:, 0]
         for r in [r for r, (j, w) in enumerate(zip(slots.tolist(), works)) if j < 0 or obj[j] is not w.params]:
             slots[r] = self._fill(works[r].seq_id, works[r].params)
@@ -124,7 +134,7 @@ class RowParams:
         self.i[j] = (p.top_k, p.seed)
         self.greedy[j], self.plain[j], self.penalized[j] = p.greedy, p.plain_greedy, p.penalized
         self.bias[j], self.host[j], self.hist[j] = bool(p.logit_bias), p.host_sampled, p.needs_history
-        self.grammar[j] = p.constraint is not None
+        self.grammar[j], self.lens[j] = p.constraint is not None, p.logit_lens > 0
         self._dirty.append(j)
         return j
 

@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 from imp.actors.executor import attach_state, record_samples  # noqa: E402
 from imp.config import ServerConfig  # noqa: E402
@@ -35,8 +36,9 @@ from imp.messages import (FinishReason, SampledToken, SamplingParams, StepPlan, 
                           TokenOut)
 
 
-def level(C: int, rounds: int, P: int, A: int, seed: int = 0) -> tuple[float, int, int]:
-    """(CPU seconds, answer tokens, steps) of one level."""
+def level(C: int, rounds: int, P: int, A: int, seed: int = 0, runner: bool = False) -> tuple[float, int, int]:
+    """(CPU seconds, answer tokens, steps) of one level. runner: the GPU runner's host part samples the rows
+    (`GpuModelRunner.host_only`, CPU tensors of a 32-id vocabulary) instead of a token made up a row."""
     cfg = ServerConfig(model="x", max_batch_size=256, max_step_tokens=1024, pipeline_depth=1)
     blocks = C * (-(-(P + A + 1) // cfg.block_size) + 1)
     adm, sch, kv = build_cores(cfg, blocks, P + A + 16, "bench")
@@ -44,6 +46,13 @@ def level(C: int, rounds: int, P: int, A: int, seed: int = 0) -> tuple[float, in
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=A, ignore_eos=True, repetition_penalty=1.05, seed=1)
     kept, hists, plans = {}, {}, collections.deque()
+    gpu = None
+    if runner:
+        from imp.gpu.runner import GpuModelRunner
+
+        gpu = GpuModelRunner.host_only(vocab=32, block_size=cfg.block_size, num_blocks=blocks,
+                                       context_length=P + A + 16, max_batch=256)
+        gpu.host_logits.copy_(torch.randn(gpu.host_logits.shape))
     issued = finished = tokens = steps = 0
     now = 0
 
@@ -76,7 +85,11 @@ def level(C: int, rounds: int, P: int, A: int, seed: int = 0) -> tuple[float, in
             raise RuntimeError(f"no plan with {finished} of {total} finished")
         plan = plans.popleft()
         seqs = attach_state(plan, kept, hists)
-        out = tuple(SampledToken(w.seq_id, 1000 + (w.gen_index % 7000)) for w in seqs if w.sample)
+        if gpu is not None:
+            gpu.forget(plan.freed)
+            out = tuple(gpu.collect(gpu.launch(seqs)))
+        else:
+            out = tuple(SampledToken(w.seq_id, 1000 + (w.gen_index % 7000)) for w in seqs if w.sample)
         record_samples(out, hists)
         now += 1_000_000
         steps += 1
@@ -94,11 +107,13 @@ def main() -> int:
     ap.add_argument("--answer", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--runner", action="store_true", help="the GPU runner's host part samples (GpuModelRunner.host_only)")
     a = ap.parse_args()
+    torch.set_num_threads(1)
     print("| streams | CPU µs a token, min | median | steps | tokens |")
     print("|---|---|---|---|---|")
     for C in (int(x) for x in a.streams.split(",")):
-        runs = [level(C, a.rounds, a.prompt, a.answer) for _ in range(a.reps)]
+        runs = [level(C, a.rounds, a.prompt, a.answer, runner=a.runner) for _ in range(a.reps)]
         us = [1e6 * cpu / tok for cpu, tok, _ in runs]
         print(f"| {C} | {min(us):.2f} | {statistics.median(us):.2f} | {runs[0][2]} | {runs[0][1]} |", flush=True)
     return 0

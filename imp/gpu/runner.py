@@ -166,7 +166,8 @@ class GpuModelRunner:
                   ) -> GpuModelRunner:
         """A runner without a device or a model, for the host's part of a step on CPU tensors (bench/executor_host.py,
         tests): its decode "graphs" lay the inputs out as on a GPU (`StaticInputs.write`) and hand back the logits
-        in `host_logits` [max_batch, vocab] instead of replaying a forward; every other step is refused."""
+        in `host_logits` [max_batch, vocab] instead of replaying a forward; other steps are laid out eagerly
+        (`eager_meta`) and get zero logits."""
         r = object.__new__(cls)
         r.config = ModelConfig(arch="llama", n_layers=0, d_model=0, n_heads=0, n_kv_heads=0, head_dim=0, d_ff=0,
                                vocab_size=vocab, context_length=context_length, rope_theta=0.0, rms_eps=0.0,
@@ -185,6 +186,8 @@ class GpuModelRunner:
         r.graphs.inputs = StaticInputs(max(buckets), r.graphs.max_blocks, block_size, r.device)
         r.host_logits = torch.zeros(max(buckets), vocab)
         r.graphs.graphs = {b: (_NoGraph(), r.host_logits[:b]) for b in buckets}
+        r._split_mixed = False  # eager steps (prompts): zero logits for their head rows
+        r.fwd = lambda meta, lora=None: torch.zeros(meta.out_rows.shape[0], vocab)
         return r
 
     # ------------------------------------------------------------------ load

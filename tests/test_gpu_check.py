@@ -40,7 +40,7 @@ def test_a_table_is_copied_when_its_tuple_changes_and_checked_up_to_the_position
     t = _t()
     good = (3, 4, 5)
     t.check([_w("a", 20, good)])
-    j = t.slot["a"]
+    j = t.slots.of["a"]
     t.tab[j, 0] = 99  # (a marker: a copy would overwrite it)
     t.check([_w("a", 21, good)])  # the same tuple: not copied again
     assert t.tab[j, 0] == 99
@@ -51,9 +51,10 @@ def test_a_table_is_copied_when_its_tuple_changes_and_checked_up_to_the_position
         t.check([_w("a", 33, bad)])
     for i in range(5):  # more sequences than the first capacity: the arrays grow, slots stay
         t.check([_w(f"s{i}", 1, (i,))])
-    assert t.tab[t.slot["s4"], 0] == 4 and t.slot["a"] == j
+    assert t.tab[t.slots.of["s4"], 0] == 4 and t.slots.of["a"] == j
+    s0 = t.slots.of["s0"]
     t.forget(["a", "s0"])
-    assert "a" not in t.slot and len(t.free) >= 2
+    assert "a" not in t.slots.of and len(t.slots) == 4 and t.slots.assign("z") in (j, s0)  # a freed slot reused
 
 
 def test_decode_rows_from_the_kept_tables_equal_the_shares_own():

@@ -37,13 +37,13 @@ def test_the_columns_are_the_rows_params_and_slots_follow_the_sequences():
     assert f[F_TEMP] == pytest.approx(0.7) and f[F_TOP_P] == pytest.approx(0.9) and f[F_MIN_P] == pytest.approx(0.05)
     assert [f[F_REP], f[F_PRES], f[F_FREQ]] == pytest.approx([1.05, 0.5, 0.25]) and i == [40, 11]
     assert st.f[1, F_TEMP] == 1.0 and st.i[1, I_SEED] == 0 and st.i[1, I_TOP_K] == 0  # greedy: temperature 1
-    sa = rp.slot["a"]
+    sa = rp.slots.of["a"]
     a2 = SamplingParams(max_tokens=9, seed=12)  # re-admitted with params sent again: the slot refilled
     st = rp.take([_w("a", a2)])
-    assert rp.slot["a"] == sa and st.plain.tolist() == [True] and st.i[0, I_SEED] == 12
+    assert rp.slots.of["a"] == sa and st.plain.tolist() == [True] and st.i[0, I_SEED] == 12
     rp.forget(["b"])
     st = rp.take([_w("d", b)])
-    assert rp.slot["d"] == st.slots[0] and "b" not in rp.slot and st.bias.tolist() == [True]
+    assert rp.slots.of["d"] == st.slots[0] and "b" not in rp.slots.of and st.bias.tolist() == [True]
 
 
 def test_the_sampler_with_columns_draws_what_it_draws_row_by_row():

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from imp.sampling.slots import Slots
+
 
 class Rows:
     """A step's shares as the tables see them: their slots, start positions, token counts and first tokens
@@ -30,8 +32,7 @@ class Rows:
 class Tables:
     def __init__(self, context_length: int, block_size: int, num_blocks: int, max_blocks: int, cap: int = 64):
         self.ctx, self.bs, self.num_blocks, self.MB = context_length, block_size, num_blocks, max_blocks
-        self.slot: dict[str, int] = {}
-        self.free = list(range(cap - 1, -1, -1))
+        self.slots = Slots(cap)
         self.tab = np.zeros((cap, max_blocks), np.int32)
         self.n = np.zeros(cap, np.int64)  # the table's length
         self.good = np.zeros(cap, np.int64)  # how many of its first entries are block ids inside the pool
@@ -43,12 +44,11 @@ class Tables:
         self.n = np.concatenate([self.n, np.zeros(cap - old, np.int64)])
         self.good = np.concatenate([self.good, np.zeros(cap - old, np.int64)])
         self.obj += [None] * (cap - old)
-        self.free.extend(range(cap - 1, old - 1, -1))
 
     def check(self, works) -> Rows:
         """The shares as `Rows`, their changed tables copied in, every share checked: a bad one is a ValueError
         naming it."""
-        get = self.slot.get
+        get = self.slots.of.get
         cols = np.array([(get(w.seq_id, -1), w.start_pos, len(w.token_ids), w.token_ids[0] if w.token_ids else 0)
                          for w in works], np.int64).reshape(-1, 4)
         slots, obj = cols[:, 0], self.obj
@@ -71,11 +71,9 @@ class Tables:
         return rows
 
     def _copy(self, sid: str, table: tuple[int, ...]) -> int:
-        j = self.slot.get(sid)
-        if j is None:
-            if not self.free:
-                self._grow(2 * len(self.obj))
-            j = self.slot[sid] = self.free.pop()
+        j = self.slots.assign(sid)
+        if j >= len(self.obj):
+            self._grow(self.slots.cap)
         n = min(len(table), self.MB)
         a = np.asarray(table[:n], np.int64)
         out = (a < 0) | (a >= self.num_blocks)
@@ -86,11 +84,8 @@ class Tables:
         return j
 
     def forget(self, seq_ids) -> None:
-        for s in seq_ids:
-            j = self.slot.pop(s, None)
-            if j is not None:
-                self.obj[j] = None
-                self.free.append(j)
+        for j in self.slots.forget(seq_ids):
+            self.obj[j] = None
 
     def rows(self, slots: np.ndarray, width: int) -> np.ndarray:
         """[R, width] int32: the first `width` blocks of each slot's table (entries past a table's length: stale)."""

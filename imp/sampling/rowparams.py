@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from imp.kernels.cuda.runtime import to_device
+from imp.sampling.slots import Slots
 
 # the device columns: float32 [cap, 6] and int64 [cap, 2]
 F_TEMP, F_TOP_P, F_MIN_P, F_REP, F_PRES, F_FREQ = range(6)
@@ -77,44 +78,37 @@ class Step:
 class RowParams:
     def __init__(self, device, cap: int = 64):
         self.device = torch.device(device)
-        self.slot: dict[str, int] = {}
-        self._cap = 0
-        self.obj: list = []
+        self.slots = Slots(cap)
+        self.obj: list = []  # the params object each slot was filled from
         self.f = np.zeros((0, 6), np.float32)
         self.i = np.zeros((0, 2), np.int64)
         for name in FLAGS:
             setattr(self, name, np.zeros(0, bool))
-        self.free: list[int] = []
         self._dev_f = self._dev_i = None
         self._dirty: list[int] = []
-        self._grow(cap)
+        self._grow()
 
-    def _grow(self, cap: int) -> None:
-        old = self._cap
+    def _grow(self) -> None:
+        cap, old = self.slots.cap, len(self.obj)
         self.obj += [None] * (cap - old)
         self.f = np.concatenate([self.f, np.zeros((cap - old, 6), np.float32)])
         self.i = np.concatenate([self.i, np.zeros((cap - old, 2), np.int64)])
         for name in FLAGS:
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(cap - old, bool)]))
-        self.free.extend(range(cap - 1, old - 1, -1))
-        self._cap = cap
         self._dev_f = self._dev_i = None  # mirrored again, whole, at the next use
 
     @property
     def cap(self) -> int:
-        return self._cap
+        return self.slots.cap
 
     def forget(self, seq_ids) -> None:
-        for s in seq_ids:
-            j = self.slot.pop(s, None)
-            if j is not None:
-                self.obj[j] = None
-                self.free.append(j)
+        for j in self.slots.forget(seq_ids):
+            self.obj[j] = None
 
     def take(self, works) -> Step:
         """The step's rows (complete SeqWorks: params filled in) as columns; a sequence seen for the first time,
         or with a params object other than its slot's, (re)fills its slot."""
-        get, obj = self.slot.get, self.obj
+        get, obj = self.slots.of.get, self.obj
         cols = np.array([(get(w.seq_id, -1), w.gen_index, w.pending, w.draft, w.sample, w.prompt_logprobs,
                           bool(w.guide), bool(w.banned)) for w in works], np.int64).reshape(-1, 8)
         slots = cols[:, 0]
@@ -123,11 +117,9 @@ class RowParams:
         return Step(self, cols)
 
     def _fill(self, sid: str, p) -> int:
-        j = self.slot.get(sid)
-        if j is None:
-            if not self.free:
-                self._grow(2 * self._cap)
-            j = self.slot[sid] = self.free.pop()
+        j = self.slots.assign(sid)
+        if j >= len(self.obj):
+            self._grow()
         self.obj[j] = p
         self.f[j] = (p.temperature if p.temperature > 0 else 1.0, p.top_p, p.min_p, p.repetition_penalty,
                      p.presence_penalty, p.frequency_penalty)

@@ -30,6 +30,7 @@ from imp.actors.base import Actor, Bus, CoreActor  # noqa: E402
 from imp.log.eventlog import EventLog, LogHeader  # noqa: E402
 from imp.config import ServerConfig  # noqa: E402
 from imp.engine.cores import build_cores  # noqa: E402
+from imp.messages import step_result  # noqa: E402
 from imp.messages import (  # noqa: E402
     SCHEMA_VERSION, FinishReason, SampledToken, SamplingParams, StepPlan, StepResult, Submit, TokenBatch, TokenOut,
 )
@@ -45,8 +46,8 @@ class FakeExecutor(Actor):
 
     async def on_message(self, sender, msg):
         if isinstance(msg, StepPlan):
-            toks = [SampledToken(s.seq_id, 7) for s in msg.seqs if s.sample]
-            self.send("scheduler", StepResult(msg.step, toks, time.monotonic_ns(), 0))
+            toks = [SampledToken(s.seq_id, 7) for s in msg.shares() if s.sample]
+            self.send("scheduler", step_result(msg, toks, time.monotonic_ns(), 0))
 
 
 class Sink(Actor):

@@ -190,8 +190,8 @@ def step_kinds(log_path: str, t0_ns: int, t1_ns: int) -> dict:
         p = env.payload
         name = type(p).__name__
         if name == "StepPlan":
-            dec = sum(1 for w in p.seqs if len(w.token_ids) == 1 and w.sample)
-            prompt = sum(len(w.token_ids) for w in p.seqs) - dec
+            dec = sum(1 for w in p.shares() if len(w.token_ids) == 1 and w.sample)
+            prompt = sum(len(w.token_ids) for w in p.shares()) - dec
             shape[p.step] = ("decode-only" if not prompt else ("prefill-only" if not dec else "mixed"), prompt, dec)
         elif name == "StepResult" and t0_ns <= env.wall_ns <= t1_ns:
             landed[p.step] = (p.elapsed_ns, getattr(p, "device_ns", 0))

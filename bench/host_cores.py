@@ -6,8 +6,8 @@ a shared 2-vCPU box's noise does not drown it.
 The admission, scheduler and KV allocator cores as `imp.engine.cores.build_cores` makes them for a server with
 `--max-batch-size 256 --max-step-tokens 1024 --pipeline-depth 1`, driven in one thread by a loop that hands each
 message to its core (as the actors' mailboxes do, without the queues), and an executor that does what
-`imp.actors.executor` does to a plan and a result (`attach_state`, one sampled token a sampled row,
-`record_samples`) with no model: every microsecond here is Python the host spends on a step's rows. Each level
+`imp.actors.executor` does to a plan and a result (`attach_state`, the decode rows as columns, one sampled token
+a sampled row, `landed_result`) with no model: every microsecond here is Python the host spends on a step's rows. Each level
 keeps C streams (a finished request is replaced at once) until C x rounds finished, prompts of --prompt random ids
 (no prefix-cache hit), answers of --answer tokens (ignore_eos; a repetition penalty, so histories are kept, as
 bench/engine.py's workload). Reported: CPU µs a token (process time / answer tokens), min and median of --reps
@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from imp.actors.executor import attach_state, record_samples  # noqa: E402
+from imp.actors.executor import attach_state, landed_result  # noqa: E402
+from imp.sampling.works import RowBatch, Works  # noqa: E402
 from imp.config import ServerConfig  # noqa: E402
 from imp.engine.cores import build_cores  # noqa: E402
 from imp.messages import (FinishReason, SampledToken, SamplingParams, StepPlan, StepResult, Submit, TokenBatch,  # noqa: E402
@@ -85,16 +86,25 @@ def level(C: int, rounds: int, P: int, A: int, seed: int = 0, runner: bool = Fal
             raise RuntimeError(f"no plan with {finished} of {total} finished")
         plan = plans.popleft()
         seqs = attach_state(plan, kept, hists)
+        rows = RowBatch(plan.rows, kept, hists) if plan.rows is not None and len(plan.rows) else None
+        landed = None
         if gpu is not None:
             gpu.forget(plan.freed)
-            out = tuple(gpu.collect(gpu.launch(seqs)))
+            if rows is None:
+                out = gpu.collect(gpu.launch(seqs))
+            else:  # as the executor does: the rows as columns, the step landed as ids
+                sids, ids, out = gpu.collect_ids(gpu.launch(Works(rows, seqs)))
+                landed = (sids, ids) if out is None else None
         else:
-            out = tuple(SampledToken(w.seq_id, 1000 + (w.gen_index % 7000)) for w in seqs if w.sample)
-        record_samples(out, hists)
+            out = [SampledToken(w.seq_id, 1000 + (w.gen_index % 7000)) for w in seqs if w.sample]
+            if rows is not None:
+                landed = (Works(rows, []).seq_ids + [t.seq_id for t in out],
+                          np.concatenate([1000 + rows.gen % 7000, np.array([t.token_id for t in out], np.int64)]))
         now += 1_000_000
         steps += 1
         before = finished
-        deliver(collections.deque([("executor", "scheduler", StepResult(plan.step, out, now, 1_000_000))]))
+        res = landed_result(plan.step, out or [], rows, hists, now, 1_000_000, 0, landed)
+        deliver(collections.deque([("executor", "scheduler", res)]))
         for _ in range(min(finished - before, total - issued)):
             submit()
     return time.process_time() - t0, tokens, steps

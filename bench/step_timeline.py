@@ -41,9 +41,9 @@ def main() -> int:
         d = by_step[key]
         d.setdefault(f"{name}:{env.sender}>{env.receiver}", env.wall_ns)
         if name == "StepPlan":
-            batch[key] = len(env.payload.seqs)
-            dec = sum(1 for w in env.payload.seqs if len(w.token_ids) == 1 and w.sample)
-            shape[key] = (len(env.payload.seqs), dec, sum(len(w.token_ids) for w in env.payload.seqs) - dec)
+            batch[key] = len(env.payload.shares())
+            dec = sum(1 for w in env.payload.shares() if len(w.token_ids) == 1 and w.sample)
+            shape[key] = (len(env.payload.shares()), dec, sum(len(w.token_ids) for w in env.payload.shares()) - dec)
         if name == "StepResult":
             d["elapsed"] = env.payload.elapsed_ns
     all_steps = sorted(s for s in by_step if "StepResult:executor>scheduler" in by_step[s] and batch.get(s))

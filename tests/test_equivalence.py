@@ -14,11 +14,12 @@ import collections
 import msgspec
 import pytest
 
-from imp.actors.executor import attach_state, record_samples
+from imp.actors.executor import plan_works, record_samples
 from imp.sampling.pending import resolve_pending
 from imp.core.router import Router
 from imp.config import ServerConfig
 from imp.engine.cores import build_cores
+from imp.messages import step_result
 from imp.messages import FinishReason, SamplingParams, StepPlan, StepResult, Submit, TokenBatch, TokenOut
 
 pytestmark = pytest.mark.slow
@@ -83,15 +84,15 @@ class Harness:
     def run(self) -> None:
         while self.inflight:
             plan = self.inflight.popleft()
-            self.pending_fed += sum(w.pending for w in plan.seqs)
+            self.pending_fed += sum(w.pending for w in plan.shares())
             if plan.freed:  # as the executor actor does: the runner forgets freed sequences' state
                 self.runner.forget(plan.freed)
-            seqs = resolve_pending(attach_state(plan, self.kept, self.hists), self.last)  # as the executor actor does
+            seqs = resolve_pending(plan_works(plan, self.kept, self.hists), self.last)  # as the executor actor does
             toks = self.runner.step(seqs) if seqs else []
             record_samples(toks, self.hists)
             self.last = {t.seq_id: t.token_id for t in toks}
             self.now += 1
-            self._drain(self.router.send([("executor", "scheduler", StepResult(plan.step, tuple(toks), self.now))]))
+            self._drain(self.router.send([("executor", "scheduler", step_result(plan, tuple(toks), self.now))]))
 
     def _drain(self, deliveries) -> None:
         for d in deliveries:

@@ -16,7 +16,7 @@ from tests.test_scheduler_core import Sim, ids, params
 
 def _guided_samples(sim: Sim, req: str) -> tuple[int, int]:
     """(sampling shares of the choice, those that named its shadow)."""
-    shares = [w for plan in sim.plans for w in plan.seqs if w.seq_id == f"{req}#0" and w.sample]
+    shares = [w for plan in sim.plans for w in plan.shares() if w.seq_id == f"{req}#0" and w.sample]
     return len(shares), sum(w.guide == f"{req}#0.cfg" for w in shares)
 
 
@@ -33,7 +33,7 @@ def test_every_token_of_a_guided_choice_is_drawn_beside_its_shadow(depth):
         n, guided = _guided_samples(sim, f"g{i}")
         assert n == guided == 20, (i, n, guided)
     assert sim.output("plain") == sim.expected("plain", 0)
-    assert not any(w.guide for plan in sim.plans for w in plan.seqs if w.seq_id.startswith("plain"))
+    assert not any(w.guide for plan in sim.plans for w in plan.shares() if w.seq_id.startswith("plain"))
     assert sim.figures.kv.used == 0 and sim.figures.kv.reserved == 0 and sim.finished.keys() == {"g0", "g1", "g2",
                                                                                                   "plain"}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from imp.core.itl import ItlBudget
 from imp.core.kv import KvConfig, KvCore
 from imp.core.scheduler import SchedulerConfig, SchedulerCore
+from imp.messages import step_result
 from imp.messages import Enqueue, KvRequest, SampledToken, SamplingParams, SeqWork, StepPlan, StepResult, Submit
 
 MS = 1_000_000
@@ -67,22 +68,22 @@ class Sim:
             if plan is None:
                 return
             self.plans.append(plan)
-            prompt = sum(len(w.token_ids) for w in plan.seqs if not (len(w.token_ids) == 1 and w.sample))
-            decode = len(plan.seqs) - sum(1 for w in plan.seqs if not (len(w.token_ids) == 1 and w.sample))
+            prompt = sum(len(w.token_ids) for w in plan.shares() if not (len(w.token_ids) == 1 and w.sample))
+            decode = len(plan.shares()) - sum(1 for w in plan.shares() if not (len(w.token_ids) == 1 and w.sample))
             elapsed = (DECODE_NS if decode else 0) + TOKEN_NS * prompt
             self.now += elapsed
-            toks = tuple(SampledToken(w.seq_id, 7) for w in plan.seqs if w.sample)
-            res = StepResult(plan.step, toks, self.now, 3 * elapsed, elapsed) if self.timed else \
-                StepResult(plan.step, toks, self.now, elapsed)
+            toks = tuple(SampledToken(w.seq_id, 7) for w in plan.shares() if w.sample)
+            res = step_result(plan, toks, self.now, 3 * elapsed, elapsed) if self.timed else \
+                step_result(plan, toks, self.now, elapsed)
             self.queue += self.sch.handle("executor", res)
 
 
 def _prompt_rows(plan: StepPlan) -> int:
-    return sum(len(w.token_ids) for w in plan.seqs if len(w.token_ids) > 1)
+    return sum(len(w.token_ids) for w in plan.shares() if len(w.token_ids) > 1)
 
 
 def _decode_rows(plan: StepPlan) -> int:
-    return sum(1 for w in plan.seqs if len(w.token_ids) == 1 and w.sample)
+    return sum(1 for w in plan.shares() if len(w.token_ids) == 1 and w.sample)
 
 
 def _run(itl_target_ns: int, timed: bool = False) -> Sim:
@@ -103,7 +104,7 @@ def test_prompt_chunks_beside_decode_rows_fit_the_target():
     assert max(_prompt_rows(p) for p in mixed[1:]) <= 40
     assert all(DECODE_NS + TOKEN_NS * _prompt_rows(p) <= 60 * MS for p in mixed[1:])
     # the long prompt still completes (the streams keep decoding meanwhile)
-    assert any(w.seq_id.startswith("big") and w.sample for p in sim.plans for w in p.seqs)
+    assert any(w.seq_id.startswith("big") and w.sample for p in sim.plans for w in p.shares())
 
 
 def test_a_timed_device_s_own_step_time_is_what_the_budget_learns():
@@ -142,7 +143,7 @@ def test_a_decode_step_past_the_target_still_lets_prompts_in():
 
 def test_off_keeps_the_plans_of_before():
     a, b = _run(0), _run(0)
-    assert [p.seqs for p in a.plans] == [p.seqs for p in b.plans]
+    assert [p.shares() for p in a.plans] == [p.shares() for p in b.plans]
     mixed = [p for p in a.plans[30:] if _decode_rows(p) and _prompt_rows(p)]
     assert max(_prompt_rows(p) for p in mixed) > 400  # whole max_step_tokens chunks beside the decodes
 
@@ -191,7 +192,7 @@ def test_a_rare_arrival_stalls_the_streams_at_most_ratio_decode_steps():
     # (2.5 - 1) x 20 ms / 1 ms = 30 prompt tokens, or the backlog over DRAIN_STEPS (1500 / 32 = 47) beside them
     assert all(DECODE_NS + TOKEN_NS * _prompt_rows(p) <= 2.5 * DECODE_NS + 47 * TOKEN_NS for p in mixed[1:])
     assert max(_prompt_rows(p) for p in mixed[1:]) <= 47
-    assert any(w.seq_id.startswith("big0") and w.sample for p in sim.plans for w in p.seqs)
+    assert any(w.seq_id.startswith("big0") and w.sample for p in sim.plans for w in p.shares())
 
 
 def test_a_backlog_widens_the_chunks_so_the_queue_drains():
@@ -350,8 +351,8 @@ def test_the_scheduler_reads_a_running_prompt_s_chunk_at_its_start():
             if p and d and step >= 5:
                 seen.append(p)
             now += int(11 * MS)
-            toks = tuple(SampledToken(w.seq_id, 7) for w in plan.seqs if w.sample)
-            queue += sch.handle("executor", StepResult(plan.step, toks, now, int(11 * MS) if not p else int(20 * MS)))
+            toks = tuple(SampledToken(w.seq_id, 7) for w in plan.shares() if w.sample)
+            queue += sch.handle("executor", step_result(plan, toks, now, int(11 * MS) if not p else int(20 * MS)))
         return seen
 
     plain, by_ctx = chunks(0), chunks(24_000)
@@ -387,13 +388,13 @@ def test_a_new_prompt_past_a_cached_prefix_is_sized_at_its_start():
             plan = _next_plan(queue, sch, kv)
             if plan is None:
                 break
-            late = [len(w.token_ids) for w in plan.seqs if w.start_pos >= 2992 and len(w.token_ids) > 1]
+            late = [len(w.token_ids) for w in plan.shares() if w.start_pos >= 2992 and len(w.token_ids) > 1]
             if step >= 30 and late:
                 assert _decode_rows(plan) >= 4
                 return late[0]
             now += int(11 * MS)
-            toks = tuple(SampledToken(w.seq_id, 7) for w in plan.seqs if w.sample)
-            queue += sch.handle("executor", StepResult(plan.step, toks, now, int(11 * MS) if not _prompt_rows(plan)
+            toks = tuple(SampledToken(w.seq_id, 7) for w in plan.shares() if w.sample)
+            queue += sch.handle("executor", step_result(plan, toks, now, int(11 * MS) if not _prompt_rows(plan)
                                                        else int(20 * MS)))
         raise AssertionError("the second turn never ran")
 
@@ -439,8 +440,8 @@ def test_with_a_bucketed_device_the_table_holds_the_ratio_where_the_fit_did_not(
                 worst = max(worst, elapsed / dec)
                 prompts += p
             now += elapsed
-            toks = tuple(SampledToken(w.seq_id, 7) for w in plan.seqs if w.sample)
-            queue += sch.handle("executor", StepResult(plan.step, toks, now, elapsed))
+            toks = tuple(SampledToken(w.seq_id, 7) for w in plan.shares() if w.sample)
+            queue += sch.handle("executor", step_result(plan, toks, now, elapsed))
         return worst, prompts
 
     fit_worst, fit_prompts = run(())

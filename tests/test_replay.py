@@ -9,6 +9,7 @@ from pathlib import Path
 import msgspec
 
 from imp.log.eventlog import Envelope, EventLog, read_log
+from imp.messages import step_result
 from imp.messages import DeltaBatch, Enqueue, StepPlan, Submit
 from imp.core.replay import main as replay_main
 
@@ -111,8 +112,8 @@ def test_a_router_run_dumps_to_a_replayable_log(tmp_path, capsys):
         plans = [d.msg for d in outs if isinstance(d.msg, StepPlan)]
         if not plans:
             break
-        toks = [SampledToken(w.seq_id, 7) for w in plans[0].seqs if w.sample]
-        outs = router.send([("executor", "scheduler", StepResult(plans[0].step, tuple(toks), 100 + step))])
+        toks = [SampledToken(w.seq_id, 7) for w in plans[0].shares() if w.sample]
+        outs = router.send([("executor", "scheduler", step_result(plans[0], tuple(toks), 100 + step))])
     dump(router, tmp_path / "case.log", note="test")
     assert replay_main([str(tmp_path / "case.log"), "--step"]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -16,6 +16,7 @@ from imp.core.replicas import Routed, pick, split_name
 from imp.core.router import Router
 from imp.config import ServerConfig, replica_devices
 from imp.engine.cores import build_cores
+from imp.messages import step_result
 from imp.messages import (
     PENDING_TOKEN, Cancel, EndThinking, Enqueue, Finished, FinishReason, SampledToken, SamplingParams, SessionClose,
     StepPlan, StepResult, Submit, TokenBatch,
@@ -91,12 +92,12 @@ def test_replicated_cores_finish_everything_and_replay(depth):
                 continue
             plan = queue.pop(0)
             out = []
-            for w in plan.seqs:
+            for w in plan.shares():
                 assert all(t != PENDING_TOKEN for t in w.token_ids) or last[ex].get(w.seq_id) is not None
                 if w.sample:
                     out.append(SampledToken(w.seq_id, _fake_token(w.seq_id, w.gen_index)))
             last[ex] = {t.seq_id: t.token_id for t in out}
-            collect(router.send([(ex, f"scheduler.{split_name(ex)[1]}", StepResult(plan.step, tuple(out), 1))]))
+            collect(router.send([(ex, f"scheduler.{split_name(ex)[1]}", step_result(plan, tuple(out), 1))]))
     assert used == {"executor.0": True, "executor.1": True}  # both replicas got work
     assert tokens == {f"r{i}": [_fake_token(f"r{i}#0", g) for g in range(6)] for i in range(10)}
     for k in kvs:

@@ -14,6 +14,7 @@ from imp.core.scheduler import SchedulerConfig, SchedulerCore
 from imp.core.router import Router
 import collections
 
+from imp.messages import step_result
 from imp.messages import (
     PENDING_TOKEN, EndThinking, FinishReason, KvRequest, PromptLogprob, SampledToken, SamplingParams, StepPlan,
     StepResult, Submit, TokenBatch, TokenOut,
@@ -64,7 +65,7 @@ class Drive:
             return False
         plan = self.inflight.popleft()
         toks = []
-        for w in plan.seqs:
+        for w in plan.shares():
             entries = ()
             if w.prompt_logprobs >= 0:
                 targets = list(w.token_ids[1:]) + ([w.prompt_next] if w.prompt_next >= 0 else [])
@@ -75,7 +76,7 @@ class Drive:
             elif entries:
                 toks.append(SampledToken(w.seq_id, -1, prompt=entries))
         self.now += 1
-        self.send("executor", "scheduler", StepResult(plan.step, tuple(toks), self.now))
+        self.send("executor", "scheduler", step_result(plan, tuple(toks), self.now))
         return True
 
     def run(self, limit=500):
@@ -103,7 +104,7 @@ def test_end_thinking_forces_the_tokens_and_the_answer_continues():
     assert len(fin) == 1 and fin[0].finish == FinishReason.LENGTH
     assert fin[0].completion_tokens == len(out)
     # the forced tokens were fed to the model (KV written), at the right positions
-    fed = [(w.start_pos, w.token_ids) for p in d.plans for w in p.seqs if w.seq_id == "r#0"]
+    fed = [(w.start_pos, w.token_ids) for p in d.plans for w in p.shares() if w.seq_id == "r#0"]
     assert (12, [SAMPLED, *THINK_END]) in fed or any(THINK_END[0] in ids for _, ids in fed)
 
 
@@ -125,12 +126,12 @@ def test_end_thinking_with_two_steps_in_flight():
     d = Drive(depth=2)
     d.submit("r", list(range(10, 20)), max_tokens=6, ignore_eos=True)
     d.step()  # prefill + first token; two decodes are now in flight
-    assert len(d.inflight) == 2 and d.inflight[-1].seqs[0].token_ids == (PENDING_TOKEN,)
+    assert len(d.inflight) == 2 and d.inflight[-1].shares()[0].token_ids == (PENDING_TOKEN,)
     d.send("ingress", "admission", EndThinking("r", THINK_END))
     d.run()
     out = d.tokens("r")
     assert out[:3] == [SAMPLED, *THINK_END] and out[3:] == [SAMPLED] * (len(out) - 3) and len(out) >= 6
-    after = [(w.start_pos, w.token_ids) for p in d.plans[3:] for w in p.seqs]
+    after = [(w.start_pos, w.token_ids) for p in d.plans[3:] for w in p.shares()]
     assert after[0] == (10, (SAMPLED, *THINK_END))  # position 10 = the first generated token
 
 
@@ -153,7 +154,7 @@ def test_prompt_logprobs_score_every_prompt_token_once_across_chunks():
     assert [e.position for e in firsts[0].prompt_logprobs] == list(range(1, 40))
     assert [e.token_id for e in firsts[0].prompt_logprobs] == prompt[1:]
     assert all(not o.prompt_logprobs for o in firsts[1:])
-    works = [w for p in d.plans for w in p.seqs if w.prompt_logprobs >= 0]
+    works = [w for p in d.plans for w in p.shares() if w.prompt_logprobs >= 0]
     assert len(works) == 3 and [w.prompt_next for w in works] == [prompt[16], prompt[32], -1]
 
 

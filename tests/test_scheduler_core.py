@@ -25,11 +25,12 @@ from hypothesis import event, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from imp.core.admission import AdmissionConfig, AdmissionCore
-from imp.actors.executor import attach_state, record_samples
+from imp.actors.executor import plan_works, record_samples
 from imp.sampling.pending import fill
 from imp.core.kv import KvConfig, KvCore
 from imp.core.scheduler import SchedulerConfig, SchedulerCore
 from imp.core.router import Router, route
+from imp.messages import step_result
 from imp.messages import (
     PENDING_TOKEN, Cancel, Enqueue, Figures, Finished, FinishReason, KvDrop, KvLoad, KvLoaded, KvReply, KvRequest,
     Constraint, KvSave, KvSwapIn, KvSwapOut, Reject, SampledToken,
@@ -187,9 +188,9 @@ class Sim:
         if fail:  # nothing of it ran: the next plan's pending tokens cannot be resolved
             msg = StepFailed(plan.step, "boom", self.now)
             self.prev_sampled = {}
-            attach_state(plan, self.kept_params, self.kept_hists)  # the executor saw the plan before it failed
+            plan_works(plan, self.kept_params, self.kept_hists)  # the executor saw the plan before it failed
         else:
-            msg = StepResult(plan.step, tuple(self._execute(plan)), self.now, MS)
+            msg = step_result(plan, tuple(self._execute(plan)), self.now, MS)
         self._collect(self.router.send([("executor", "scheduler", msg)]))
         return True
 
@@ -222,8 +223,8 @@ class Sim:
         bs, writers, ends = self.bs, {}, []
         prev, self.prev_sampled = self.prev_sampled, {}
         # KeyError: a share came without params never sent, or with less history kept than it needs
-        ends_of = {w.seq_id: w.start_pos + len(w.token_ids) for w in plan.seqs}
-        for w in attach_state(plan, self.kept_params, self.kept_hists):
+        ends_of = {w.seq_id: w.start_pos + len(w.token_ids) for w in plan.shares()}
+        for w in plan_works(plan, self.kept_params, self.kept_hists):
             req, index, prompt, main_id = self._who(w.seq_id)
             m = self.submits[req]
             assert w.params.seed == m.params.seed + int(index) or main_id != w.seq_id
@@ -302,8 +303,8 @@ class Sim:
         for m in _unbatch(d.msg for d in deliveries):
             if isinstance(m, StepPlan):
                 assert len(self.inflight) < self.sched.config.pipeline_depth, "too many steps in flight"
-                assert len(m.seqs) <= self.sched.config.max_batch_size
-                assert sum(len(w.token_ids) for w in m.seqs) <= self.sched.config.max_step_tokens
+                assert len(m.shares()) <= self.sched.config.max_batch_size
+                assert sum(len(w.token_ids) for w in m.shares()) <= self.sched.config.max_step_tokens
                 self.inflight.append(m)
                 self.exq.append(m)
                 self.plans.append(m)
@@ -399,7 +400,7 @@ def test_chunked_prefill_mixes_decodes_first():
     sim.step()  # a's prefill
     sim.submit("b", ids(20), params(max_tokens=2, ignore_eos=True))  # queued while a's decode runs
     sim.drain()
-    shapes = [[(w.seq_id, len(w.token_ids), w.sample) for w in p.seqs] for p in sim.plans[2:5]]
+    shapes = [[(w.seq_id, len(w.token_ids), w.sample) for w in p.shares()] for p in sim.plans[2:5]]
     assert shapes == [[("a#0", 1, True), ("b#0", 7, False)],
                       [("a#0", 1, True), ("b#0", 7, False)],
                       [("a#0", 1, True), ("b#0", 6, True)]]
@@ -413,7 +414,7 @@ def test_priority_then_shortest_first_then_aging():
     sim.submit("short", ids(5), params(max_tokens=1))
     sim.submit("urgent", ids(40), params(max_tokens=1), priority=-1)
     sim.drain()
-    order = list(dict.fromkeys(w.seq_id for p in sim.plans for w in p.seqs))
+    order = list(dict.fromkeys(w.seq_id for p in sim.plans for w in p.shares()))
     assert order == ["block#0", "urgent#0", "short#0", "long#0"]
     # aging: "old" waited 10 ms, which outweighs any prompt length
     sim = Sim(num_blocks=64, max_batch_size=1, aging_ns=10 * MS, max_context=64)
@@ -422,7 +423,7 @@ def test_priority_then_shortest_first_then_aging():
     sim.tick(10 * MS)
     sim.submit("new", ids(1), params(max_tokens=1))
     sim.drain()
-    order = list(dict.fromkeys(w.seq_id for p in sim.plans for w in p.seqs))
+    order = list(dict.fromkeys(w.seq_id for p in sim.plans for w in p.shares()))
     assert order == ["block#0", "old#0", "new#0"]
 
 
@@ -432,7 +433,7 @@ def test_n_siblings_fork_the_prompt():
     sim.drain()
     for i in range(3):
         assert sim.output("a", i) == sim.expected("a", i)
-    seqs = {w.seq_id: w for p in sim.plans for w in p.seqs if w.gen_index == 0 and w.sample}
+    seqs = {w.seq_id: w for p in sim.plans for w in p.shares() if w.gen_index == 0 and w.sample}
     lead, sib = seqs["a#0"], seqs["a#1"]
     assert sib.start_pos == 8 and sib.block_table[:2] == lead.block_table[:2]
     assert sim.finished == {"a": FinishReason.LENGTH} and sim.figures.kv.used == 0
@@ -509,8 +510,8 @@ def test_prompts_the_cache_holds_are_admitted_together_within_the_step_budget():
             sim.submit(f"r{i}", ids(12), params(max_tokens=2, ignore_eos=True))
         first = len(sim.plans)
         sim.drain()
-        rounds[admit] = sum(any(w.start_pos == 8 for w in p.seqs) for p in sim.plans[first:])  # after the hit
-        assert all(sum(len(w.token_ids) for w in p.seqs) <= 16 for p in sim.plans)
+        rounds[admit] = sum(any(w.start_pos == 8 for w in p.shares()) for p in sim.plans[first:])  # after the hit
+        assert all(sum(len(w.token_ids) for w in p.shares()) <= 16 for p in sim.plans)
         for i in range(4):
             assert sim.output(f"r{i}") == sim.expected(f"r{i}", 0)
             assert sim.finish[(f"r{i}", 0)].cached_tokens == 8
@@ -541,11 +542,11 @@ def test_pipelined_steps_feed_the_pending_token(hold):
         sim.step()
     sim.drain()
     assert sim.output("a") == sim.expected("a", 0) and len(sim.output("a")) == 5
-    fed = [w.token_ids for p in sim.plans for w in p.seqs]
+    fed = [w.token_ids for p in sim.plans for w in p.shares()]
     if hold:  # a result landed before the KvReply: the token is known (drain stops holding)
         assert PENDING_TOKEN not in sum(fed[:3], ()) and len(fed[1]) == 1
     else:  # planned while the previous step ran: decodes feed the token in flight
-        assert fed[1:] == [(PENDING_TOKEN,)] * 4 and [w.pending for w in sim.plans[1].seqs] == [1]
+        assert fed[1:] == [(PENDING_TOKEN,)] * 4 and [w.pending for w in sim.plans[1].shares()] == [1]
     assert len(sim.plans) == 5  # max_tokens is known: no step past the last token
     assert sim.figures.kv.used == 0
 
@@ -589,7 +590,7 @@ def test_swapped_preemptions_give_the_unpreempted_tokens_and_compute_less(depth)
         sim.drain()
         sim.kv.audit()
         outs[mode] = dict(sim.tokens)
-        computed[mode] = sum(len(w.token_ids) for p in sim.plans for w in p.seqs)
+        computed[mode] = sum(len(w.token_ids) for p in sim.plans for w in p.shares())
         figs[mode] = sim.figures
         assert sim.figures.kv.used == 0 and sim.figures.kv.swap_used == 0 and sim.sched.swap_used == 0
         assert not sim.kv.swapped
@@ -763,7 +764,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not live or sim.exq or sim.hold_kv.held, "work left but nothing in flight (a step, a tier load)"
         assert set(sim.enqueued) | set(sim.rejected) == set(sim.submits)
         if sim.plans:  # whatever new requests brought to planning (admit_tokens), a step computes <= its budget
-            assert sum(len(w.token_ids) for w in sim.plans[-1].seqs) <= self.max_step_tokens
+            assert sum(len(w.token_ids) for w in sim.plans[-1].shares()) <= self.max_step_tokens
 
     def teardown(self):
         try:
@@ -775,7 +776,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _teardown(self):
         sim = self.sim
         sim.drain()
-        drafts = [w.draft for p in sim.plans for w in p.seqs if w.draft]
+        drafts = [w.draft for p in sim.plans for w in p.shares() if w.draft]
         event(f"verify shares: {'none' if not drafts else 'some' if len(drafts) < 10 else 'ten or more'}")
         sim.kv.audit()
         assert set(sim.finished) == set(sim.enqueued), "an admitted request never finished"
@@ -845,7 +846,7 @@ def test_a_burst_of_one_prompt_computes_it_once_with_share_in_flight(share):
     for r in "abcd":
         sim.submit(r, ids(17), params(max_tokens=3, ignore_eos=True))
     sim.drain()
-    prompt_rows = sum(sum(1 for i in range(len(w.token_ids)) if w.start_pos + i < 17) for p in sim.plans for w in p.seqs)
+    prompt_rows = sum(sum(1 for i in range(len(w.token_ids)) if w.start_pos + i < 17) for p in sim.plans for w in p.shares())
     assert prompt_rows == 17 + 3 * 1 if share else prompt_rows > 17 + 3 * 1 + 8, prompt_rows
     assert all(sim.output(r) == sim.expected(r, 0) for r in "abcd")
     if share:

@@ -94,7 +94,7 @@ def _spec_params(**kw):
 
 
 def _verifies(sim) -> list:
-    return [w for p in sim.plans for w in p.seqs if w.draft]
+    return [w for p in sim.plans for w in p.shares() if w.draft]
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -184,8 +184,8 @@ def test_the_budget_keeps_a_row_for_every_decode(copying):
     for i in range(6):
         assert sim.output(f"b{i}") == sim.expected(f"b{i}", 0)
     for p in sim.plans:
-        decoding = [w for w in p.seqs if w.sample and len(w.token_ids) - w.draft == 1]
-        assert sum(w.draft for w in p.seqs) <= 8 - len(decoding)
+        decoding = [w for w in p.shares() if w.sample and len(w.token_ids) - w.draft == 1]
+        assert sum(w.draft for w in p.shares()) <= 8 - len(decoding)
 
 
 @settings(max_examples=int(base.os.environ.get("IMP_SCHED_EXAMPLES", 200)), deadline=None)

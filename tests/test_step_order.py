@@ -200,7 +200,7 @@ def test_depth_2_plans_a_step_before_the_one_before_it_has_landed(logs):
         for n in range(1, MAX_TOKENS):
             before = _first(envs, KvRequest, n + 1) < _first(envs, StepStats, n)
             assert before == (depth == 2), f"depth {depth}: KvRequest({n + 1}) vs StepResult({n})'s handling"
-        shares = [w for e in envs if type(e.payload) is StepPlan for w in e.payload.seqs]
+        shares = [w for e in envs if type(e.payload) is StepPlan for w in e.payload.shares()]
         assert all((w.token_ids == (PENDING_TOKEN,)) == (w.pending == 1) for w in shares)
         assert any(w.pending for w in shares) == (depth == 2)
 

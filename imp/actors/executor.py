@@ -26,7 +26,9 @@ load call), so an idle-unloaded server resumes inside the request that wakes it.
 answers ingress with a `MemoryState` carrying the bytes it measured. A sequence's SamplingParams (and a penalized one's generated tokens) come with its
 first share after each admission only; `attach_state` keeps them (until the plan that
 frees the sequence), appends what this executor samples, and hands the runners
-complete SeqWorks.
+complete SeqWorks. A plan's decode lane rows come as columns (`StepPlan.rows`): a runner with
+`takes_rows` (the GPU's) gets them so (`imp.sampling.works.Works`) and lands ids (`collect_ids`),
+another gets them as SeqWorks; either way their ids go back as one column (`landed_result`).
 """
 
 from __future__ import annotations
@@ -35,11 +37,9 @@ import asyncio
 import os
 import concurrent.futures
 import contextlib
-import itertools
 import logging
 import sys
 import time
-from collections.abc import Sequence
 
 import msgspec
 
@@ -50,6 +50,7 @@ from imp.actors import memory
 from imp.messages import (KvDrop, KvLoad, KvLoaded, KvSave, KvSwapIn, KvSwapOut, LoraLoad, LoraState, LoraUnload, MemoryState, Msg, Reload,
                           SampledToken, SamplingParams, SeqWork, StepFailed, StepPlan, StepResult, Unload)
 from imp.sampling.pending import resolve_pending
+from imp.sampling.works import HistoryView, RowBatch, Works, split_tokens
 
 log = logging.getLogger("imp.executor")
 
@@ -61,41 +62,6 @@ def _inference_mode():
     same for its thread; actors do not import imp.model.)"""
     torch = sys.modules.get("torch")
     return torch.inference_mode() if torch is not None else contextlib.nullcontext()
-
-class HistoryView(Sequence):
-    """The first n tokens of a kept history list, read in place: a share's `history` without copying
-    O(tokens generated) into a tuple every step. Tokens are only ever appended to the list (on the
-    event loop, `record_samples`) and the view never reads past n, so a runner thread reading it while a
-    later token lands sees the same n tokens (a slice of it is a tuple)."""
-
-    __slots__ = ("_l", "_n")
-
-    def __init__(self, tokens: list[int], n: int):
-        self._l, self._n = tokens, n
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return tuple(self._l[slice(*i.indices(self._n))])
-        if i < 0:
-            i += self._n
-        if not 0 <= i < self._n:
-            raise IndexError(i)
-        return self._l[i]
-
-    def __iter__(self):
-        return itertools.islice(self._l, self._n)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Sequence) and len(other) == self._n and tuple(self) == tuple(other)
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        return f"HistoryView({self._n} tokens)"
-
 
 def attach_state(plan: StepPlan, kept: dict[str, SamplingParams], hists: dict[str, list[int]]) -> list[SeqWork]:
     """Forget the plan's freed sequences, keep the params (and, for penalized or constrained ones, the
@@ -128,6 +94,34 @@ def attach_state(plan: StepPlan, kept: dict[str, SamplingParams], hists: dict[st
             w = replace(w, params=p)
         out.append(w)
     return out
+
+
+def plan_works(plan: StepPlan, kept: dict[str, SamplingParams], hists: dict[str, list[int]]) -> list[SeqWork]:
+    """Every share of the plan complete, its decode rows first as SeqWorks (`attach_state` + `RowBatch.works`): what
+    a runner without `takes_rows` is handed."""
+    general = attach_state(plan, kept, hists)
+    return RowBatch(plan.rows, kept, hists).works() + general if plan.rows is not None and len(plan.rows) else general
+
+
+def landed_result(step: int, tokens: list[SampledToken], rows: RowBatch | None, hists: dict[str, list[int]], now: int,
+                  elapsed: int, dev: int = 0, landed=None) -> StepResult:
+    """A landed step's StepResult, its samples appended to the kept histories: the decode rows' ids as a column,
+    the general shares' tokens. landed: (seq_ids, ids) as a `takes_rows` runner landed them (`collect_ids`), else
+    the step's tokens are all in `tokens`."""
+    if rows is None:
+        record_samples(tokens, hists)
+        return StepResult(step, tuple(tokens), now, elapsed, dev)
+    if landed is not None:
+        ids, tokens = split_tokens(rows.seq_ids, landed[0], landed[1], None)
+    else:
+        ids, tokens = split_tokens(rows.seq_ids, None, None, tokens)
+    record_samples(tokens, hists)
+    if hists:
+        for sid, t in zip(rows.seq_ids, ids.tolist()):
+            h = hists.get(sid)
+            if h is not None and t >= 0:
+                h.append(t)
+    return StepResult(step, tuple(tokens), now, elapsed, dev, ids.astype("<i8").tobytes())
 
 
 def record_samples(tokens, hists: dict[str, list[int]]) -> None:
@@ -240,6 +234,9 @@ class ExecutorActor(Actor):
         self.fingerprint = getattr(runner, "fingerprint", "")
         self.book = constraints
         self.pipelined = hasattr(runner, "launch") and hasattr(runner, "collect")
+        # a runner that reads a plan's decode rows as columns (`imp.sampling.works.Works`) and lands ids
+        # (`collect_ids`); another gets them as SeqWorks
+        self.takes_rows = bool(getattr(runner, "takes_rows", False))
         # one launch thread: torch's per-thread state (threads, grad mode, device) stays put; a
         # runner that has its own step thread (the CPU runner's OpenMP team) lends it instead
         lent = getattr(runner, "step_pool", None)
@@ -257,16 +254,26 @@ class ExecutorActor(Actor):
         self.faults = faults
         self._planned = 0  # steps started (the injection hook counts these)
 
-    def _run_step(self, seqs: list[SeqWork]) -> list[SampledToken]:
+    def _run_step(self, seqs: list[SeqWork], rows: RowBatch | None = None) -> list[SampledToken]:
+        if rows is not None:  # (a runner without `takes_rows`: the rows as SeqWorks, first)
+            seqs = rows.works() + seqs
         seqs = resolve_pending(seqs, self._last) if any(w.pending for w in seqs) else seqs
         with _inference_mode():
             tokens = self.runner.step(seqs, constraints=self.book, lora=self.loras) if seqs else []
         self._last = {t.seq_id: t.token_id for t in tokens}
         return tokens
 
-    def _launch(self, seqs: list[SeqWork]):
+    def _launch(self, seqs: list[SeqWork], rows: RowBatch | None = None):
         with _inference_mode():
-            return self.runner.launch(seqs, constraints=self.book, lora=self.loras)
+            if rows is None:
+                return self.runner.launch(seqs, constraints=self.book, lora=self.loras)
+            if self.takes_rows:  # the rows as columns (imp.sampling.works.Works)
+                return self.runner.launch(Works(rows, seqs), constraints=self.book, lora=self.loras)
+            return self.runner.launch(rows.works() + seqs, constraints=self.book, lora=self.loras)
+
+    def _result(self, step: int, tokens: list[SampledToken], rows: RowBatch | None, now: int, elapsed: int,
+                dev: int = 0, landed=None) -> StepResult:
+        return landed_result(step, tokens, rows, self._hists, now, elapsed, dev, landed)
 
     async def on_message(self, sender: str, msg: Msg) -> None:
         if isinstance(msg, Unload):
@@ -301,11 +308,16 @@ class ExecutorActor(Actor):
             self.book.forget(msg.freed)
         t0 = time.monotonic_ns()
         loop = asyncio.get_running_loop()
+        rows = None
         try:
             seqs, bad = attach_state(msg, self._params, self._hists), None
+            if msg.rows is not None and len(msg.rows):
+                rows = RowBatch(msg.rows, self._params, self._hists)
         except KeyError as exc:  # a protocol bug: fail the step (in its turn), not the actor
-            seqs, bad = [], RuntimeError(f"no sampling params for {exc}")
-        if self.faults is not None and seqs and bad is None:
+            seqs, rows, bad = [], None, RuntimeError(f"no sampling params for {exc}")
+        except ValueError as exc:
+            seqs, rows, bad = [], None, RuntimeError(f"bad decode rows: {exc}")
+        if self.faults is not None and (seqs or rows) and bad is None:
             self._planned += 1
             try:
                 self.faults.check(self._planned)
@@ -318,17 +330,18 @@ class ExecutorActor(Actor):
             try:
                 if bad is not None:
                     raise bad
-                handle = await loop.run_in_executor(self._pool, self._launch, seqs) if seqs else None
-                self._landing.put_nowait((msg.step, t0, handle, None))
+                handle = (await loop.run_in_executor(self._pool, self._launch, seqs, rows) if seqs or rows
+                          else None)
+                self._landing.put_nowait((msg.step, t0, handle, None, rows))
             except Exception as exc:  # noqa: BLE001 - a failed step ends its requests, not the server
                 if is_device_fault(exc):
                     raise  # the context is poisoned: the actor fails, ingress ends every request
-                self._landing.put_nowait((msg.step, t0, None, exc))
+                self._landing.put_nowait((msg.step, t0, None, exc, rows))
             return
         try:
             if bad is not None:
                 raise bad
-            tokens = await loop.run_in_executor(self._pool, self._run_step, seqs) if seqs else []
+            tokens = await loop.run_in_executor(self._pool, self._run_step, seqs, rows) if seqs or rows else []
         except Exception as exc:  # noqa: BLE001 - a failed step ends its requests, not the server
             if is_device_fault(exc):
                 raise  # the context is poisoned: the actor fails, ingress ends every request
@@ -337,8 +350,7 @@ class ExecutorActor(Actor):
             return
         now = time.monotonic_ns()
         self.steps += 1
-        record_samples(tokens, self._hists)
-        self.send(self.scheduler, StepResult(msg.step, tuple(tokens), now, now - t0))
+        self.send(self.scheduler, self._result(msg.step, tokens, rows, now, now - t0))
 
     async def _tier_op(self, msg) -> None:
         """The tiers' I/O: a save copies its block (in the step thread, in order with the steps) before any later
@@ -508,11 +520,16 @@ class ExecutorActor(Actor):
     async def _collect_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            step, t0, handle, exc = await self._landing.get()
+            step, t0, handle, exc, rows = await self._landing.get()
             tokens: list[SampledToken] = []
+            landed = None
             if exc is None and handle is not None:
                 try:
-                    tokens = await loop.run_in_executor(self._waiter, self.runner.collect, handle)
+                    if rows is not None and self.takes_rows:  # (seq_ids, ids) or tokens: no SampledToken a row
+                        sids, ids, tokens = await loop.run_in_executor(self._waiter, self.runner.collect_ids, handle)
+                        landed = (sids, ids) if tokens is None else None
+                    else:
+                        tokens = await loop.run_in_executor(self._waiter, self.runner.collect, handle)
                 except Exception as e:  # noqa: BLE001
                     exc = e
             now = time.monotonic_ns()
@@ -523,10 +540,9 @@ class ExecutorActor(Actor):
                 self.send(self.scheduler, StepFailed(step, f"{type(exc).__name__}: {exc}", now))
                 continue
             self.steps += 1
-            record_samples(tokens, self._hists)
             timed = getattr(self.runner, "device_ns", None)  # the device's own time, where the runner has it
             dev = timed(handle) if timed is not None and handle is not None else 0
-            self.send(self.scheduler, StepResult(step, tuple(tokens), now, now - t0, dev))
+            self.send(self.scheduler, self._result(step, tokens or [], rows, now, now - t0, dev, landed))
 
     async def on_stop(self) -> None:
         if self._collector is not None:

@@ -4,8 +4,9 @@ At 64-256 streams most rows of most steps are the same thing: a sequence feeds i
 one the step in flight samples) and samples one, nothing else asked. Planned and taken one Python object at a
 time (a `Work`, the branches of `_work`, `_on_result`'s and `_sampled`'s) they were ~4 us a row of the scheduler's
 host time. Here their counters live in numpy arrays indexed by a slot, and a step's rows are planned, placed
-and landed with array operations; the per-row Python left is the row's SeqWork in the plan, the token appended
-to its sequence and its TokenOut (`plan`, `works`, `land`).
+and landed with array operations: the plan carries them as columns (`decode_rows`: a StepPlan's DecodeRows), the
+result brings their ids back as one (`land`); the per-row Python left is the token appended to its sequence and
+its TokenOut.
 
 Who is in it: a running sequence in the decode state (one position to feed) whose request asks for nothing a
 row must carry or bring back (`plain`): no logprobs, mirostat, lens, drafts, banned phrases, guidance, prompt
@@ -33,7 +34,7 @@ import heapq
 import numpy as np
 
 from imp.core.core import CoreError
-from imp.messages import PENDING_TOKEN, KvOp, SeqWork, TokenOut
+from imp.messages import PENDING_TOKEN, DecodeRows, KvOp, SampledToken, TokenOut
 
 STOPS = 8  # stop tokens a member may have (EOS and a few): more, and it stays on the general path
 
@@ -167,50 +168,49 @@ class DecodeLane:
         """The sequences whose rows these still are."""
         return [self.seqs[i] for i in rows.slots[self._valid(rows)].tolist()]
 
-    def works(self, rows: LaneRows) -> list[SeqWork]:
-        """The rows' shares: one token at start (PENDING_TOKEN when the step in flight samples it), sampled at
-        generated index start + 1 - n_prompt, its table as the last KvReply gave it, nothing else."""
-        seqs, out = self.seqs, []
-        starts = (self.computed[rows.slots] + self.ahead[rows.slots] - 1).tolist()
-        for i, st in zip(rows.slots.tolist(), starts):
-            s = seqs[i]
-            tk = s.tokens
-            if st < len(tk):  # known (a result may have landed since planning)
-                out.append(SeqWork(s.id, (tk[st],), st, s.table, True, None, gen_index=st + 1 - s.n_prompt))
-            else:
-                out.append(SeqWork(s.id, (PENDING_TOKEN,), st, s.table, True, None, gen_index=st + 1 - s.n_prompt,
-                                   pending=1))
-        return out
+    def decode_rows(self, rows: LaneRows) -> DecodeRows:
+        """The rows' shares as the plan's columns: one token at start (PENDING_TOKEN when the step in flight samples
+        it), sampled at generated index start + 1 - n_prompt, its table as the last KvReply gave it, nothing else."""
+        seqs, sl = self.seqs, rows.slots
+        start = self.computed[sl] + self.ahead[sl] - 1
+        tok = np.full(len(sl), PENDING_TOKEN, np.int64)
+        known = np.flatnonzero(start < self.ntok[sl])  # (a result may have landed since planning)
+        if len(known):
+            tok[known] = [seqs[i].tokens[st] for i, st in zip(sl[known].tolist(), start[known].tolist())]
+        ss = [seqs[i] for i in sl.tolist()]
+        cols = np.stack([tok, start, start + 1 - self.nprompt[sl]], axis=1).astype("<i8")
+        return DecodeRows(tuple([s.id for s in ss]), tuple([s.table for s in ss]), cols.tobytes())
 
-    def land(self, rows: LaneRows, sampled: dict, out: list, ends) -> None:
-        """A landed step's rows: the still valid ones computed one more position and sampled one token each;
-        a token that ends its choice goes to `ends(s, t)` (the general path: eject, `_sampled`), every other one
-        is appended and goes out as a TokenOut. A valid row without its token is the executor's bug."""
-        sl = rows.slots[self._valid(rows)]
+    def land(self, rows: LaneRows, ids: np.ndarray, out: list, ends) -> None:
+        """A landed step's rows (ids: each row's sampled token, int64 [len(rows)], -1 for none): the still valid
+        ones computed one more position and sampled one token each; a token that ends its choice goes to
+        `ends(s, t)` (the general path: eject, `_sampled`), every other one is appended and goes out as a TokenOut.
+        A valid row without its token is the executor's bug."""
+        if len(ids) != len(rows):
+            raise CoreError(f"{len(ids)} row ids for a step of {len(rows)} lane rows")
+        valid = self._valid(rows)
+        sl, ids = rows.slots[valid], ids[valid]
         if not len(sl):
             return
+        seqs = self.seqs
+        if (ids < 0).any():
+            raise CoreError(f"a step sampled nothing for {seqs[int(sl[np.flatnonzero(ids < 0)[0]])].id}")
         self.computed[sl] += 1
         self.ahead[sl] -= 1
         self.pending[sl] -= 1
-        seqs = self.seqs
-        try:
-            ts = [sampled[seqs[i].id] for i in sl.tolist()]
-        except KeyError as e:
-            raise CoreError(f"a step sampled nothing for {e.args[0]}") from None
         if not (self.computed[sl] == self.ntok[sl]).all():
             raise CoreError("a lane row landed off its sequence's end")
-        ids = np.fromiter((t.token_id for t in ts), np.int64, len(ts))
         n = self.ntok[sl] + 1
         fin = ((self.stops[sl] == ids[:, None]).any(1) | (n - self.nprompt[sl] >= self.maxtok[sl])
                | (n >= self.max_len))
         self.ntok[sl] = n
-        for i, t, f in zip(sl.tolist(), ts, fin.tolist()):
+        for i, t, f in zip(sl.tolist(), ids.tolist(), fin.tolist()):
             s = seqs[i]
             if f:
-                ends(s, t)
+                ends(s, SampledToken(seq_id=s.id, token_id=t))
             else:
-                s.tokens.append(t.token_id)
-                out.append(("detok", TokenOut(s.req.id, s.index, (t.token_id,))))
+                s.tokens.append(t)
+                out.append(("detok", TokenOut(s.req.id, s.index, (t,))))
 
     def land_share(self, s, n: int, sample: bool, t, out: list, ends) -> None:
         """A general share of member s planned before it joined (n positions, the last sampled when `sample`: its
@@ -221,4 +221,5 @@ class DecodeLane:
         self.ahead[i] -= n - sample
         if sample:
             sl = np.array([i])
-            self.land(LaneRows(sl, self.gen[sl], np.zeros(1, bool)), {s.id: t} if t is not None else {}, out, ends)
+            self.land(LaneRows(sl, self.gen[sl], np.zeros(1, bool)), np.array([t.token_id if t is not None else -1]),
+                      out, ends)

@@ -54,6 +54,7 @@ from __future__ import annotations
 import collections
 
 import msgspec
+import numpy as np
 
 from imp.core.core import CoreError, Out
 from imp.core.guide import paired_share, unpaired
@@ -329,10 +330,9 @@ class SchedulerCore(RequestBook):
             out.append(("metrics", self._figures()))
             return
         self.inflight.append((self.step, keep, rows if n_lane else None))
-        works = [self._work(w) for w in keep]
-        if n_lane:
-            works = self.lane.works(rows) + works
-        out.append(("executor", StepPlan(self.step, tuple(works), tuple(self.freed))))
+        works = tuple([self._work(w) for w in keep])
+        out.append(("executor", StepPlan(self.step, works, tuple(self.freed),
+                                         self.lane.decode_rows(rows) if n_lane else None)))
         self.freed = []
 
     @staticmethod
@@ -348,8 +348,8 @@ class SchedulerCore(RequestBook):
         n_tokens = n_decode = fed = drafted = accepted = verifies = misses = 0
         running = Status.RUNNING
         ends = lambda s, t: self._ends_member(s, t, out)  # noqa: E731 (a lane row's token that ends its choice)
-        if rows is not None:  # the lane's rows (first in the plan): decode rows all
-            self.lane.land(rows, sampled, out, ends)
+        if rows is not None:  # the lane's rows (first in the plan): decode rows all, their ids a column
+            self.lane.land(rows, np.frombuffer(msg.row_ids, "<i8"), out, ends)
             n_tokens = n_decode = len(rows)
         for w in batch:
             s, n, draft = w.seq, w.n, w.draft

@@ -63,6 +63,14 @@ class Landing:
                 self._ids = self.ring[:len(self.seq_ids)].tolist()
         return self._ids
 
+    def ids_array(self) -> np.ndarray:
+        """The sampled ids as int64 [R] (waits for the step)."""
+        if self.tokens is None and self._ids is None:
+            if self.event is not None:
+                self.event.synchronize()
+            return self.ring[:len(self.seq_ids)].numpy().astype(np.int64)
+        return np.asarray(self.ids(), np.int64)
+
 
 def eager_meta(seqs: list[SeqWork], rows: list[int], block_size: int, device: torch.device,
                src: dict[int, int] | None = None) -> Meta:
@@ -129,7 +137,7 @@ def decode_rows(seqs: list[SeqWork], src: dict[int, int], bs: int, bt: np.ndarra
     per field and share (a quarter of the GPU executor's host time at 256 streams). cols: (the shares'
     `imp.gpu.tables.Rows`, the runner's `Tables` that checked them): the scalars and tables gathered from those
     instead (entries of a row's table past its position may then be written too)."""
-    B = len(seqs)
+    B = len(cols[0].pos) if cols is not None else len(seqs)
     srcv = np.full(B, -1, np.int64)
     if src:
         srcv[np.fromiter(src.keys(), np.int64, len(src))] = np.fromiter(src.values(), np.int64, len(src))

@@ -33,6 +33,7 @@ from imp.gpu.inputs import Meta, decode_rows
 from imp.kernels.cuda.paged_prefill_attention import TILE_ROWS, splits
 from imp.gpu.linear import capture_stream
 from imp.messages import SeqWork
+from imp.sampling.works import Works
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 MAX_CHUNKS = 64  # prompt shares one mixed graph takes (its head slots); a step with more runs eagerly
@@ -98,6 +99,8 @@ def fits(seqs: list[SeqWork], pbs: tuple[int, ...], dbs: tuple[int, ...], heads:
     by side (`paged_prefill_attention.splits`, the same bits), a graph's fixed launch walks them in turn."""
     P = C = D = T = 0
     last = -1
+    if isinstance(seqs, Works):  # decode rows: one token each, no drafts, no prompt logprobs (read as a count)
+        D, seqs = seqs.n_rows, seqs.general
     for s in seqs:
         if s.prompt_logprobs >= 0 or s.draft:
             return None
@@ -119,10 +122,12 @@ def fits(seqs: list[SeqWork], pbs: tuple[int, ...], dbs: tuple[int, ...], heads:
 
 
 def layout(seqs: list[SeqWork], src: dict[int, int] | None, pb: int, db: int, bs: int, reg: Regions,
-           h: np.ndarray) -> Placed:
+           h: np.ndarray, cols=None) -> Placed:
     """Write one step's inputs into the host buffer h (int32, `reg.offsets`) for buckets (pb, db);
     every element a graph of (pb, db) reads is written (the buffers alternate between steps).
-    src: share index -> previous step's slot for PENDING_TOKEN shares."""
+    src: share index -> previous step's slot for PENDING_TOKEN shares. cols: (the shares' `imp.gpu.tables.Rows`,
+    the runner's `Tables`) where seqs is a `Works`: its one-token shares laid out from those (`decode_rows`),
+    no SeqWork of a decode row made."""
     o = reg.offsets
     src = src or {}
     N, cb, tb, MB = pb + db, head_slots(pb), tile_slots(pb), reg.MB
@@ -147,7 +152,11 @@ def layout(seqs: list[SeqWork], src: dict[int, int] | None, pb: int, db: int, bs
     head_at: dict[int, int] = {}
     r = c = t = 0
     ones = []  # the one-token shares: rows pb + j, decode attention over their context (below, as arrays)
-    for i, s in enumerate(seqs):
+    R, shares = 0, seqs
+    if isinstance(seqs, Works) and cols is not None:
+        R, shares = seqs.n_rows, seqs.general
+        ones = list(range(R))  # (the decode rows come first and sample)
+    for i, s in enumerate(shares, R):
         n = len(s.token_ids)
         if n == 1:
             ones.append(i)
@@ -171,13 +180,16 @@ def layout(seqs: list[SeqWork], src: dict[int, int] | None, pb: int, db: int, bs
     if ones:
         D = len(ones)
         osrc = {j: src[i] for j, i in enumerate(ones) if i in src} if src else {}
-        dt, dp, ds, dsrc = decode_rows([seqs[i] for i in ones], osrc, bs, dec_bt)
+        if R:
+            dt, dp, ds, dsrc = decode_rows(None, osrc, bs, dec_bt, (cols[0].subset(ones), cols[1]))
+        else:
+            dt, dp, ds, dsrc = decode_rows([seqs[i] for i in ones], osrc, bs, dec_bt)
         tok[pb:pb + D], pos[pb:pb + D], slot[pb:pb + D], lens[:D] = dt, dp, ds, dp + 1
         fed = dsrc >= 0
         ph_rows[:D] = np.where(fed, pb + np.arange(D), -1)
         ph_src[:D] = np.maximum(dsrc, 0)
         for j, i in enumerate(ones):
-            if seqs[i].sample:
+            if i < R or shares[i - R].sample:
                 head_at[i] = cb + j
     return Placed(pb, db, head_at, o["dec_bt"] + db * MB)
 
@@ -308,8 +320,8 @@ class MixedGraphs:
             return None
         return fits(seqs, self.pbs, self.dbs, self.heads)
 
-    def replay(self, seqs: list[SeqWork], pair: tuple[int, int], src: dict[int, int] | None = None, mark=None
-               ) -> tuple[torch.Tensor, dict[int, int]]:
+    def replay(self, seqs: list[SeqWork], pair: tuple[int, int], src: dict[int, int] | None = None, mark=None,
+               cols=None) -> tuple[torch.Tensor, dict[int, int]]:
         """logits [Cb + Db, V] (the static buffer: read before the next replay) and head_at (share -> row);
         mark(): called right before the step's first device work (the host's layout done)."""
         i_host = self.turn
@@ -317,7 +329,7 @@ class MixedGraphs:
         if self.events[i_host] is not None:
             self.events[i_host].synchronize()  # its last copy has left (two steps back)
         host = self.hosts[i_host]
-        placed = layout(seqs, src, pair[0], pair[1], self.block_size, self.reg, host.numpy())
+        placed = layout(seqs, src, pair[0], pair[1], self.block_size, self.reg, host.numpy(), cols)
         if mark is not None:
             mark()
         self.dev[:placed.used].copy_(host[:placed.used], non_blocking=True)

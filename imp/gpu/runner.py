@@ -75,6 +75,7 @@ from imp.sampling.rowparams import RowParams, Step
 from imp.sampling.cpu import apply_bans, apply_guidance
 from imp.sampling.mirostat import MirostatState
 from imp.sampling.verify import drafts, verify
+from imp.sampling.works import Works, seq_ids_of
 
 log = logging.getLogger("imp.gpu")
 
@@ -110,7 +111,8 @@ class GpuModelRunner:
             raise NotImplementedError("rope scaling not supported yet")
         cuda_rt.use_device(self.device.index or 0)
         self._sampled = torch.zeros(MAX_SAMPLED, dtype=torch.int32, device=self.device)  # last step's ids
-        self._prev_rows: dict[str, int] = {}  # seq id -> index in _sampled, for the next step's PENDING_TOKEN
+        self._prev_sids: list[str] = []  # the last step's sampled seq ids, in _sampled's order (`_prev_rows`)
+        self._prev_map: dict[str, int] | None = None
         self._prev_at = np.full(0, -1, np.int64)  # the same by RowParams slot (`_landed`)
         self._start_ev = None  # the step being launched: its start event on the device (`_mark`)
         # the sequences' block tables by slot, the plan's check (imp.gpu.tables)
@@ -175,7 +177,7 @@ class GpuModelRunner:
         r.num_blocks, r.block_size, r.device = num_blocks, block_size, torch.device("cpu")
         r._lock, r.notes = threading.Lock(), []
         r._sampled = torch.zeros(MAX_SAMPLED, dtype=torch.int32)
-        r._prev_rows, r._start_ev, r._prev, r._dev_loras = {}, None, None, None
+        r._prev_sids, r._prev_map, r._start_ev, r._prev, r._dev_loras = [], None, None, None, None
         r._prev_at = np.full(0, -1, np.int64)
         r._tables = Tables(context_length, block_size, num_blocks, -(-context_length // block_size))
         r._counts, r._params, r._mirostat = DeviceCounts(vocab, r.device), RowParams(r.device), MirostatState()
@@ -350,6 +352,16 @@ class GpuModelRunner:
             return h.tokens
         return [SampledToken(seq_id=sid, token_id=t) for sid, t in zip(h.seq_ids, h.ids())]
 
+    # a plan's decode rows come as columns (`imp.sampling.works.Works`), and a step lands as ids (`collect_ids`)
+    takes_rows = True
+
+    def collect_ids(self, h: Landing) -> tuple[list[str] | None, np.ndarray | None, list[SampledToken] | None]:
+        """Wait for a launched step: (its sampled shares' seq ids, their ids int64, None), or (None, None, its
+        tokens) where the step made SampledTokens (a verify, the lens, host-sampled rows)."""
+        if h.tokens is not None:
+            return None, None, h.tokens
+        return h.seq_ids, h.ids_array(), None
+
     @torch.inference_mode()
     def launch(self, seqs: list[SeqWork], constraints=None, lora=None) -> Landing:
         """Enqueue one step on the device and return without waiting for it.
@@ -372,7 +384,7 @@ class GpuModelRunner:
             try:
                 h = self._launch(seqs, constraints, lora, tr, step)
             except BaseException:
-                self._prev_rows, self._prev = {}, None  # nothing to feed the next step from
+                self._prev_sids, self._prev_map, self._prev = [], None, None  # nothing to feed the next step from
                 self._prev_at[:] = -1
                 raise
             h.start = self._start_ev
@@ -418,8 +430,9 @@ class GpuModelRunner:
     def _check(self, seqs: list[SeqWork]) -> Rows:
         return self._tables.check(seqs)
 
-    def _lora_arg(self, seqs: list[SeqWork], lora):
-        if not lora or not any(w.params is not None and w.params.lora for w in seqs):
+    def _lora_arg(self, seqs: list[SeqWork], lora, step: Step | None = None):
+        if not lora or not (step.lora.any() if step is not None else
+                            any(w.params is not None and w.params.lora for w in seqs)):
             return None
         if self._dev_loras is None:
             self._dev_loras = DeviceLoras(self.device)
@@ -433,10 +446,15 @@ class GpuModelRunner:
         else:
             seqs = pending.known(seqs, self._prev_rows)
             src = pending.pending_rows(seqs, self._prev_rows)
-        seqs = self._mirostat.fill(seqs)
-        if not seqs:
+        if isinstance(seqs, Works):  # (decode rows have no mirostat: only the general shares are read)
+            filled = self._mirostat.fill(seqs.general)
+            if filled is not seqs.general:
+                seqs = Works(seqs.rows, filled)
+        else:
+            seqs = self._mirostat.fill(seqs)
+        if not len(seqs):
             return self._landed([], None, [])
-        la = self._lora_arg(seqs, lora)
+        la = self._lora_arg(seqs, lora, step)
         if step.draft.any() if step is not None else any(s.draft for s in seqs):
             return self._verify_step(seqs, src, constraints, la)
         if (step.sample & step.lens).any() if step is not None else any(
@@ -446,13 +464,13 @@ class GpuModelRunner:
         if la is None and self.graphs.fits(seqs, one):  # every row samples: the graph's logits as they are
             cols = (tr, self._tables) if tr is not None else None
             return self._sample_and_land(self.graphs.replay(seqs, src, self._mark, cols), seqs, constraints, step)
-        logits, sample_at, plp_at = self._head_logits(seqs, src, la)  # a mixed graph, or eager
+        logits, sample_at, plp_at = self._head_logits(seqs, src, la, one, tr)  # a mixed graph, or eager
         order = sorted(sample_at)
         if not plp_at:
             if not order:
                 return self._landed([], None, [])
             sel = logits.index_select(0, cuda_rt.to_device([sample_at[i] for i in order], torch.int64, self.device))
-            return self._sample_and_land(sel, [seqs[i] for i in order], constraints,
+            return self._sample_and_land(sel, _subset(seqs, order), constraints,
                                          step.subset(order) if step is not None else None)
         # prompt logprobs: scored on the host now (not pipelined; such steps are prefill chunks)
         drawn: dict[int, SampledToken] = {}
@@ -573,14 +591,18 @@ class GpuModelRunner:
             j += 1
         return msgspec.structs.replace(tokens[j], accepted=tuple(tokens[:j]))
 
-    def _head_logits(self, seqs: list[SeqWork], src: dict[int, int], la):
+    def _head_logits(self, seqs: list[SeqWork], src: dict[int, int], la, one: bool | None = None,
+                     tr: Rows | None = None):
         """(logits, share index -> its sample row in logits, plp_at) by the decode graph, a mixed graph or
-        eagerly, as `_launch` picks."""
-        if la is None and self.graphs.fits(seqs):
-            return self.graphs.replay(seqs, src, self._mark), {i: i for i in range(len(seqs))}, {}
+        eagerly, as `_launch` picks. one, tr: the shares' columns where `_launch` has them (a `Works`' decode rows
+        are then laid out from them, no SeqWork made)."""
+        if la is None and self.graphs.fits(seqs, one):
+            cols = (tr, self._tables) if tr is not None else None
+            return self.graphs.replay(seqs, src, self._mark, cols), {i: i for i in range(len(seqs))}, {}
         pair = self.mixed.fits(seqs) if la is None and self.mixed is not None else None
         if pair is not None:
-            logits, head_at = self.mixed.replay(seqs, pair, src, self._mark)
+            cols = (tr, self._tables) if tr is not None and isinstance(seqs, Works) else None
+            logits, head_at = self.mixed.replay(seqs, pair, src, self._mark, cols)
             return logits, head_at, {}
         rows, sample_at, plp_at = head_rows(seqs)
         return self._eager_logits(seqs, rows, src, la), sample_at, plp_at
@@ -614,7 +636,7 @@ class GpuModelRunner:
 
     def _known(self, seqs: list[SeqWork], tr: Rows, step: Step):
         """`pending.known` and `pending.pending_rows` over the columns: (the shares whose pending token the last
-        step sampled, share index -> its slot there, their Rows and Step, None where rows were dropped)."""
+        step sampled, share index -> its slot there, their Rows and Step)."""
         pend = step.pending > 0
         if not pend.any():
             return seqs, {}, tr, step
@@ -625,9 +647,17 @@ class GpuModelRunner:
         keep = ~pend | (at >= 0)
         if not keep.all():  # a failed step's sequences (the scheduler has ended them)
             idx = np.flatnonzero(keep)
-            seqs, step, tr, pend, at = [seqs[i] for i in idx.tolist()], step.subset(idx), None, pend[idx], at[idx]
+            seqs, step, tr, pend, at = _subset(seqs, idx.tolist()), step.subset(idx), tr.subset(idx), pend[idx], at[idx]
         rows = np.flatnonzero(pend)
         return seqs, dict(zip(rows.tolist(), at[rows].tolist())), tr, step
+
+    @property
+    def _prev_rows(self) -> dict[str, int]:
+        """seq id -> its index in _sampled, for the next step's PENDING_TOKEN (the shares' path; made on first use:
+        the columns' path reads `_prev_at`)."""
+        if self._prev_map is None:
+            self._prev_map = {sid: j for j, sid in enumerate(self._prev_sids)}
+        return self._prev_map
 
     def _prev_of(self, slots: np.ndarray) -> np.ndarray:
         """Each slot's row in the last landed step's sampled ids, -1 where it sampled none."""
@@ -672,13 +702,13 @@ class GpuModelRunner:
         if self.device.type == "cuda":
             ev = torch.cuda.Event(enable_timing=True)  # (device_ns: timed from the launch's start event)
             ev.record()
-        return self._landed([s.seq_id for s in seqs], ring, tokens, ev, step)
+        return self._landed(seq_ids_of(seqs) if step is None else step.sids, ring, tokens, ev, step)
 
     def _landed(self, seq_ids: list[str], ring, tokens, event=None, step: Step | None = None) -> Landing:
         """The step's landing, and where each sequence's sampled id sits for the next step's PENDING_TOKEN: by
         seq id (`_prev_rows`) and by params slot (`_prev_at`, the columns' path)."""
         h = Landing(seq_ids, ring, event, tokens)
-        self._prev_rows = {sid: j for j, sid in enumerate(seq_ids)} if ring is not None else {}
+        self._prev_sids, self._prev_map = (seq_ids if ring is not None else []), None
         self._prev_at[:] = -1
         if ring is not None:  # (a ring comes from `_sample_and_land` alone, with its step)
             self._prev_of(step.slots[:0])  # (sized to the slots)
@@ -692,6 +722,11 @@ class _NoGraph:
 
     def replay(self) -> None:
         pass
+
+
+def _subset(seqs, idx: list[int]):
+    """The shares at these indices (ascending), columns kept where they were (`Works.subset`)."""
+    return seqs.subset(idx) if isinstance(seqs, Works) else [seqs[i] for i in idx]
 
 
 def _head_row_counts(seqs: list[SeqWork]) -> list[tuple[int, int]]:

@@ -17,16 +17,21 @@ from __future__ import annotations
 import numpy as np
 
 from imp.sampling.slots import Slots
+from imp.sampling.works import Works
 
 
 class Rows:
     """A step's shares as the tables see them: their slots, start positions, token counts and first tokens
     (int64 [R] each)."""
 
-    __slots__ = ("slots", "pos", "ntok", "tok0")
+    __slots__ = ("cols", "slots", "pos", "ntok", "tok0")
 
     def __init__(self, cols: np.ndarray):
+        self.cols = cols
         self.slots, self.pos, self.ntok, self.tok0 = (np.ascontiguousarray(c) for c in cols.T)
+
+    def subset(self, idx) -> Rows:
+        return Rows(self.cols[np.asarray(idx, np.int64)])
 
 
 class Tables:
@@ -49,11 +54,20 @@ class Tables:
         """The shares as `Rows`, their changed tables copied in, every share checked: a bad one is a ValueError
         naming it."""
         get = self.slots.of.get
+        general = works.general if isinstance(works, Works) else works
         cols = np.array([(get(w.seq_id, -1), w.start_pos, len(w.token_ids), w.token_ids[0] if w.token_ids else 0)
-                         for w in works], np.int64).reshape(-1, 4)
+                         for w in general], np.int64).reshape(-1, 4)
         slots, obj = cols[:, 0], self.obj
-        for r in [r for r, (j, w) in enumerate(zip(slots.tolist(), works)) if j < 0 or obj[j] is not w.block_table]:
-            slots[r] = self._copy(works[r].seq_id, works[r].block_table)
+        for r in [r for r, (j, w) in enumerate(zip(slots.tolist(), general)) if j < 0 or obj[j] is not w.block_table]:
+            slots[r] = self._copy(general[r].seq_id, general[r].block_table)
+        if isinstance(works, Works):  # the decode rows (first) from the plan's columns: no SeqWork a row
+            rb = works.rows
+            rs = [get(sid, -1) for sid in rb.seq_ids]
+            tabs = rb.tables
+            for r in [r for r, (j, t) in enumerate(zip(rs, tabs)) if j < 0 or obj[j] is not t]:
+                rs[r] = self._copy(rb.seq_ids[r], tabs[r])
+            rc = np.stack([np.asarray(rs, np.int64), rb.pos, np.ones(len(rs), np.int64), rb.tok], axis=1)
+            cols = np.concatenate([rc, cols]) if len(cols) else rc
         rows = Rows(cols)
         end = rows.pos + rows.ntok
         nb = (end - 1) // self.bs + 1

@@ -57,7 +57,7 @@ from imp.messages.params import Constraint, Dry, SamplingParams
 from imp.messages.reports import Fault, Figures, QueueFigures, RequestStats, StepStats
 from imp.messages.request import (Cancel, EndThinking, Enqueue, Finished, Reject, Resume, SessionClose, Submit,
                                   Suspend, Tick, TokenTexts)
-from imp.messages.step import (PENDING_TOKEN, KvFigures, KvOp, KvReply, KvRequest, KvResult, LensLayer,
+from imp.messages.step import (PENDING_TOKEN, DecodeRows, KvFigures, step_result, KvOp, KvReply, KvRequest, KvResult, LensLayer,
                                PromptLogprob,
                                SampledToken, SeqWork, StepFailed, StepPlan, StepResult, TokenBatch, TokenOut)
 from imp.messages.store import (ChainLink, StoreDelete, StoreGet, StoreGetChain, StoreItem, StoreListInputItems,
@@ -124,7 +124,7 @@ __all__ = [
     "Constraint", "Dry", "SamplingParams",
     "Submit", "Reject", "Enqueue", "Cancel", "EndThinking", "SessionClose", "Suspend", "Resume", "Finished", "Tick",
     "TokenTexts",
-    "KvOp", "KvResult", "KvFigures", "KvRequest", "KvReply", "SeqWork", "SampledToken", "PromptLogprob", "LensLayer",
+    "KvOp", "KvResult", "KvFigures", "KvRequest", "KvReply", "SeqWork", "DecodeRows", "step_result", "SampledToken", "PromptLogprob", "LensLayer",
     "StepPlan", "StepResult", "StepFailed", "TokenOut", "TokenBatch",
     "DetokOpen", "DetokClose", "Delta", "DeltaBatch",
     "QueueFigures", "Figures", "StepStats", "RequestStats", "Fault",

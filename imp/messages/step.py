@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import array
+
 from imp.messages.base import FinishReason, Msg, Struct
 from imp.messages.params import SamplingParams
 
@@ -200,27 +202,76 @@ class KvReply(Msg):
     figures: KvFigures
 
 
+class DecodeRows(Struct):
+    """A step's decode lane rows (imp.core.lane) as columns: they come first in the step, in this order, before
+    the plan's `seqs`. Each is a plain decode row: one token fed, one sampled, nothing else asked (no logprobs,
+    drafts, lens, guidance, bans, prompt logprobs, params to send). Row r is sequence seq_ids[r]: it feeds token
+    tokens[r] (PENDING_TOKEN: the one the step in flight samples for it) at position starts[r], its table
+    tables[r] covering it, and samples its generated token number gens[r]; its params (and a penalized or
+    constrained one's history) are the executor's, kept since the sequence's first share. As a SeqWork each row
+    would be `SeqWork(seq_id, (token,), start, table, True, None, gen_index=gen, pending=token == PENDING_TOKEN)`
+    (`imp.sampling.works.RowBatch.work`). Why columns: at 64-256 streams nearly every row of every step is one of
+    these, and a Python object a row, made by the scheduler and copied by the executor, was the per-row cost
+    issue 33's deliverable 3 takes out. cols is int64 [R, 3] (token, start, gen), little-endian bytes."""
+
+    seq_ids: tuple[str, ...]
+    tables: tuple[tuple[int, ...], ...]
+    cols: bytes
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+    def works(self) -> list[SeqWork]:
+        """The rows as the SeqWorks they stand for (params None: the executor's kept ones), one a row: for the
+        tests' model stand-ins and the tools that read a plan, not for a hot path."""
+        c = memoryview(self.cols).cast("q").tolist()
+        return [SeqWork(sid, (c[3 * r],), c[3 * r + 1], tab, True, None, gen_index=c[3 * r + 2],
+                        pending=int(c[3 * r] == PENDING_TOKEN))
+                for r, (sid, tab) in enumerate(zip(self.seq_ids, self.tables))]
+
+
 class StepPlan(Msg):
-    """scheduler -> executor: run these sequences for one step."""
+    """scheduler -> executor: run these sequences for one step (the lane's rows first, then seqs)."""
 
     step: int
     seqs: tuple[SeqWork, ...]
     freed: tuple[str, ...] = ()  # sequences the executor can forget
+    rows: DecodeRows | None = None
+
+    def shares(self) -> list[SeqWork]:
+        """Every share of the step in its order, the rows as SeqWorks (`DecodeRows.works`)."""
+        return self.rows.works() + list(self.seqs) if self.rows is not None else list(self.seqs)
 
 
 class StepResult(Msg):
     """executor -> scheduler: what the step produced."""
 
     step: int
-    tokens: tuple[SampledToken, ...]
+    tokens: tuple[SampledToken, ...]  # the plan's seqs' (not its rows')
     now_ns: int
     elapsed_ns: int = 0  # plan received -> tokens collected (pipelined: also the wait for the step before it)
     device_ns: int = 0  # the device's own time for the step where the runner times it (a GPU), else 0
+    # the plan's DecodeRows' sampled ids, in row order, int64 little-endian bytes; -1 where a row did not run (its
+    # sequence's pending token was not sampled: the step before failed, and the scheduler has ended it)
+    row_ids: bytes = b""
 
     @property
     def cost_ns(self) -> int:
         """What the step cost: the device's time where measured, else the executor's wall."""
         return self.device_ns or self.elapsed_ns
+
+
+def step_result(plan: StepPlan, tokens, now_ns: int, elapsed_ns: int = 0, device_ns: int = 0) -> StepResult:
+    """A StepResult for `plan` from SampledTokens of any of its shares, the rows' ids put in their column (-1 for a
+    row without one): how a model stand-in (tests, tools) answers a plan; the executor splits its own
+    (`imp.sampling.works.split_tokens`)."""
+    if plan.rows is None:
+        return StepResult(plan.step, tuple(tokens), now_ns, elapsed_ns, device_ns)
+    by = {t.seq_id: t for t in tokens}
+    rows = set(plan.rows.seq_ids)
+    ids = array.array("q", [by[s].token_id if s in by else -1 for s in plan.rows.seq_ids])
+    return StepResult(plan.step, tuple(t for t in tokens if t.seq_id not in rows), now_ns, elapsed_ns, device_ns,
+                      ids.tobytes())
 
 
 class StepFailed(Msg):

@@ -26,6 +26,7 @@ import queue
 import numpy as np
 
 from imp.messages import SampledToken, SeqWork
+from imp.sampling.works import Works
 from imp.model.runner import DEFAULT_KV_TOKENS, default_num_blocks
 
 
@@ -158,13 +159,16 @@ class PacedNullRunner(NullRunner):
         return next((b for b in self.buckets if b >= prompt), prompt) if prompt and self.buckets else prompt
 
     def cost_ns(self, seqs: list[SeqWork]) -> int:
-        rows = sum(1 for s in seqs if len(s.token_ids) == 1)
-        prompt = self._prompt(sum(len(s.token_ids) for s in seqs) - rows)
+        general, lane = (seqs.general, seqs.rows) if isinstance(seqs, Works) else (seqs, None)
+        rows = sum(1 for s in general if len(s.token_ids) == 1) + (len(lane) if lane is not None else 0)
+        prompt = self._prompt(sum(len(s.token_ids) for s in general if len(s.token_ids) > 1))
         ns = self.step_ns + self.row_ns * rows + self.token_ns * prompt + (self.mixed_ns if rows and prompt else 0)
         if self.ctx_ns or self.pctx_ns:
-            for s in seqs:
+            for s in general:
                 n = len(s.token_ids)
                 ns += (self.ctx_ns * (s.start_pos + 1) if n == 1 else self.pctx_ns * n * (s.start_pos + n / 2)) / 1000
+            if lane is not None:
+                ns += self.ctx_ns * float((lane.pos + 1).sum()) / 1000
         return int(ns)
 
     def prompt_costs(self) -> tuple[tuple[int, int, int], ...]:
@@ -178,16 +182,30 @@ class PacedNullRunner(NullRunner):
         """The GPU runner's measure of a prompt row's attention, ns per 1,000 positions it reads (its cost model's)."""
         return round(self.pctx_ns) if self.buckets else 0
 
-    def launch(self, seqs: list[SeqWork], constraints=None, lora=None) -> tuple[int, int, list[SampledToken]]:
+    # a plan's decode rows as columns (imp.sampling.works.Works), landed as ids: the GPU runner's way
+    takes_rows = True
+
+    def launch(self, seqs: list[SeqWork], constraints=None, lora=None) -> tuple[int, int, list[str]]:
         start = max(time.monotonic_ns(), self._busy_until)
         self._busy_until = start + self.cost_ns(seqs)
-        return start, self._busy_until, self.step(seqs)
+        self.steps += 1
+        general = seqs.general if isinstance(seqs, Works) else seqs
+        sids = (list(seqs.rows.seq_ids) if isinstance(seqs, Works) else []) + [s.seq_id for s in general if s.sample]
+        return start, self._busy_until, sids
 
-    def collect(self, handle: tuple[int, int, list[SampledToken]]) -> list[SampledToken]:
-        _, at, tokens = handle
+    def _wait(self, handle) -> list[str]:
+        _, at, sids = handle
         while (left := at - time.monotonic_ns()) > 0:
             time.sleep(left / 1e9)
-        return tokens
+        return sids
+
+    def collect(self, handle: tuple[int, int, list[str]]) -> list[SampledToken]:
+        t = self.token_id
+        return [SampledToken(s, t) for s in self._wait(handle)]
+
+    def collect_ids(self, handle: tuple[int, int, list[str]]):
+        sids = self._wait(handle)
+        return sids, np.full(len(sids), self.token_id, np.int64), None
 
     @staticmethod
     def device_ns(handle: tuple[int, int, list[SampledToken]]) -> int:

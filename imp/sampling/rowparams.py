@@ -21,11 +21,12 @@ import torch
 
 from imp.kernels.cuda.runtime import to_device
 from imp.sampling.slots import Slots
+from imp.sampling.works import Works
 
 # the device columns: float32 [cap, 6] and int64 [cap, 2]
 F_TEMP, F_TOP_P, F_MIN_P, F_REP, F_PRES, F_FREQ = range(6)
 I_TOP_K, I_SEED = range(2)
-FLAGS = ("greedy", "plain", "penalized", "bias", "host", "hist", "grammar", "lens")
+FLAGS = ("greedy", "plain", "penalized", "bias", "host", "hist", "grammar", "lens", "lora")
 
 
 class Step:
@@ -34,13 +35,13 @@ class Step:
     their params the flags (host bool [R] each, `FLAGS`); and on the device their slots and gen_index (int64
     [R]) and params (`f` [R, 6], `i` [R, 2]) gathered on first use."""
 
-    __slots__ = ("owner", "cols", "slots", "gen", "pending", "draft", "sample", "plp", "guide", "banned",
+    __slots__ = ("owner", "cols", "sids", "slots", "gen", "pending", "draft", "sample", "plp", "guide", "banned",
                  "_dev", "_f", "_i") + FLAGS
 
-    def __init__(self, owner: RowParams, cols: np.ndarray):
+    def __init__(self, owner: RowParams, cols: np.ndarray, sids: list[str]):
         """cols: int64 [R, 8] = slot, gen_index, pending, draft, sample, prompt_logprobs, guide, banned
-        (`RowParams.take`)."""
-        self.owner, self.cols = owner, cols
+        (`RowParams.take`); sids: the rows' seq ids."""
+        self.owner, self.cols, self.sids = owner, cols, sids
         (self.slots, self.gen, self.pending, self.draft, sample, plp, guide,
          banned) = (np.ascontiguousarray(c) for c in cols.T)
         self.sample, self.plp, self.guide, self.banned = sample > 0, plp >= 0, guide > 0, banned > 0
@@ -54,7 +55,8 @@ class Step:
 
     def subset(self, rows) -> Step:
         rows = np.asarray(rows, np.int64)
-        return Step(self.owner, self.cols[rows])
+        sids = self.sids
+        return Step(self.owner, self.cols[rows], [sids[r] for r in rows.tolist()])
 
     def dev(self) -> torch.Tensor:
         """[2, R] int64 on the device: slots, gen_index (one copy up a step)."""
@@ -109,12 +111,25 @@ class RowParams:
         """The step's rows (complete SeqWorks: params filled in) as columns; a sequence seen for the first time,
         or with a params object other than its slot's, (re)fills its slot."""
         get, obj = self.slots.of.get, self.obj
+        general = works.general if isinstance(works, Works) else works
         cols = np.array([(get(w.seq_id, -1), w.gen_index, w.pending, w.draft, w.sample, w.prompt_logprobs,
-                          bool(w.guide), bool(w.banned)) for w in works], np.int64).reshape(-1, 8)
+                          bool(w.guide), bool(w.banned)) for w in general], np.int64).reshape(-1, 8)
         slots = cols[:, 0]
-        for r in [r for r, (j, w) in enumerate(zip(slots.tolist(), works)) if j < 0 or obj[j] is not w.params]:
-            slots[r] = self._fill(works[r].seq_id, works[r].params)
-        return Step(self, cols)
+        for r in [r for r, (j, w) in enumerate(zip(slots.tolist(), general)) if j < 0 or obj[j] is not w.params]:
+            slots[r] = self._fill(general[r].seq_id, general[r].params)
+        if not isinstance(works, Works):
+            return Step(self, cols, [w.seq_id for w in general])
+        # the decode rows (first): one token fed and sampled, nothing else asked; their params are the ones their
+        # sequence's first share filled its slot from (a re-admission sends them again in a general share), so
+        # only a slot this runner does not hold yet (a new runner after a suspend) is filled, from the kept params
+        rb = works.rows
+        rs = np.array([get(sid, -1) for sid in rb.seq_ids], np.int64)
+        for r in np.flatnonzero(rs < 0).tolist():
+            rs[r] = self._fill(rb.seq_ids[r], rb.params(r))
+        R = len(rs)
+        rc = np.zeros((R, 8), np.int64)
+        rc[:, 0], rc[:, 1], rc[:, 2], rc[:, 4], rc[:, 5] = rs, rb.gen, rb.pending, 1, -1
+        return Step(self, np.concatenate([rc, cols]) if len(cols) else rc, works.seq_ids)
 
     def _fill(self, sid: str, p) -> int:
         j = self.slots.assign(sid)
@@ -126,7 +141,7 @@ class RowParams:
         self.i[j] = (p.top_k, p.seed)
         self.greedy[j], self.plain[j], self.penalized[j] = p.greedy, p.plain_greedy, p.penalized
         self.bias[j], self.host[j], self.hist[j] = bool(p.logit_bias), p.host_sampled, p.needs_history
-        self.grammar[j], self.lens[j] = p.constraint is not None, p.logit_lens > 0
+        self.grammar[j], self.lens[j], self.lora[j] = p.constraint is not None, p.logit_lens > 0, bool(p.lora)
         self._dirty.append(j)
         return j
 

@@ -380,3 +380,37 @@ def test_requests_for_two_models_that_cannot_sit_together_take_turns():
         assert sum(e[0] in ("build", "reload") for e in log) <= 5, log
 
     run(go())
+
+
+def test_a_resume_that_runs_before_an_announced_suspend_brings_nothing_back_over_the_budget():
+    """hypothesis found it: a request swaps the boot model (a) out for b, a resume and then a suspend arrive while
+    the swap runs. The resume takes the lock first, when nothing is parked yet: it is a no-op (it used to read the
+    suspend's announcement as a suspend and bring a back beside b, 250 MB in a 150 MB budget)."""
+    sizes = {"a": 100, "b": 150}
+
+    async def go():
+        entries = {n: Entry(n, f"/m/{n}.gguf", mb * MB) for n, mb in sizes.items()}
+        f, log = _fleet(budget_mb=150, drain_s=0.0, entries=entries)
+        worst = 0
+
+        def used():
+            nonlocal worst
+            worst = max(worst, sum(m.footprint.host for m in f.models.values() if m.loaded))
+
+        async def request(name):
+            async with f.use(name):
+                used()
+
+        tasks = [asyncio.create_task(request("b")), asyncio.create_task(f.resume())]
+        await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(f.suspend(0.01)))
+        res = await asyncio.gather(*tasks, return_exceptions=True)
+        used()
+        assert worst <= 150 * MB, log
+        assert isinstance(res[1], ResumeResult) and not res[1].reloaded  # nothing was parked when it ran
+        assert res[2].suspended and res[2].models_released == ("b",)
+        assert f.suspended and not any(m.loaded for m in f.models.values())
+        back = await f.resume()  # the suspend's resume: the boot model was not resident when it came
+        assert not back.reloaded and not f.suspended
+
+    run(go())

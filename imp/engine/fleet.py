@@ -88,7 +88,8 @@ class Fleet:
         self._idle_task: asyncio.Task | None = None
         self.swap_seconds: list[float] = []  # every load's seconds (build or reload), for /metrics
         self.on_change = None  # () -> None after a model loads or unloads (the engine host tells the API servers)
-        self.suspended = False  # POST /admin/suspend: nothing loads until /admin/resume
+        self.suspended = False  # POST /admin/suspend: nothing loads until /admin/resume (set as a suspend arrives)
+        self._parked = False  # a suspend has run (under the lock) and no resume since
         self._boot_resident = True  # the boot model was resident when the suspend came
 
     # ------------------------------------------------------------------ names
@@ -324,8 +325,10 @@ class Fleet:
         as a single server does (its admission closed at once, sticky), while every other resident model is
         drained (never cancelled) and released beside it. The boot model's result (its memory figures), the
         others' names in models_released; a drain that timed out keeps that model (error)."""
-        first_time, self.suspended = not self.suspended, True
+        self.suspended = True  # refused from now on, while the swap under way ends
         async with self._lock:  # after a swap under way: what it brought in is then released too
+            # (set again: a resume that arrived before this suspend, and held the lock first, cleared it)
+            self.suspended, first_time, self._parked = True, not self._parked, True
             if first_time:  # what the resume brings back (a second suspend finds it released already)
                 self._boot_resident = self.first.loaded
             boot = asyncio.ensure_future(self.first.engine.suspend(drain_s))  # beside the others' drains
@@ -349,11 +352,14 @@ class Fleet:
         """POST /admin/resume: the boot model loaded again if it was resident when the suspend came (a model
         whose drain timed out stayed beside it: they fit), then admitted; the others load on demand as before."""
         async with self._lock:  # after the suspend (or swap) under way: a swap must never plan around it
-            if not self.suspended:
+            # nothing parked when it runs: a no-op, even where a suspend that arrived after it is announced (its
+            # `suspended`) but waits for the lock; bringing the boot model back then (as `_boot_resident` from an
+            # older suspend said) put it beside the model a swap had just loaded in its place, over the budget
+            if not self._parked:
                 return await self.first.engine.resume(reload=self.first.loaded)
             back = self._boot_resident
             res = await self.first.engine.resume(reload=back)
-            self.suspended = False
+            self.suspended = self._parked = False
             if back and not self.first.loaded and not self.first.engine.fault:
                 self.first.loaded, self.first.last_used = True, self.clock()
                 self._changed()

@@ -179,7 +179,7 @@ def test_verify_step_flattens_drafts_into_one_token_rows_and_keeps_the_agreeing_
 
     r = _runner(True)
     r.fwd = NextTokenForward()
-    r.graphs = type("NoGraphs", (), {"fits": staticmethod(lambda seqs: False)})()
+    r.graphs = type("NoGraphs", (), {"fits": staticmethod(lambda seqs, one=None: False)})()
     r.mixed, r.use_numba_sampling = None, False
     r._landed = lambda ids, ring, tokens, event=None: Landing(ids, None, None, tokens)
     seen = []

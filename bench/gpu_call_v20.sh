@@ -4,7 +4,8 @@
 #   tests   the GPU lane files the change touches ($TESTS), then the GPU servers (alone = batched, replays)
 #   ab      bench/engine.py on SmolLM2's shape at $STREAMS (64,256) for $TREES (default "new old older"), alternating,
 #           $RUNS times: new = this tree; old = this tree with bench/pending/rowbatch_old.patch reversed (f52a863, the
-#           34th session's tree); older = old with bench/pending/rowcols_old.patch reversed (799d525)
+#           34th session's tree); older = old with bench/pending/rowcols_old.patch reversed (799d525); rows = this
+#           tree with bench/pending/staging_old.patch reversed (to_device pinning a block a call, as before)
 #   prof    a cProfile of the new tree's engine at 256 streams (the event loop's thread) and py-spy-free thread totals
 # Prints as it goes; everything under $OUT.
 set -uo pipefail
@@ -19,10 +20,13 @@ if [ ! -d /tmp/old ]; then
   mkdir -p /tmp/old && cp -r imp bench tests /tmp/old/ && (cd /tmp/old && patch -s -R -p1 < bench/pending/rowbatch_old.patch && echo "old tree made")
   mkdir -p /tmp/older && cp -r /tmp/old/imp /tmp/old/bench /tmp/old/tests /tmp/older/ && (cd /tmp/older && patch -s -R -p1 < bench/pending/rowcols_old.patch && echo "older tree made")
 fi
+if [ ! -d /tmp/rows ] && [ -f bench/pending/staging_old.patch ]; then
+  mkdir -p /tmp/rows && cp -r imp bench tests /tmp/rows/ && (cd /tmp/rows && patch -s -R -p1 < bench/pending/staging_old.patch && echo "rows tree made")
+fi
 for w in ${WHAT:-tests ab}; do t0=$(date +%s); case $w in
 tests)
   IMP_TEST_MODEL=/tmp/smol.gguf timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
-    -o faulthandler_timeout=250 ${TESTS:-tests/test_rowbatch.py tests/test_rowparams.py tests/test_devcounts.py tests/test_gpu_check.py tests/test_gpu_runner.py tests/test_gpu_mixed.py} 2>&1 | grep -v "^\s*$" | tail -8
+    -o faulthandler_timeout=250 ${TESTS:-tests/test_gpu_staging.py tests/test_rowbatch.py tests/test_rowparams.py tests/test_devcounts.py tests/test_gpu_check.py tests/test_gpu_runner.py tests/test_gpu_mixed.py} 2>&1 | grep -v "^\s*$" | tail -8
   IMP_TEST_MODEL=/tmp/smol.gguf timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider -m gpu \
     -o faulthandler_timeout=250 tests/test_gpu_server.py -k "concurrent or replays" 2>&1 | grep -v "^\s*$" | tail -4 ;;
 ab)

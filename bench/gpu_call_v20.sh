@@ -5,7 +5,8 @@
 #   ab      bench/engine.py on SmolLM2's shape at $STREAMS (64,256) for $TREES (default "new old older"), alternating,
 #           $RUNS times: new = this tree; old = this tree with bench/pending/rowbatch_old.patch reversed (f52a863, the
 #           34th session's tree); older = old with bench/pending/rowcols_old.patch reversed (799d525); rows = this
-#           tree with bench/pending/staging_old.patch reversed (to_device pinning a block a call, as before)
+#           tree before bench/pending/staging.patch (to_device pinning a block a call); apply it to the working tree
+#           first (`git apply bench/pending/staging.patch`) so that "new" has the staging ring
 #   prof    a cProfile of the new tree's engine at 256 streams (the event loop's thread) and py-spy-free thread totals
 # Prints as it goes; everything under $OUT.
 set -uo pipefail
@@ -20,8 +21,8 @@ if [ ! -d /tmp/old ]; then
   mkdir -p /tmp/old && cp -r imp bench tests /tmp/old/ && (cd /tmp/old && patch -s -R -p1 < bench/pending/rowbatch_old.patch && echo "old tree made")
   mkdir -p /tmp/older && cp -r /tmp/old/imp /tmp/old/bench /tmp/old/tests /tmp/older/ && (cd /tmp/older && patch -s -R -p1 < bench/pending/rowcols_old.patch && echo "older tree made")
 fi
-if [ ! -d /tmp/rows ] && [ -f bench/pending/staging_old.patch ]; then
-  mkdir -p /tmp/rows && cp -r imp bench tests /tmp/rows/ && (cd /tmp/rows && patch -s -R -p1 < bench/pending/staging_old.patch && echo "rows tree made")
+if [ ! -d /tmp/rows ] && grep -q _Staging imp/kernels/cuda/runtime.py; then
+  mkdir -p /tmp/rows && cp -r imp bench tests /tmp/rows/ && (cd /tmp/rows && patch -s -R -p1 < bench/pending/staging.patch && echo "rows tree made")
 fi
 for w in ${WHAT:-tests ab}; do t0=$(date +%s); case $w in
 tests)

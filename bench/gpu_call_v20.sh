@@ -5,8 +5,7 @@
 #   ab      bench/engine.py on SmolLM2's shape at $STREAMS (64,256) for $TREES (default "new old older"), alternating,
 #           $RUNS times: new = this tree; old = this tree with bench/pending/rowbatch_old.patch reversed (f52a863, the
 #           34th session's tree); older = old with bench/pending/rowcols_old.patch reversed (799d525); rows = this
-#           tree before bench/pending/staging.patch (to_device pinning a block a call); apply it to the working tree
-#           first (`git apply bench/pending/staging.patch`) so that "new" has the staging ring
+#           tree with bench/pending/staging.patch reversed (to_device pinning a block a call, as before the ring)
 #   prof    a cProfile of the new tree's engine at 256 streams (the event loop's thread) and py-spy-free thread totals
 # Prints as it goes; everything under $OUT.
 set -uo pipefail

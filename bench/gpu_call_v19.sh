@@ -7,14 +7,7 @@
 #   prof    a cProfile of the new tree's engine at 256 streams (the event loop's thread)
 #   restart issue 35's cell where the card is an H200 (bench/gpu_call_v17.sh restart), else skipped
 # Prints as it goes; everything under $OUT.
-set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-T0=$(date +%s)
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; lscpu | grep "Model name"
-[ -d /tmp/site ] || python3 bench/device_site.py > $OUT/site.txt 2>&1
-export PYTHONPATH=/tmp/site
-[ -f /tmp/smol.gguf ] || python3 bench/write_synth.py 135m-q4_1 /tmp/smol.gguf 2>&1 | tail -1
-here=$PWD
+. bench/device_prelude.sh
 for w in ${WHAT:-tests ab}; do t0=$(date +%s); case $w in
 tests)
   IMP_TEST_MODEL=/tmp/smol.gguf timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider -m gpu \
@@ -25,12 +18,7 @@ ab)
   if [ ! -d /tmp/old ]; then
     mkdir -p /tmp/old && cp -r imp bench tests /tmp/old/ && (cd /tmp/old && patch -s -R -p1 < bench/pending/rowcols_old.patch && echo "old tree made")
   fi
-  for r in $(seq ${RUNS:-2}); do for t in new old; do d=$here; [ $t = old ] && d=/tmp/old
-    (cd $d && timeout ${ENGINE_S:-150} python3 bench/engine.py --model /tmp/smol.gguf --device cuda:0 \
-      --streams ${STREAMS:-64,256} --prompt 234 --answer 128 --rounds 2 --server-args "--kv-cache-tokens 131072" \
-      --json $OUT/ab_${t}_$r.json > $OUT/ab_${t}_$r.txt 2>&1)
-    echo "$t run $r rc $? at $(( $(date +%s) - T0 )) s"; grep "^| [0-9]" $OUT/ab_${t}_$r.txt | head -4
-  done; done ;;
+  engine_ab "new old" ;;
 prof)
   timeout 150 python3 bench/engine.py --model /tmp/smol.gguf --device cuda:0 --streams 256 --prompt 234 --answer 128 \
     --rounds 2 --server-args "--kv-cache-tokens 131072" --profile 256 > $OUT/prof.txt 2>&1

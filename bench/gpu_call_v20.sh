@@ -6,16 +6,9 @@
 #           $RUNS times: new = this tree; old = this tree with bench/pending/rowbatch_old.patch reversed (f52a863, the
 #           34th session's tree); older = old with bench/pending/rowcols_old.patch reversed (799d525); rows = this
 #           tree with bench/pending/staging.patch reversed (to_device pinning a block a call, as before the ring)
-#   prof    a cProfile of the new tree's engine at 256 streams (the event loop's thread) and py-spy-free thread totals
+#   prof    a cProfile of the new tree's engine at $PSTREAMS (256) streams (the event loop's thread)
 # Prints as it goes; everything under $OUT.
-set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-T0=$(date +%s)
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; lscpu | grep "Model name"
-[ -d /tmp/site ] || python3 bench/device_site.py > $OUT/site.txt 2>&1
-export PYTHONPATH=/tmp/site
-[ -f /tmp/smol.gguf ] || python3 bench/write_synth.py 135m-q4_1 /tmp/smol.gguf 2>&1 | tail -1
-here=$PWD
+. bench/device_prelude.sh
 if [ ! -d /tmp/old ]; then
   mkdir -p /tmp/old && cp -r imp bench tests /tmp/old/ && (cd /tmp/old && patch -s -R -p1 < bench/pending/rowbatch_old.patch && echo "old tree made")
   mkdir -p /tmp/older && cp -r /tmp/old/imp /tmp/old/bench /tmp/old/tests /tmp/older/ && (cd /tmp/older && patch -s -R -p1 < bench/pending/rowcols_old.patch && echo "older tree made")
@@ -30,12 +23,7 @@ tests)
   IMP_TEST_MODEL=/tmp/smol.gguf timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider -m gpu \
     -o faulthandler_timeout=250 tests/test_gpu_server.py -k "concurrent or replays" 2>&1 | grep -v "^\s*$" | tail -4 ;;
 ab)
-  for r in $(seq ${RUNS:-2}); do for t in ${TREES:-new old older}; do d=$here; [ $t != new ] && d=/tmp/$t
-    (cd $d && timeout ${ENGINE_S:-150} python3 bench/engine.py --model /tmp/smol.gguf --device cuda:0 \
-      --streams ${STREAMS:-64,256} --prompt 234 --answer 128 --rounds 2 --server-args "--kv-cache-tokens 131072" \
-      --json $OUT/ab_${t}_$r.json > $OUT/ab_${t}_$r.txt 2>&1)
-    echo "$t run $r rc $? at $(( $(date +%s) - T0 )) s"; grep "^| [0-9]" $OUT/ab_${t}_$r.txt | head -2
-  done; done ;;
+  engine_ab "${TREES:-new old older}" ;;
 prof)
   timeout 150 python3 bench/engine.py --model /tmp/smol.gguf --device cuda:0 --streams ${PSTREAMS:-256} --prompt 234 --answer 128 \
     --rounds 2 --server-args "--kv-cache-tokens 131072" --profile ${PSTREAMS:-256} > $OUT/prof.txt 2>&1

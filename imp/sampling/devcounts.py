@@ -87,19 +87,18 @@ class DeviceCounts:
         self._taken = None
         get, n = self.slot.get, self.n
         # (the rows' seq ids and gen_index from the step's columns where given: a decode row is no SeqWork)
-        all_sids = step.sids if step is not None else None
-        sid_of = (lambda r: all_sids[r]) if all_sids is not None else (lambda r: works[r].seq_id)  # noqa: E731
-        slots = [get(sid_of(r)) for r in rows]
+        all_sids = step.sids if step is not None else [w.seq_id for w in works]
+        slots = [get(all_sids[r]) for r in rows]
         if None in slots:  # a first share: a row in the table if it has room, else the segment path
             for j, r in enumerate(rows):
                 if slots[j] is None:
-                    slots[j] = self._assign(sid_of(r))
+                    slots[j] = self._assign(all_sids[r])
         take = [r for r, sl in zip(rows, slots) if sl is not None]
         if not take:
             return list(rows)
         rest = [r for r, sl in zip(rows, slots) if sl is None]
         slots = [sl for sl in slots if sl is not None]
-        sids = [sid_of(r) for r in take]
+        sids = [all_sids[r] for r in take]
         gens = step.gen[take].tolist() if step is not None else [works[r].gen_index for r in take]
         stale = [(r, sl) for r, sl, sid, g in zip(take, slots, sids, gens) if n[sid] != g]
         if stale:

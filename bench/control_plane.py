@@ -57,7 +57,7 @@ class Sink(Actor):
         self.done, self.expect, self.finished = done, expect, 0
 
     async def on_message(self, sender, msg):
-        for t in msg.outs if isinstance(msg, TokenBatch) else [msg]:
+        for t in msg.each() if isinstance(msg, TokenBatch) else [msg]:
             if isinstance(t, TokenOut) and t.finish != FinishReason.NONE:
                 self.finished += 1
                 if self.finished >= self.expect and self.done:

@@ -230,6 +230,12 @@ async def run_level(engine, C: int, rounds: int, P: int, A: int, vocab: int, rep
                 while True:
                     item = await handle.queue.get()
                     now = time.perf_counter()
+                    if type(item) is tuple:  # a decode lane row: (choice index, token id), one token
+                        tokens[0] += 1
+                        if prev is not None:
+                            itl.append(now - prev)
+                        prev = now
+                        continue
                     if type(item) is not Delta:
                         failed[0] += 1
                         break

@@ -67,7 +67,7 @@ def level(C: int, rounds: int, P: int, A: int, seed: int = 0, runner: bool = Fal
             elif receiver == "executor" and isinstance(msg, StepPlan):
                 plans.append(msg)
             elif receiver == "detok":
-                for t in (msg.outs if isinstance(msg, TokenBatch) else (msg,) if isinstance(msg, TokenOut) else ()):
+                for t in (msg.each() if isinstance(msg, TokenBatch) else (msg,) if isinstance(msg, TokenOut) else ()):
                     tokens += len(t.token_ids)
                     finished += t.finish != FinishReason.NONE
 

@@ -100,7 +100,7 @@ class Harness:
             if isinstance(m, StepPlan):
                 assert len(self.inflight) < self.scheduler.config.pipeline_depth
                 self.inflight.append(m)
-            for t in m.outs if isinstance(m, TokenBatch) else [m] if isinstance(m, TokenOut) else []:
+            for t in m.each() if isinstance(m, TokenBatch) else [m] if isinstance(m, TokenOut) else []:
                 self.tokens.setdefault(t.req_id, []).extend(t.token_ids)
                 if t.finish != FinishReason.NONE:
                     self.finish[t.req_id] = t

@@ -57,6 +57,45 @@ def test_a_table_is_copied_when_its_tuple_changes_and_checked_up_to_the_position
     assert "a" not in t.slots.of and len(t.slots) == 4 and t.slots.assign("z") in (j, s0)  # a freed slot reused
 
 
+def test_a_grown_table_copies_its_new_entries_and_equals_a_whole_copy():
+    """A grow appends to the table a row holds: only the tail is checked and copied; whatever else (a prefix that
+    changed, a bad block in the tail, a table that shrank) takes the whole copy. Either way the row is the table."""
+    import random
+
+    rng = random.Random(5)
+    t, whole = _t(), _t()
+    tab = (rng.randrange(64),)
+    for step in range(200):
+        kind = rng.random()
+        if kind < 0.7:
+            tab = tab + tuple(rng.randrange(64) for _ in range(rng.randint(1, 3)))  # a grow
+        elif kind < 0.8:
+            tab = tab[:-1] + (rng.randrange(64),)  # its last block replaced (copy on write)
+        elif kind < 0.9:
+            tab = tab[:rng.randint(1, len(tab))]  # shorter (a preemption's new start)
+        else:
+            tab = tab + (64,)  # a block id outside the pool
+        tab = tab[-200:] if len(tab) > 250 else tab
+        pos = 16 * (len(tab) - 1)
+        for tt in (t, whole):
+            if tt is whole:
+                tt.forget(["a"])
+            try:
+                tt.check([_w("a", pos, tab)])
+                ok = True
+            except ValueError:
+                ok = False
+            j = tt.slots.of["a"]
+            n = min(len(tab), tt.MB)
+            got = (ok, int(tt.n[j]), int(tt.good[j]), tt.tab[j, :int(tt.good[j])].tolist())
+            if tt is t:
+                inc = got
+        assert inc == got, step
+        assert got[3] == list(tab[:got[2]]) and got[1] == len(tab) and (got[2] == n) == ok
+        if not ok:
+            tab = tab[:-1]
+
+
 def test_decode_rows_from_the_kept_tables_equal_the_shares_own():
     rng = random.Random(5)
     t = _t()

@@ -80,7 +80,7 @@ def test_replicated_cores_finish_everything_and_replay(depth):
             if isinstance(d.msg, StepPlan):
                 plans[d.receiver].append(d.msg)
             elif isinstance(d.msg, TokenBatch):
-                for t in d.msg.outs:
+                for t in d.msg.each():
                     tokens.setdefault(t.req_id, []).extend(t.token_ids)
 
     for i in range(10):

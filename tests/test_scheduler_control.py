@@ -48,7 +48,7 @@ class Drive:
             self.inflight.append(m)
             self.plans.append(m)
         elif isinstance(m, TokenBatch):
-            self.outs += m.outs
+            self.outs += m.each()
         elif isinstance(m, TokenOut):
             self.outs.append(m)
 

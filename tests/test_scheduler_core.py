@@ -45,7 +45,7 @@ def _unbatch(msgs):
     """Flatten TokenBatch into its TokenOuts (the scheduler batches them per decision)."""
     for m in msgs:
         if isinstance(m, TokenBatch):
-            yield from m.outs
+            yield from m.each()
         else:
             yield m
 

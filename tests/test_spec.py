@@ -264,6 +264,6 @@ def test_a_stop_that_is_the_first_kept_draft_token_is_the_token_that_goes_out(co
     n = len(s.tokens)
     out = []
     sim.sched._sampled(s, SampledToken(s.id, 7, accepted=(SampledToken(s.id, EOS), SampledToken(s.id, 9))), out)
-    touts = [t for _, m in out for t in (m.outs if isinstance(m, TokenBatch) else (m,)) if isinstance(t, TokenOut)]
+    touts = [t for _, m in out for t in (m.each() if isinstance(m, TokenBatch) else (m,)) if isinstance(t, TokenOut)]
     assert [t.token_ids for t in touts] == [(EOS,)] and touts[0].finish == FinishReason.STOP
     assert s.tokens[n:] == [EOS]

@@ -1,4 +1,5 @@
-"""Detokenizer actor: a step's tokens fanned out to ingress as token-id Deltas.
+"""Detokenizer actor: a step's tokens fanned out to ingress as token-id Deltas (the decode lane's as they came, one
+TokenRows).
 
 Text is not made here: the engine port's stream renders it where it is sent
 (`imp.engine.render.RenderedStream`), in whichever process runs the HTTP side, so
@@ -21,6 +22,7 @@ class DetokActor(Actor):
 
     async def on_message(self, sender: str, msg: Msg) -> None:
         if isinstance(msg, TokenBatch):
-            self.send("ingress", DeltaBatch(tuple(Delta(t, "", t.finish) for t in msg.outs)))
+            ds = tuple([Delta(t, "", t.finish) for t in msg.outs])
+            self.send("ingress", DeltaBatch(ds) if msg.rows is None else DeltaBatch(ds, msg.rows, msg.rows_at))
         elif isinstance(msg, TokenOut):
             self.send("ingress", Delta(msg, "", msg.finish))

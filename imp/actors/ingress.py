@@ -1,7 +1,8 @@
 """Ingress actor: the engine's side of the HTTP front door.
 
 HTTP handlers call `submit` / `cancel`; the actor routes what comes back
-(Delta, Reject, Fault) to the request's own queue. The handles table is the
+(Delta, Reject, Fault; a decode lane row's plain token as a (choice index, token id)
+tuple) to the request's own queue. The handles table is the
 ingress actor's state and nobody else's.
 """
 
@@ -34,6 +35,7 @@ from imp.messages import (
     StoreReply,
     Submit,
     Suspend,
+    TokenRows,
 )
 
 
@@ -175,8 +177,16 @@ class IngressActor(Actor):
     async def on_message(self, sender: str, msg: Msg) -> None:
         if isinstance(msg, DeltaBatch):
             now = time.monotonic()
-            for d in msg.deltas:
-                self._deliver(d, now)
+            ds, rows = msg.deltas, msg.rows
+            if rows is None:
+                for d in ds:
+                    self._deliver(d, now)
+            else:
+                for d in ds[:msg.rows_at]:
+                    self._deliver(d, now)
+                self._deliver_rows(rows, now)
+                for d in ds[msg.rows_at:]:
+                    self._deliver(d, now)
         elif isinstance(msg, Delta):
             self._deliver(msg, time.monotonic())
         elif isinstance(msg, Reject):
@@ -204,6 +214,23 @@ class IngressActor(Actor):
             self.fault = msg.error
             for h in list(self.handles.values()):
                 h.queue.put_nowait(msg)
+
+    def _deliver_rows(self, rows: TokenRows, now: float) -> None:
+        """The decode lane's plain tokens: each to its request's queue as (choice index, token id), the
+        bookkeeping `_deliver` does for a one-token Delta without a finish."""
+        handles = self.handles
+        for rid, i, t in rows.rows():
+            h = handles.get(rid)
+            if h is None:
+                continue  # handler gone (cancelled); the scheduler was told
+            h.generated += 1
+            if h.first_token_at == 0.0:
+                h.first_token_at = now
+            elif i == 0:
+                h.itl.append(now - h.last_token_at)
+            if i == 0:
+                h.last_token_at = now
+            h.queue.put_nowait((i, t))
 
     def _deliver(self, msg: Delta, now: float) -> None:
         o = msg.out  # (its fields read once: a Delta's are properties through it, every token of every stream)

@@ -5,8 +5,8 @@ one the step in flight samples) and samples one, nothing else asked. Planned and
 time (a `Work`, the branches of `_work`, `_on_result`'s and `_sampled`'s) they were ~4 us a row of the scheduler's
 host time. Here their counters live in numpy arrays indexed by a slot, and a step's rows are planned, placed
 and landed with array operations: the plan carries them as columns (`decode_rows`: a StepPlan's DecodeRows), the
-result brings their ids back as one (`land`); the per-row Python left is the token appended to its sequence and
-its TokenOut.
+result brings their ids back as one (`land`), and their tokens go to the streams as one `TokenRows`; the per-row
+Python left is the token appended to its sequence.
 
 Who is in it: a running sequence in the decode state (one position to feed) whose request asks for nothing a
 row must carry or bring back (`plain`): no logprobs, mirostat, lens, drafts, banned phrases, guidance, prompt
@@ -34,7 +34,7 @@ import heapq
 import numpy as np
 
 from imp.core.core import CoreError
-from imp.messages import PENDING_TOKEN, DecodeRows, KvOp, SampledToken, TokenOut
+from imp.messages import PENDING_TOKEN, DecodeRows, KvOp, SampledToken, TokenRows
 
 STOPS = 8  # stop tokens a member may have (EOS and a few): more, and it stays on the general path
 
@@ -61,6 +61,8 @@ class DecodeLane:
         self.stops = np.full((size, STOPS), -2, np.int64)
         self.occupied = np.zeros(size, bool)
         self.seqs: list = [None] * size
+        self.rids: list = [None] * size  # each member's request id and choice index (its TokenRows columns)
+        self.index = z()
         self._free = list(range(size))  # a heap: the lowest free slot first (deterministic)
 
     def __len__(self) -> int:
@@ -80,7 +82,7 @@ class DecodeLane:
 
     def insert(self, s) -> None:
         i = heapq.heappop(self._free)
-        s.lane, self.seqs[i] = i, s
+        s.lane, self.seqs[i], self.rids[i], self.index[i] = i, s, s.req.id, s.index
         self.occupied[i] = True
         self.gen[i] += 1
         self.sync_in(s)
@@ -97,7 +99,7 @@ class DecodeLane:
         if i < 0:
             return
         self.sync_out(s)
-        self.seqs[i], self.occupied[i], s.lane = None, False, -1
+        self.seqs[i], self.rids[i], self.occupied[i], s.lane = None, None, False, -1
         heapq.heappush(self._free, i)
 
     def sync_out(self, s) -> None:
@@ -184,7 +186,7 @@ class DecodeLane:
     def land(self, rows: LaneRows, ids: np.ndarray, out: list, ends) -> None:
         """A landed step's rows (ids: each row's sampled token, int64 [len(rows)], -1 for none): the still valid
         ones computed one more position and sampled one token each; a token that ends its choice goes to
-        `ends(s, t)` (the general path: eject, `_sampled`), every other one is appended and goes out as a TokenOut.
+        `ends(s, t)` (the general path: eject, `_sampled`), every other one is appended and goes out in one TokenRows.
         A valid row without its token is the executor's bug."""
         if len(ids) != len(rows):
             raise CoreError(f"{len(ids)} row ids for a step of {len(rows)} lane rows")
@@ -204,13 +206,16 @@ class DecodeLane:
         fin = ((self.stops[sl] == ids[:, None]).any(1) | (n - self.nprompt[sl] >= self.maxtok[sl])
                | (n >= self.max_len))
         self.ntok[sl] = n
-        for i, t, f in zip(sl.tolist(), ids.tolist(), fin.tolist()):
+        go = ~fin
+        if go.any():  # the rows' tokens as one TokenRows (before the ends' TokenOuts: other choices, any order)
+            psl, pids = sl[go], ids[go]
+            for i, t in zip(psl.tolist(), pids.tolist()):
+                seqs[i].tokens.append(t)
+            out.append(("detok", TokenRows(tuple([self.rids[i] for i in psl.tolist()]),
+                                           np.stack([self.index[psl], pids], 1).astype("<i8").tobytes())))
+        for i, t in zip(sl[fin].tolist(), ids[fin].tolist()):
             s = seqs[i]
-            if f:
-                ends(s, SampledToken(seq_id=s.id, token_id=t))
-            else:
-                s.tokens.append(t)
-                out.append(("detok", TokenOut(s.req.id, s.index, (t,))))
+            ends(s, SampledToken(seq_id=s.id, token_id=t))
 
     def land_share(self, s, n: int, sample: bool, t, out: list, ends) -> None:
         """A general share of member s planned before it joined (n positions, the last sampled when `sample`: its

@@ -65,7 +65,7 @@ from imp.core.schedstate import Phase, SchedulerConfig, Seq, Status, Work
 from imp.core.spec import Drafter, StepCost
 from imp.messages import (
     Cancel, EndThinking, Enqueue, Figures, FinishReason, KvFigures, KvOp, KvReady, KvReply, KvRequest, Msg, PENDING_TOKEN,
-    QueueFigures, SessionClose, SeqWork, StepFailed, StepPlan, StepResult, StepStats, Tick, TokenBatch, TokenOut,
+    QueueFigures, SessionClose, SeqWork, StepFailed, StepPlan, StepResult, StepStats, Tick, TokenBatch, TokenOut, TokenRows,
     TokenTexts,
 )
 
@@ -535,16 +535,36 @@ class SchedulerCore(RequestBook):
 
 
 def _batch_tokens(out: Out) -> Out:
-    """All TokenOuts of one handling travel as one TokenBatch.
+    """All TokenOuts of one handling travel as one TokenBatch, the decode lane's TokenRows in it as one.
 
     At batch 256 one message instead of 256 is most of the control plane's
     per-step cost (each message is logged and queued). Order among the
-    TokenOuts, and of detok's messages, is kept.
+    TokenOuts, and of detok's messages, is kept; the rows stand where the first
+    of them stood (a choice has at most one token a handling, so only the order
+    among different choices can move).
     """
-    touts = [m for r, m in out if r == "detok" and type(m) is TokenOut]
-    if not touts:
+    touts, rows, first, rows_at, rest = [], [], -1, 0, []
+    for rm in out:
+        r, m = rm
+        t = type(m)
+        if r == "detok" and (t is TokenOut or t is TokenRows):
+            if first < 0:
+                first = len(rest)
+                rest.append(None)  # the TokenBatch's place
+            if t is TokenOut:
+                touts.append(m)
+            else:
+                if not rows:
+                    rows_at = len(touts)
+                rows.append(m)
+        else:
+            rest.append(rm)
+    if first < 0:
         return out
-    first = next(i for i, (r, m) in enumerate(out) if r == "detok" and type(m) is TokenOut)
-    rest = [(r, m) for r, m in out if not (r == "detok" and type(m) is TokenOut)]
-    rest.insert(first, ("detok", TokenBatch(tuple(touts))))
+    tr = None
+    if len(rows) == 1:
+        tr = rows[0]
+    elif rows:
+        tr = TokenRows(tuple(r for m in rows for r in m.req_ids), b"".join(m.cols for m in rows))
+    rest[first] = ("detok", TokenBatch(tuple(touts), tr, rows_at) if tr is not None else TokenBatch(tuple(touts)))
     return rest

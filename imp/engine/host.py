@@ -3,9 +3,9 @@
 API-server processes (`imp.engine.remote.RemoteEngine`) connect a DEALER to this
 ROUTER. Each frame they send becomes a call on the engine (`imp.engine.local`),
 so what it asks is still a message on the engine's bus and in its event log;
-what comes back is token ids (the detok actor runs raw), batched: every Delta
-and Reject delivered in one event-loop turn goes out as one `Items` frame per
-API server. Nothing here decides anything: admission, scheduling and the KV
+what comes back is token ids (the detok actor runs raw), batched: every Delta,
+Reject and decode lane row delivered in one event-loop turn goes out as one `Items`
+frame per API server (runs of rows as one TokenRows). Nothing here decides anything: admission, scheduling and the KV
 stay with the actors.
 
 An API server that dies (its pid is gone, or it says Hello again after a
@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from imp.engine import wire
 from imp.engine.port import LoraRefused, ModelRefused
-from imp.messages import Fault, Reject
+from imp.messages import Fault, Reject, token_rows
 
 log = logging.getLogger("imp.engine.host")
 
@@ -49,6 +49,10 @@ class _Sink:
         self.own = own  # a fleet model's engine (not the boot one): its fault is this request's alone
 
     def put_nowait(self, item) -> None:
+        if type(item) is tuple:  # a decode lane row's token: (request id, index, token) in the turn's TokenRows
+            self.peer.out.append((self.handle.req_id, item[0], item[1]))
+            self.host._wake()
+            return
         if isinstance(item, Fault):  # the boot engine's: said once to every peer, as State
             if self.own:
                 item = Reject(self.handle.req_id, 500, "engine_faulted", item.error)
@@ -394,9 +398,16 @@ class EngineHost:
 
 
 def _batched(frames: list) -> list:
-    """A turn's output: each run of Deltas/Rejects becomes one Items frame, order kept."""
-    out, run = [], []
+    """A turn's output: each run of Deltas/Rejects/rows becomes one Items frame, order kept; a run of rows
+    ((request id, index, token) tuples) one TokenRows in it."""
+    out, run, rows = [], [], []
     for f in frames:
+        if type(f) is tuple:
+            rows.append(f)
+            continue
+        if rows:
+            run.append(token_rows(rows))
+            rows = []
         if isinstance(f, wire.Frame):
             if run:
                 out.append(wire.Items(tuple(run)))
@@ -404,6 +415,8 @@ def _batched(frames: list) -> list:
             out.append(f)
         else:
             run.append(f)
+    if rows:
+        run.append(token_rows(rows))
     if run:
         out.append(wire.Items(tuple(run)))
     return out

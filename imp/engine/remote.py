@@ -32,7 +32,7 @@ from imp.engine import wire
 from imp.engine.render import RenderedStream
 from imp.engine.port import (LoraInfo, LoraRefused, ModelCard, Rates, ResumeResult, Snapshot, Warm,
                              Submission, SuspendResult)
-from imp.messages import Fault, KvFigures, QueueFigures, Reject, RequestStats, StoreReply
+from imp.messages import Fault, KvFigures, QueueFigures, Reject, RequestStats, StoreReply, TokenRows
 
 log = logging.getLogger("imp.engine.remote")
 
@@ -141,7 +141,14 @@ class RemoteEngine:
                 if t is wire.Items:
                     streams = self.streams
                     for item in f.items:
-                        s = streams.get(item.req_id if type(item) is Reject else item.out.req_id)
+                        ti = type(item)
+                        if ti is TokenRows:  # decode lane rows: each stream's (index, token)
+                            for rid, i, tok in item.rows():
+                                s = streams.get(rid)
+                                if s is not None:
+                                    s.queue.put_nowait((i, tok))
+                            continue
+                        s = streams.get(item.req_id if ti is Reject else item.out.req_id)
                         if s is not None:
                             s.queue.put_nowait(item)
                 elif t is wire.Answer:

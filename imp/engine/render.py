@@ -101,13 +101,18 @@ def merge(a: Delta, b: Delta) -> Delta:
 
 
 def mergeable(a: Delta, b) -> bool:
-    return (type(b) is Delta and b.out.index == a.out.index and a.finish == FinishReason.NONE
-            and not a.out.error and not b.out.error)
+    """b (a queue item) can join Delta a: the same choice, neither an end nor an error."""
+    if a.finish != FinishReason.NONE or a.out.error:
+        return False
+    t = type(b)
+    if t is tuple:  # a decode lane row: (choice index, token id)
+        return b[0] == a.out.index
+    return t is Delta and b.out.index == a.out.index and not b.out.error
 
 
 class RenderedStream:
-    """One request's output as HTTP reads it: the engine's items (token-id Deltas, or a last
-    Reject / Fault) from `queue`, rendered. Ends once every choice has its last delta (or the
+    """One request's output as HTTP reads it: the engine's items (token-id Deltas, a decode lane
+    row's (choice index, token id), or a last Reject / Fault) from `queue`, rendered. Ends once every choice has its last delta (or the
     Reject / Fault); `on_end` runs once when it ends or is closed early (closing early cancels
     the request upstream: that is the caller's `on_end`)."""
 
@@ -129,17 +134,19 @@ class RenderedStream:
         chs = self.renderer.choices
         return len(chs) >= self.n and all(c.done for c in chs.values())
 
-    def _render(self, item: Delta) -> Delta | None:
-        d, stopped = self.renderer.render(item.out)
+    def _render(self, item) -> Delta | None:
+        m = TokenOut(self.req_id, item[0], (item[1],)) if type(item) is tuple else item.out
+        d, stopped = self.renderer.render(m)
         if stopped:
-            self.stop_choice(item.out.index)
+            self.stop_choice(m.index)
         return d
 
     async def __anext__(self) -> StreamItem:
         q = self.queue
         while not self.ended:
             item = await q.get()
-            if type(item) is not Delta:
+            t = type(item)
+            if t is not Delta and t is not tuple:
                 self._end()  # Reject or Fault: the last item
                 return item
             d = self._render(item)

@@ -22,7 +22,7 @@ import msgspec
 
 from imp.engine.port import LoraInfo, ModelCard, Submission
 from imp.messages import (Delta, Reject, RequestStats, StoreDelete, StoreGet, StoreGetChain, StoreListInputItems,
-                          StorePut)
+                          StorePut, TokenRows)
 
 
 class Frame(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -107,7 +107,7 @@ class Welcome(Frame):
 class Items(Frame):
     """Requests' output of one engine loop turn, in delivery order (token ids, no text)."""
 
-    items: tuple[Union[Delta, Reject], ...]
+    items: tuple[Union[Delta, Reject, TokenRows], ...]
 
 
 class State(Frame):

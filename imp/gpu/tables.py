@@ -89,6 +89,17 @@ class Tables:
         if j >= len(self.obj):
             self._grow(self.slots.cap)
         n = min(len(table), self.MB)
+        old = self.obj[j]
+        if old is not None:  # a grow appends to the table this row holds: only the new entries are checked and copied
+            k = len(old)
+            if k < n and self.good[j] == k and table[:k] == old:
+                tail, nb = table[k:n], self.num_blocks
+                if all(0 <= b < nb for b in tail):
+                    self.tab[j, k:n] = tail
+                    self.good[j] = n
+                    self.n[j] = len(table)
+                    self.obj[j] = table
+                    return j
         a = np.asarray(table[:n], np.int64)
         out = (a < 0) | (a >= self.num_blocks)
         self.good[j] = int(np.argmax(out)) if out.any() else n

@@ -59,7 +59,8 @@ from imp.messages.request import (Cancel, EndThinking, Enqueue, Finished, Reject
                                   Suspend, Tick, TokenTexts)
 from imp.messages.step import (PENDING_TOKEN, DecodeRows, KvFigures, step_result, KvOp, KvReply, KvRequest, KvResult, LensLayer,
                                PromptLogprob,
-                               SampledToken, SeqWork, StepFailed, StepPlan, StepResult, TokenBatch, TokenOut)
+                               SampledToken, SeqWork, StepFailed, StepPlan, StepResult, TokenBatch, TokenOut, TokenRows,
+                               token_rows)
 from imp.messages.store import (ChainLink, StoreDelete, StoreGet, StoreGetChain, StoreItem, StoreListInputItems,
                                 StorePut, StoreReply, StoreStatus, StoreSweep)
 
@@ -125,7 +126,7 @@ __all__ = [
     "Submit", "Reject", "Enqueue", "Cancel", "EndThinking", "SessionClose", "Suspend", "Resume", "Finished", "Tick",
     "TokenTexts",
     "KvOp", "KvResult", "KvFigures", "KvRequest", "KvReply", "SeqWork", "DecodeRows", "step_result", "SampledToken", "PromptLogprob", "LensLayer",
-    "StepPlan", "StepResult", "StepFailed", "TokenOut", "TokenBatch",
+    "StepPlan", "StepResult", "StepFailed", "TokenOut", "TokenBatch", "TokenRows", "token_rows",
     "DetokOpen", "DetokClose", "Delta", "DeltaBatch",
     "QueueFigures", "Figures", "StepStats", "RequestStats", "Fault",
     "Unload", "Reload", "MemoryState", "KvForget", "KvStored", "KvSave", "KvLoad", "KvLoaded", "KvDrop", "KvReady",

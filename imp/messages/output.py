@@ -5,13 +5,16 @@ from __future__ import annotations
 from operator import attrgetter
 
 from imp.messages.base import FinishReason, Msg
-from imp.messages.step import TokenOut
+from imp.messages.step import TokenOut, TokenRows
 
 
 class DeltaBatch(Msg):
-    """detok -> ingress: the Deltas of one TokenBatch, in order."""
+    """detok -> ingress: the Deltas of one TokenBatch, in order; its rows as they came (`TokenBatch.rows`,
+    delivered as if they stood at `deltas[rows_at]`)."""
 
     deltas: tuple["Delta", ...]
+    rows: TokenRows | None = None
+    rows_at: int = 0
 
 
 class DetokOpen(Msg):

@@ -306,7 +306,44 @@ class TokenOut(Msg):
     banned_rewinds: int = 0  # banned phrases: the rewinds the choice took (on its last TokenOut)
 
 
+class TokenRows(Msg):
+    """Plain tokens of many choices as columns (scheduler -> detok -> ingress, and engine -> API server): choice
+    `index` of request `req_id` got one more token, nothing else (no finish, logprobs, usage or counters: those
+    go as TokenOuts). The decode lane's rows of a step travel as this one object instead of one TokenOut a row."""
+
+    req_ids: tuple[str, ...]
+    cols: bytes  # int64 [R, 2]: (choice index, token id) a row, in req_ids' order
+
+    def rows(self) -> list[tuple[str, int, int]]:
+        """(req_id, index, token id) a row."""
+        flat = memoryview(self.cols).cast("q").tolist()
+        return list(zip(self.req_ids, flat[0::2], flat[1::2]))
+
+    def outs(self) -> list[TokenOut]:
+        """The rows as the TokenOuts they stand for."""
+        return [TokenOut(r, i, (t,)) for r, i, t in self.rows()]
+
+
+def token_rows(rows: list[tuple[str, int, int]]) -> TokenRows:
+    """(req_id, index, token id) a row, as columns."""
+    flat = array.array("q")
+    for _, i, t in rows:
+        flat.append(i)
+        flat.append(t)
+    return TokenRows(tuple([r for r, _, _ in rows]), flat.tobytes())
+
+
 class TokenBatch(Msg):
-    """scheduler -> detok: every TokenOut of one scheduler decision, in order."""
+    """scheduler -> detok: every TokenOut of one scheduler decision, in order; the decode lane's plain tokens as
+    columns (`rows`), delivered as if they stood at `outs[rows_at]` (a choice has at most one token a decision, so
+    only the order among different choices can differ from one TokenOut a row's)."""
 
     outs: tuple[TokenOut, ...]
+    rows: TokenRows | None = None
+    rows_at: int = 0
+
+    def each(self) -> list[TokenOut]:
+        """Every TokenOut of the decision in delivery order, the rows as TokenOuts (tests and tools read this)."""
+        if self.rows is None:
+            return list(self.outs)
+        return [*self.outs[:self.rows_at], *self.rows.outs(), *self.outs[self.rows_at:]]

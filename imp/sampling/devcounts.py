@@ -8,7 +8,7 @@ were plain greedy). Here each penalized sequence owns a row of V int32 counts on
 samples are added on the device right after the draw (`record`), so the next step's penalties (one launch,
 `imp.kernels.cuda.sampling.penalize_dense`) need from the host only each row's table slot and parameters.
 
-In sync: a row's table holds `n[seq]` generated tokens; a share sampling its token number `gen_index` finds its
+In sync: a table row holds `n[row]` generated tokens (an array by row: no per-row dict work a step); a share sampling its token number `gen_index` finds its
 row in sync when n == gen_index (the token in flight, pipelined, was added on the device by the step before,
 which the device runs first). Anything else (a first share, a recompute after preemption, a verify step, a
 forced token, a row sampled on the host) is counted afresh from the share's history (+ its in-flight token, read
@@ -42,10 +42,10 @@ class DeviceCounts:
         self.cap_max = max(1, max_bytes // (4 * vocab))
         self.table: torch.Tensor | None = None  # [cap, V] int32
         self.slot: dict[str, int] = {}  # seq id -> its table row
-        self.n: dict[str, int] = {}  # seq id -> generated tokens its row counts
+        self.n = np.zeros(0, np.int64)  # by table row: the generated tokens it counts (-1: to count afresh)
         self.free: list[int] = []
         self.host = HistoryCounts()  # the rows past the table: the segment path's counts
-        self._taken: tuple[torch.Tensor, torch.Tensor, list[str]] | None = None  # the last penalize's rows, for record
+        self._taken: tuple[torch.Tensor, torch.Tensor, np.ndarray] | None = None  # the last penalize's rows, for record
 
     def drop_taken(self) -> None:
         """A step begins: no rows of an earlier penalize wait for their ids (that step failed before its draw)."""
@@ -56,7 +56,7 @@ class DeviceCounts:
             r = self.slot.pop(s, None)
             if r is not None:
                 self.free.append(r)
-            self.n.pop(s, None)
+                self.n[r] = -1
         self.host.forget(seq_ids)
 
     def _assign(self, sid: str) -> int | None:
@@ -72,9 +72,10 @@ class DeviceCounts:
             if self.table is not None:
                 t[:cap].copy_(self.table)
             self.table = t
+            self.n = np.concatenate([self.n, np.full(new - cap, -1, np.int64)])
             self.free.extend(range(new - 1, cap - 1, -1))
         r = self.slot[sid] = self.free.pop()
-        self.n[sid] = -1  # counted afresh at once
+        self.n[r] = -1  # counted afresh at once
         return r
 
     def penalize(self, logits: torch.Tensor, works: list[SeqWork], rows: list[int], pending=None, step=None
@@ -85,7 +86,7 @@ class DeviceCounts:
         token in flight from there. step (`imp.sampling.rowparams.Step`): the rows' params gathered on the
         device instead of read from each row."""
         self._taken = None
-        get, n = self.slot.get, self.n
+        get = self.slot.get
         # (the rows' seq ids and gen_index from the step's columns where given: a decode row is no SeqWork)
         all_sids = step.sids if step is not None else [w.seq_id for w in works]
         slots = [get(all_sids[r]) for r in rows]
@@ -98,11 +99,11 @@ class DeviceCounts:
             return list(rows)
         rest = [r for r, sl in zip(rows, slots) if sl is None]
         slots = [sl for sl in slots if sl is not None]
-        sids = [all_sids[r] for r in take]
-        gens = step.gen[take].tolist() if step is not None else [works[r].gen_index for r in take]
-        stale = [(r, sl) for r, sl, sid, g in zip(take, slots, sids, gens) if n[sid] != g]
-        if stale:
-            self._recount(works, stale, pending)
+        sl_np = np.asarray(slots, np.int64)
+        gens = step.gen[take] if step is not None else np.array([works[r].gen_index for r in take], np.int64)
+        st = np.flatnonzero(self.n[sl_np] != gens)
+        if len(st):
+            self._recount(works, [(take[i], slots[i]) for i in st.tolist()], pending)
         dev = self.device
         rs = to_device(np.array([take, slots], np.int64), torch.int64, dev)  # one copy up: rows, slots
         rows_t, slots_t = rs[0], rs[1]
@@ -113,7 +114,7 @@ class DeviceCounts:
                                        works[r].params.frequency_penalty) for r in take], np.float32),
                             torch.float32, dev)
         k.penalize_dense(logits, self.table, rows_t, slots_t, prm)
-        self._taken = (rows_t, slots_t, sids)
+        self._taken = (rows_t, slots_t, sl_np)
         return rest
 
     def _recount(self, works: list[SeqWork], stale: list[tuple[int, int]], pending) -> None:
@@ -129,7 +130,7 @@ class DeviceCounts:
                 srow.append(np.full(u.size, s, np.int64))
                 sid_.append(u)
                 cnt.append(c.astype(np.int32))
-            self.n[works[r].seq_id] = len(works[r].history)
+            self.n[s] = len(works[r].history)
         if srow:  # the rows were zeroed and each (row, id) comes once: a plain scatter (accumulating would sort)
             self.table.index_put_((to_device(torch.from_numpy(np.concatenate(srow)), torch.int64, dev),
                                    to_device(torch.from_numpy(np.concatenate(sid_)), torch.int64, dev)),
@@ -141,17 +142,16 @@ class DeviceCounts:
                 # sampled ids are in 0..V-1 (an argmax over V): no mask, which would cost a sync
                 ids = pending[1].index_select(0, to_device([j for _, _, j in fly], torch.int64, dev)).to(torch.int64)
                 k.count_add(self.table, to_device([s for _, s, _ in fly], torch.int64, dev), ids)
-                for r, _, _ in fly:
-                    self.n[works[r].seq_id] += 1
+                for _, s, _ in fly:
+                    self.n[s] += 1
 
     def record(self, ids: torch.Tensor) -> None:
         """After the draw: the ids the last `penalize`'s rows sampled (ids [R] on the device, by row) added to their
         rows, on the device, so the next step finds them counted without the host."""
         if self._taken is None:
             return
-        rows_t, slots_t, sids = self._taken
+        rows_t, slots_t, sl = self._taken
         self._taken = None
         t = ids.index_select(0, rows_t).to(torch.int64)  # in 0..V-1 (an argmax): no mask (a mask syncs)
         k.count_add(self.table, slots_t, t)
-        for s in sids:
-            self.n[s] += 1
+        self.n[sl] += 1  # (a sequence has one share a step: its row once)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 33, thirty-sixth session: the decode lane's tokens to the streams as one TokenRows a step (scheduler ->
+# detok -> ingress -> API servers), block tables grown by their new entries, device counts' in-sync figures as an
+# array by table row; and the 35th session's pinned staging ring, not yet timed. Sections by $WHAT:
+#   tests   the GPU lane files the changes touch ($TESTS), then the GPU servers (alone = batched, replays)
+#   ab      bench/engine.py on SmolLM2's shape at $STREAMS for $TREES (default "new pre rows"), alternating, $RUNS
+#           times: new = this tree; pre = this tree with bench/pending/tokenrows.patch reversed (c189b83: the ring in);
+#           rows = pre with bench/pending/staging.patch reversed (to_device pinning a block a call)
+#   http    the same workload engine, then through HTTP (--http --client-procs 4, one API server: the default on 16
+#           cores) at $HSTREAMS (1,16,64,256) for $HTREES (default "new pre")
+# Prints as it goes; everything under $OUT.
+. bench/device_prelude.sh
+if [ ! -d /tmp/pre ]; then
+  mkdir -p /tmp/pre && cp -r imp bench tests /tmp/pre/ && (cd /tmp/pre && patch -s -R -p1 < bench/pending/tokenrows.patch && echo "pre tree made")
+  mkdir -p /tmp/rows && cp -r /tmp/pre/imp /tmp/pre/bench /tmp/pre/tests /tmp/rows/ && (cd /tmp/rows && patch -s -R -p1 < bench/pending/staging.patch && echo "rows tree made")
+fi
+for w in ${WHAT:-tests ab}; do t0=$(date +%s); case $w in
+tests)
+  IMP_TEST_MODEL=/tmp/smol.gguf timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
+    -o faulthandler_timeout=250 ${TESTS:-tests/test_token_rows.py tests/test_gpu_check.py tests/test_devcounts.py tests/test_gpu_staging.py tests/test_gpu_runner.py tests/test_gpu_mixed.py} 2>&1 | grep -v "^\s*$" | tail -8
+  IMP_TEST_MODEL=/tmp/smol.gguf timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider -m gpu \
+    -o faulthandler_timeout=250 tests/test_gpu_server.py -k "concurrent or replays" 2>&1 | grep -v "^\s*$" | tail -4 ;;
+ab)
+  engine_ab "${TREES:-new pre rows}" ;;
+http)
+  for r in $(seq ${RUNS:-1}); do for t in ${HTREES:-new pre}; do d=$here; [ $t != new ] && d=/tmp/$t
+    (cd $d && timeout ${HTTP_S:-280} python3 bench/engine.py --model /tmp/smol.gguf --device cuda:0 \
+      --streams ${HSTREAMS:-1,16,64,256} --prompt 234 --answer 128 --rounds 2 --server-args "--kv-cache-tokens 131072" \
+      --http --client-procs 4 > $OUT/http_${t}_$r.txt 2>&1)
+    echo "$t http run $r rc $? at $(( $(date +%s) - T0 )) s"; grep -A6 "HTTP / engine" $OUT/http_${t}_$r.txt | grep "^| [0-9]"
+  done; done ;;
+esac; echo "[$w: $(( $(date +%s) - t0 )) s]"; done
+echo "[total $(( $(date +%s) - T0 )) s]"

@@ -8,6 +8,7 @@
 #           rows = pre with bench/pending/staging.patch reversed (to_device pinning a block a call)
 #   http    the same workload engine, then through HTTP (--http --client-procs 4, one API server: the default on 16
 #           cores) at $HSTREAMS (1,16,64,256) for $HTREES (default "new pre")
+#   prof    a cProfile of the new tree's engine at $PSTREAMS (256) streams (the event loop's thread)
 # Prints as it goes; everything under $OUT.
 . bench/device_prelude.sh
 if [ ! -d /tmp/pre ]; then
@@ -29,5 +30,9 @@ http)
       --http --client-procs 4 > $OUT/http_${t}_$r.txt 2>&1)
     echo "$t http run $r rc $? at $(( $(date +%s) - T0 )) s"; grep -A6 "HTTP / engine" $OUT/http_${t}_$r.txt | grep "^| [0-9]"
   done; done ;;
+prof)
+  timeout 150 python3 bench/engine.py --model /tmp/smol.gguf --device cuda:0 --streams ${PSTREAMS:-256} --prompt 234 --answer 128 \
+    --rounds 2 --server-args "--kv-cache-tokens 131072" --profile ${PSTREAMS:-256} > $OUT/prof.txt 2>&1
+  grep -A34 "^profile at" $OUT/prof.txt | head -36; grep "^| [0-9]" $OUT/prof.txt | head -4 ;;
 esac; echo "[$w: $(( $(date +%s) - t0 )) s]"; done
 echo "[total $(( $(date +%s) - T0 )) s]"

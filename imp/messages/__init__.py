@@ -88,6 +88,7 @@ Message = Union[
     StepFailed,
     TokenOut,
     TokenBatch,
+    TokenRows,
     DeltaBatch,
     DetokOpen,
     DetokClose,

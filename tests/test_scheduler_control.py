@@ -169,3 +169,53 @@ def test_prompt_logprobs_never_reuse_the_prefix_cache():
     d.run()
     cached = {o.req_id: o.cached_tokens for o in d.outs if o.finish}
     assert cached["b"] > 0 and cached["c"] == 0
+
+
+def test_two_grows_that_fail_together_preempt_one_sequence_not_both():
+    """A pool that two running sequences fill, both needing a block in the same step: the worse one (here the
+    lane's row, first in the failures) is its own victim, and its blocks are the other's next grow. It used to
+    preempt the other too (one victim per failure): both recomputed, and where they fit the pool again together
+    they failed together again, for ever (the scheduler machine's hypothesis run found that loop)."""
+    cores = {
+        "kv": KvCore(KvConfig(6, 4, "fake")),
+        "admission": AdmissionCore(AdmissionConfig(6, 4, 64, admission_decode_tokens=0)),  # reserve the prompts
+        "scheduler": SchedulerCore(SchedulerConfig(6, 4, 64, 8, 64, decode_lane=True)),
+    }
+    d = Drive()
+    d.router = Router(cores)
+    sched = cores["scheduler"]
+    d.now += 1  # 3 blocks each; "better" is admitted a step later with one token more: both need a 4th at step 3
+    d.send("ingress", "admission", Submit("worse", tuple(range(10, 21)), SamplingParams(max_tokens=8, ignore_eos=True),
+                                          d.now, priority=1))
+    d.submit("better", list(range(30, 42)), max_tokens=8, ignore_eos=True, logprobs=1)  # off the lane
+    seen = []
+    for _ in range(200):
+        if not d.step():
+            break
+        seen.append(sched.preemptions)
+    assert seen and seen[-1] >= 1
+    assert min(p for p in seen if p) == 1  # the first failure preempted one sequence
+    assert len(d.tokens("worse")) == 8 and len(d.tokens("better")) == 8
+
+
+def test_the_waiting_order_without_a_sort_is_the_sorted_order_at_every_clock():
+    """`SchedulerCore._waiting_order` merges the waiting list's two parts instead of sorting it by `_key` every
+    step: the same order whatever the clock reads (aging ties and remainders at their edges included)."""
+    import random
+
+    rng = random.Random(3)
+    cfg = SchedulerConfig(4, 4, 128, 8, 16, aging_ns=7_000)
+    d = Drive()
+    d.router = Router({"kv": KvCore(KvConfig(4, 4, "fake")), "admission": AdmissionCore(AdmissionConfig(4, 4, 128)),
+                       "scheduler": SchedulerCore(cfg)})
+    core = d.router.cores["scheduler"]
+    for i in range(40):
+        d.now = rng.choice([d.now, d.now + rng.randrange(1, 120)])  # (keys that differ by the aging term's one)
+        d.send("ingress", "admission", Submit(f"q{i}", tuple(range(1, rng.randint(2, 15))),
+                                              SamplingParams(max_tokens=2), d.now, priority=rng.choice([0, 0, 1]),
+                                              n=rng.choice([1, 1, 2])))
+    assert len(core.waiting) > 30
+    for now in [d.now + k for k in range(0, 30_000, 37)] + [d.now + 7_000 * k for k in range(5)]:
+        core.now = now
+        want = sorted(core.waiting, key=lambda s: (not ((s.guided or s.shadow) and s.req.n_running), core._key(s)))
+        assert [s.id for s in core._waiting_order()] == [s.id for s in want], now

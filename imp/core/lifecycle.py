@@ -19,6 +19,8 @@ in flight for it are dropped, its blocks are freed in the next KvRequest.
 
 from __future__ import annotations
 
+from bisect import insort
+
 import msgspec
 
 from imp.core.banned import BanWatch, Texts
@@ -46,6 +48,17 @@ class RequestBook:
         self._orders = self._admits = 0
         self._reserved_running = 0  # sum of reserved over requests with a running sequence (kept by _set)
         self.lane = None  # the scheduler's decode lane (imp.core.lane), when its config has one
+
+    def _wkey(self, s: Seq) -> tuple:
+        """The waiting list's order (kept sorted by it): the part of the admission order (`SchedulerCore._key`)
+        that does not move with the clock, and the arrival's remainder v that says which part does
+        (`SchedulerCore._waiting_order`)."""
+        k = s.wkey
+        if k is None:
+            r = s.req
+            u, v = divmod(r.arrival_ns * self.config.max_context, self.config.aging_ns)
+            k = s.wkey = (r.priority, len(r.prompt) + u, r.order, s.index, v)
+        return k
 
     def _own(self, s: Seq) -> None:
         """Before anything but the lane touches a sequence's counters: out of the lane (imp.core.lane)."""
@@ -276,7 +289,7 @@ class RequestBook:
                 self._reserved_running -= s.req.reserved
         s.status = new
         if new is Status.WAITING:
-            self.waiting.append(s)
+            insort(self.waiting, s, key=self._wkey)
         elif new is Status.RUNNING:
             self.running.append(s)
             s.req.n_running += 1
@@ -292,11 +305,19 @@ class RequestBook:
         """For each sequence whose decode could not grow (and still runs), preempt the worst
         running one (highest priority number, then newest): its blocks freed, it waits again
         and is recomputed later, prompt plus generated tokens."""
+        # Each preemption frees at least the victim's last block, which is never shared: enough for one decode to
+        # grow next step. A failed sequence that is its own victim needs none, so its block is spare for the next
+        # failed one: two sequences that filled the pool and both failed to grow once preempted each other (the
+        # worse one itself, then the other for want of a block it already had), were admitted together again and
+        # failed again, for ever (tests/test_scheduler_core.py's machine found it)
+        spare = 0
         for s in failed:
-            # Each preemption frees at least the victim's last block, which is
-            # never shared: enough for one decode to grow next step.
             if s.status is Status.RUNNING:
+                if spare:
+                    spare -= 1
+                    continue
                 victim = max(self.running, key=lambda v: (v.req.priority, v.admit_no))
+                spare += victim is s
                 self._own(victim)
                 if self._swaps(victim):
                     self._swap_out(victim)

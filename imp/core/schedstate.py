@@ -117,7 +117,7 @@ class Seq:
     __slots__ = ("id", "req", "index", "params", "tokens", "status", "num_computed", "num_reported", "table", "in_kv",
                  "admit_no", "plp", "plp_sent", "epoch", "ahead", "pending", "send_params", "drafter", "spec_inflight",
                  "spec_drafted", "spec_accepted", "spec_verifies", "opened", "mu", "watch", "bans", "emitted", "held_lp",
-                 "n_prompt", "shadow", "guided", "swapped", "hist", "lane")
+                 "n_prompt", "shadow", "guided", "swapped", "hist", "lane", "wkey")
 
     def __init__(self, req: Req, index: int, params, prompt: tuple[int, ...] | None = None,
                  guided: Seq | None = None):
@@ -126,6 +126,7 @@ class Seq:
         # its slot in the scheduler's decode lane (imp.core.lane), -1 when not there; while there, the lane's arrays
         # hold its num_computed / ahead / pending (these fields are stale) and its rows are the lane's
         self.lane = -1
+        self.wkey: tuple | None = None  # its place in the waiting list (RequestBook._wkey), once it first waits
         self.tokens = list(req.prompt if prompt is None else prompt)  # prompt + generated
         self.n_prompt = len(self.tokens)
         # classifier-free guidance: a choice's shadow sequence (decoding the same tokens after another prompt),

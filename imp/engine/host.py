@@ -5,8 +5,8 @@ ROUTER. Each frame they send becomes a call on the engine (`imp.engine.local`),
 so what it asks is still a message on the engine's bus and in its event log;
 what comes back is token ids (the detok actor runs raw), batched: every Delta,
 Reject and decode lane row delivered in one event-loop turn goes out as one `Items`
-frame per API server (runs of rows as one TokenRows). Nothing here decides anything: admission, scheduling and the KV
-stay with the actors.
+frame per API server (runs of rows as one TokenRows). Nothing here decides
+anything: admission, scheduling and the KV stay with the actors.
 
 An API server that dies (its pid is gone, or it says Hello again after a
 restart) has its open requests cancelled, so no KV block outlives its client.

@@ -8,8 +8,8 @@ were plain greedy). Here each penalized sequence owns a row of V int32 counts on
 samples are added on the device right after the draw (`record`), so the next step's penalties (one launch,
 `imp.kernels.cuda.sampling.penalize_dense`) need from the host only each row's table slot and parameters.
 
-In sync: a table row holds `n[row]` generated tokens (an array by row: no per-row dict work a step); a share sampling its token number `gen_index` finds its
-row in sync when n == gen_index (the token in flight, pipelined, was added on the device by the step before,
+In sync: a table row holds `n[row]` generated tokens (an array by row: no dict work a row a step); a share
+sampling its token number `gen_index` finds its row in sync when n == gen_index (the token in flight, pipelined, was added on the device by the step before,
 which the device runs first). Anything else (a first share, a recompute after preemption, a verify step, a
 forced token, a row sampled on the host) is counted afresh from the share's history (+ its in-flight token, read
 on the device), once. A table of `max_bytes` at most (rows grow by doubling): sequences past it take the segment

@@ -9,6 +9,8 @@
 #   http    the same workload engine, then through HTTP (--http --client-procs 4, one API server: the default on 16
 #           cores) at $HSTREAMS (1,16,64,256) for $HTREES (default "new pre")
 #   prof    a cProfile of the new tree's engine at $PSTREAMS (256) streams (the event loop's thread)
+#   eight   the 8B BF16 shape at $PROMPTS8 (1400) x $STREAMS8 (16) with its event log kept ($OUT/log8b_<P>/): the
+#           ITL policy's chunks against what the device spent on them (bench/step_timeline.py --gaps, bench/itl_steps.py)
 # Prints as it goes; everything under $OUT.
 . bench/device_prelude.sh
 if [ ! -d /tmp/pre ]; then
@@ -34,5 +36,14 @@ prof)
   timeout 150 python3 bench/engine.py --model /tmp/smol.gguf --device cuda:0 --streams ${PSTREAMS:-256} --prompt 234 --answer 128 \
     --rounds 2 --server-args "--kv-cache-tokens 131072" --profile ${PSTREAMS:-256} > $OUT/prof.txt 2>&1
   grep -A34 "^profile at" $OUT/prof.txt | head -36; grep "^| [0-9]" $OUT/prof.txt | head -4 ;;
+eight)
+  [ -f /tmp/8b.gguf ] || python3 bench/write_synth.py 8b-bf16 /tmp/8b.gguf 2>&1 | tail -1
+  for P in ${PROMPTS8:-1400}; do
+    timeout ${EIGHT_S:-200} python3 bench/engine.py --model /tmp/8b.gguf --device cuda:0 --streams ${STREAMS8:-16} \
+      --prompt $P --answer 128 --rounds 2 --server-args "--kv-cache-tokens 131072" --log-dir $OUT/log8b_$P \
+      > $OUT/engine8b_$P.txt 2>&1
+    echo "8b P=$P rc $? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/engine8b_$P.txt | grep -v "idle\|prefill-only" | tail -8
+    python3 bench/step_timeline.py $OUT/log8b_$P/events.log --skip 0 --gaps 24 2>&1 | tail -26
+  done ;;
 esac; echo "[$w: $(( $(date +%s) - t0 )) s]"; done
 echo "[total $(( $(date +%s) - T0 )) s]"

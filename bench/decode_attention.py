@@ -1,0 +1,86 @@
+"""Decode attention at agents' context lengths: paged_decode (a CTA a query head) against paged_decode_split (a CTA a
+KV head and its group, keys split over S CTAs), one layer, bf16 KV cache, on the GPU.
+
+    python3 bench/decode_attention.py [--ctx 1024,4096,16384,32768] [--batch 1,16,64]
+
+Shapes: the 8B (H 32, Hkv 8, D 128), SmolLM2 135M (H 9, Hkv 3, D 64), Gemma 3 270M (H 4, Hkv 1, D 256). Each cell:
+µs a call (CUDA events, median of 50 after 5 warm-ups), the K+V bytes it must read (B x ctx x Hkv x D x 2 x 2) over
+that time, and the split kernel's S (`splits`: the server's rule). Prints one table; checks each cell's outputs agree
+(rel < 1e-4) before timing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+SHAPES = {"8b": (32, 8, 128), "smollm2": (9, 3, 64), "gemma3": (4, 1, 256)}
+
+
+def _time(fn, reps: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1000)
+    return statistics.median(ts)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ctx", default="1024,4096,16384,32768")
+    ap.add_argument("--batch", default="1,16,64")
+    ap.add_argument("--shapes", default="8b,smollm2,gemma3")
+    a = ap.parse_args()
+    from imp.kernels.cuda import paged_decode_attention as pa
+    from imp.kernels.cuda import paged_decode_split as ps
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{torch.cuda.get_device_name(0)}, {sms} SMs")
+    print("| shape | batch | context | paged_decode µs | GB/s | split µs (S) | GB/s | split / old |")
+    print("|---|---|---|---|---|---|---|---|")
+    bs = 16
+    for name in a.shapes.split(","):
+        H, Hkv, D = SHAPES[name]
+        for B in (int(x) for x in a.batch.split(",")):
+            for L in (int(x) for x in a.ctx.split(",")):
+                nb = -(-L // bs)
+                if B * nb * bs * Hkv * D * 2 * 2 > 24 << 30:
+                    continue  # past 24 GiB of cache: not this bench's cell
+                kc = torch.randn(B * nb + 1, bs, Hkv, D, device="cuda").to(torch.bfloat16)
+                vc = torch.randn_like(kc)
+                bt = torch.arange(B * nb, dtype=torch.int32, device="cuda").view(B, nb).contiguous()
+                ln = torch.full((B,), L, dtype=torch.int32, device="cuda")
+                q = torch.randn(B, (H + 2 * Hkv) * D, device="cuda")
+                S = ps.splits(B, Hkv, sms, L, ps.round_keys(D, H // Hkv))
+                work = (torch.empty(B * H * S, 2, device="cuda"), torch.empty(B * H * S, D, device="cuda"))
+                o1, o2 = torch.empty(B, H * D, device="cuda"), torch.empty(B, H * D, device="cuda")
+                pa.paged_decode(q, kc, vc, bt, ln, H, out=o1)
+                ps.paged_decode_split(q, kc, vc, bt, ln, H, n_splits=S, out=o2, work=work)
+                rel = float((o1 - o2).norm() / o1.norm())
+                if rel > 1e-4:
+                    print(f"| {name} | {B} | {L} | outputs differ: rel {rel:.2e} |")
+                    continue
+                t1 = _time(lambda: pa.paged_decode(q, kc, vc, bt, ln, H, out=o1))
+                t2 = _time(lambda: ps.paged_decode_split(q, kc, vc, bt, ln, H, n_splits=S, out=o2, work=work))
+                gb = B * L * Hkv * D * 2 * 2 / 1e9
+                print(f"| {name} | {B} | {L:,} | {t1:,.1f} | {gb / t1 * 1e6:,.0f} | {t2:,.1f} ({S}) | "
+                      f"{gb / t2 * 1e6:,.0f} | {t2 / t1:.2f} |")
+                del kc, vc
+                torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

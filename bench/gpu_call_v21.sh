@@ -9,6 +9,8 @@
 #   http    the same workload engine, then through HTTP (--http --client-procs 4, one API server: the default on 16
 #           cores) at $HSTREAMS (1,16,64,256) for $HTREES (default "new pre")
 #   prof    a cProfile of the new tree's engine at $PSTREAMS (256) streams (the event loop's thread)
+#   restart issue 35's cell where the card is an H200 (bench/gpu_call_v17.sh restart: the 8B at 32k context, a 20,000-token
+#           prompt cold, again, after a restart from --prompt-cache-dir), else skipped
 #   split   issue 39's long-context decode attention: tests/test_gpu_decode_split.py, then bench/decode_attention.py
 #           (paged_decode against paged_decode_split, 1k-32k contexts, b1 / b16 / b64, three models' shapes)
 #   eight   the 8B BF16 shape at $PROMPTS8 (1400) x $STREAMS8 (16) with its event log kept ($OUT/log8b_<P>/): the
@@ -38,6 +40,10 @@ prof)
   timeout 150 python3 bench/engine.py --model /tmp/smol.gguf --device cuda:0 --streams ${PSTREAMS:-256} --prompt 234 --answer 128 \
     --rounds 2 --server-args "--kv-cache-tokens 131072" --profile ${PSTREAMS:-256} > $OUT/prof.txt 2>&1
   grep -A34 "^profile at" $OUT/prof.txt | head -36; grep "^| [0-9]" $OUT/prof.txt | head -4 ;;
+restart)
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    WHAT=restart TREES=new bash bench/gpu_call_v17.sh
+  else echo "not an H200: issue 35's cell skipped"; fi ;;
 split)
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_gpu_decode_split.py 2>&1 | tail -4
   timeout 200 python3 bench/decode_attention.py ${DCTX:+--ctx $DCTX} > $OUT/decode_attention.txt 2>&1; tail -40 $OUT/decode_attention.txt ;;

@@ -10,7 +10,9 @@ the rows and each StepResult the device's time, so this replays the pricing step
 
 - by prompt bucket: steps, the mean decode rows, predicted / measured ms (p50, p90), measured / predicted;
 - the steps over `ratio` x the decode average (the ones that make the ITL p99): what was predicted for them;
-- how many decode rows (the gaps the streams feel) sat in steps over the ratio, and their share of all.
+- how many decode rows (the gaps the streams feel) sat in steps over the ratio, and their share of all;
+- the gaps' p50 / p99 (a step's StepResult to the next's, once a decode row of the step) over the whole log and
+  from step --after on: a closed-loop benchmark's streams start together, and its first prompts arrive as one burst.
 
 A paced null runner's log predicts itself (its device is the policy's model); a GPU's log says where the model
 is wrong (the 8B's 1,400 x 16 ITL p99 / p50 ran 0.3x over the paced runner's on the H100).
@@ -49,6 +51,7 @@ def main() -> int:
     ap.add_argument("log")
     ap.add_argument("--ratio", type=float, default=0.0, help="the ratio to hold (default: the log's, else 3)")
     ap.add_argument("--top", type=int, default=20, help="list this many of the worst steps over the ratio")
+    ap.add_argument("--after", type=int, default=60, help="the gaps' p99 / p50 also from this step on")
     a = ap.parse_args()
     header, recs = read_log(a.log)
     cfg = header.configs.get("scheduler", {})
@@ -60,6 +63,7 @@ def main() -> int:
         return 1
     b = ItlBudget(0, 16, 1 << 20, ratio, table, ctx_ns)  # pricing only: decode_ns kept as the scheduler keeps it
     plans: dict[int, StepPlan] = {}
+    landed: dict[int, tuple[int, int]] = {}  # step -> (its StepResult's wall ns, its decode rows)
     rows = []  # (step, decodes, prompt rows, bucket, start, decode avg ns, predicted ns, measured ns)
     for env in recs:
         p = env.payload
@@ -67,6 +71,7 @@ def main() -> int:
             plans[p.step] = p
         elif isinstance(p, StepResult) and p.step in plans:
             dec, prompt, start = _shape(plans.pop(p.step))
+            landed[p.step] = (env.wall_ns, dec)
             cost = p.cost_ns
             if prompt and dec and b.decode_ns:
                 pb = next((x for x, _ in b._row(dec) if x >= prompt), prompt)
@@ -100,6 +105,12 @@ def main() -> int:
     gaps_over = sum(r[1] for r in rows if r[7] > ratio * r[5])
     print(f"\ndecode rows in steps over the ratio: {gaps_over} (their share of the decode rows in these steps: "
           f"{gaps_over / max(1, sum(r[1] for r in rows)):.1%})")
+    for lo in (0, a.after):
+        gaps = sorted(g for s, (w, d) in landed.items() if s >= lo and s - 1 in landed
+                      for g in [(w - landed[s - 1][0]) / 1e6] * d)
+        if gaps:
+            p50, p99 = gaps[len(gaps) // 2], gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
+            print(f"gaps from step {lo}: {len(gaps)}, p50 {p50:.1f} ms, p99 {p99:.1f} ms ({p99 / p50:.2f}x)")
     return 0
 
 

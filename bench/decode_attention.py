@@ -5,7 +5,7 @@ KV head and its group, keys split over S CTAs), one layer, bf16 KV cache, on the
 
 Shapes: the 8B (H 32, Hkv 8, D 128), SmolLM2 135M (H 9, Hkv 3, D 64), Gemma 3 270M (H 4, Hkv 1, D 256). Each cell:
 µs a call (CUDA events, median of 50 after 5 warm-ups), the K+V bytes it must read (B x ctx x Hkv x D x 2 x 2) over
-that time, and the split kernel's S (`splits`: the server's rule). Prints one table; checks each cell's outputs agree
+that time, and the split kernel's S (`splits`: the server's rule; segments by `seg_keys_for`). Prints one table; checks each cell's outputs agree
 (rel < 1e-4) before timing it.
 """
 
@@ -42,12 +42,15 @@ def main() -> int:
     ap.add_argument("--ctx", default="1024,4096,16384,32768")
     ap.add_argument("--batch", default="1,16,64")
     ap.add_argument("--shapes", default="8b,smollm2,gemma3")
+    ap.add_argument("--max-ctx", type=int, default=32768, help="the server's context: sets the segment length")
+    ap.add_argument("--seg", type=int, default=0, help="keys a segment (default: the server's rule for --max-ctx)")
     a = ap.parse_args()
     from imp.kernels.cuda import paged_decode_attention as pa
     from imp.kernels.cuda import paged_decode_split as ps
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"{torch.cuda.get_device_name(0)}, {sms} SMs")
+    print(f"{torch.cuda.get_device_name(0)}, {sms} SMs; segments of {a.seg or ps.seg_keys_for(a.max_ctx)} keys "
+          f"(contexts up to {a.max_ctx:,})")
     print("| shape | batch | context | paged_decode µs | GB/s | split µs (S) | GB/s | split / old |")
     print("|---|---|---|---|---|---|---|---|")
     bs = 16
@@ -63,17 +66,19 @@ def main() -> int:
                 bt = torch.arange(B * nb, dtype=torch.int32, device="cuda").view(B, nb).contiguous()
                 ln = torch.full((B,), L, dtype=torch.int32, device="cuda")
                 q = torch.randn(B, (H + 2 * Hkv) * D, device="cuda")
-                S = ps.splits(B, Hkv, sms, L, ps.round_keys(D, H // Hkv))
-                work = (torch.empty(B * H * S, 2, device="cuda"), torch.empty(B * H * S, D, device="cuda"))
+                seg = a.seg or ps.seg_keys_for(a.max_ctx)
+                nseg = -(-a.max_ctx // seg)
+                S = ps.splits(B, Hkv, sms, nseg)
+                work = (torch.empty(B * H * nseg, 2, device="cuda"), torch.empty(B * H * nseg, D, device="cuda"))
                 o1, o2 = torch.empty(B, H * D, device="cuda"), torch.empty(B, H * D, device="cuda")
                 pa.paged_decode(q, kc, vc, bt, ln, H, out=o1)
-                ps.paged_decode_split(q, kc, vc, bt, ln, H, n_splits=S, out=o2, work=work)
+                ps.paged_decode_split(q, kc, vc, bt, ln, H, a.max_ctx, out=o2, work=work, seg_keys=seg)
                 rel = float((o1 - o2).norm() / o1.norm())
                 if rel > 1e-4:
                     print(f"| {name} | {B} | {L} | outputs differ: rel {rel:.2e} |")
                     continue
                 t1 = _time(lambda: pa.paged_decode(q, kc, vc, bt, ln, H, out=o1))
-                t2 = _time(lambda: ps.paged_decode_split(q, kc, vc, bt, ln, H, n_splits=S, out=o2, work=work))
+                t2 = _time(lambda: ps.paged_decode_split(q, kc, vc, bt, ln, H, a.max_ctx, out=o2, work=work, seg_keys=seg))
                 gb = B * L * Hkv * D * 2 * 2 / 1e9
                 print(f"| {name} | {B} | {L:,} | {t1:,.1f} | {gb / t1 * 1e6:,.0f} | {t2:,.1f} ({S}) | "
                       f"{gb / t2 * 1e6:,.0f} | {t2 / t1:.2f} |")

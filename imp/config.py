@@ -85,6 +85,11 @@ class ServerConfig:
     # do not depend on what shares its steps (vLLM's VLLM_BATCH_INVARIANT, SGLang's deterministic inference);
     # the CPU runner is batch invariant always
     batch_invariant: bool = False
+    # GPU decode rows' attention: "paged" (imp.kernels.cuda.paged_decode_attention: a CTA a query head and row) or
+    # "split" (imp.kernels.cuda.paged_decode_split: a CTA a KV head and its query heads, long contexts cut into
+    # segments over several CTAs; 8-13x faster at 16-32k tokens for one stream, 2-2.5x at 64 rows on an H100's
+    # kernel bench; batch invariant). Other bits than paged's: one kernel for every decode row of a server
+    gpu_decode_attention: str = "paged"
     # GPU CUDA graphs: "all" (decode steps and steps with prompt rows, imp.gpu.mixed), "decode" (prompt steps
     # eager: a shorter boot, less memory) or "off" (every step eager)
     gpu_graphs: str = "all"
@@ -131,6 +136,7 @@ class ServerConfig:
              "--agent-port must be in 1..65535 and not --port (0 = off)"),
             (self.device == "cpu" or self.device.startswith("cuda"), "--device must be cpu or cuda[:N]"),
             (self.gpu_activations in ("fp32", "int8"), "--gpu-activations must be fp32 or int8"),
+            (self.gpu_decode_attention in ("paged", "split"), "--gpu-decode-attention must be paged or split"),
             (self.gpu_graphs in ("all", "decode", "off"), "--gpu-graphs must be all, decode or off"),
             (not self.batch_invariant or self.gpu_activations == "int8",
              "--batch-invariant needs --gpu-activations int8 (the fp32 path's matmuls are cuBLAS's)"),
@@ -241,6 +247,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-activations", choices=("fp32", "int8"), default=d.gpu_activations,
                    help="GPU matmuls of quantized weights at decode: int8 activations (default; dp4a, as "
                         "llama.cpp: faster at small batches, the CPU runner's numerics) or fp32 ones")
+    p.add_argument("--gpu-decode-attention", choices=("paged", "split"), default=d.gpu_decode_attention,
+                   help="GPU decode rows' attention: paged (default: a CTA a query head) or split (a CTA a KV head, "
+                        "long contexts over several CTAs: far faster at 4-32k-token contexts)")
     p.add_argument("--gpu-graphs", choices=("all", "decode", "off"), default=d.gpu_graphs,
                    help="GPU CUDA graphs: all (default: decode steps and steps with prompt rows), decode (prompt "
                         "steps eager: shorter boot, less memory) or off (every step eager)")
@@ -303,7 +312,8 @@ def step_tokens(cfg: ServerConfig) -> int:
 
 def gpu_runner_options(cfg: ServerConfig) -> dict:
     """The GPU runner's numerics from a config: what imp.server loads it with, and bench/gpu.py's default rows."""
-    return {"int8_act": cfg.gpu_activations == "int8", "batch_invariant": cfg.batch_invariant}
+    return {"int8_act": cfg.gpu_activations == "int8", "batch_invariant": cfg.batch_invariant,
+            "decode_attention": cfg.gpu_decode_attention}
 
 
 def itl_ratio(cfg: ServerConfig) -> float:

@@ -203,6 +203,28 @@ def test_135m_shape_q4_1_greedy_and_logits_match_cpu(tmp_path_factory):
     assert float((got - ref).norm() / ref.norm()) < 1e-3
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_split_decode_attention_gives_the_cpu_s_tokens(tmp_path_factory, graphs):
+    """--gpu-decode-attention split (issue 39: paged_decode_split for every decode row, graphs and eager steps): on
+    SmolLM2's shape (GQA 9/3, D 64, 8k context: segments of 256 keys) a 600-token prompt decodes over three segments
+    merged, beside short ones; greedy tokens equal the CPU runner's (fp32 weights and cache)."""
+    from gguf import GGMLQuantizationType as T
+
+    from imp.gpu.runner import GpuModelRunner
+    from imp.model.runner import ModelRunner
+    from tests.fixtures.synth_raw import write_raw_gguf
+
+    path = str(tmp_path_factory.mktemp("m135s") / "135m-q4_1.gguf")
+    write_raw_gguf(path, n_layers=30, d_model=576, n_heads=9, n_kv_heads=3, d_ff=1536, vocab=49152, qtype=T.Q4_1,
+                   embed_qtype=T.Q8_0, tied=True, context_length=8192, rope_theta=100000.0, seed=0)
+    cpu = ModelRunner.load(path, num_blocks=64, block_size=BS, weights="f32")
+    gpu = GpuModelRunner.load(path, num_blocks=64, block_size=BS, kv_dtype=torch.float32, dense=False, graphs=graphs,
+                              max_graph_batch=4, int8_act=False, decode_attention="split")
+    assert gpu.fwd.split_work is not None and gpu.fwd.split_rows == 4
+    prompts = [list(range(400, 1000)), list(range(400, 407)), [400]]
+    assert greedy_run(gpu, prompts, 8) == greedy_run(cpu, prompts, 8)
+
+
 @pytest.mark.parametrize("variant", ["x4", "x8", "a4", "k4"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_bf16_fused_gemv_path(tmp_path_factory, monkeypatch, variant, kv_dtype):

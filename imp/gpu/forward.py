@@ -24,6 +24,7 @@ from imp.kernels.cuda import fill_pending_tokens as k_pending
 from imp.kernels.cuda import gated_act as k_act
 from imp.kernels.cuda import gemv_fp32_act
 from imp.kernels.cuda import paged_decode_attention as k_attn
+from imp.kernels.cuda import paged_decode_split as k_split
 from imp.kernels.cuda import paged_prefill_attention as k_pf
 from imp.kernels.cuda import prefill_attention_sdpa as k_prefill
 from imp.kernels.cuda import quantize_act_int8
@@ -42,6 +43,11 @@ class Forward:
         self.cos, self.sin = cos, sin  # [context, D/2] fp32
         self.sampled = sampled  # [MAX_SAMPLED] int32: the previous step's ids, for PENDING_TOKEN rows
         self.fuse = fuse  # fused QKV(+RoPE+KV write) and gate/up(+SiLU*up) where gemv_bf16x is chosen
+        # decode rows' attention: None = paged_decode; (part_ml, part_acc) = paged_decode_split with these work
+        # buffers for up to split_rows rows (the graphs' largest batch; an eager step past it makes its own)
+        self.split_work: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.split_rows = 0
+        self.max_ctx = cos.shape[0]  # the context the rope tables cover: the split kernel's segment length follows it
 
     def __call__(self, m: Meta, lora=None, keep: torch.Tensor | None = None):
         """logits [R, V] fp32 for m.out_rows (every row when None). lora: (imp.gpu.lora.DeviceLoras,
@@ -79,7 +85,7 @@ class Forward:
             kn, vn = qkv[:, H * D:(H + Hkv) * D], qkv[:, (H + Hkv) * D:]  # [N, Hkv D] each
             om = L.wo.mode(N, pr)
             if m.all_decode and lora is None and L.wo.takes_q8(N, pr):  # attention writes O's int8 input directly
-                delta = L.wo.run(om, None, k_attn.paged_decode(qkv, kc, vc, m.dec_bt, m.dec_lens, H, q8=True))
+                delta = L.wo.run(om, None, self.decode_attn(qkv, kc, vc, m.dec_bt, m.dec_lens, q8=True))
             else:
                 a = self.attention(qkv, kn, vn, kc, vc, m, N)  # [N, H D]
                 delta = L.wo.run(om, a)  # [N, d]
@@ -157,17 +163,25 @@ class Forward:
         k_norm.add_rmsnorm(x, delta, weight, self.cfg.rms_eps, out=h)
         return None
 
+    def decode_attn(self, q, kc, vc, bt, lens, out=None, q8: bool = False):
+        """The decode rows' attention (paged_decode's contract) by the server's kernel (`split_work`)."""
+        H = self.cfg.n_heads
+        if self.split_work is None:
+            return k_attn.paged_decode(q, kc, vc, bt, lens, H, out=out, q8=q8)
+        work = self.split_work if q.shape[0] <= self.split_rows else None
+        return k_split.paged_decode_split(q, kc, vc, bt, lens, H, self.max_ctx, out=out, q8=q8, work=work)
+
     def attention(self, qkv, kn, vn, kc, vc, m: Meta, N: int) -> torch.Tensor:
         """[N, H D] fp32: paged decode for one-token rows, paged prefill for the prompt rows."""
         H, D = self.cfg.n_heads, self.cfg.head_dim
         if m.all_decode:
-            return k_attn.paged_decode(qkv, kc, vc, m.dec_bt, m.dec_lens, H)
+            return self.decode_attn(qkv, kc, vc, m.dec_bt, m.dec_lens)
         out = torch.empty(N, H * D, dtype=torch.float32, device=qkv.device)
         if m.dec_bt is not None and m.dec_from is not None:
-            k_attn.paged_decode(qkv[m.dec_from:], kc, vc, m.dec_bt, m.dec_lens, H, out=out[m.dec_from:])
+            self.decode_attn(qkv[m.dec_from:], kc, vc, m.dec_bt, m.dec_lens, out=out[m.dec_from:])
         elif m.dec_bt is not None:
             qd = qkv.index_select(0, m.dec_rows)
-            out.index_copy_(0, m.dec_rows, k_attn.paged_decode(qd, kc, vc, m.dec_bt, m.dec_lens, H))
+            out.index_copy_(0, m.dec_rows, self.decode_attn(qd, kc, vc, m.dec_bt, m.dec_lens))
         if m.pf_tiles is not None and PAGED_PREFILL and k_pf.supports(kc, H):  # every chunk in one launch, cached or not
             k_pf.paged_prefill(qkv, kc, vc, m.pf_tiles, m.pf_bt, H, out, last=m.pf_last)
             return out

@@ -64,6 +64,7 @@ from imp.gpu.linear import FUSED_CREDIT_US, GEMV_MAX_ROWS
 from imp.gpu.weights import GGUFSource, Weights, load_weights
 from imp.kernels.cuda import runtime as cuda_rt
 from imp.kernels.cuda import kv_write as k_kv
+from imp.kernels.cuda import paged_decode_split as k_split
 from imp.messages import PENDING_TOKEN, LensLayer, SampledToken, SeqWork
 from imp.model.llama import default_num_blocks, rope_tables
 from imp.model.rows import head_rows, with_prompt_logprobs
@@ -89,7 +90,7 @@ class GpuModelRunner:
     def __init__(self, src: GGUFSource, num_blocks: int, block_size: int, device: str = "cuda:0",
                  kv_dtype=torch.bfloat16, dense: bool | None = None, graphs: bool = True, max_graph_batch: int = 64,
                  tune: bool = True, int8_act: bool = False, batch_invariant: bool = False,
-                 max_prompt_rows: int | None = 512, decided: dict | None = None):
+                 max_prompt_rows: int | None = 512, decided: dict | None = None, decode_attention: str = "paged"):
         """decided: what an earlier load of this model decided (dense copies or not, each matmul's kernel), to be
         decided the same again, else filled in here: a model reloaded after a suspend or a swap runs the same
         kernels, so it gives the same tokens and takes the same memory as before, whatever else the card holds
@@ -138,6 +139,8 @@ class GpuModelRunner:
         self.fwd = Forward(cfg, self.w, self.k_cache, self.v_cache, cos.to(self.device), sin.to(self.device),
                            self._sampled, fuse=kv_dtype in (torch.float32, torch.bfloat16))
         buckets = tuple(b for i, b in enumerate(BUCKETS) if i == 0 or BUCKETS[i - 1] < max_graph_batch)
+        if decode_attention == "split":
+            self._split_decode(max(buckets) if buckets else max_graph_batch)
         self.graphs = DecodeGraphs(buckets, (cfg.context_length + block_size - 1) // block_size, block_size,
                                    self.device)
         if tune:
@@ -162,6 +165,22 @@ class GpuModelRunner:
                                      cfg.n_heads)
         if graphs and buckets:
             self._capture_or_fall_back()
+
+    def _split_decode(self, rows: int) -> None:
+        """Decode rows' attention on paged_decode_split (--gpu-decode-attention split): its work buffers for `rows`
+        rows, made once here so every captured graph holds the same ones (B x H x segments x (D + 2) floats)."""
+        cfg = self.config
+        G = cfg.n_heads // max(1, cfg.n_kv_heads)
+        if G not in k_split.GROUPS or cfg.head_dim not in k_split.DIMS or cfg.n_heads % cfg.n_kv_heads:
+            self.notes.append(f"split decode attention: no kernel for H {cfg.n_heads} / Hkv {cfg.n_kv_heads} / D "
+                              f"{cfg.head_dim}; paged")
+            log.warning(self.notes[-1])
+            return
+        segs = -(-self.fwd.max_ctx // k_split.seg_keys_for(self.fwd.max_ctx))
+        n = rows * cfg.n_heads * segs if segs > 1 else 1
+        self.fwd.split_work = (torch.empty(n, 2, dtype=torch.float32, device=self.device),
+                               torch.empty(n, cfg.head_dim, dtype=torch.float32, device=self.device))
+        self.fwd.split_rows = rows
 
     @classmethod
     def host_only(cls, vocab: int, block_size: int, num_blocks: int, context_length: int, max_batch: int

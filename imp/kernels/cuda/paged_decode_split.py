@@ -7,18 +7,20 @@ agents' contexts (issue 39, 10-30k tokens):
   at 32k the 8B shape's K+V is 16 MB a KV head a layer (128 MB over its 8 heads, past any L2), so each layer reads
   G = 4 times the bytes it needs. Here a CTA loads each key once and scores it against all G queries.
 - Parallelism: one stream of the 8B has 32 CTAs (8 here) on 132 SMs, each streaming 32k keys with a few loads in
-  flight: latency-bound. Here the keys are dealt in rounds of NSLOT x U to S CTAs (split s takes rounds s, s + S,
-  ...: flash-decoding's split-K), each keeping G online-softmax states, and a second kernel merges the S partial
-  states a head (m, l, acc[D]) into the output. S is the caller's, fixed per launch shape so that a CUDA graph
-  captured once serves every context length: `splits(B, Hkv, sms)` fills the SMs twice over; rounds past a
-  sequence's length cost a split nothing but its empty partial.
+  flight: latency-bound. Here a row's keys are cut into segments of `seg_keys` positions (flash-decoding's split-K),
+  dealt to S CTAs a KV head (split s takes segments s, s + S, ...); each segment is one online softmax from its first
+  key, and a second kernel merges a row's segments in order. S is parallelism only: a row's bits depend on its
+  context and seg_keys (a server's constant, `seg_keys_for(max_ctx)`), never on S or on the rows beside it, so the
+  kernel keeps batch invariance and a CUDA graph captured once at one S serves every context length.
 
 Per lane: D/8 lanes hold one key (8 elements: one 16-byte load for bf16), as in paged_decode; each lane keeps G x 8
-accumulators, G maxima and sums. S == 1: the first kernel writes the output itself (no partials, no merge), so the
-kernel also serves short contexts. The output is fp32 [B, H*D] or, with q8, quantized per block of 32 for an
-int8-activation O projection by quantize_act_int8's rule, bit for bit as paged_decode's epilogue.
+accumulators, G maxima and sums. A row of one segment is written by the first kernel itself (no partials; the merge
+kernel skips it). The output is fp32 [B, H*D] or, with q8, quantized per block of 32 for an int8-activation O
+projection by quantize_act_int8's rule, bit for bit as paged_decode's epilogue. The bits differ from paged_decode's
+(another order of the same sums): a server uses one of the two for every decode row.
 
-Bytes a layer: B x L x Hkv x D x 2 (K and V) x sizeof(kv), read once; the partials B x H x S x (D + 2) x 4 twice.
+Bytes a layer: B x L x Hkv x D x 2 (K and V) x sizeof(kv), read once; the partials B x H x segments x (D + 2) x 4
+twice (rows of more than one segment).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 
 from imp.kernels.cuda import quantize_act_int8
 from imp.kernels.cuda import runtime as cu
+from imp.kernels.cuda.gemm_int8_act_tiles import sm_count
 
 NW = 8  # warps a CTA
 
@@ -70,15 +73,18 @@ __device__ __forceinline__ void put_out(float val, int b, int h, int d, int H, i
     }
 }
 
-// grid (Hkv, B, S), 256 threads. Split s of S takes key rounds s, s + S, ... (a round: NSLOT x U keys). S == 1:
-// writes the output; else part_ml [B, H, S] float2 (max, sum) and part_acc [B, H, S, D] (unnormalized).
+// grid (Hkv, B, S), 256 threads. A row's keys are cut into segments of seg_keys positions; split s of S takes
+// segments s, s + S, ... Each segment is one online softmax from its first key, merged over the NSLOT slots in slot
+// order: a row with one segment writes the output here; else each segment writes part_ml [B, H, nseg_max] float2
+// (max, sum) and part_acc [B, H, nseg_max, D] (unnormalized), merged in segment order by decode_merge. So a row's
+// bits depend on its context and seg_keys alone, never on S or on the rows beside it (batch invariance).
 template <typename KV, int D, int G, bool Q8>
 __global__ void __launch_bounds__(256) paged_decode_split(
     const float* __restrict__ q, int ldq, const KV* __restrict__ kc, const KV* __restrict__ vc,
     const int* __restrict__ bt, int max_blocks, const int* __restrict__ ctx_lens,
     float* __restrict__ out, int ldo, int H, int Hkv, int bs, float scale,
     signed char* __restrict__ xq, float2* __restrict__ xds,
-    float2* __restrict__ part_ml, float* __restrict__ part_acc) {
+    float2* __restrict__ part_ml, float* __restrict__ part_acc, int seg_keys, int nseg_max) {
     constexpr int LPK = D / 8, KPW = 32 / LPK, NWARP = 8, NSLOT = NWARP * KPW, U = G <= 2 ? 4 : 2;
     constexpr int ROUND = NSLOT * U;
     __shared__ float s_m[NSLOT], s_l[NSLOT], s_acc[NSLOT][D];
@@ -87,104 +93,120 @@ __global__ void __launch_bounds__(256) paged_decode_split(
     const int kl = lane / LPK, sub = lane % LPK;
     const int slot = warp * KPW + kl;
     const int L = ctx_lens[b];
-    float qv[G][8], m[G], l[G], acc[G][8];
+    const int nseg = (L + seg_keys - 1) / seg_keys;
+    if (L <= 0) {  // an empty context reads nothing: zeros, from split 0
+        if (split == 0 && threadIdx.x < D) {
+            #pragma unroll 1
+            for (int g = 0; g < G; ++g) put_out<Q8>(0.f, b, kvh * G + g, threadIdx.x, H, D, out, ldo, xq, xds);
+        }
+        return;
+    }
+    float qv[G][8];
     #pragma unroll
     for (int g = 0; g < G; ++g) {
         const float* qp = q + (size_t)b * ldq + (size_t)(kvh * G + g) * D + sub * 8;
         #pragma unroll
-        for (int i = 0; i < 8; ++i) { qv[g][i] = qp[i] * scale; acc[g][i] = 0.f; }
-        m[g] = NEG_INF; l[g] = 0.f;
+        for (int i = 0; i < 8; ++i) qv[g][i] = qp[i] * scale;
     }
     const int* btr = bt + (size_t)b * max_blocks;
     const size_t tok = (size_t)Hkv * D;
     const size_t hoff = (size_t)kvh * D + sub * 8;
-    for (int r0 = split * ROUND; r0 < L; r0 += S * ROUND) {  // CTA-uniform loop
-        float kf[U][8], vf[U][8];
+    for (int seg = split; seg < nseg && seg < nseg_max; seg += S) {  // CTA-uniform (a context past max_ctx: cut)
+        const int k0 = seg * seg_keys, k1 = min(L, k0 + seg_keys);
+        float m[G], l[G], acc[G][8];
         #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int t = r0 + u * NSLOT + slot;
-            if (t < L) {
-                const int blk = __ldg(btr + t / bs);
-                const size_t off = ((size_t)blk * bs + (t % bs)) * tok + hoff;
-                Load8s<KV>::run(kc + off, kf[u]);
-                Load8s<KV>::run(vc + off, vf[u]);
-            } else {
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) { kf[u][i] = 0.f; vf[u][i] = 0.f; }
-            }
-        }
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int t = r0 + u * NSLOT + slot;
+        for (int g = 0; g < G; ++g) {
+            m[g] = NEG_INF; l[g] = 0.f;
             #pragma unroll
-            for (int g = 0; g < G; ++g) {
-                float s = 0.f;
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) s = fmaf(qv[g][i], kf[u][i], s);
-                #pragma unroll
-                for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-                if (t < L) {
-                    const float mn = fmaxf(m[g], s);
-                    const float corr = (m[g] == NEG_INF) ? 0.f : __expf(m[g] - mn);
-                    const float p = __expf(s - mn);
-                    l[g] = l[g] * corr + p;
+            for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
+        }
+        for (int r0 = k0; r0 < k1; r0 += ROUND) {  // CTA-uniform
+            float kf[U][8], vf[U][8];
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int t = r0 + u * NSLOT + slot;
+                if (t < k1) {
+                    const int blk = __ldg(btr + t / bs);
+                    const size_t off = ((size_t)blk * bs + (t % bs)) * tok + hoff;
+                    Load8s<KV>::run(kc + off, kf[u]);
+                    Load8s<KV>::run(vc + off, vf[u]);
+                } else {
                     #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(p, vf[u][i], acc[g][i] * corr);
-                    m[g] = mn;
+                    for (int i = 0; i < 8; ++i) { kf[u][i] = 0.f; vf[u][i] = 0.f; }
+                }
+            }
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int t = r0 + u * NSLOT + slot;
+                #pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    float sc = 0.f;
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) sc = fmaf(qv[g][i], kf[u][i], sc);
+                    #pragma unroll
+                    for (int o = LPK / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
+                    if (t < k1) {
+                        const float mn = fmaxf(m[g], sc);
+                        const float corr = (m[g] == NEG_INF) ? 0.f : __expf(m[g] - mn);
+                        const float p = __expf(sc - mn);
+                        l[g] = l[g] * corr + p;
+                        #pragma unroll
+                        for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(p, vf[u][i], acc[g][i] * corr);
+                        m[g] = mn;
+                    }
                 }
             }
         }
-    }
-    // the NSLOT slots' states merged a query head at a time through one shared buffer
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        if (sub == 0) { s_m[slot] = m[g]; s_l[slot] = l[g]; }
+        // the NSLOT slots' states merged a query head at a time through one shared buffer
         #pragma unroll
-        for (int i = 0; i < 8; ++i) s_acc[slot][sub * 8 + i] = acc[g][i];
-        __syncthreads();
-        const int h = kvh * G + g;
-        if (threadIdx.x < D) {
-            float M = NEG_INF;
-            for (int s2 = 0; s2 < NSLOT; ++s2) M = fmaxf(M, s_m[s2]);
-            float tot = 0.f, o = 0.f;
-            if (M != NEG_INF) {
-                for (int s2 = 0; s2 < NSLOT; ++s2) {
+        for (int g = 0; g < G; ++g) {
+            if (sub == 0) { s_m[slot] = m[g]; s_l[slot] = l[g]; }
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) s_acc[slot][sub * 8 + i] = acc[g][i];
+            __syncthreads();
+            const int h = kvh * G + g;
+            if (threadIdx.x < D) {
+                float M = NEG_INF;
+                for (int s2 = 0; s2 < NSLOT; ++s2) M = fmaxf(M, s_m[s2]);
+                float tot = 0.f, o = 0.f;
+                for (int s2 = 0; s2 < NSLOT; ++s2) {  // a segment has a key: M is finite
                     const float w = (s_m[s2] == NEG_INF) ? 0.f : __expf(s_m[s2] - M);
                     tot += s_l[s2] * w;
                     o += s_acc[s2][threadIdx.x] * w;
                 }
+                if (nseg == 1) {
+                    put_out<Q8>(o / tot, b, h, threadIdx.x, H, D, out, ldo, xq, xds);
+                } else {
+                    const size_t p = ((size_t)b * H + h) * nseg_max + seg;
+                    part_acc[p * D + threadIdx.x] = o;
+                    if (threadIdx.x == 0) part_ml[p] = make_float2(M, tot);
+                }
             }
-            if (S == 1) {
-                put_out<Q8>((M == NEG_INF) ? 0.f : o / tot, b, h, threadIdx.x, H, D, out, ldo, xq, xds);
-            } else {
-                const size_t p = ((size_t)b * H + h) * S + split;
-                part_acc[p * D + threadIdx.x] = o;
-                if (threadIdx.x == 0) part_ml[p] = make_float2(M, tot);
-            }
+            __syncthreads();
         }
-        __syncthreads();
     }
 }
 
-// grid (H, B), D threads: the S partial states of head h of row b merged into the output.
+// grid (H, B), D threads: a row with more than one segment gets its segments' states merged in segment order.
 template <int D, bool Q8>
 __global__ void __launch_bounds__(256) decode_merge(
-    const float2* __restrict__ part_ml, const float* __restrict__ part_acc, int S,
-    float* __restrict__ out, int ldo, int H, signed char* __restrict__ xq, float2* __restrict__ xds) {
+    const float2* __restrict__ part_ml, const float* __restrict__ part_acc, const int* __restrict__ ctx_lens,
+    int seg_keys, int nseg_max, float* __restrict__ out, int ldo, int H, signed char* __restrict__ xq,
+    float2* __restrict__ xds) {
     const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
-    const size_t p0 = ((size_t)b * H + h) * S;
+    const int nseg = min(nseg_max, (ctx_lens[b] + seg_keys - 1) / seg_keys);
+    if (nseg <= 1) return;  // written by paged_decode_split itself
+    const size_t p0 = ((size_t)b * H + h) * nseg_max;
     float M = NEG_INF;
-    for (int s = 0; s < S; ++s) M = fmaxf(M, part_ml[p0 + s].x);
+    for (int s = 0; s < nseg; ++s) M = fmaxf(M, part_ml[p0 + s].x);
     float tot = 0.f, o = 0.f;
-    if (M != NEG_INF) {
-        for (int s = 0; s < S; ++s) {
-            const float2 ml = part_ml[p0 + s];
-            const float w = (ml.x == NEG_INF) ? 0.f : __expf(ml.x - M);
-            tot += ml.y * w;
-            o += part_acc[(p0 + s) * D + d] * w;
-        }
+    for (int s = 0; s < nseg; ++s) {
+        const float2 ml = part_ml[p0 + s];
+        const float w = __expf(ml.x - M);
+        tot += ml.y * w;
+        o += part_acc[(p0 + s) * D + d] * w;
     }
-    put_out<Q8>((M == NEG_INF) ? 0.f : o / tot, b, h, d, H, D, out, ldo, xq, xds);
+    put_out<Q8>(o / tot, b, h, d, H, D, out, ldo, xq, xds);
 }
 """
 
@@ -194,26 +216,28 @@ _NAMES = tuple(f"paged_decode_split<{t}, {d}, {g}, {q}>" for t in ("float", "u16
                for q in ("false", "true")) + tuple(f"decode_merge<{d}, {q}>" for d in DIMS for q in ("false", "true"))
 
 
-def splits(batch: int, n_kv_heads: int, sms: int, max_ctx: int, round_keys: int = 64) -> int:
-    """S for a launch of `batch` rows: CTAs (Hkv x B x S) to fill the SMs twice over, at most one split per round of
-    keys the longest context can hold, 1..32. Fixed per batch size (a graph captures it once)."""
-    want = -(-2 * sms // max(1, n_kv_heads * batch))
-    return max(1, min(32, want, max(1, max_ctx // round_keys)))
+def seg_keys_for(max_ctx: int) -> int:
+    """Keys a segment for a server whose contexts reach max_ctx: about max_ctx / 64 (so a row has at most 64 partial
+    states: the work buffers are B x H x 64 x (D + 2) floats), a multiple of 128, at least 256 (a short context's
+    segments are still several CTAs' work at batch 1). A server's constant: a row's bits depend on it."""
+    return max(256, -(-max_ctx // (64 * 128)) * 128)
 
 
-def round_keys(head_dim: int, group: int) -> int:
-    """Keys a round (NSLOT x U): what `splits` divides a context into."""
-    lpk = head_dim // 8
-    return NW * (32 // lpk) * (4 if group <= 2 else 2)
+def splits(batch: int, n_kv_heads: int, sms: int, nseg_max: int) -> int:
+    """S for a launch of `batch` rows: CTAs (Hkv x B x S) to fill the SMs twice over, at most the segments a row can
+    have. Parallelism only (a row's bits do not depend on it); fixed per batch size, so a graph captures it once."""
+    return max(1, min(nseg_max, -(-2 * sms // max(1, n_kv_heads * batch))))
 
 
 def paged_decode_split(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, block_tables: torch.Tensor,
-                       ctx_lens: torch.Tensor, n_heads: int, n_splits: int = 1, out: torch.Tensor | None = None,
-                       q8: bool = False, work: tuple[torch.Tensor, torch.Tensor] | None = None):
+                       ctx_lens: torch.Tensor, n_heads: int, max_ctx: int, n_splits: int = 0,
+                       out: torch.Tensor | None = None, q8: bool = False,
+                       work: tuple[torch.Tensor, torch.Tensor] | None = None, seg_keys: int = 0):
     """paged_decode_attention.paged_decode's contract (q [B, >= H*D] fp32, kc/vc [num_blocks, bs, Hkv, D] fp32|bf16,
-    block_tables [B, max_blocks] int32, ctx_lens [B] int32 (0 -> zeros) -> out [B, H*D] fp32, or with q8 the
-    output quantized), with the keys split over n_splits CTAs a KV head. work: (part_ml [>= B*H*S, 2],
-    part_acc [>= B*H*S, D]) fp32 to reuse (a graph's); made here when None."""
+    block_tables [B, max_blocks] int32, ctx_lens [B] int32 <= max_ctx (0 -> zeros) -> out [B, H*D] fp32, or with
+    q8 the output quantized), a CTA a KV head, a row's keys in segments of seg_keys (default `seg_keys_for(max_ctx)`)
+    dealt to n_splits CTAs (default `splits`). work: (part_ml [>= B*H*nseg_max, 2], part_acc [>= B*H*nseg_max, D])
+    fp32 to reuse (a graph's); made here when None and a row can have more than one segment."""
     cu.check(q, "q", torch.float32, 2, align=16)
     cu.check(kc, "kc", (torch.float32, torch.bfloat16), 4, align=16)
     cu.check(vc, "vc", (torch.float32, torch.bfloat16), 4, align=16)
@@ -228,8 +252,11 @@ def paged_decode_split(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bloc
         raise ValueError(f"unsupported shape: D={D}, H={n_heads}, Hkv={Hkv}")
     if vc.shape != kc.shape or vc.dtype != kc.dtype or block_tables.shape[0] != B or ctx_lens.shape[0] != B:
         raise ValueError("shape mismatch")
-    if not 1 <= n_splits <= 64:
-        raise ValueError(f"n_splits {n_splits}: 1..64")
+    seg = seg_keys or seg_keys_for(max_ctx)
+    nseg_max = max(1, -(-max_ctx // seg))
+    S = n_splits or splits(B, Hkv, sm_count(q.device.index or 0), nseg_max)
+    if not 1 <= S <= 1024:
+        raise ValueError(f"n_splits {S}: 1..1024")
     xa = None
     if q8:
         xa = quantize_act_int8.empty(B, n_heads * D, q.device)
@@ -239,24 +266,25 @@ def paged_decode_split(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bloc
         cu.check(out, "out", torch.float32, 2)
     if B == 0:
         return xa if q8 else out
-    S = n_splits
-    if S > 1:
+    if nseg_max > 1:
+        n = B * n_heads * nseg_max
         if work is None:
-            work = (torch.empty(B * n_heads * S, 2, dtype=torch.float32, device=q.device),
-                    torch.empty(B * n_heads * S, D, dtype=torch.float32, device=q.device))
-        if work[0].numel() < B * n_heads * S * 2 or work[1].numel() < B * n_heads * S * D:
+            work = (torch.empty(n, 2, dtype=torch.float32, device=q.device),
+                    torch.empty(n, D, dtype=torch.float32, device=q.device))
+        if work[0].numel() < 2 * n or work[1].numel() < n * D:
             raise ValueError("work buffers too small")
     t = "float" if kc.dtype == torch.float32 else "u16"
     qs = "true" if q8 else "false"
     fn = cu.function(SRC, f"paged_decode_split<{t}, {D}, {G}, {qs}>", _NAMES)
     o_ptr, ldo = cu.ptr(out), cu.i32(0 if out is None else out.stride(0))
     xq, xds = cu.ptr(None if xa is None else xa.xq), cu.ptr(None if xa is None else xa.xds)
-    ml, pa = (cu.ptr(work[0]), cu.ptr(work[1])) if S > 1 else (cu.ptr(None), cu.ptr(None))
+    ml, pa = (cu.ptr(work[0]), cu.ptr(work[1])) if nseg_max > 1 else (cu.ptr(None), cu.ptr(None))
     cu.launch(fn, (Hkv, B, S), (32 * NW,), (
         cu.ptr(q), cu.i32(q.stride(0)), cu.ptr(kc), cu.ptr(vc), cu.ptr(block_tables), cu.i32(block_tables.shape[1]),
         cu.ptr(ctx_lens), o_ptr, ldo, cu.i32(n_heads), cu.i32(Hkv), cu.i32(bs), cu.f32(1.0 / math.sqrt(D)),
-        xq, xds, ml, pa))
-    if S > 1:
+        xq, xds, ml, pa, cu.i32(seg), cu.i32(nseg_max)))
+    if nseg_max > 1:
         merge = cu.function(SRC, f"decode_merge<{D}, {qs}>", _NAMES)
-        cu.launch(merge, (n_heads, B), (D,), (ml, pa, cu.i32(S), o_ptr, ldo, cu.i32(n_heads), xq, xds))
+        cu.launch(merge, (n_heads, B), (D,), (ml, pa, cu.ptr(ctx_lens), cu.i32(seg), cu.i32(nseg_max), o_ptr, ldo,
+                                              cu.i32(n_heads), xq, xds))
     return xa if q8 else out

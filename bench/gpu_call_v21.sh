@@ -47,7 +47,8 @@ restart)
 split)
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_gpu_decode_split.py tests/test_layout.py \
     tests/test_gpu_runner.py -k "split or greedy_matches or 135m_shape or pipelined" 2>&1 | tail -4
-  timeout 200 python3 bench/decode_attention.py ${DCTX:+--ctx $DCTX} > $OUT/decode_attention.txt 2>&1; tail -40 $OUT/decode_attention.txt ;;
+  timeout 200 python3 bench/decode_attention.py ${DCTX:+--ctx $DCTX} ${DBATCH:+--batch $DBATCH} ${DSHAPES:+--shapes $DSHAPES} \
+    > $OUT/decode_attention.txt 2>&1; tail -40 $OUT/decode_attention.txt ;;
 eight)
   [ -f /tmp/8b.gguf ] || python3 bench/write_synth.py 8b-bf16 /tmp/8b.gguf 2>&1 | tail -1
   for P in ${PROMPTS8:-1400}; do

@@ -314,10 +314,60 @@ def profile_prefill(runner, name: str, P: int, out: Path, res: dict) -> None:
     print(txt, flush=True)
 
 
+def long_decode(runner, name: str, L: int, B: int, copy_Bps: float, rows: list, steps: int = 16) -> None:
+    """Decode at an agent's context (issue 39): one L-token prompt prefilled in 2,048-token chunks, then B rows that
+    share its blocks (a shared system prompt: what agents send) decode from its first sampled token, each into its own
+    blocks. The bytes a step must read: the weights + B x L positions of K/V."""
+    cfg = runner.config
+    L -= L % BS
+    runner.k_cache.zero_()
+    toks = np.random.default_rng(L).integers(300, cfg.vocab_size, size=L).tolist()
+    shared = list(range(L // BS))
+    first = None
+    for c0 in range(0, L, 2048):
+        chunk = toks[c0:c0 + 2048]
+        last = c0 + len(chunk) >= L
+        w = SeqWork(seq_id="p", token_ids=chunk, start_pos=c0, block_table=shared, sample=last, params=GREEDY)
+        got = runner.step([w])
+        if last:
+            first = got[0].token_id
+    own = (steps * 2 + 16) // BS + 2
+    tables = [shared + list(range(len(shared) + i * own, len(shared) + (i + 1) * own)) for i in range(B)]
+    out = [[first] for _ in range(B)]
+
+    def works(pending: int = 0, j: int = 0) -> list[SeqWork]:
+        g = len(out[0])
+        return [SeqWork(seq_id=str(i), token_ids=[PENDING_TOKEN] if pending else [o[-1]], start_pos=L + g - 1 + j,
+                        block_table=tables[i], sample=True, params=GREEDY, gen_index=g + j, pending=pending)
+                for i, o in enumerate(out)]
+
+    def step() -> None:
+        for o, t in zip(out, runner.step(works())):
+            o.append(t.token_id)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    wall = (time.perf_counter() - t) / steps
+    dev_ms = runner.timing_probe(works())
+    kv_per_tok = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * runner.k_cache.element_size()
+    step_bytes = runner.w.weight_bytes + B * L * kv_per_tok
+    bw = step_bytes / (dev_ms / 1e3) / copy_Bps
+    rows.append(dict(model=name, batch=f"{B} @ {L:,}", tok_s=B / wall, step_ms=wall * 1e3, dev_ms=dev_ms,
+                     dev_tok_s=B / (dev_ms / 1e3), bw_pct=100 * bw, anchor="", pipe_tok_s=None))
+    log(f"{name} b{B} at {L} positions: {B / wall:.0f} tok/s wall ({wall * 1e3:.3f} ms/step), graph {dev_ms:.3f} ms, "
+        f"{100 * bw:.0f}% of copy rate (weights + K/V)")
+
+
 def bench_model(name: str, path: str, copy_Bps: float, prefills: list[int], rows: list, res: dict,
-                extras: bool = False, out: Path | None = None, label: str = "", **runner_kw) -> None:
+                extras: bool = False, out: Path | None = None, label: str = "", long: tuple = (), **runner_kw) -> None:
     t0 = time.time()
     kv_tokens = 64 * (PROMPT + MAX_NEW) + max(prefills + [0]) + 1024
+    if long:  # (contexts, batches): one shared prompt of the longest + each row's own blocks
+        kv_tokens = max(kv_tokens, max(long[0]) + max(long[1]) * (64 + 2 * BS) + 1024)
     torch.cuda.reset_peak_memory_stats()
     runner = GpuModelRunner.load(path, block_size=BS, kv_tokens=kv_tokens, max_graph_batch=64, **runner_kw)
     base, name = name, name + label
@@ -375,6 +425,12 @@ def bench_model(name: str, path: str, copy_Bps: float, prefills: list[int], rows
                          pipe_tok_s=None,
                          dev_tok_s=None, bw_pct=None, anchor=ANCHORS.get((base, "prefill"), "") if P == 512 else ""))
         log(f"{name} prefill {P}: {tp:.0f} tok/s ({statistics.median(ts) * 1e3:.1f} ms)")
+    for L in (long[0] if long else ()):
+        for B in long[1]:
+            try:
+                long_decode(runner, name, L, B, copy_Bps, rows)
+            except Exception as e:  # noqa: BLE001 - a cell past the card's memory: say so, keep going
+                log(f"{name} b{B} at {L}: {type(e).__name__}: {e}")
     lt = linear_table(runner, name, copy_Bps, res)  # the tuner's own timings: no extra device work
     print(lt, flush=True)
     (out or Path("/tmp")).joinpath(f"linears_{name.replace(' ', '_')}.md").write_text(lt + "\n")
@@ -398,7 +454,8 @@ def bench_model(name: str, path: str, copy_Bps: float, prefills: list[int], rows
 # "default": what `python -m imp --device cuda:0` loads (imp.config.gpu_runner_options on the defaults). Until
 # 2026-12-06 it was fp32 activations while the server ran int8 ones (issue 39): those rows were not what users run.
 CONFIGS = {"default": gpu_runner_options(ServerConfig(device="cuda:0")), "fp32": {"int8_act": False}, "int8": {"int8_act": True},
-           "int8-nodense": {"int8_act": True, "dense": False}, "invariant": {"int8_act": True, "batch_invariant": True}}
+           "int8-nodense": {"int8_act": True, "dense": False}, "invariant": {"int8_act": True, "batch_invariant": True},
+           "split": dict(gpu_runner_options(ServerConfig(device="cuda:0")), decode_attention="split")}
 
 
 def table(rows: list, ceil: dict) -> str:
@@ -424,7 +481,11 @@ def main() -> None:
                     help="runner configurations per model, comma list of default (what `python -m imp --device "
                          "cuda:0` runs: its defaults, int8 activations today) | fp32 (--gpu-activations fp32) | int8 | "
                          "int8-nodense (and no fp16 dense copies) | invariant (--batch-invariant: every matmul on the "
-                         "int8 GEMM)")
+                         "int8 GEMM) | split (the default with --gpu-decode-attention split)")
+    ap.add_argument("--long-ctx", default="", help="decode at these contexts too (issue 39: e.g. 4096,16384,32768): "
+                    "one shared prompt, --long-batch rows decoding after it; the models are written with a context "
+                    "that holds the longest")
+    ap.add_argument("--long-batch", default="1,16")
     ap.add_argument("--extras", default="", help="models (comma list) that also get the per-matrix table, "
                     "the batch-1 legacy/unfused/fused comparison and the decode / prefill-512 profiles. "
                     "torch.profiler leaves CUPTI attached: models measured after it in the same process "
@@ -441,18 +502,23 @@ def main() -> None:
     d.mkdir(parents=True, exist_ok=True)
     rows: list = []
     prefills = [int(x) for x in a.prefill.split(",") if x]
+    long = ([int(x) for x in a.long_ctx.split(",") if x], [int(x) for x in a.long_batch.split(",") if x])
+    long = long if long[0] else ()
     for name in a.models.split(","):
-        path = d / f"{name}.gguf"
+        shape = dict(SHAPES[name])
+        if long:
+            shape["context_length"] = max(shape.get("context_length", 0), max(long[0]) + 512)
+        path = d / (f"{name}.gguf" if not long else f"{name}-{shape['context_length']}.gguf")
         if not path.exists():
             t = time.time()
-            write_raw_gguf(path, seed=0, **SHAPES[name])
+            write_raw_gguf(path, seed=0, **shape)
             log(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.time() - t:.1f}s")
         for conf in a.configs.split(","):
             kw = CONFIGS[conf]
             try:
                 bench_model(name, str(path), ceil["copy_Bps"], prefills, rows, res,
                             extras=name in a.extras.split(","), out=out,
-                            label="" if conf == "default" else f" {conf}", **kw)
+                            label="" if conf == "default" else f" {conf}", long=long, **kw)
             except Exception as e:  # noqa: BLE001 - keep going: the other models still get measured
                 import traceback
 

@@ -24,17 +24,12 @@ SHAPES = {"8b": (32, 8, 128), "smollm2": (9, 3, 64), "gemma3": (4, 1, 256)}
 
 
 def _time(fn, reps: int = 50) -> float:
+    """µs: the median of `reps` runs after 5 warm-ups."""
+    from imp.gpu.mixed import event_ns
+
     for _ in range(5):
         fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000)
-    return statistics.median(ts)
+    return statistics.median(event_ns(fn, reps)) / 1e3
 
 
 def main() -> int:

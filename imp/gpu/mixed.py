@@ -194,17 +194,22 @@ def layout(seqs: list[SeqWork], src: dict[int, int] | None, pb: int, db: int, bs
     return Placed(pb, db, head_at, o["dec_bt"] + db * MB)
 
 
-def least_ns(replay: Callable[[], None], reps: int) -> float:
-    """The least device time of `reps` replays, ns (CUDA events on the current stream)."""
-    best = float("inf")
+def event_ns(run: Callable[[], None], reps: int) -> list[float]:
+    """The device time of each of `reps` runs, ns (CUDA events on the current stream, one run at a time)."""
+    out = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        replay()
+        run()
         b.record()
         b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e6)
-    return best
+        out.append(a.elapsed_time(b) * 1e6)
+    return out
+
+
+def least_ns(replay: Callable[[], None], reps: int) -> float:
+    """The least device time of `reps` replays, ns."""
+    return min(event_ns(replay, reps))
 
 
 class MixedGraphs:

@@ -25,7 +25,8 @@ from imp.kernels.cuda import quantize_act_int8
 NW = 8
 U = 4
 
-SRC = quantize_act_int8.DEVICE + r"""
+# 8 consecutive cache elements of one key (fp32 or bf16 as raw u16) into fp32 registers: one or two 16-byte loads.
+LOAD8 = r"""
 template <typename KV> struct Load8;
 template <> struct Load8<float> {
     static __device__ __forceinline__ void run(const float* p, float (&o)[8]) {
@@ -43,6 +44,9 @@ template <> struct Load8<u16> {
     }
 };
 
+"""
+
+SRC = quantize_act_int8.DEVICE + LOAD8 + r"""
 // Q8: the output is written quantized per block of 32 (imp.kernels.cuda.quantize_act_int8's rule, bit for bit) into xq [B, H D]
 // int8 and xds [B, H D / 32] float2 for an int8-activation O projection, instead of into out.
 template <typename KV, int D, bool Q8>

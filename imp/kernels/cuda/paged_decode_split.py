@@ -32,27 +32,11 @@ import torch
 from imp.kernels.cuda import quantize_act_int8
 from imp.kernels.cuda import runtime as cu
 from imp.kernels.cuda.gemm_int8_act_tiles import sm_count
+from imp.kernels.cuda.paged_decode_attention import LOAD8
 
 NW = 8  # warps a CTA
 
-SRC = quantize_act_int8.DEVICE + r"""
-template <typename KV> struct Load8s;
-template <> struct Load8s<float> {
-    static __device__ __forceinline__ void run(const float* p, float (&o)[8]) {
-        const float4 a = __ldg((const float4*)p), b = __ldg((const float4*)(p + 4));
-        o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
-    }
-};
-template <> struct Load8s<u16> {
-    static __device__ __forceinline__ void run(const u16* p, float (&o)[8]) {
-        const uint4 q = __ldg((const uint4*)p);
-        o[0] = __uint_as_float(q.x << 16); o[1] = __uint_as_float(q.x & 0xffff0000u);
-        o[2] = __uint_as_float(q.y << 16); o[3] = __uint_as_float(q.y & 0xffff0000u);
-        o[4] = __uint_as_float(q.z << 16); o[5] = __uint_as_float(q.z & 0xffff0000u);
-        o[6] = __uint_as_float(q.w << 16); o[7] = __uint_as_float(q.w & 0xffff0000u);
-    }
-};
-
+SRC = quantize_act_int8.DEVICE + LOAD8 + r"""
 // One value of the output row (b, h, d): fp32, or with Q8 quantized per block of 32 (a whole warp holds a block:
 // threads d = 32 w .. 32 w + 31), by quantize_act_int8's rule.
 template <bool Q8>
@@ -128,8 +112,8 @@ __global__ void __launch_bounds__(256) paged_decode_split(
                 if (t < k1) {
                     const int blk = __ldg(btr + t / bs);
                     const size_t off = ((size_t)blk * bs + (t % bs)) * tok + hoff;
-                    Load8s<KV>::run(kc + off, kf[u]);
-                    Load8s<KV>::run(vc + off, vf[u]);
+                    Load8<KV>::run(kc + off, kf[u]);
+                    Load8<KV>::run(vc + off, vf[u]);
                 } else {
                     #pragma unroll
                     for (int i = 0; i < 8; ++i) { kf[u][i] = 0.f; vf[u][i] = 0.f; }

@@ -368,6 +368,10 @@ def main() -> int:
                     help="--null-step-us's device: + this a one-token row per 1,000 positions it attends to")
     ap.add_argument("--null-prompt-ctx-us", type=float, default=0.0,
                     help="--null-step-us's device: + this a prompt row per 1,000 positions it attends to")
+    ap.add_argument("--null-prompt-ctx-by", default="", help="--null-prompt-ctx-us by the step's prompt bucket, "
+                    "e.g. 128:119,256:64.5,512:41.3 (the 8B's H100 log, bench/itl_steps.py)")
+    ap.add_argument("--null-boot-ctx-by", choices=("on", "off"), default="on", help="whether the make-believe "
+                    "boot reports --null-prompt-ctx-by to the ITL policy (off: the 512 bucket's figure alone)")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the event loop's thread at this concurrency "
                     "(one more level after the table's; top 30 by own time)")
     ap.add_argument("--http", action="store_true", help="then the same workload through the real server's HTTP "
@@ -406,6 +410,8 @@ def main() -> int:
         if a.null_buckets:
             os.environ["IMP_NULL_BUCKETS"] = "1"
         os.environ["IMP_NULL_CTX_US"], os.environ["IMP_NULL_PROMPT_CTX_US"] = str(a.null_ctx_us), str(a.null_prompt_ctx_us)
+        os.environ["IMP_NULL_PROMPT_CTX_BY"] = a.null_prompt_ctx_by
+        os.environ["IMP_NULL_REPORT_CTX_BY"] = "1" if a.null_boot_ctx_by == "on" else "0"
     from imp.server import load_engine
 
     engine, _text = load_engine(cfg)

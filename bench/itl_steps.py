@@ -57,11 +57,12 @@ def main() -> int:
     cfg = header.configs.get("scheduler", {})
     table = tuple(tuple(x) for x in cfg.get("prompt_step_ns", ()))
     ctx_ns = int(cfg.get("prompt_ctx_ns", 0))
+    ctx_by = tuple(tuple(x) for x in cfg.get("prompt_ctx_by", ()))
     ratio = a.ratio or float(cfg.get("itl_ratio", 0.0)) or 3.0
     if not table:
         print("the log's scheduler has no prompt-cost table (a CPU run): nothing to compare")
         return 1
-    b = ItlBudget(0, 16, 1 << 20, ratio, table, ctx_ns)  # pricing only: decode_ns kept as the scheduler keeps it
+    b = ItlBudget(0, 16, 1 << 20, ratio, table, ctx_ns, ctx_by)  # pricing only: decode_ns kept as the scheduler keeps it
     plans: dict[int, StepPlan] = {}
     landed: dict[int, tuple[int, int]] = {}  # step -> (its StepResult's wall ns, its decode rows)
     rows = []  # (step, decodes, prompt rows, bucket, start, decode avg ns, predicted ns, measured ns)
@@ -82,7 +83,8 @@ def main() -> int:
     if not rows:
         print("no step with both prompt and decode rows after the first decode-only step")
         return 1
-    print(f"{a.log}: ratio {ratio}, ctx_ns {ctx_ns}, {len(rows)} steps with prompt and decode rows")
+    print(f"{a.log}: ratio {ratio}, ctx_ns {ctx_ns}{f' (by bucket {dict(ctx_by)})' if ctx_by else ''}, {len(rows)} "
+          f"steps with prompt and decode rows")
     print("| prompt bucket | steps | decode rows (mean) | predicted ms p50 / p90 | measured ms p50 / p90 "
           "| measured / predicted (p50, max) | over the ratio |")
     print("|---|---|---|---|---|---|---|")

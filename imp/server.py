@@ -171,6 +171,9 @@ def _load_models(cfg: ServerConfig) -> _Models:
             kv_bytes = int(os.environ.get("IMP_NULL_KV_BYTES", "0"))  # > 0: prompt cache tiers, blocks this size
             ctx_us = float(os.environ.get("IMP_NULL_CTX_US", "0"))  # + attention: a decode row per 1k positions
             prompt_ctx_us = float(os.environ.get("IMP_NULL_PROMPT_CTX_US", "0"))  # a prompt row per 1k positions
+            ctx_by = {int(b): float(us) for b, us in (x.split(":") for x in
+                                                       os.environ.get("IMP_NULL_PROMPT_CTX_BY", "").split(",") if x)}
+            report_by = os.environ.get("IMP_NULL_REPORT_CTX_BY", "1") != "0"
             buckets = ()
             if os.environ.get("IMP_NULL_BUCKETS") == "1":  # prompt rows cost their mixed-graph bucket (a GPU's)
                 from imp.gpu.mixed import prompt_buckets
@@ -181,7 +184,8 @@ def _load_models(cfg: ServerConfig) -> _Models:
                                                     kv_tokens=cfg.kv_cache_tokens, step_us=step_us,
                                                     row_us=row_us, token_us=token_us, mixed_us=mixed_us,
                                                     kv_bytes=kv_bytes, buckets=buckets, ctx_us=ctx_us,
-                                                    prompt_ctx_us=prompt_ctx_us)
+                                                    prompt_ctx_us=prompt_ctx_us, prompt_ctx_by=ctx_by,
+                                                    report_ctx_by=report_by)
             return lambda: NullRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens,
                                            kv_bytes=kv_bytes)
         if device.startswith("cuda"):

@@ -467,15 +467,15 @@ def test_the_runner_s_bucket_costs_reach_the_scheduler_only_with_a_policy_on(tmp
     bucketed = PacedNullRunner.load(str(path), step_us=7000, token_us=28, mixed_us=500, buckets=(16, 32, 64))
     plain = PacedNullRunner.load(str(path), step_us=7000, token_us=28, mixed_us=500)
     on, off = ServerConfig(itl_ratio=3.0), ServerConfig(itl_ratio=0)
-    table, ctx_ns = _prompt_costs(on, bucketed)
-    assert (16, 64, 28 * 16 * 1000 + 500_000) in table and len(table) == 3 * 9 and ctx_ns == 0
-    assert _prompt_costs(off, bucketed) == ((), 0) and _prompt_costs(on, plain) == ((), 0)
+    table, ctx_ns, ctx_by = _prompt_costs(on, bucketed)
+    assert (16, 64, 28 * 16 * 1000 + 500_000) in table and len(table) == 3 * 9 and ctx_ns == 0 and ctx_by == ()
+    assert _prompt_costs(off, bucketed) == ((), 0, ()) and _prompt_costs(on, plain) == ((), 0, ())
     assert build_cores(on, 64, 2048, "m", prompt_costs=table)[1].config.prompt_step_ns == table
     assert build_cores(off, 64, 2048, "m", prompt_costs=table)[1].config.prompt_step_ns == ()
     # with attention by context the runner says what a prompt row adds per 1,000 positions, and the config has it
     by_ctx = PacedNullRunner.load(str(path), step_us=7000, token_us=28, mixed_us=500, buckets=(16, 32, 64),
                                   prompt_ctx_us=24)
-    table, ctx_ns = _prompt_costs(on, by_ctx)
+    table, ctx_ns, _ = _prompt_costs(on, by_ctx)
     assert ctx_ns == 24_000 and len(table) == 3 * 9
     assert build_cores(on, 64, 2048, "m", prompt_costs=table, prompt_ctx_ns=ctx_ns)[1].config.prompt_ctx_ns == 24_000
     assert build_cores(off, 64, 2048, "m", prompt_costs=table, prompt_ctx_ns=ctx_ns)[1].config.prompt_ctx_ns == 0
@@ -487,3 +487,42 @@ def test_the_runner_s_bucket_costs_reach_the_scheduler_only_with_a_policy_on(tmp
     # rows each reading start .. their own position
     ctx = PacedNullRunner.load(str(path), step_us=7000, token_us=28, mixed_us=500, ctx_us=200, prompt_ctx_us=20)
     assert ctx.cost_ns(seqs) - plain.cost_ns(seqs) == int(200_000 * 4 / 1000 + 20_000 * 20 * 10 / 1000)
+
+
+def test_a_prompt_row_s_attention_by_bucket_prices_small_chunks_at_their_own_cost(tmp_path):
+    """Where the runner measures a prompt row's attention by bucket (a small chunk's rows cost more a row than the 512
+    bucket's: the 8B's H100 log, bench/itl_steps.py), the scheduler's config carries the table and the policy prices
+    each bucket at its own figure; a bucket the table lacks keeps prompt_ctx_ns. The paced device charges a step's
+    prompt rows at its bucket's figure, and reports the table only when asked to."""
+    from gguf import GGMLQuantizationType as T
+
+    from imp.config import ServerConfig
+    from imp.engine.cores import build_cores
+    from imp.engine.local import _prompt_costs
+    from imp.model.null_runner import PacedNullRunner
+    from tests.fixtures.synth_raw import write_raw_gguf
+
+    path = write_raw_gguf(tmp_path / "t.gguf", n_layers=1, d_model=256, n_heads=2, n_kv_heads=2, d_ff=256, vocab=512,
+                          qtype=T.Q8_0)
+    kw = dict(step_us=7000, token_us=28, mixed_us=500, buckets=(16, 32, 64), prompt_ctx_us=30)
+    r = PacedNullRunner.load(str(path), prompt_ctx_by={16: 90.0, 32: 60.0}, **kw)
+    on = ServerConfig(itl_ratio=3.0)
+    table, ctx_ns, ctx_by = _prompt_costs(on, r)
+    assert ctx_ns == 30_000 and ctx_by == ((16, 90_000), (32, 60_000), (64, 30_000))
+    assert build_cores(on, 64, 2048, "m", prompt_costs=table, prompt_ctx_ns=ctx_ns,
+                       prompt_ctx_by=ctx_by)[1].config.prompt_ctx_by == ctx_by
+    assert build_cores(ServerConfig(itl_ratio=0), 64, 2048, "m", prompt_costs=table, prompt_ctx_ns=ctx_ns,
+                       prompt_ctx_by=ctx_by)[1].config.prompt_ctx_by == ()
+    quiet = PacedNullRunner.load(str(path), prompt_ctx_by={16: 90.0, 32: 60.0}, report_ctx_by=False, **kw)
+    assert _prompt_costs(on, quiet)[2] == ()
+    # the device: 20 prompt rows from position 100 take the 32 bucket's figure
+    seqs = [SeqWork("a", tuple(range(20)), 100, tuple(range(8)), True, SamplingParams(max_tokens=4))]
+    flat = PacedNullRunner.load(str(path), **kw)
+    assert abs((r.cost_ns(seqs) - flat.cost_ns(seqs)) - (60_000 - 30_000) * 20 * 110 / 1000) <= 1
+    # the policy: a 32-row chunk from position 1,000 priced at 60 us a row per 1,000 positions, a 64-row one at 30
+    b = ItlBudget(0, 16, 64, 3.0, table, ctx_ns, ctx_by)
+    ns32 = dict(b._row(1))[32]
+    assert b.bucket_ns(32, ns32, 1000) == ns32 + 60_000 * 32 * (1000 + 16) / 1000
+    ns64 = dict(b._row(1))[64]
+    assert b.bucket_ns(64, ns64, 1000) == ns64 + 30_000 * 64 * (1000 + 32) / 1000
+    assert ItlBudget(0, 16, 64, 3.0, table, ctx_ns).bucket_ns(32, ns32, 1000) == ns32 + 30_000 * 32 * 1016 / 1000

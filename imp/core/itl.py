@@ -76,16 +76,18 @@ def bucket_costs(table: tuple[tuple[int, int, int], ...]) -> dict[int, tuple[tup
 
 
 class ItlBudget:
-    __slots__ = ("target_ns", "min_tokens", "max_tokens", "ratio", "decode_ns", "_s", "_table", "ctx_ns")
+    __slots__ = ("target_ns", "min_tokens", "max_tokens", "ratio", "decode_ns", "_s", "_table", "ctx_ns", "_ctx_by")
 
     def __init__(self, target_ns: int, min_tokens: int, max_tokens: int, ratio: float = 0.0,
-                 table: tuple[tuple[int, int, int], ...] = (), ctx_ns: int = 0):
+                 table: tuple[tuple[int, int, int], ...] = (), ctx_ns: int = 0,
+                 ctx_by: tuple[tuple[int, int], ...] = ()):
         self.target_ns, self.min_tokens, self.max_tokens = target_ns, min_tokens, max_tokens
         self.ratio = 0.0 if target_ns else ratio  # a target, where given, is the policy
         self._table = bucket_costs(table)  # {} : the fit alone
         # with a table: ns a prompt row adds per 1,000 positions it reads (its attention over the context, which
         # the table's inert rows do not have): a chunk of n rows from position p adds ctx_ns x n x (p + n/2) / 1000
         self.ctx_ns = ctx_ns
+        self._ctx_by = dict(ctx_by)  # the same by prompt bucket where measured so (a small chunk's rows cost more)
         self.decode_ns = 0  # a decode-only step, ns (the batch changes slowly: one average)
         # what prompt tokens add to a step: fixed + tokens x per token, a weighted least-squares fit of
         # (tokens, step - decode step) over the steps with prompt tokens. The fixed part is the GPU's:
@@ -134,7 +136,7 @@ class ItlBudget:
 
     def bucket_ns(self, pb: int, ns: int, ctx: int) -> float:
         """A prompt bucket's cost: the table's (inert rows) plus its rows' attention from position ctx."""
-        return ns + self.ctx_ns * pb * (ctx + pb / 2) / 1000
+        return ns + self._ctx_by.get(pb, self.ctx_ns) * pb * (ctx + pb / 2) / 1000
 
     def bucket_room(self, left_ns: float, decodes: int, ctx: int = 0) -> int:
         """The largest prompt-row bucket whose cost beside `decodes` decode rows, its chunk starting at position

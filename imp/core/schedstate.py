@@ -66,6 +66,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     # table's inert rows lack; measured at boot on a long chunk). 512-row chunks at ~1,400-token contexts cost
     # 3.4x a decode step on the 8B shape where the table alone said they fit 3x. 0 = none (older logs)
     prompt_ctx_ns: int = 0
+    # the same term by prompt-row bucket where the executor measured each ((bucket, ns), ...): a chunk's attention
+    # a row costs more in a small bucket than in the 512 one (the 8B on an H100: ~64 µs at 256 rows, ~41 at 512
+    # per 1,000 positions, against 32 measured at 512 from ~1,536 positions); () = prompt_ctx_ns for every bucket
+    prompt_ctx_by: tuple[tuple[int, int], ...] = ()
     # True: running sequences in the steady plain decode state are planned and updated as arrays
     # (`imp.core.lane.DecodeLane`): one token fed, one sampled, nothing else asked. The tokens are the same; the
     # rows of a step come in another order (the lane's first), so logs written before this field (False) replay
@@ -78,7 +82,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
                 or self.pipeline_depth not in (1, 2) or self.itl_target_ns < 0 or self.spec_k_max < 0 or self.itl_ratio < 0 \
                 or min(self.swap_blocks, self.swap_ns_per_block, self.recompute_ns_per_token) < 0 \
                 or any(len(e) != 3 or min(e) < 0 or min(e[:2]) < 1 for e in self.prompt_step_ns) \
-                or self.prompt_ctx_ns < 0:
+                or self.prompt_ctx_ns < 0 or any(b <= 0 or ns < 0 for b, ns in self.prompt_ctx_by):
             raise ValueError(f"bad SchedulerConfig {self}")
 
 

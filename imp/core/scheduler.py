@@ -93,7 +93,7 @@ class SchedulerCore(RequestBook):
         self.step = 0
         self.kv = KvFigures(config.num_blocks, config.num_blocks, 0, 0, 0, config.block_size)
         self.itl = ItlBudget(config.itl_target_ns, config.block_size, config.max_step_tokens, config.itl_ratio,
-                             config.prompt_step_ns, config.prompt_ctx_ns)
+                             config.prompt_step_ns, config.prompt_ctx_ns, config.prompt_ctx_by)
         self.backlog = 0  # of the step being planned: prompt tokens not yet computed (the ratio policy's term)
         self.cost = StepCost()  # what a step's rows cost: how long a draft still pays (imp.core.spec)
         # the steady plain decode rows as arrays (imp.core.lane); the lane rows of the step being prepared

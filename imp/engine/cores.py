@@ -20,7 +20,8 @@ ADMIT_FACTOR = 8
 def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprint: str, replicas: int = 1,
                 verifies_drafts: bool = False, draft_max: int | None = None, tier_blocks: int = 0,
                 swap: SwapFacts = SwapFacts(), tier_demote: bool = False,
-                prompt_costs: tuple[tuple[int, int, int], ...] = (), prompt_ctx_ns: int = 0):
+                prompt_costs: tuple[tuple[int, int, int], ...] = (), prompt_ctx_ns: int = 0,
+                prompt_ctx_by: tuple[tuple[int, int], ...] = ()):
     """admission, scheduler, kv (lists of `replicas` each when > 1, wrapped to talk to
     their own replica). Boot facts (pool size, context, fingerprint, whether the executor
     verifies drafts) go into each core's frozen config, and the configs into the event-log header."""
@@ -40,7 +41,7 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
         pairs = [build_cores(cfg, num_blocks, max_context, fingerprint, verifies_drafts=verifies_drafts,
                              draft_max=draft_max, tier_blocks=tier_blocks, swap=swap,
                              tier_demote=tier_demote, prompt_costs=prompt_costs,
-                             prompt_ctx_ns=prompt_ctx_ns)[1:] for _ in range(replicas)]
+                             prompt_ctx_ns=prompt_ctx_ns, prompt_ctx_by=prompt_ctx_by)[1:] for _ in range(replicas)]
         return adm, [Routed(s, i) for i, (s, _) in enumerate(pairs)], [Routed(k, i) for i, (_, k) in enumerate(pairs)]
     sch = SchedulerCore(
         SchedulerConfig(
@@ -62,6 +63,7 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
             # the mixed graphs' measured bucket costs, for the ITL policy (only where one is on)
             prompt_step_ns=prompt_costs if itl_policy_on(cfg) else (),
             prompt_ctx_ns=prompt_ctx_ns if itl_policy_on(cfg) and prompt_costs else 0,
+            prompt_ctx_by=prompt_ctx_by if itl_policy_on(cfg) and prompt_costs else (),
             decode_lane=True,
         )
     )

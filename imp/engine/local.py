@@ -52,25 +52,30 @@ def kv_bytes_per_token(runner) -> int | None:
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * size
 
 
-def _prompt_costs(cfg: ServerConfig, runner) -> tuple[tuple[tuple[int, int, int], ...], int]:
-    """The runner's measured mixed-step bucket costs (a GPU's graphs; `prompt_costs`) and what a prompt row's
-    attention adds per 1,000 positions of context (`prompt_ctx_ns`), for the ITL policy: ((), 0) where no
-    policy is on or the runner has no buckets. Measured once here, frozen into the scheduler's config (the
+def _prompt_costs(cfg: ServerConfig, runner) -> tuple[tuple[tuple[int, int, int], ...], int, tuple]:
+    """The runner's measured mixed-step bucket costs (a GPU's graphs; `prompt_costs`), what a prompt row's
+    attention adds per 1,000 positions of context (`prompt_ctx_ns`) and, where the runner measures it by prompt
+    bucket, the same by bucket (`prompt_ctx_by`), for the ITL policy: ((), 0, ()) where no policy is on or the
+    runner has no buckets. Measured once here, frozen into the scheduler's config (the
     event log's header), so a replay plans the same chunks."""
     measure = getattr(runner, "prompt_costs", None)
     if measure is None or not itl_policy_on(cfg):
-        return (), 0
+        return (), 0, ()
     t0 = time.perf_counter()
     table = tuple(measure())
     if not table:
-        return (), 0
+        return (), 0, ()
     ctx_ns = int(runner.prompt_ctx_ns()) if hasattr(runner, "prompt_ctx_ns") else 0
+    ctx_by = tuple(runner.prompt_ctx_by()) if hasattr(runner, "prompt_ctx_by") else ()
     dbs = sorted({db for _, db, _ in table})
     mid = dbs[len(dbs) // 2]
     log.info("mixed-step costs measured in %.1f s; beside %d decode rows a prompt bucket adds: %s; a prompt row's "
              "attention %.1f us per 1,000 positions", time.perf_counter() - t0, mid,
              ", ".join(f"{pb} rows {ns / 1e6:.2f} ms" for pb, db, ns in table if db == mid), ctx_ns / 1e3)
-    return table, ctx_ns
+    if ctx_by:
+        log.info("a prompt row's attention by bucket: %s us per 1,000 positions",
+                 ", ".join(f"{pb} rows {ns / 1e3:.1f}" for pb, ns in ctx_by))
+    return table, ctx_ns, ctx_by
 
 
 def _with_swap(load, n_slots: int):
@@ -131,14 +136,15 @@ class LocalEngine:
             x.make_swap(self.swap.blocks)
         if self.swap.blocks:  # a runner loaded again (suspend, idle unload) needs its area again
             self.loaders = [None if f is None else _with_swap(f, self.swap.blocks) for f in self.loaders]
-        prompt_costs, prompt_ctx_ns = _prompt_costs(cfg, r)
+        prompt_costs, prompt_ctx_ns, prompt_ctx_by = _prompt_costs(cfg, r)
         self.adm, schs, kvs = build_cores(cfg, r.num_blocks, self.max_context, r.fingerprint,
                                           replicas=len(self.runners), verifies_drafts=verifies, draft_max=draft_max,
                                           tier_blocks=tier_blocks, swap=self.swap,
                                           # a host tier alone outlives nothing the pool does not: it takes what
                                           # the pool evicts (a copy only under pressure) instead of every block
                                           tier_demote=self.tiers[0] is not None and self.tiers[0].dir is None,
-                                          prompt_costs=prompt_costs, prompt_ctx_ns=prompt_ctx_ns)
+                                          prompt_costs=prompt_costs, prompt_ctx_ns=prompt_ctx_ns,
+                                          prompt_ctx_by=prompt_ctx_by)
         self.schs, self.kvs = (schs, kvs) if len(self.runners) > 1 else ([schs], [kvs])
         self.card = ModelCard(
             name=name, path=path, fingerprint=r.fingerprint, context_length=self.max_context,

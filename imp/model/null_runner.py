@@ -129,7 +129,8 @@ class PacedNullRunner(NullRunner):
     its tokens at the prefill rate, so admission policies can be tried against a device's cost shape."""
 
     def __init__(self, *a, step_us: int = 0, row_us: float = 0.0, token_us: float = 0.0, mixed_us: float = 0.0,
-                 buckets: tuple[int, ...] = (), ctx_us: float = 0.0, prompt_ctx_us: float = 0.0, **kw):
+                 buckets: tuple[int, ...] = (), ctx_us: float = 0.0, prompt_ctx_us: float = 0.0,
+                 prompt_ctx_by: dict[int, float] | None = None, report_ctx_by: bool = True, **kw):
         super().__init__(*a, **kw)
         self.step_ns = step_us * 1000
         self.row_ns, self.token_ns = int(row_us * 1000), int(token_us * 1000)
@@ -142,6 +143,12 @@ class PacedNullRunner(NullRunner):
         # (a chunk's rows read start .. their own position: n x (start + n / 2)). The 8B shape on an H100:
         # decode steps of 16 rows 7.6 ms at ~300-token contexts, 11.2 ms at ~1,450 (~190 µs a row per 1,000)
         self.ctx_ns, self.pctx_ns = ctx_us * 1000, prompt_ctx_us * 1000
+        # a prompt row's attention by the step's prompt bucket where it differs (IMP_NULL_PROMPT_CTX_BY
+        # "256:64.5,512:41.3": the 8B's H100 log, where small chunks cost more a row than the 512 one the GPU's
+        # boot measures); prompt_ctx_ns() stays the 512 bucket's figure, as the GPU's boot; prompt_ctx_by() reports
+        # the table when report_ctx_by (IMP_NULL_REPORT_CTX_BY=0: a boot that measures the one bucket alone)
+        self.pctx_by = {b: us * 1000 for b, us in (prompt_ctx_by or {}).items()}
+        self.report_ctx_by = report_ctx_by
         self._busy_until = 0  # monotonic ns at which the last launched step lands
         self._start = 0  # the last launched step's start on the make-believe device
 
@@ -149,11 +156,12 @@ class PacedNullRunner(NullRunner):
     def load(cls, path: str, block_size: int = 16, kv_tokens: int | None = None, step_us: int = 0,
              row_us: float = 0.0, token_us: float = 0.0, mixed_us: float = 0.0,
              kv_bytes: int = 0, buckets: tuple[int, ...] = (), ctx_us: float = 0.0,
-             prompt_ctx_us: float = 0.0) -> "PacedNullRunner":
+             prompt_ctx_us: float = 0.0, prompt_ctx_by: dict[int, float] | None = None,
+             report_ctx_by: bool = True) -> "PacedNullRunner":
         r = NullRunner.load(path, block_size, kv_tokens, kv_bytes)
         return cls(r.config, r.metadata, r.fingerprint, r.num_blocks, r.block_size, r.token_id, kv_bytes, step_us=step_us,
                    row_us=row_us, token_us=token_us, mixed_us=mixed_us, buckets=buckets, ctx_us=ctx_us,
-                   prompt_ctx_us=prompt_ctx_us)
+                   prompt_ctx_us=prompt_ctx_us, prompt_ctx_by=prompt_ctx_by, report_ctx_by=report_ctx_by)
 
     def _prompt(self, prompt: int) -> int:
         return next((b for b in self.buckets if b >= prompt), prompt) if prompt and self.buckets else prompt
@@ -164,9 +172,10 @@ class PacedNullRunner(NullRunner):
         prompt = self._prompt(sum(len(s.token_ids) for s in general if len(s.token_ids) > 1))
         ns = self.step_ns + self.row_ns * rows + self.token_ns * prompt + (self.mixed_ns if rows and prompt else 0)
         if self.ctx_ns or self.pctx_ns:
+            pctx = self.pctx_by.get(prompt, self.pctx_ns)
             for s in general:
                 n = len(s.token_ids)
-                ns += (self.ctx_ns * (s.start_pos + 1) if n == 1 else self.pctx_ns * n * (s.start_pos + n / 2)) / 1000
+                ns += (self.ctx_ns * (s.start_pos + 1) if n == 1 else pctx * n * (s.start_pos + n / 2)) / 1000
             if lane is not None:
                 ns += self.ctx_ns * float((lane.pos + 1).sum()) / 1000
         return int(ns)
@@ -181,6 +190,12 @@ class PacedNullRunner(NullRunner):
     def prompt_ctx_ns(self) -> int:
         """The GPU runner's measure of a prompt row's attention, ns per 1,000 positions it reads (its cost model's)."""
         return round(self.pctx_ns) if self.buckets else 0
+
+    def prompt_ctx_by(self) -> tuple[tuple[int, int], ...]:
+        """The same by prompt bucket, where this make-believe device's boot would measure each."""
+        if not (self.buckets and self.pctx_by and self.report_ctx_by):
+            return ()
+        return tuple((b, round(self.pctx_by.get(b, self.pctx_ns))) for b in self.buckets)
 
     # a plan's decode rows as columns (imp.sampling.works.Works), landed as ids: the GPU runner's way
     takes_rows = True

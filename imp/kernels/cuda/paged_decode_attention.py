@@ -44,6 +44,46 @@ template <> struct Load8<u16> {
     }
 };
 
+// the U keys t = first + u * step (u < U) of one lane group: K and V rows into registers, zeros at t >= end
+template <typename KV, int U>
+__device__ __forceinline__ void load_keys(const KV* __restrict__ kc, const KV* __restrict__ vc,
+                                          const int* __restrict__ btr, int bs, size_t tok, size_t hoff, int first,
+                                          int step, int end, float (&kf)[U][8], float (&vf)[U][8]) {
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int t = first + u * step;
+        if (t < end) {
+            const int blk = __ldg(btr + t / bs);
+            const size_t off = ((size_t)blk * bs + (t % bs)) * tok + hoff;
+            Load8<KV>::run(kc + off, kf[u]);
+            Load8<KV>::run(vc + off, vf[u]);
+        } else {
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) { kf[u][i] = 0.f; vf[u][i] = 0.f; }
+        }
+    }
+}
+// q . k over a lane group of LPK lanes, each holding 8 of the D elements (every lane of the warp calls it)
+template <int LPK>
+__device__ __forceinline__ float group_dot(const float (&q)[8], const float (&k)[8]) {
+    float s = 0.f;
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) s = fmaf(q[i], k[i], s);
+    #pragma unroll
+    for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    return s;
+}
+// one key of score s and value v into an online softmax state (max m, sum l, unnormalized acc)
+__device__ __forceinline__ void online_add(float& m, float& l, float (&acc)[8], float s, const float (&v)[8]) {
+    const float mn = fmaxf(m, s);
+    const float corr = (m == NEG_INF) ? 0.f : __expf(m - mn);
+    const float p = __expf(s - mn);
+    l = l * corr + p;
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = fmaf(p, v[i], acc[i] * corr);
+    m = mn;
+}
+
 """
 
 SRC = quantize_act_int8.DEVICE + LOAD8 + r"""
@@ -75,36 +115,11 @@ __global__ void __launch_bounds__(256) paged_decode(
     const size_t hoff = (size_t)g * D + sub * 8;
     for (int base = warp * KPW; base < L; base += NSLOT * U) {  // warp-uniform loop
         float kf[U][8], vf[U][8];
+        load_keys<KV, U>(kc, vc, btr, bs, tok, hoff, base + kl, NSLOT, L, kf, vf);
         #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int t = base + u * NSLOT + kl;
-            if (t < L) {
-                const int blk = __ldg(btr + t / bs);
-                const size_t off = ((size_t)blk * bs + (t % bs)) * tok + hoff;
-                Load8<KV>::run(kc + off, kf[u]);
-                Load8<KV>::run(vc + off, vf[u]);
-            } else {
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) { kf[u][i] = 0.f; vf[u][i] = 0.f; }
-            }
-        }
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int t = base + u * NSLOT + kl;
-            float s = 0.f;
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) s = fmaf(qv[i], kf[u][i], s);
-            #pragma unroll
-            for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-            if (t < L) {
-                const float mn = fmaxf(m, s);
-                const float corr = (m == NEG_INF) ? 0.f : __expf(m - mn);
-                const float p = __expf(s - mn);
-                l = l * corr + p;
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[i] = fmaf(p, vf[u][i], acc[i] * corr);
-                m = mn;
-            }
+            const float s = group_dot<LPK>(qv, kf[u]);
+            if (base + u * NSLOT + kl < L) online_add(m, l, acc, s, vf[u]);
         }
     }
     if (sub == 0) { s_m[slot] = m; s_l[slot] = l; }

@@ -106,38 +106,14 @@ __global__ void __launch_bounds__(256) paged_decode_split(
         }
         for (int r0 = k0; r0 < k1; r0 += ROUND) {  // CTA-uniform
             float kf[U][8], vf[U][8];
+            load_keys<KV, U>(kc, vc, btr, bs, tok, hoff, r0 + slot, NSLOT, k1, kf, vf);
             #pragma unroll
             for (int u = 0; u < U; ++u) {
-                const int t = r0 + u * NSLOT + slot;
-                if (t < k1) {
-                    const int blk = __ldg(btr + t / bs);
-                    const size_t off = ((size_t)blk * bs + (t % bs)) * tok + hoff;
-                    Load8<KV>::run(kc + off, kf[u]);
-                    Load8<KV>::run(vc + off, vf[u]);
-                } else {
-                    #pragma unroll
-                    for (int i = 0; i < 8; ++i) { kf[u][i] = 0.f; vf[u][i] = 0.f; }
-                }
-            }
-            #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int t = r0 + u * NSLOT + slot;
+                const bool live = r0 + u * NSLOT + slot < k1;
                 #pragma unroll
                 for (int g = 0; g < G; ++g) {
-                    float sc = 0.f;
-                    #pragma unroll
-                    for (int i = 0; i < 8; ++i) sc = fmaf(qv[g][i], kf[u][i], sc);
-                    #pragma unroll
-                    for (int o = LPK / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
-                    if (t < k1) {
-                        const float mn = fmaxf(m[g], sc);
-                        const float corr = (m[g] == NEG_INF) ? 0.f : __expf(m[g] - mn);
-                        const float p = __expf(sc - mn);
-                        l[g] = l[g] * corr + p;
-                        #pragma unroll
-                        for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(p, vf[u][i], acc[g][i] * corr);
-                        m[g] = mn;
-                    }
+                    const float sc = group_dot<LPK>(qv[g], kf[u]);
+                    if (live) online_add(m[g], l[g], acc[g], sc, vf[u]);
                 }
             }
         }

@@ -158,11 +158,8 @@ __global__ void __launch_bounds__(256) paged_decode(
 _NAMES = tuple(f"paged_decode<{t}, {d}, {q}>" for t in ("float", "u16") for d in (64, 128, 256) for q in ("false", "true"))
 
 
-def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, block_tables: torch.Tensor,
-                 ctx_lens: torch.Tensor, n_heads: int, out: torch.Tensor | None = None, q8: bool = False):
-    """q [B, >= H*D] fp32 (row stride free), kc/vc [num_blocks, bs, Hkv, D] fp32|bf16,
-    block_tables [B, max_blocks] int32, ctx_lens [B] int32 (0 -> zeros) -> out [B, H*D] fp32,
-    or with q8 the same output quantized (`imp.kernels.cuda.quantize_act_int8.Q8Act`, for an int8 O projection)."""
+def check_args(q, kc, vc, block_tables, ctx_lens, n_heads: int) -> tuple[int, int, int, int]:
+    """The decode kernels' inputs (paged_decode's contract) checked: (B, block size, Hkv, D)."""
     cu.check(q, "q", torch.float32, 2, align=16)
     cu.check(kc, "kc", (torch.float32, torch.bfloat16), 4, align=16)
     cu.check(vc, "vc", (torch.float32, torch.bfloat16), 4, align=16)
@@ -176,13 +173,26 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, block_tabl
         raise ValueError(f"unsupported shape: D={D}, H={n_heads}, Hkv={Hkv}")
     if vc.shape != kc.shape or vc.dtype != kc.dtype or block_tables.shape[0] != B or ctx_lens.shape[0] != B:
         raise ValueError("shape mismatch")
-    xa = None
+    return B, bs, Hkv, D
+
+
+def outputs(q, B: int, width: int, out, q8: bool):
+    """(out, xa): the fp32 output [B, width] (the caller's, checked, or a new one), or with q8 its int8 form."""
     if q8:
-        xa = quantize_act_int8.empty(B, n_heads * D, q.device)
-    elif out is None:
-        out = torch.empty(B, n_heads * D, dtype=torch.float32, device=q.device)
-    if out is not None:
-        cu.check(out, "out", torch.float32, 2)
+        return None, quantize_act_int8.empty(B, width, q.device)
+    if out is None:
+        out = torch.empty(B, width, dtype=torch.float32, device=q.device)
+    cu.check(out, "out", torch.float32, 2)
+    return out, None
+
+
+def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, block_tables: torch.Tensor,
+                 ctx_lens: torch.Tensor, n_heads: int, out: torch.Tensor | None = None, q8: bool = False):
+    """q [B, >= H*D] fp32 (row stride free), kc/vc [num_blocks, bs, Hkv, D] fp32|bf16,
+    block_tables [B, max_blocks] int32, ctx_lens [B] int32 (0 -> zeros) -> out [B, H*D] fp32,
+    or with q8 the same output quantized (`imp.kernels.cuda.quantize_act_int8.Q8Act`, for an int8 O projection)."""
+    B, bs, Hkv, D = check_args(q, kc, vc, block_tables, ctx_lens, n_heads)
+    out, xa = outputs(q, B, n_heads * D, out, q8)
     if B == 0:
         return xa if q8 else out
     t = "float" if kc.dtype == torch.float32 else "u16"

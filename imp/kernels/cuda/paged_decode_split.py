@@ -32,7 +32,7 @@ import torch
 from imp.kernels.cuda import quantize_act_int8
 from imp.kernels.cuda import runtime as cu
 from imp.kernels.cuda.gemm_int8_act_tiles import sm_count
-from imp.kernels.cuda.paged_decode_attention import LOAD8
+from imp.kernels.cuda.paged_decode_attention import LOAD8, check_args, outputs
 
 NW = 8  # warps a CTA
 
@@ -198,32 +198,16 @@ def paged_decode_split(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bloc
     q8 the output quantized), a CTA a KV head, a row's keys in segments of seg_keys (default `seg_keys_for(max_ctx)`)
     dealt to n_splits CTAs (default `splits`). work: (part_ml [>= B*H*nseg_max, 2], part_acc [>= B*H*nseg_max, D])
     fp32 to reuse (a graph's); made here when None and a row can have more than one segment."""
-    cu.check(q, "q", torch.float32, 2, align=16)
-    cu.check(kc, "kc", (torch.float32, torch.bfloat16), 4, align=16)
-    cu.check(vc, "vc", (torch.float32, torch.bfloat16), 4, align=16)
-    cu.check(block_tables, "block_tables", torch.int32, 2)
-    cu.check(ctx_lens, "ctx_lens", torch.int32, 1)
-    if not (kc.is_contiguous() and vc.is_contiguous() and block_tables.is_contiguous() and ctx_lens.is_contiguous()):
-        raise ValueError("caches, block tables and lengths must be contiguous")
-    B = q.shape[0]
-    _, bs, Hkv, D = kc.shape
-    G = n_heads // max(1, Hkv)
-    if D not in DIMS or n_heads % Hkv or G not in GROUPS or q.shape[1] < n_heads * D or q.stride(0) % 4:
-        raise ValueError(f"unsupported shape: D={D}, H={n_heads}, Hkv={Hkv}")
-    if vc.shape != kc.shape or vc.dtype != kc.dtype or block_tables.shape[0] != B or ctx_lens.shape[0] != B:
-        raise ValueError("shape mismatch")
+    B, bs, Hkv, D = check_args(q, kc, vc, block_tables, ctx_lens, n_heads)
+    G = n_heads // Hkv
+    if G not in GROUPS:
+        raise ValueError(f"unsupported shape: H={n_heads}, Hkv={Hkv} (groups {GROUPS})")
     seg = seg_keys or seg_keys_for(max_ctx)
     nseg_max = max(1, -(-max_ctx // seg))
     S = n_splits or splits(B, Hkv, sm_count(q.device.index or 0), nseg_max)
     if not 1 <= S <= 1024:
         raise ValueError(f"n_splits {S}: 1..1024")
-    xa = None
-    if q8:
-        xa = quantize_act_int8.empty(B, n_heads * D, q.device)
-    elif out is None:
-        out = torch.empty(B, n_heads * D, dtype=torch.float32, device=q.device)
-    if out is not None:
-        cu.check(out, "out", torch.float32, 2)
+    out, xa = outputs(q, B, n_heads * D, out, q8)
     if B == 0:
         return xa if q8 else out
     if nseg_max > 1:

@@ -314,23 +314,43 @@ def profile_prefill(runner, name: str, P: int, out: Path, res: dict) -> None:
     print(txt, flush=True)
 
 
-def long_decode(runner, name: str, L: int, B: int, copy_Bps: float, rows: list, steps: int = 16) -> None:
-    """Decode at an agent's context (issue 39): one L-token prompt prefilled in 2,048-token chunks, then B rows that
-    share its blocks (a shared system prompt: what agents send) decode from its first sampled token, each into its own
-    blocks. The bytes a step must read: the weights + B x L positions of K/V."""
+def long_decode(runner, name: str, L: int, batches: list, copy_Bps: float, rows: list, steps: int = 16,
+                chunk_rows: int = 1024) -> None:
+    """Decode at an agent's context (issue 39): one L-token prompt prefilled in `chunk_rows`-token chunks (the
+    server's default chunk on a GPU: imp.config's max_step_tokens auto, 1,024; its rate is a row: what a user's
+    16k-token prompt costs through the server's chunks, against llama-bench -p L), then for each B of `batches`, B
+    rows that share its blocks (a shared system prompt: what agents send) decode from its first sampled token, each
+    into its own blocks (the shared prefix is only read, so every B reuses it). The bytes a step must read: the
+    weights + B x L positions of K/V."""
     cfg = runner.config
     L -= L % BS
     runner.k_cache.zero_()
     toks = np.random.default_rng(L).integers(300, cfg.vocab_size, size=L).tolist()
     shared = list(range(L // BS))
     first = None
-    for c0 in range(0, L, 2048):
-        chunk = toks[c0:c0 + 2048]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for c0 in range(0, L, chunk_rows):
+        chunk = toks[c0:c0 + chunk_rows]
         last = c0 + len(chunk) >= L
         w = SeqWork(seq_id="p", token_ids=chunk, start_pos=c0, block_table=shared, sample=last, params=GREEDY)
         got = runner.step([w])
         if last:
             first = got[0].token_id
+    pf = time.perf_counter() - t0  # step() returns sampled tokens: the last chunk's work is done
+    rows.append(dict(model=name, batch=f"prefill {L:,} ({chunk_rows:,}-row chunks)", tok_s=L / pf,
+                     step_ms=pf * 1e3, dev_ms=None, dev_tok_s=None, bw_pct=None, anchor="", pipe_tok_s=None))
+    log(f"{name} prefill {L} in {chunk_rows}-row chunks: {L / pf:.0f} tok/s ({pf * 1e3:.0f} ms)")
+    for B in batches:
+        try:
+            _long_rows(runner, name, L, B, shared, first, copy_Bps, rows, steps)
+        except Exception as e:  # noqa: BLE001 - a cell past the card's memory: say so, keep going
+            log(f"{name} b{B} at {L}: {type(e).__name__}: {e}")
+
+
+def _long_rows(runner, name: str, L: int, B: int, shared: list, first: int, copy_Bps: float, rows: list,
+               steps: int) -> None:
+    cfg = runner.config
     own = (steps * 2 + 16) // BS + 2
     tables = [shared + list(range(len(shared) + i * own, len(shared) + (i + 1) * own)) for i in range(B)]
     out = [[first] for _ in range(B)]
@@ -426,11 +446,10 @@ def bench_model(name: str, path: str, copy_Bps: float, prefills: list[int], rows
                          dev_tok_s=None, bw_pct=None, anchor=ANCHORS.get((base, "prefill"), "") if P == 512 else ""))
         log(f"{name} prefill {P}: {tp:.0f} tok/s ({statistics.median(ts) * 1e3:.1f} ms)")
     for L in (long[0] if long else ()):
-        for B in long[1]:
-            try:
-                long_decode(runner, name, L, B, copy_Bps, rows)
-            except Exception as e:  # noqa: BLE001 - a cell past the card's memory: say so, keep going
-                log(f"{name} b{B} at {L}: {type(e).__name__}: {e}")
+        try:
+            long_decode(runner, name, L, long[1], copy_Bps, rows)
+        except Exception as e:  # noqa: BLE001 - a cell past the card's memory: say so, keep going
+            log(f"{name} at {L}: {type(e).__name__}: {e}")
     lt = linear_table(runner, name, copy_Bps, res)  # the tuner's own timings: no extra device work
     print(lt, flush=True)
     (out or Path("/tmp")).joinpath(f"linears_{name.replace(' ', '_')}.md").write_text(lt + "\n")
@@ -486,6 +505,7 @@ def main() -> None:
                     "one shared prompt, --long-batch rows decoding after it; the models are written with a context "
                     "that holds the longest")
     ap.add_argument("--long-batch", default="1,16")
+    ap.add_argument("--keep", action="store_true", help="keep the 8B files (llama.cpp reads the same ones after)")
     ap.add_argument("--extras", default="", help="models (comma list) that also get the per-matrix table, "
                     "the batch-1 legacy/unfused/fused comparison and the decode / prefill-512 profiles. "
                     "torch.profiler leaves CUPTI attached: models measured after it in the same process "
@@ -525,7 +545,7 @@ def main() -> None:
                 traceback.print_exc()
                 res[f"{name} {conf}_error"] = f"{type(e).__name__}: {e}"
         (out / "gpu_bench.json").write_text(json.dumps(dict(res, rows=rows), indent=1, default=str))
-        if name != "135m-q4_1":
+        if name != "135m-q4_1" and not a.keep:
             path.unlink()  # keep the disk free for the next 8B file
     md = table(rows, ceil) + f"\n\nrows without a suffix: the server's defaults ({CONFIGS['default']}); a suffix names the other configuration"
     (out / "gpu_bench.md").write_text(md + "\n")

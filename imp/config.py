@@ -85,11 +85,13 @@ class ServerConfig:
     # do not depend on what shares its steps (vLLM's VLLM_BATCH_INVARIANT, SGLang's deterministic inference);
     # the CPU runner is batch invariant always
     batch_invariant: bool = False
-    # GPU decode rows' attention: "paged" (imp.kernels.cuda.paged_decode_attention: a CTA a query head and row) or
-    # "split" (imp.kernels.cuda.paged_decode_split: a CTA a KV head and its query heads, long contexts cut into
-    # segments over several CTAs; 8-13x faster at 16-32k tokens for one stream, 2-2.5x at 64 rows on an H100's
-    # kernel bench; batch invariant). Other bits than paged's: one kernel for every decode row of a server
-    gpu_decode_attention: str = "paged"
+    # GPU decode rows' attention: "split" (imp.kernels.cuda.paged_decode_split: a CTA a KV head and its query heads,
+    # long contexts cut into segments over several CTAs; batch invariant) or "paged" (paged_decode_attention: a CTA a
+    # query head and row). Split is the default since 2026-12-07 (H100, bench/gpu.py): the 8B shape one stream at
+    # 4k / 16k / 32k tokens 81 / 32 / 18 -> 134 / 126 / 100 tok/s, 64 rows at 128 tokens 6,378 -> 7,461; it costs
+    # 3 % (8B) and 11-14 % (135M) at one to eight streams of short contexts (a second launch a layer: the merge).
+    # Other bits than paged's: one kernel for every decode row of a server
+    gpu_decode_attention: str = "split"
     # GPU CUDA graphs: "all" (decode steps and steps with prompt rows, imp.gpu.mixed), "decode" (prompt steps
     # eager: a shorter boot, less memory) or "off" (every step eager)
     gpu_graphs: str = "all"

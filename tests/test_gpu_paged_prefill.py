@@ -155,3 +155,32 @@ def test_a_short_chunk_after_a_long_prefix_splits_and_is_faster():
     print(f"16 rows at 20k context, one layer: side by side {ms[0]:.3f} ms, in turn {ms[1]:.3f} ms")
     assert torch.equal(outs[0], outs[1])
     assert ms[0] < ms[1] / 3
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (32, 8, 128), (4, 4, 64), (8, 1, 128)])
+def test_the_shared_staging_kernel_gives_the_one_warp_kernel_s_bits(H, Hkv, D):
+    """paged_prefill (a block a tile and KV head, key tiles staged once for the group's warps, two buffers) against
+    paged_prefill_warp (a warp a tile and head: the kernel it replaced) on chunks of every kind: a prompt from 0, a
+    short chunk after a cached prefix, single rows, a tile straddling segments; in turn and side by side."""
+    from imp.kernels.cuda import paged_prefill_attention as pp
+
+    g, kc, vc = _setup(H, Hkv, D, seed=4, num_blocks=96)
+    blocks = torch.randperm(kc.shape[0], generator=g).numpy().astype(np.int32)[:80]  # 1,280 positions
+    many = [(0, 300, blocks, 0), (300, 3, blocks, 1000), (303, 1, blocks, 5), (304, 16, blocks[:60], 952),
+            (320, 37, blocks, 1243)]
+    few = [(0, 3, blocks, 1000), (3, 37, blocks, 1243)]  # 4 tiles: side by side when `last` is given
+    q = torch.randn(357, (H + 2 * Hkv) * D, generator=g).to(DEV) * 2
+    assert pp.splits(4, H, 1279, 64) == 20
+    for chunks, seg, last in ((many, 2048, None), (many, 64, None), (many, 64, 1279), (few, 64, 1279),
+                              (few, 128, 1279), (few, 2048, 1279)):
+        tiles, bt = pp.plan(chunks)
+        tiles, bt = torch.from_numpy(tiles).to(DEV), torch.from_numpy(bt).to(DEV)
+        outs = []
+        for warp in (False, True):
+            out = torch.full((q.shape[0], H * D), float("nan"), device=DEV)
+            pp.paged_prefill(q, kc, vc, tiles, bt, H, out, last=last, seg=seg, warp=warp)
+            outs.append(out)
+        torch.cuda.synchronize()
+        n = sum(c[1] for c in chunks)  # the rows the chunks name (the rest stay NaN)
+        assert not torch.isnan(outs[0][:n]).any(), (seg, last)
+        assert torch.equal(outs[0][:n], outs[1][:n]), (seg, last, float((outs[0][:n] - outs[1][:n]).abs().max()))

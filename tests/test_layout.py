@@ -41,10 +41,10 @@ def test_gpu_activations_is_validated_and_reaches_the_cli():
     # the server's loader and bench/gpu.py's default rows take the runner's numerics from here (issue 39: the bench
     # had measured fp32 activations while the server ran int8)
     assert gpu_runner_options(ServerConfig(device="cuda:0")) == {"int8_act": True, "batch_invariant": False,
-                                                                 "decode_attention": "paged"}
+                                                                 "decode_attention": "split"}
     assert gpu_runner_options(ServerConfig(gpu_activations="fp32"))["int8_act"] is False
     # the decode rows' attention kernel (issue 39's split decode), validated once here and passed to the runner
-    assert gpu_runner_options(ServerConfig(gpu_decode_attention="split"))["decode_attention"] == "split"
+    assert gpu_runner_options(ServerConfig(gpu_decode_attention="paged"))["decode_attention"] == "paged"
     with pytest.raises(ValueError, match="--gpu-decode-attention"):
         ServerConfig(gpu_decode_attention="flash")
     with pytest.raises(ValueError, match="--gpu-activations"):

@@ -90,7 +90,7 @@ class GpuModelRunner:
     def __init__(self, src: GGUFSource, num_blocks: int, block_size: int, device: str = "cuda:0",
                  kv_dtype=torch.bfloat16, dense: bool | None = None, graphs: bool = True, max_graph_batch: int = 64,
                  tune: bool = True, int8_act: bool = False, batch_invariant: bool = False,
-                 max_prompt_rows: int | None = 512, decided: dict | None = None, decode_attention: str = "paged"):
+                 max_prompt_rows: int | None = 512, decided: dict | None = None, decode_attention: str = "split"):
         """decided: what an earlier load of this model decided (dense copies or not, each matmul's kernel), to be
         decided the same again, else filled in here: a model reloaded after a suspend or a swap runs the same
         kernels, so it gives the same tokens and takes the same memory as before, whatever else the card holds

@@ -82,7 +82,7 @@ __device__ __forceinline__ float seg_mix(int how, float O, float a, float o, flo
 }
 
 template <int D>
-__global__ void __launch_bounds__(32) paged_prefill(
+__global__ void __launch_bounds__(32) paged_prefill_warp(
     const float* __restrict__ q, int ldq, const u16* __restrict__ kc, const u16* __restrict__ vc,
     const int* __restrict__ tiles, const int* __restrict__ bt, int max_blocks,
     float* __restrict__ out, int ldo, int H, int Hkv, int bs, float scale_log2,
@@ -255,6 +255,209 @@ __global__ void __launch_bounds__(32) paged_prefill(
     }  // segments
 }
 
+__device__ __forceinline__ void pf_cp16(void* dst, const void* src, int n) {  // n = 0: 16 zero bytes, no read
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(d), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void pf_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void pf_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+// four 8x8 b16 matrices transposed: lanes 8j..8j+7 address matrix j's rows; r_j is matrix j's fragment
+__device__ __forceinline__ void ldsm_x4_t(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a));
+}
+
+// Keys k0..k0+31 of KV head kvh into buffer (Kb, Vb), both row-major [key][D + 8]; keys past `last` as zeros
+// (their scores are masked, and a zero V row times a zero probability adds exact zeros).
+template <int D>
+__device__ __forceinline__ void pf_stage(u16* Kb, u16* Vb, const u16* __restrict__ kc, const u16* __restrict__ vc,
+                                         const int* __restrict__ btr, int k0, int last, int bs, size_t tok, int kvh) {
+    constexpr int CH = D / 8, KP = D + 8;
+    for (int i = threadIdx.x; i < 32 * CH; i += blockDim.x) {
+        const int kk = i / CH, c = i % CH, kp = k0 + kk;
+        const bool in = kp <= last;
+        const size_t off = in ? ((size_t)btr[kp / bs] * bs + kp % bs) * tok + (size_t)kvh * D + c * 8 : 0;
+        pf_cp16(Kb + kk * KP + c * 8, kc + off, in ? 16 : 0);
+        pf_cp16(Vb + kk * KP + c * 8, vc + off, in ? 16 : 0);
+    }
+    pf_commit();
+}
+
+// One block a (tile, KV head): G = H / Hkv warps, warp w the query head kvh * G + w over the tile's rows. Each key
+// tile is staged once for the G warps, by cp.async into one of two buffers while the other is scored; V is read
+// with ldmatrix.trans instead of being transposed on the way in. A warp's arithmetic is paged_prefill_warp's, in
+// the same order, so the bits are the same (tests/test_gpu_paged_prefill.py compares them); only the loads moved.
+template <int D>
+__global__ void __launch_bounds__(256) paged_prefill(
+    const float* __restrict__ q, int ldq, const u16* __restrict__ kc, const u16* __restrict__ vc,
+    const int* __restrict__ tiles, const int* __restrict__ bt, int max_blocks,
+    float* __restrict__ out, int ldo, int H, int Hkv, int bs, float scale_log2,
+    int seg, float* __restrict__ part, int nsplit) {
+    constexpr int KS = D / 16;        // k-steps of S = Q K^T
+    constexpr int NT = D / 8;         // n-tiles of O
+    constexpr int KP = D + 8;         // padded K / V row (bf16): conflict-free fragment and ldmatrix reads
+    __shared__ __align__(16) u16 Ks[2][32 * KP];
+    __shared__ __align__(16) u16 Vs[2][32 * KP];
+    const int tile = blockIdx.x, kvh = blockIdx.y;
+    const int h = kvh * (H / Hkv) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int row0 = tiles[tile * 4], nrows = tiles[tile * 4 + 1];
+    const int chunk = tiles[tile * 4 + 2], pos0 = tiles[tile * 4 + 3];
+    const int* btr = bt + (size_t)chunk * max_blocks;
+    const int last = pos0 + nrows - 1;  // the last key any row of the tile sees
+    const int pa = (g < nrows) ? pos0 + g : -1, pb = (g + 8 < nrows) ? pos0 + g + 8 : -1;
+
+    unsigned qa[KS][4];
+    {
+        const float* ra = q + (size_t)(row0 + g) * ldq + (size_t)h * D;
+        const float* rb = q + (size_t)(row0 + g + 8) * ldq + (size_t)h * D;
+        #pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            const int c = ks * 16 + 2 * t;
+            const float2 a0 = (pa >= 0) ? *(const float2*)(ra + c) : make_float2(0.f, 0.f);
+            const float2 a2 = (pa >= 0) ? *(const float2*)(ra + c + 8) : make_float2(0.f, 0.f);
+            const float2 b0 = (pb >= 0) ? *(const float2*)(rb + c) : make_float2(0.f, 0.f);
+            const float2 b2 = (pb >= 0) ? *(const float2*)(rb + c + 8) : make_float2(0.f, 0.f);
+            qa[ks][0] = pack_bf2(a0.x, a0.y);
+            qa[ks][1] = pack_bf2(b0.x, b0.y);
+            qa[ks][2] = pack_bf2(a2.x, a2.y);
+            qa[ks][3] = pack_bf2(b2.x, b2.y);
+        }
+    }
+    const size_t tok = (size_t)Hkv * D;
+    const int nseg = last / seg + 1;
+    int s_lo = 0, s_hi = nseg;  // in turn here; with `part`, block z's segment alone
+    if (part != nullptr) {
+        s_lo = blockIdx.z;
+        s_hi = s_lo + 1;
+        if (s_lo >= nseg) return;  // the whole block: s_lo and nseg are the block's
+    }
+    const int kbeg = s_lo * seg, kfin = min(last, s_hi * seg - 1);
+    float Ma = NEG_INF, Mb = NEG_INF, La = 0.f, Lb = 0.f;  // rows g, g+8 over the segments merged so far
+    float* oa = out + (size_t)(row0 + g) * ldo + (size_t)h * D;  // the running O between segments (pa >= 0)
+    float* ob = out + (size_t)(row0 + g + 8) * ldo + (size_t)h * D;
+    float o[NT][4];
+    #pragma unroll
+    for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float ma = NEG_INF, mb = NEG_INF, la = 0.f, lb = 0.f;  // rows g, g+8: running max (log2 units), lane's sum
+    pf_stage<D>(Ks[0], Vs[0], kc, vc, btr, kbeg, last, bs, tok, kvh);
+    int buf = 0;
+    for (int k0 = kbeg; k0 <= kfin; k0 += 32, buf ^= 1) {
+        if (k0 + 32 <= kfin) {
+            pf_stage<D>(Ks[buf ^ 1], Vs[buf ^ 1], kc, vc, btr, k0 + 32, last, bs, tok, kvh);
+            pf_wait<1>();
+        } else {
+            pf_wait<0>();
+        }
+        __syncthreads();
+        const u16* Kb = Ks[buf];
+        const u16* Vb = Vs[buf];
+        // S = Q K^T: 4 n-tiles of 8 keys
+        float s[4][4];
+        #pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            #pragma unroll
+            for (int ks = 0; ks < KS; ++ks) {
+                const u16* kr = Kb + (n * 8 + g) * KP + ks * 16 + 2 * t;
+                mma_bf16(s[n], qa[ks], *(const unsigned*)kr, *(const unsigned*)(kr + 8));
+            }
+        }
+        float mxa = NEG_INF, mxb = NEG_INF;
+        #pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            #pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int kp = k0 + n * 8 + 2 * t + j;
+                s[n][j] = (kp <= pa) ? s[n][j] * scale_log2 : NEG_INF;
+                s[n][2 + j] = (kp <= pb) ? s[n][2 + j] * scale_log2 : NEG_INF;
+                mxa = fmaxf(mxa, s[n][j]);
+                mxb = fmaxf(mxb, s[n][2 + j]);
+            }
+        }
+        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
+        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
+        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
+        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
+        const float na = fmaxf(ma, mxa), nb = fmaxf(mb, mxb);
+        const float ca = (na == NEG_INF) ? 1.f : exp2f(ma - na);
+        const float cb = (nb == NEG_INF) ? 1.f : exp2f(mb - nb);
+        ma = na; mb = nb;
+        la *= ca; lb *= cb;
+        #pragma unroll
+        for (int n = 0; n < NT; ++n) { o[n][0] *= ca; o[n][1] *= ca; o[n][2] *= cb; o[n][3] *= cb; }
+        unsigned pf[4][2];
+        #pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            const float p0 = (na == NEG_INF) ? 0.f : exp2f(s[n][0] - na);
+            const float p1 = (na == NEG_INF) ? 0.f : exp2f(s[n][1] - na);
+            const float p2 = (nb == NEG_INF) ? 0.f : exp2f(s[n][2] - nb);
+            const float p3 = (nb == NEG_INF) ? 0.f : exp2f(s[n][3] - nb);
+            pf[n][0] = pack_bf2(p0, p1);
+            pf[n][1] = pack_bf2(p2, p3);
+            la += bf2f((u16)(pf[n][0] & 0xffffu)) + bf2f((u16)(pf[n][0] >> 16));
+            lb += bf2f((u16)(pf[n][1] & 0xffffu)) + bf2f((u16)(pf[n][1] >> 16));
+        }
+        // O += P V: two k-steps of 16 keys; V fragments for two n-tiles per ldmatrix (lanes 0-15: keys 0-15 at
+        // n-tile n, lanes 16-31: at n-tile n + 1)
+        #pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+            const unsigned a[4] = {pf[2 * kk][0], pf[2 * kk][1], pf[2 * kk + 1][0], pf[2 * kk + 1][1]};
+            #pragma unroll
+            for (int n = 0; n < NT; n += 2) {
+                unsigned b0, b1, b2, b3;
+                ldsm_x4_t(b0, b1, b2, b3, Vb + (kk * 16 + (lane & 15)) * KP + (n + (lane >> 4)) * 8);
+                mma_bf16(o[n], a, b0, b1);
+                mma_bf16(o[n + 1], a, b2, b3);
+            }
+        }
+        __syncthreads();  // this buffer is the next-but-one tile's: every warp is done with it
+        if ((k0 + 32) % seg != 0 && k0 + 32 <= kfin) continue;
+        // the end of segment sg: merge it (or hand it to paged_prefill_combine), then start the next
+        const int sg = k0 / seg;
+        la += __shfl_xor_sync(0xffffffffu, la, 1);
+        la += __shfl_xor_sync(0xffffffffu, la, 2);
+        lb += __shfl_xor_sync(0xffffffffu, lb, 1);
+        lb += __shfl_xor_sync(0xffffffffu, lb, 2);
+        if (part != nullptr) {
+            float* pr = part + (((size_t)tile * H + h) * nsplit + sg) * 16 * (D + 2);
+            #pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const int c = n * 8 + 2 * t;
+                if (pa >= 0) *(float2*)(pr + (size_t)g * (D + 2) + c) = make_float2(o[n][0], o[n][1]);
+                if (pb >= 0) *(float2*)(pr + (size_t)(g + 8) * (D + 2) + c) = make_float2(o[n][2], o[n][3]);
+            }
+            if (t == 0 && pa >= 0) { pr[(size_t)g * (D + 2) + D] = ma; pr[(size_t)g * (D + 2) + D + 1] = la; }
+            if (t == 0 && pb >= 0) { pr[(size_t)(g + 8) * (D + 2) + D] = mb; pr[(size_t)(g + 8) * (D + 2) + D + 1] = lb; }
+        } else {
+            float aa = 0.f, ba = 0.f, ab = 0.f, bb = 0.f;
+            const int ua = seg_merge(Ma, La, ma, la, aa, ba), ub = seg_merge(Mb, Lb, mb, lb, ab, bb);
+            const bool final_ = sg == nseg - 1;
+            const float ia = (La > 0.f) ? 1.f / La : 0.f, ib = (Lb > 0.f) ? 1.f / Lb : 0.f;
+            #pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const int c = n * 8 + 2 * t;
+                if (pa >= 0 && (ua || final_)) {
+                    float2 O = ua == 1 ? make_float2(0.f, 0.f) : *(const float2*)(oa + c);
+                    if (ua) O = make_float2(seg_mix(ua, O.x, aa, o[n][0], ba), seg_mix(ua, O.y, aa, o[n][1], ba));
+                    if (final_) { O.x *= ia; O.y *= ia; }
+                    *(float2*)(oa + c) = O;
+                }
+                if (pb >= 0 && (ub || final_)) {
+                    float2 O = ub == 1 ? make_float2(0.f, 0.f) : *(const float2*)(ob + c);
+                    if (ub) O = make_float2(seg_mix(ub, O.x, ab, o[n][2], bb), seg_mix(ub, O.y, ab, o[n][3], bb));
+                    if (final_) { O.x *= ib; O.y *= ib; }
+                    *(float2*)(ob + c) = O;
+                }
+            }
+        }
+        #pragma unroll
+        for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+        ma = NEG_INF; mb = NEG_INF; la = 0.f; lb = 0.f;
+    }
+}
+
 // One block a (tile, head), a thread a column: the segments' (o, m, l) merged in order, as the kernel above
 // merges them in turn, then O / L.
 template <int D>
@@ -279,7 +482,8 @@ __global__ void __launch_bounds__(D) paged_prefill_combine(
 }
 """
 
-_NAMES = ("paged_prefill<64>", "paged_prefill<128>", "paged_prefill_combine<64>", "paged_prefill_combine<128>")
+_NAMES = ("paged_prefill<64>", "paged_prefill<128>", "paged_prefill_warp<64>", "paged_prefill_warp<128>",
+          "paged_prefill_combine<64>", "paged_prefill_combine<128>")
 
 SEG_KEYS = 2048  # a row's keys are scored in segments of this many absolute positions, merged in order
 SPLIT_BELOW = 512  # (tile, head) pairs under which a launch over several segments runs them side by side
@@ -314,7 +518,7 @@ def plan(chunks: list[tuple[int, int, np.ndarray, int]]) -> tuple[np.ndarray, np
 
 def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tiles: torch.Tensor, bt: torch.Tensor,
                   n_heads: int, out: torch.Tensor, scale: float | None = None, last: int | None = None,
-                  seg: int = SEG_KEYS) -> torch.Tensor:
+                  seg: int = SEG_KEYS, warp: bool = False) -> torch.Tensor:
     """Writes the attention of every tile's rows into out [N, H*D] fp32 (see the module docstring). last: the
     last key position of any tile (the host knows it; a graph's launch does not), which lets a launch of few
     tiles over a long context run its segments side by side (`splits`); None: in turn."""
@@ -339,8 +543,12 @@ def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tiles: to
     s = (1.0 / math.sqrt(D)) if scale is None else scale
     n = 1 if last is None else splits(T, n_heads, last, seg)
     part = torch.empty(T * n_heads * n * TILE_ROWS * (D + 2), dtype=torch.float32, device=q.device) if n > 1 else None
-    fn = cu.function(SRC, f"paged_prefill<{D}>", _NAMES)
-    cu.launch(fn, (T, n_heads, n), (32,), (
+    G = n_heads // Hkv
+    if warp or G > 8:  # the one-warp kernel: the reference the GPU lane compares bits with; > 8 heads a group
+        fn, grid, block = cu.function(SRC, f"paged_prefill_warp<{D}>", _NAMES), (T, n_heads, n), (32,)
+    else:
+        fn, grid, block = cu.function(SRC, f"paged_prefill<{D}>", _NAMES), (T, Hkv, n), (32 * G,)
+    cu.launch(fn, grid, block, (
         cu.ptr(q), cu.i32(q.stride(0)), cu.ptr(kc), cu.ptr(vc), cu.ptr(tiles), cu.ptr(bt), cu.i32(bt.shape[1]),
         cu.ptr(out), cu.i32(out.stride(0)), cu.i32(n_heads), cu.i32(Hkv), cu.i32(bs), cu.f32(s * math.log2(math.e)),
         cu.i32(seg), cu.ptr(part), cu.i32(n)))

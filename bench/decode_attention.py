@@ -4,7 +4,7 @@ KV head and its group, keys split over S CTAs), one layer, bf16 KV cache, on the
     python3 bench/decode_attention.py [--ctx 1024,4096,16384,32768] [--batch 1,16,64]
 
 Shapes: the 8B (H 32, Hkv 8, D 128), SmolLM2 135M (H 9, Hkv 3, D 64), Gemma 3 270M (H 4, Hkv 1, D 256). Each cell:
-µs a call (CUDA events, median of 50 after 5 warm-ups), the K+V bytes it must read (B x ctx x Hkv x D x 2 x 2) over
+µs a call inside a CUDA graph of 10 calls (as the server replays them; CUDA events, median of 10 replays), the K+V bytes it must read (B x ctx x Hkv x D x 2 x 2) over
 that time, and the split kernel's S (`splits`: the server's rule; segments by `seg_keys_for`). Prints one table; checks each cell's outputs agree
 (rel < 1e-4) before timing it.
 """
@@ -30,6 +30,21 @@ def _time(fn, reps: int = 50) -> float:
     for _ in range(5):
         fn()
     return statistics.median(event_ns(fn, reps)) / 1e3
+
+
+def _time_graph(fn, calls: int = 10) -> float:
+    """µs a call as the server runs it: `calls` launches captured in one CUDA graph, replayed (no Python between
+    kernels; an eager call's ~30-60 µs of host time would hide a short context's kernel)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return _time(g.replay, reps=10) / calls
 
 
 def main() -> int:
@@ -64,7 +79,8 @@ def main() -> int:
                 seg = a.seg or ps.seg_keys_for(a.max_ctx)
                 nseg = -(-a.max_ctx // seg)
                 S = ps.splits(B, Hkv, sms, nseg)
-                work = (torch.empty(B * H * nseg, 2, device="cuda"), torch.empty(B * H * nseg, D, device="cuda"))
+                work = (torch.empty(B * H * nseg, 2, device="cuda"), torch.empty(B * H * nseg, D, device="cuda"),
+                        torch.zeros(B * Hkv, dtype=torch.int32, device="cuda"))
                 o1, o2 = torch.empty(B, H * D, device="cuda"), torch.empty(B, H * D, device="cuda")
                 pa.paged_decode(q, kc, vc, bt, ln, H, out=o1)
                 ps.paged_decode_split(q, kc, vc, bt, ln, H, a.max_ctx, out=o2, work=work, seg_keys=seg)
@@ -72,8 +88,9 @@ def main() -> int:
                 if rel > 1e-4:
                     print(f"| {name} | {B} | {L} | outputs differ: rel {rel:.2e} |")
                     continue
-                t1 = _time(lambda: pa.paged_decode(q, kc, vc, bt, ln, H, out=o1))
-                t2 = _time(lambda: ps.paged_decode_split(q, kc, vc, bt, ln, H, a.max_ctx, out=o2, work=work, seg_keys=seg))
+                t1 = _time_graph(lambda: pa.paged_decode(q, kc, vc, bt, ln, H, out=o1))
+                t2 = _time_graph(lambda: ps.paged_decode_split(q, kc, vc, bt, ln, H, a.max_ctx, out=o2, work=work,
+                                                                seg_keys=seg))
                 gb = B * L * Hkv * D * 2 * 2 / 1e9
                 print(f"| {name} | {B} | {L:,} | {t1:,.1f} | {gb / t1 * 1e6:,.0f} | {t2:,.1f} ({S}) | "
                       f"{gb / t2 * 1e6:,.0f} | {t2 / t1:.2f} |")

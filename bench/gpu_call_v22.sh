@@ -43,7 +43,7 @@ peer)
     timeout ${LB_S:-200} $B/llama-bench -m $f -ngl 99 -fa 1 -p 512,16384 -n 0 -r 2 2>&1 | grep "^|" | tee $OUT/llama_bench_$(basename $f .gguf).txt
   done ;;
 pf)
-  timeout ${PF_S:-200} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_paged_prefill.py 2>&1 | tail -4
+  timeout ${PF_S:-200} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_paged_prefill.py tests/test_gpu_decode_split.py 2>&1 | tail -4
   timeout ${PFB_S:-200} python3 bench/prefill_attention.py ${PCH:+--chunks $PCH} ${PPRE:+--prefix $PPRE} > $OUT/prefill_attention.txt 2>&1
   tail -40 $OUT/prefill_attention.txt ;;
 tests)

@@ -68,10 +68,12 @@ def test_split_decode_is_the_reference_and_paged_decode(dtype, B, H, Hkv, D, bs,
     # reused work buffers (a graph's), larger than needed and poisoned
     seg = ps.seg_keys_for(max_ctx)
     n = B * H * -(-max_ctx // seg) + 7
-    work = (torch.full((n, 2), float("nan"), device=DEV), torch.full((n, D), float("nan"), device=DEV))
+    work = (torch.full((n, 2), float("nan"), device=DEV), torch.full((n, D), float("nan"), device=DEV),
+            torch.zeros(B * Hkv + 3, dtype=torch.int32, device=DEV))
     out2 = _poison(B, H * D)
     ps.paged_decode_split(q, kc, vc, bt, ln, H, max_ctx, n_splits=S, out=out2, work=work)
     assert torch.equal(out, out2)
+    assert not work[2].any()  # the last CTA of each row resets its counter for the next launch
 
 
 @pytest.mark.gpu
@@ -106,7 +108,7 @@ def test_split_decode_is_captured_by_a_graph_and_serves_any_context_length():
     q = torch.randn(B, H * D, device=DEV)
     out = torch.empty(B, H * D, device=DEV)
     n = B * H * -(-max_ctx // ps.seg_keys_for(max_ctx))
-    work = (torch.empty(n, 2, device=DEV), torch.empty(n, D, device=DEV))
+    work = (torch.empty(n, 2, device=DEV), torch.empty(n, D, device=DEV), torch.zeros(B * Hkv, dtype=torch.int32, device=DEV))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -122,3 +124,4 @@ def test_split_decode_is_captured_by_a_graph_and_serves_any_context_length():
         want = pa.reference(q, kc, vc, bt, ln, H)
         for i, L in enumerate(lens):
             assert (out[i] == 0).all() if L == 0 else _rel(out[i:i + 1], want[i:i + 1]) < 1e-5
+        assert not work[2].any()

@@ -157,10 +157,10 @@ def test_a_short_chunk_after_a_long_prefix_splits_and_is_faster():
     assert ms[0] < ms[1] / 3
 
 
-@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (32, 8, 128), (4, 4, 64), (8, 1, 128)])
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (32, 8, 128), (4, 4, 64), (8, 1, 128), (16, 8, 64), (32, 2, 128)])
 def test_the_shared_staging_kernel_gives_the_one_warp_kernel_s_bits(H, Hkv, D):
-    """paged_prefill (a block a tile and KV head, key tiles staged once for the group's warps, two buffers) against
-    paged_prefill_warp (a warp a tile and head: the kernel it replaced) on chunks of every kind: a prompt from 0, a
+    """paged_prefill (a block a tile and KV head, Q and key tiles staged once for the group's warps, one or two heads
+    a warp) against paged_prefill_warp (a warp a tile and head: the kernel it replaced) on chunks of every kind: a prompt from 0, a
     short chunk after a cached prefix, single rows, a tile straddling segments; in turn and side by side."""
     from imp.kernels.cuda import paged_prefill_attention as pp
 
@@ -176,11 +176,12 @@ def test_the_shared_staging_kernel_gives_the_one_warp_kernel_s_bits(H, Hkv, D):
         tiles, bt = pp.plan(chunks)
         tiles, bt = torch.from_numpy(tiles).to(DEV), torch.from_numpy(bt).to(DEV)
         outs = []
-        for warp in (False, True):
+        for kw in [dict(warp=True), dict(hpw=1)] + ([dict(hpw=2)] if (H // Hkv) % 2 == 0 else []):
             out = torch.full((q.shape[0], H * D), float("nan"), device=DEV)
-            pp.paged_prefill(q, kc, vc, tiles, bt, H, out, last=last, seg=seg, warp=warp)
+            pp.paged_prefill(q, kc, vc, tiles, bt, H, out, last=last, seg=seg, **kw)
             outs.append(out)
         torch.cuda.synchronize()
         n = sum(c[1] for c in chunks)  # the rows the chunks name (the rest stay NaN)
         assert not torch.isnan(outs[0][:n]).any(), (seg, last)
-        assert torch.equal(outs[0][:n], outs[1][:n]), (seg, last, float((outs[0][:n] - outs[1][:n]).abs().max()))
+        for o in outs[1:]:
+            assert torch.equal(o[:n], outs[0][:n]), (seg, last, float((o[:n] - outs[0][:n]).abs().max()))

@@ -43,9 +43,9 @@ class Forward:
         self.cos, self.sin = cos, sin  # [context, D/2] fp32
         self.sampled = sampled  # [MAX_SAMPLED] int32: the previous step's ids, for PENDING_TOKEN rows
         self.fuse = fuse  # fused QKV(+RoPE+KV write) and gate/up(+SiLU*up) where gemv_bf16x is chosen
-        # decode rows' attention: None = paged_decode; (part_ml, part_acc) = paged_decode_split with these work
+        # decode rows' attention: None = paged_decode; (part_ml, part_acc, counters) = paged_decode_split with these work
         # buffers for up to split_rows rows (the graphs' largest batch; an eager step past it makes its own)
-        self.split_work: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.split_work: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.split_rows = 0
         self.max_ctx = cos.shape[0]  # the context the rope tables cover: the split kernel's segment length follows it
 

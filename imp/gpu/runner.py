@@ -168,7 +168,8 @@ class GpuModelRunner:
 
     def _split_decode(self, rows: int) -> None:
         """Decode rows' attention on paged_decode_split (--gpu-decode-attention split): its work buffers for `rows`
-        rows, made once here so every captured graph holds the same ones (B x H x segments x (D + 2) floats)."""
+        rows, made once here so every captured graph holds the same ones (B x H x segments x (D + 2) floats, and a
+        counter a row and KV head that each launch leaves at zero)."""
         cfg = self.config
         G = cfg.n_heads // max(1, cfg.n_kv_heads)
         if G not in k_split.GROUPS or cfg.head_dim not in k_split.DIMS or cfg.n_heads % cfg.n_kv_heads:
@@ -179,7 +180,8 @@ class GpuModelRunner:
         segs = -(-self.fwd.max_ctx // k_split.seg_keys_for(self.fwd.max_ctx))
         n = rows * cfg.n_heads * segs if segs > 1 else 1
         self.fwd.split_work = (torch.empty(n, 2, dtype=torch.float32, device=self.device),
-                               torch.empty(n, cfg.head_dim, dtype=torch.float32, device=self.device))
+                               torch.empty(n, cfg.head_dim, dtype=torch.float32, device=self.device),
+                               torch.zeros(rows * cfg.n_kv_heads, dtype=torch.int32, device=self.device))
         self.fwd.split_rows = rows
 
     @classmethod

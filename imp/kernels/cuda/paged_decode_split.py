@@ -9,7 +9,7 @@ agents' contexts (issue 39, 10-30k tokens):
 - Parallelism: one stream of the 8B has 32 CTAs (8 here) on 132 SMs, each streaming 32k keys with a few loads in
   flight: latency-bound. Here a row's keys are cut into segments of `seg_keys` positions (flash-decoding's split-K),
   dealt to S CTAs a KV head (split s takes segments s, s + S, ...); each segment is one online softmax from its first
-  key, and a second kernel merges a row's segments in order. S is parallelism only: a row's bits depend on its
+  key, and the CTA that finishes a row's last share merges its segments in order. S is parallelism only: a row's bits depend on its
   context and seg_keys (a server's constant, `seg_keys_for(max_ctx)`), never on S or on the rows beside it, so the
   kernel keeps batch invariance and a CUDA graph captured once at one S serves every context length.
 
@@ -60,7 +60,7 @@ __device__ __forceinline__ void put_out(float val, int b, int h, int d, int H, i
 // grid (Hkv, B, S), 256 threads. A row's keys are cut into segments of seg_keys positions; split s of S takes
 // segments s, s + S, ... Each segment is one online softmax from its first key, merged over the NSLOT slots in slot
 // order: a row with one segment writes the output here; else each segment writes part_ml [B, H, nseg_max] float2
-// (max, sum) and part_acc [B, H, nseg_max, D] (unnormalized), merged in segment order by decode_merge. So a row's
+// (max, sum) and part_acc [B, H, nseg_max, D] (unnormalized), merged in segment order by the last CTA to finish. So a row's
 // bits depend on its context and seg_keys alone, never on S or on the rows beside it (batch invariance).
 template <typename KV, int D, int G, bool Q8>
 __global__ void __launch_bounds__(256) paged_decode_split(
@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(256) paged_decode_split(
     const int* __restrict__ bt, int max_blocks, const int* __restrict__ ctx_lens,
     float* __restrict__ out, int ldo, int H, int Hkv, int bs, float scale,
     signed char* __restrict__ xq, float2* __restrict__ xds,
-    float2* __restrict__ part_ml, float* __restrict__ part_acc, int seg_keys, int nseg_max) {
+    float2* __restrict__ part_ml, float* __restrict__ part_acc, int seg_keys, int nseg_max, int* __restrict__ cnt) {
     constexpr int LPK = D / 8, KPW = 32 / LPK, NWARP = 8, NSLOT = NWARP * KPW, U = G <= 2 ? 4 : 2;
     constexpr int ROUND = NSLOT * U;
     __shared__ float s_m[NSLOT], s_l[NSLOT], s_acc[NSLOT][D];
@@ -145,35 +145,45 @@ __global__ void __launch_bounds__(256) paged_decode_split(
             __syncthreads();
         }
     }
-}
-
-// grid (H, B), D threads: a row with more than one segment gets its segments' states merged in segment order.
-template <int D, bool Q8>
-__global__ void __launch_bounds__(256) decode_merge(
-    const float2* __restrict__ part_ml, const float* __restrict__ part_acc, const int* __restrict__ ctx_lens,
-    int seg_keys, int nseg_max, float* __restrict__ out, int ldo, int H, signed char* __restrict__ xq,
-    float2* __restrict__ xds) {
-    const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
-    const int nseg = min(nseg_max, (ctx_lens[b] + seg_keys - 1) / seg_keys);
-    if (nseg <= 1) return;  // written by paged_decode_split itself
-    const size_t p0 = ((size_t)b * H + h) * nseg_max;
-    float M = NEG_INF;
-    for (int s = 0; s < nseg; ++s) M = fmaxf(M, part_ml[p0 + s].x);
-    float tot = 0.f, o = 0.f;
-    for (int s = 0; s < nseg; ++s) {
-        const float2 ml = part_ml[p0 + s];
-        const float w = __expf(ml.x - M);
-        tot += ml.y * w;
-        o += part_acc[(p0 + s) * D + d] * w;
+    // A row of several segments: the CTA that finishes its share last (a counter a row and KV head, reset by it for
+    // the next launch) merges the group's heads in segment order, as a second kernel did (the same bits, one launch
+    // less a layer). The fence publishes this CTA's partials before its count; the last one reads them from L2.
+    const int nseg_c = min(nseg, nseg_max);
+    if (nseg_c <= 1 || split >= nseg_c) return;  // written above, or this CTA had no segment
+    __shared__ int s_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int prev = atomicAdd(cnt + (size_t)b * Hkv + kvh, 1);
+        s_last = prev == min(S, nseg_c) - 1;
     }
-    put_out<Q8>(o / tot, b, h, d, H, D, out, ldo, xq, xds);
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    if (threadIdx.x == 0) cnt[(size_t)b * Hkv + kvh] = 0;
+    if (threadIdx.x >= D) return;
+    #pragma unroll 1
+    for (int g = 0; g < G; ++g) {
+        const int h = kvh * G + g;
+        const size_t p0 = ((size_t)b * H + h) * nseg_max;
+        float M = NEG_INF;
+        for (int s2 = 0; s2 < nseg_c; ++s2) M = fmaxf(M, __ldcg(&part_ml[p0 + s2].x));
+        float tot = 0.f, o = 0.f;
+        for (int s2 = 0; s2 < nseg_c; ++s2) {
+            const float2 ml = __ldcg(part_ml + p0 + s2);
+            const float w = __expf(ml.x - M);
+            tot += ml.y * w;
+            o += __ldcg(part_acc + (p0 + s2) * D + threadIdx.x) * w;
+        }
+        put_out<Q8>(o / tot, b, h, threadIdx.x, H, D, out, ldo, xq, xds);
+    }
 }
 """
 
 GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
 DIMS = (64, 128, 256)
 _NAMES = tuple(f"paged_decode_split<{t}, {d}, {g}, {q}>" for t in ("float", "u16") for d in DIMS for g in GROUPS
-               for q in ("false", "true")) + tuple(f"decode_merge<{d}, {q}>" for d in DIMS for q in ("false", "true"))
+               for q in ("false", "true"))
 
 
 def seg_keys_for(max_ctx: int) -> int:
@@ -196,8 +206,9 @@ def paged_decode_split(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bloc
     """paged_decode_attention.paged_decode's contract (q [B, >= H*D] fp32, kc/vc [num_blocks, bs, Hkv, D] fp32|bf16,
     block_tables [B, max_blocks] int32, ctx_lens [B] int32 <= max_ctx (0 -> zeros) -> out [B, H*D] fp32, or with
     q8 the output quantized), a CTA a KV head, a row's keys in segments of seg_keys (default `seg_keys_for(max_ctx)`)
-    dealt to n_splits CTAs (default `splits`). work: (part_ml [>= B*H*nseg_max, 2], part_acc [>= B*H*nseg_max, D])
-    fp32 to reuse (a graph's); made here when None and a row can have more than one segment."""
+    dealt to n_splits CTAs (default `splits`). work: (part_ml [>= B*H*nseg_max, 2], part_acc [>= B*H*nseg_max, D]
+    fp32, counters [>= B*Hkv] int32 zeros, left zero by every launch) to reuse (a graph's); made here when None and a
+    row can have more than one segment."""
     B, bs, Hkv, D = check_args(q, kc, vc, block_tables, ctx_lens, n_heads)
     G = n_heads // Hkv
     if G not in GROUPS:
@@ -214,21 +225,20 @@ def paged_decode_split(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bloc
         n = B * n_heads * nseg_max
         if work is None:
             work = (torch.empty(n, 2, dtype=torch.float32, device=q.device),
-                    torch.empty(n, D, dtype=torch.float32, device=q.device))
-        if work[0].numel() < 2 * n or work[1].numel() < n * D:
+                    torch.empty(n, D, dtype=torch.float32, device=q.device),
+                    torch.zeros(B * Hkv, dtype=torch.int32, device=q.device))
+        if work[0].numel() < 2 * n or work[1].numel() < n * D or work[2].numel() < B * Hkv:
             raise ValueError("work buffers too small")
+        if work[2].dtype != torch.int32:
+            raise ValueError("the counters are int32")
     t = "float" if kc.dtype == torch.float32 else "u16"
     qs = "true" if q8 else "false"
     fn = cu.function(SRC, f"paged_decode_split<{t}, {D}, {G}, {qs}>", _NAMES)
     o_ptr, ldo = cu.ptr(out), cu.i32(0 if out is None else out.stride(0))
     xq, xds = cu.ptr(None if xa is None else xa.xq), cu.ptr(None if xa is None else xa.xds)
-    ml, pa = (cu.ptr(work[0]), cu.ptr(work[1])) if nseg_max > 1 else (cu.ptr(None), cu.ptr(None))
+    ml, pa, cn = (cu.ptr(w) for w in work) if nseg_max > 1 else (cu.ptr(None),) * 3
     cu.launch(fn, (Hkv, B, S), (32 * NW,), (
         cu.ptr(q), cu.i32(q.stride(0)), cu.ptr(kc), cu.ptr(vc), cu.ptr(block_tables), cu.i32(block_tables.shape[1]),
         cu.ptr(ctx_lens), o_ptr, ldo, cu.i32(n_heads), cu.i32(Hkv), cu.i32(bs), cu.f32(1.0 / math.sqrt(D)),
-        xq, xds, ml, pa, cu.i32(seg), cu.i32(nseg_max)))
-    if nseg_max > 1:
-        merge = cu.function(SRC, f"decode_merge<{D}, {qs}>", _NAMES)
-        cu.launch(merge, (n_heads, B), (D,), (ml, pa, cu.ptr(ctx_lens), cu.i32(seg), cu.i32(nseg_max), o_ptr, ldo,
-                                              cu.i32(n_heads), xq, xds))
+        xq, xds, ml, pa, cu.i32(seg), cu.i32(nseg_max), cn))
     return xa if q8 else out

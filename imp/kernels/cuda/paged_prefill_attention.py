@@ -27,11 +27,14 @@ walking 625 key tiles alone), every segment gets a block of its own and
 same roundings: the same bits either way, so the choice may follow the step.
 
 Math: tensor cores, mma.sync m16n8k16 bf16 -> fp32 (q and the probabilities
-rounded to bf16, as flash attention does; the cache is bf16 already). One warp a
-block: S = Q K^T over a 32-key tile (D/16 k-steps x 4 n-tiles), online softmax in
+rounded to bf16, as flash attention does; the cache is bf16 already). A warp and a
+head: S = Q K^T over a 32-key tile (D/16 k-steps x 4 n-tiles), online softmax in
 the accumulator layout (a row lives in one lane quad), then O += P V (2 k-steps x
-D/8 n-tiles), with P taken straight from S's registers. K is staged row-major and
-V transposed in shared memory (padded: no bank conflicts on fragment reads).
+D/8 n-tiles), with P taken straight from S's registers. A block takes a tile and a
+KV head: its G query heads' warps (one or two heads a warp) share each key tile,
+staged once by cp.async into one of two buffers while the other is scored (the one-
+warp kernel it replaced, `paged_prefill_warp`, staged its own copy for every head
+and waited on each load: 4-13 TFLOP/s on the 8B shape; kept as the bits' reference).
 
 Shapes: q [N, >= H*D] fp32 (qkv rows), kc/vc [num_blocks, bs, Hkv, D] bf16,
 tiles [T, 4] int32 (row0, rows <= 16, chunk, position of row0), bt [C, max_blocks]
@@ -284,11 +287,20 @@ __device__ __forceinline__ void pf_stage(u16* Kb, u16* Vb, const u16* __restrict
     pf_commit();
 }
 
-// One block a (tile, KV head): G = H / Hkv warps, warp w the query head kvh * G + w over the tile's rows. Each key
-// tile is staged once for the G warps, by cp.async into one of two buffers while the other is scored; V is read
-// with ldmatrix.trans instead of being transposed on the way in. A warp's arithmetic is paged_prefill_warp's, in
-// the same order, so the bits are the same (tests/test_gpu_paged_prefill.py compares them); only the loads moved.
-template <int D>
+__device__ __forceinline__ void ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a));
+}
+
+// One block a (tile, KV head): G / HPW warps, warp w the query heads kvh * G + HPW * w + j (j < HPW) over the tile's
+// rows. The tile's Q rows (bf16, as the one-warp kernel rounds them) wait in shared memory for the G heads and each
+// key tile is staged once for them, by cp.async into one of two buffers while the other is scored; a warp reads its
+// K and V fragments once for its HPW heads (two heads: twice the independent MMAs between waits, half the loads a
+// head). V is read with ldmatrix.trans instead of being transposed on the way in. Each head's arithmetic is
+// paged_prefill_warp's, in the same order, so the bits are the same (tests/test_gpu_paged_prefill.py compares them).
+// Dynamic shared memory: Q [G][16][D + 8], K and V [2][32][D + 8] each (`smem_bytes`).
+template <int D, int HPW>
 __global__ void __launch_bounds__(256) paged_prefill(
     const float* __restrict__ q, int ldq, const u16* __restrict__ kc, const u16* __restrict__ vc,
     const int* __restrict__ tiles, const int* __restrict__ bt, int max_blocks,
@@ -296,34 +308,25 @@ __global__ void __launch_bounds__(256) paged_prefill(
     int seg, float* __restrict__ part, int nsplit) {
     constexpr int KS = D / 16;        // k-steps of S = Q K^T
     constexpr int NT = D / 8;         // n-tiles of O
-    constexpr int KP = D + 8;         // padded K / V row (bf16): conflict-free fragment and ldmatrix reads
-    __shared__ __align__(16) u16 Ks[2][32 * KP];
-    __shared__ __align__(16) u16 Vs[2][32 * KP];
+    constexpr int KP = D + 8;         // padded row (bf16): conflict-free fragment and ldmatrix reads
+    extern __shared__ __align__(16) unsigned char pf_sm[];
+    const int G = H / Hkv;
+    u16* Qs = (u16*)pf_sm;            // [G][16][KP]
+    u16* Ks = Qs + G * 16 * KP;       // [2][32][KP]
+    u16* Vs = Ks + 2 * 32 * KP;       // [2][32][KP]
     const int tile = blockIdx.x, kvh = blockIdx.y;
-    const int h = kvh * (H / Hkv) + (threadIdx.x >> 5);
+    const int hw = HPW * (threadIdx.x >> 5);  // this warp's first head within the group
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int row0 = tiles[tile * 4], nrows = tiles[tile * 4 + 1];
     const int chunk = tiles[tile * 4 + 2], pos0 = tiles[tile * 4 + 3];
     const int* btr = bt + (size_t)chunk * max_blocks;
     const int last = pos0 + nrows - 1;  // the last key any row of the tile sees
     const int pa = (g < nrows) ? pos0 + g : -1, pb = (g + 8 < nrows) ? pos0 + g + 8 : -1;
-
-    unsigned qa[KS][4];
-    {
-        const float* ra = q + (size_t)(row0 + g) * ldq + (size_t)h * D;
-        const float* rb = q + (size_t)(row0 + g + 8) * ldq + (size_t)h * D;
-        #pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-            const int c = ks * 16 + 2 * t;
-            const float2 a0 = (pa >= 0) ? *(const float2*)(ra + c) : make_float2(0.f, 0.f);
-            const float2 a2 = (pa >= 0) ? *(const float2*)(ra + c + 8) : make_float2(0.f, 0.f);
-            const float2 b0 = (pb >= 0) ? *(const float2*)(rb + c) : make_float2(0.f, 0.f);
-            const float2 b2 = (pb >= 0) ? *(const float2*)(rb + c + 8) : make_float2(0.f, 0.f);
-            qa[ks][0] = pack_bf2(a0.x, a0.y);
-            qa[ks][1] = pack_bf2(b0.x, b0.y);
-            qa[ks][2] = pack_bf2(a2.x, a2.y);
-            qa[ks][3] = pack_bf2(b2.x, b2.y);
-        }
+    for (int i = threadIdx.x; i < G * 16 * (D / 2); i += blockDim.x) {  // Q: column pairs, rows past nrows zero
+        const int hh = i / (16 * (D / 2)), r = (i / (D / 2)) % 16, c = 2 * (i % (D / 2));
+        const float2 v = (r < nrows) ? *(const float2*)(q + (size_t)(row0 + r) * ldq + (size_t)(kvh * G + hh) * D + c)
+                                     : make_float2(0.f, 0.f);
+        *(unsigned*)(Qs + (hh * 16 + r) * KP + c) = pack_bf2(v.x, v.y);
     }
     const size_t tok = (size_t)Hkv * D;
     const int nseg = last / seg + 1;
@@ -334,127 +337,155 @@ __global__ void __launch_bounds__(256) paged_prefill(
         if (s_lo >= nseg) return;  // the whole block: s_lo and nseg are the block's
     }
     const int kbeg = s_lo * seg, kfin = min(last, s_hi * seg - 1);
-    float Ma = NEG_INF, Mb = NEG_INF, La = 0.f, Lb = 0.f;  // rows g, g+8 over the segments merged so far
-    float* oa = out + (size_t)(row0 + g) * ldo + (size_t)h * D;  // the running O between segments (pa >= 0)
-    float* ob = out + (size_t)(row0 + g + 8) * ldo + (size_t)h * D;
-    float o[NT][4];
+    float Ma[HPW], Mb[HPW], La[HPW], Lb[HPW];  // rows g, g+8 over the segments merged so far, a head each
+    float o[HPW][NT][4];
+    float ma[HPW], mb[HPW], la[HPW], lb[HPW];  // rows g, g+8: running max (log2 units), lane's sum
     #pragma unroll
-    for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    float ma = NEG_INF, mb = NEG_INF, la = 0.f, lb = 0.f;  // rows g, g+8: running max (log2 units), lane's sum
-    pf_stage<D>(Ks[0], Vs[0], kc, vc, btr, kbeg, last, bs, tok, kvh);
+    for (int j = 0; j < HPW; ++j) {
+        Ma[j] = Mb[j] = NEG_INF; La[j] = Lb[j] = 0.f;
+        ma[j] = mb[j] = NEG_INF; la[j] = lb[j] = 0.f;
+        #pragma unroll
+        for (int n = 0; n < NT; ++n) o[j][n][0] = o[j][n][1] = o[j][n][2] = o[j][n][3] = 0.f;
+    }
+    pf_stage<D>(Ks, Vs, kc, vc, btr, kbeg, last, bs, tok, kvh);
     int buf = 0;
     for (int k0 = kbeg; k0 <= kfin; k0 += 32, buf ^= 1) {
         if (k0 + 32 <= kfin) {
-            pf_stage<D>(Ks[buf ^ 1], Vs[buf ^ 1], kc, vc, btr, k0 + 32, last, bs, tok, kvh);
+            pf_stage<D>(Ks + (buf ^ 1) * 32 * KP, Vs + (buf ^ 1) * 32 * KP, kc, vc, btr, k0 + 32, last, bs, tok, kvh);
             pf_wait<1>();
         } else {
             pf_wait<0>();
         }
-        __syncthreads();
-        const u16* Kb = Ks[buf];
-        const u16* Vb = Vs[buf];
-        // S = Q K^T: 4 n-tiles of 8 keys
-        float s[4][4];
+        __syncthreads();  // the tile (and, the first time, Q) is in shared memory for every warp
+        const u16* Kb = Ks + buf * 32 * KP;
+        const u16* Vb = Vs + buf * 32 * KP;
+        // S = Q K^T: 4 n-tiles of 8 keys; each s[j][n] takes its k-steps in order, as the one-warp kernel
+        float s[HPW][4][4];
         #pragma unroll
-        for (int n = 0; n < 4; ++n) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        for (int j = 0; j < HPW; ++j)
             #pragma unroll
-            for (int ks = 0; ks < KS; ++ks) {
+            for (int n = 0; n < 4; ++n) s[j][n][0] = s[j][n][1] = s[j][n][2] = s[j][n][3] = 0.f;
+        #pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            unsigned qa[HPW][4];
+            #pragma unroll
+            for (int j = 0; j < HPW; ++j)
+                ldsm_x4(qa[j][0], qa[j][1], qa[j][2], qa[j][3],
+                        Qs + ((hw + j) * 16 + (lane & 15)) * KP + ks * 16 + (lane >> 4) * 8);
+            #pragma unroll
+            for (int n = 0; n < 4; ++n) {
                 const u16* kr = Kb + (n * 8 + g) * KP + ks * 16 + 2 * t;
-                mma_bf16(s[n], qa[ks], *(const unsigned*)kr, *(const unsigned*)(kr + 8));
+                const unsigned b0 = *(const unsigned*)kr, b1 = *(const unsigned*)(kr + 8);
+                #pragma unroll
+                for (int j = 0; j < HPW; ++j) mma_bf16(s[j][n], qa[j], b0, b1);
             }
         }
-        float mxa = NEG_INF, mxb = NEG_INF;
+        unsigned pf[HPW][4][2];  // P in bf16 pairs: [head][n-tile][row g, row g+8]
         #pragma unroll
-        for (int n = 0; n < 4; ++n) {
+        for (int j = 0; j < HPW; ++j) {
+            float mxa = NEG_INF, mxb = NEG_INF;
             #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int kp = k0 + n * 8 + 2 * t + j;
-                s[n][j] = (kp <= pa) ? s[n][j] * scale_log2 : NEG_INF;
-                s[n][2 + j] = (kp <= pb) ? s[n][2 + j] * scale_log2 : NEG_INF;
-                mxa = fmaxf(mxa, s[n][j]);
-                mxb = fmaxf(mxb, s[n][2 + j]);
+            for (int n = 0; n < 4; ++n) {
+                #pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int kp = k0 + n * 8 + 2 * t + e;
+                    s[j][n][e] = (kp <= pa) ? s[j][n][e] * scale_log2 : NEG_INF;
+                    s[j][n][2 + e] = (kp <= pb) ? s[j][n][2 + e] * scale_log2 : NEG_INF;
+                    mxa = fmaxf(mxa, s[j][n][e]);
+                    mxb = fmaxf(mxb, s[j][n][2 + e]);
+                }
             }
-        }
-        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
-        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
-        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
-        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
-        const float na = fmaxf(ma, mxa), nb = fmaxf(mb, mxb);
-        const float ca = (na == NEG_INF) ? 1.f : exp2f(ma - na);
-        const float cb = (nb == NEG_INF) ? 1.f : exp2f(mb - nb);
-        ma = na; mb = nb;
-        la *= ca; lb *= cb;
-        #pragma unroll
-        for (int n = 0; n < NT; ++n) { o[n][0] *= ca; o[n][1] *= ca; o[n][2] *= cb; o[n][3] *= cb; }
-        unsigned pf[4][2];
-        #pragma unroll
-        for (int n = 0; n < 4; ++n) {
-            const float p0 = (na == NEG_INF) ? 0.f : exp2f(s[n][0] - na);
-            const float p1 = (na == NEG_INF) ? 0.f : exp2f(s[n][1] - na);
-            const float p2 = (nb == NEG_INF) ? 0.f : exp2f(s[n][2] - nb);
-            const float p3 = (nb == NEG_INF) ? 0.f : exp2f(s[n][3] - nb);
-            pf[n][0] = pack_bf2(p0, p1);
-            pf[n][1] = pack_bf2(p2, p3);
-            la += bf2f((u16)(pf[n][0] & 0xffffu)) + bf2f((u16)(pf[n][0] >> 16));
-            lb += bf2f((u16)(pf[n][1] & 0xffffu)) + bf2f((u16)(pf[n][1] >> 16));
+            mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
+            mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
+            mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
+            mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
+            const float na = fmaxf(ma[j], mxa), nb = fmaxf(mb[j], mxb);
+            // a row with nothing seen yet (max -inf) keeps p = 0 and scale 1: the tile is an exact no-op
+            const float ca = (na == NEG_INF) ? 1.f : exp2f(ma[j] - na);
+            const float cb = (nb == NEG_INF) ? 1.f : exp2f(mb[j] - nb);
+            ma[j] = na; mb[j] = nb;
+            la[j] *= ca; lb[j] *= cb;
+            #pragma unroll
+            for (int n = 0; n < NT; ++n) { o[j][n][0] *= ca; o[j][n][1] *= ca; o[j][n][2] *= cb; o[j][n][3] *= cb; }
+            #pragma unroll
+            for (int n = 0; n < 4; ++n) {
+                const float p0 = (na == NEG_INF) ? 0.f : exp2f(s[j][n][0] - na);
+                const float p1 = (na == NEG_INF) ? 0.f : exp2f(s[j][n][1] - na);
+                const float p2 = (nb == NEG_INF) ? 0.f : exp2f(s[j][n][2] - nb);
+                const float p3 = (nb == NEG_INF) ? 0.f : exp2f(s[j][n][3] - nb);
+                pf[j][n][0] = pack_bf2(p0, p1);
+                pf[j][n][1] = pack_bf2(p2, p3);
+                // the sum takes the probabilities as the PV product sees them (bf16)
+                la[j] += bf2f((u16)(pf[j][n][0] & 0xffffu)) + bf2f((u16)(pf[j][n][0] >> 16));
+                lb[j] += bf2f((u16)(pf[j][n][1] & 0xffffu)) + bf2f((u16)(pf[j][n][1] >> 16));
+            }
         }
         // O += P V: two k-steps of 16 keys; V fragments for two n-tiles per ldmatrix (lanes 0-15: keys 0-15 at
-        // n-tile n, lanes 16-31: at n-tile n + 1)
+        // n-tile n, lanes 16-31: at n-tile n + 1), used by the warp's every head
         #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
-            const unsigned a[4] = {pf[2 * kk][0], pf[2 * kk][1], pf[2 * kk + 1][0], pf[2 * kk + 1][1]};
             #pragma unroll
             for (int n = 0; n < NT; n += 2) {
                 unsigned b0, b1, b2, b3;
                 ldsm_x4_t(b0, b1, b2, b3, Vb + (kk * 16 + (lane & 15)) * KP + (n + (lane >> 4)) * 8);
-                mma_bf16(o[n], a, b0, b1);
-                mma_bf16(o[n + 1], a, b2, b3);
+                #pragma unroll
+                for (int j = 0; j < HPW; ++j) {
+                    const unsigned a[4] = {pf[j][2 * kk][0], pf[j][2 * kk][1], pf[j][2 * kk + 1][0], pf[j][2 * kk + 1][1]};
+                    mma_bf16(o[j][n], a, b0, b1);
+                    mma_bf16(o[j][n + 1], a, b2, b3);
+                }
             }
         }
         __syncthreads();  // this buffer is the next-but-one tile's: every warp is done with it
         if ((k0 + 32) % seg != 0 && k0 + 32 <= kfin) continue;
         // the end of segment sg: merge it (or hand it to paged_prefill_combine), then start the next
         const int sg = k0 / seg;
-        la += __shfl_xor_sync(0xffffffffu, la, 1);
-        la += __shfl_xor_sync(0xffffffffu, la, 2);
-        lb += __shfl_xor_sync(0xffffffffu, lb, 1);
-        lb += __shfl_xor_sync(0xffffffffu, lb, 2);
-        if (part != nullptr) {
-            float* pr = part + (((size_t)tile * H + h) * nsplit + sg) * 16 * (D + 2);
-            #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                const int c = n * 8 + 2 * t;
-                if (pa >= 0) *(float2*)(pr + (size_t)g * (D + 2) + c) = make_float2(o[n][0], o[n][1]);
-                if (pb >= 0) *(float2*)(pr + (size_t)(g + 8) * (D + 2) + c) = make_float2(o[n][2], o[n][3]);
-            }
-            if (t == 0 && pa >= 0) { pr[(size_t)g * (D + 2) + D] = ma; pr[(size_t)g * (D + 2) + D + 1] = la; }
-            if (t == 0 && pb >= 0) { pr[(size_t)(g + 8) * (D + 2) + D] = mb; pr[(size_t)(g + 8) * (D + 2) + D + 1] = lb; }
-        } else {
-            float aa = 0.f, ba = 0.f, ab = 0.f, bb = 0.f;
-            const int ua = seg_merge(Ma, La, ma, la, aa, ba), ub = seg_merge(Mb, Lb, mb, lb, ab, bb);
-            const bool final_ = sg == nseg - 1;
-            const float ia = (La > 0.f) ? 1.f / La : 0.f, ib = (Lb > 0.f) ? 1.f / Lb : 0.f;
-            #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                const int c = n * 8 + 2 * t;
-                if (pa >= 0 && (ua || final_)) {
-                    float2 O = ua == 1 ? make_float2(0.f, 0.f) : *(const float2*)(oa + c);
-                    if (ua) O = make_float2(seg_mix(ua, O.x, aa, o[n][0], ba), seg_mix(ua, O.y, aa, o[n][1], ba));
-                    if (final_) { O.x *= ia; O.y *= ia; }
-                    *(float2*)(oa + c) = O;
-                }
-                if (pb >= 0 && (ub || final_)) {
-                    float2 O = ub == 1 ? make_float2(0.f, 0.f) : *(const float2*)(ob + c);
-                    if (ub) O = make_float2(seg_mix(ub, O.x, ab, o[n][2], bb), seg_mix(ub, O.y, ab, o[n][3], bb));
-                    if (final_) { O.x *= ib; O.y *= ib; }
-                    *(float2*)(ob + c) = O;
-                }
-            }
-        }
+        const bool final_ = sg == nseg - 1;  // normalise there; between segments the running O waits in `out`
         #pragma unroll
-        for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-        ma = NEG_INF; mb = NEG_INF; la = 0.f; lb = 0.f;
+        for (int j = 0; j < HPW; ++j) {
+            const int h = kvh * G + hw + j;
+            la[j] += __shfl_xor_sync(0xffffffffu, la[j], 1);
+            la[j] += __shfl_xor_sync(0xffffffffu, la[j], 2);
+            lb[j] += __shfl_xor_sync(0xffffffffu, lb[j], 1);
+            lb[j] += __shfl_xor_sync(0xffffffffu, lb[j], 2);
+            if (part != nullptr) {
+                float* pr = part + (((size_t)tile * H + h) * nsplit + sg) * 16 * (D + 2);
+                #pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    const int c = n * 8 + 2 * t;
+                    if (pa >= 0) *(float2*)(pr + (size_t)g * (D + 2) + c) = make_float2(o[j][n][0], o[j][n][1]);
+                    if (pb >= 0) *(float2*)(pr + (size_t)(g + 8) * (D + 2) + c) = make_float2(o[j][n][2], o[j][n][3]);
+                }
+                if (t == 0 && pa >= 0) { pr[(size_t)g * (D + 2) + D] = ma[j]; pr[(size_t)g * (D + 2) + D + 1] = la[j]; }
+                if (t == 0 && pb >= 0) { pr[(size_t)(g + 8) * (D + 2) + D] = mb[j]; pr[(size_t)(g + 8) * (D + 2) + D + 1] = lb[j]; }
+            } else {
+                float* oa = out + (size_t)(row0 + g) * ldo + (size_t)h * D;  // the running O between segments
+                float* ob = out + (size_t)(row0 + g + 8) * ldo + (size_t)h * D;
+                float aa = 0.f, ba = 0.f, ab = 0.f, bb = 0.f;
+                const int ua = seg_merge(Ma[j], La[j], ma[j], la[j], aa, ba);
+                const int ub = seg_merge(Mb[j], Lb[j], mb[j], lb[j], ab, bb);
+                const float ia = (La[j] > 0.f) ? 1.f / La[j] : 0.f, ib = (Lb[j] > 0.f) ? 1.f / Lb[j] : 0.f;
+                #pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    const int c = n * 8 + 2 * t;
+                    if (pa >= 0 && (ua || final_)) {
+                        float2 O = ua == 1 ? make_float2(0.f, 0.f) : *(const float2*)(oa + c);
+                        if (ua) O = make_float2(seg_mix(ua, O.x, aa, o[j][n][0], ba), seg_mix(ua, O.y, aa, o[j][n][1], ba));
+                        if (final_) { O.x *= ia; O.y *= ia; }
+                        *(float2*)(oa + c) = O;
+                    }
+                    if (pb >= 0 && (ub || final_)) {
+                        float2 O = ub == 1 ? make_float2(0.f, 0.f) : *(const float2*)(ob + c);
+                        if (ub) O = make_float2(seg_mix(ub, O.x, ab, o[j][n][2], bb), seg_mix(ub, O.y, ab, o[j][n][3], bb));
+                        if (final_) { O.x *= ib; O.y *= ib; }
+                        *(float2*)(ob + c) = O;
+                    }
+                }
+            }
+            #pragma unroll
+            for (int n = 0; n < NT; ++n) o[j][n][0] = o[j][n][1] = o[j][n][2] = o[j][n][3] = 0.f;
+            ma[j] = NEG_INF; mb[j] = NEG_INF; la[j] = 0.f; lb[j] = 0.f;
+        }
     }
 }
 
@@ -482,11 +513,21 @@ __global__ void __launch_bounds__(D) paged_prefill_combine(
 }
 """
 
-_NAMES = ("paged_prefill<64>", "paged_prefill<128>", "paged_prefill_warp<64>", "paged_prefill_warp<128>",
+_NAMES = ("paged_prefill<64, 1>", "paged_prefill<64, 2>", "paged_prefill<128, 1>", "paged_prefill<128, 2>",
+          "paged_prefill_warp<64>", "paged_prefill_warp<128>",
           "paged_prefill_combine<64>", "paged_prefill_combine<128>")
 
 SEG_KEYS = 2048  # a row's keys are scored in segments of this many absolute positions, merged in order
 SPLIT_BELOW = 512  # (tile, head) pairs under which a launch over several segments runs them side by side
+
+
+_smem_set: dict[int, int] = {}  # id(kernel) -> the dynamic shared memory it has been allowed (before any graph capture)
+
+
+def smem_bytes(group: int, d: int) -> int:
+    """paged_prefill's dynamic shared memory: the tile's Q rows for the group's heads, two K and two V key tiles
+    (bf16 rows of D + 8)."""
+    return (group * TILE_ROWS + 4 * KT) * (d + 8) * 2
 
 
 def splits(tiles: int, heads: int, last: int, seg: int = SEG_KEYS) -> int:
@@ -518,10 +559,12 @@ def plan(chunks: list[tuple[int, int, np.ndarray, int]]) -> tuple[np.ndarray, np
 
 def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tiles: torch.Tensor, bt: torch.Tensor,
                   n_heads: int, out: torch.Tensor, scale: float | None = None, last: int | None = None,
-                  seg: int = SEG_KEYS, warp: bool = False) -> torch.Tensor:
+                  seg: int = SEG_KEYS, warp: bool = False, hpw: int | None = None) -> torch.Tensor:
     """Writes the attention of every tile's rows into out [N, H*D] fp32 (see the module docstring). last: the
     last key position of any tile (the host knows it; a graph's launch does not), which lets a launch of few
-    tiles over a long context run its segments side by side (`splits`); None: in turn."""
+    tiles over a long context run its segments side by side (`splits`); None: in turn. warp: the one-warp kernel (a
+    warp a tile and head, the reference for the bits); hpw: heads a warp of the staged kernel (1 or 2; None: 2 where
+    the group is even). Every choice gives the same bits."""
     cu.check(q, "q", torch.float32, 2, align=16)
     cu.check(kc, "kc", torch.bfloat16, 4, align=16)
     cu.check(vc, "vc", torch.bfloat16, 4, align=16)
@@ -543,15 +586,21 @@ def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tiles: to
     s = (1.0 / math.sqrt(D)) if scale is None else scale
     n = 1 if last is None else splits(T, n_heads, last, seg)
     part = torch.empty(T * n_heads * n * TILE_ROWS * (D + 2), dtype=torch.float32, device=q.device) if n > 1 else None
-    G = n_heads // Hkv
-    if warp or G > 8:  # the one-warp kernel: the reference the GPU lane compares bits with; > 8 heads a group
+    G, smem = n_heads // Hkv, 0
+    hpw = hpw or (2 if G % 2 == 0 else 1)
+    if hpw not in (1, 2) or G % hpw:
+        raise ValueError(f"{hpw} heads a warp for a group of {G}")
+    if warp or G // hpw > 8:  # the one-warp kernel: the reference for the bits; past 8 warps (256 threads) a block
         fn, grid, block = cu.function(SRC, f"paged_prefill_warp<{D}>", _NAMES), (T, n_heads, n), (32,)
     else:
-        fn, grid, block = cu.function(SRC, f"paged_prefill<{D}>", _NAMES), (T, Hkv, n), (32 * G,)
+        fn, grid, block = cu.function(SRC, f"paged_prefill<{D}, {hpw}>", _NAMES), (T, Hkv, n), (32 * G // hpw,)
+        smem = smem_bytes(G, D)
+        if id(fn) not in _smem_set:  # past 48 KiB a kernel must ask, once, for the most any group takes (8 warps)
+            _smem_set[id(fn)] = fn.max_dynamic_shared_size_bytes = smem_bytes(8 * hpw, D)
     cu.launch(fn, grid, block, (
         cu.ptr(q), cu.i32(q.stride(0)), cu.ptr(kc), cu.ptr(vc), cu.ptr(tiles), cu.ptr(bt), cu.i32(bt.shape[1]),
         cu.ptr(out), cu.i32(out.stride(0)), cu.i32(n_heads), cu.i32(Hkv), cu.i32(bs), cu.f32(s * math.log2(math.e)),
-        cu.i32(seg), cu.ptr(part), cu.i32(n)))
+        cu.i32(seg), cu.ptr(part), cu.i32(n)), shared_mem=smem)
     if part is not None:
         comb = cu.function(SRC, f"paged_prefill_combine<{D}>", _NAMES)
         cu.launch(comb, (T, n_heads), (D,), (cu.ptr(tiles), cu.ptr(part), cu.i32(n), cu.i32(seg), cu.ptr(out),

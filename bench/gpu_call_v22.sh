@@ -10,6 +10,8 @@
 #   peer    llama-batched-bench -pps (a shared prompt, as our cells) at $LCTX x 1,16 and llama-bench -p 512,16384 on
 #           the same files, waiting up to $BUILD_WAIT s for the build
 #   pf      tests/test_gpu_paged_prefill.py (the staged kernel's bits = the one-warp kernel's), bench/prefill_attention.py
+#   da      bench/decode_attention.py alone ($DCTX, $DBATCH, $DSHAPES)
+#   server  tests/test_gpu_server.py -k $SERVER_K (default "concurrent or replays") on SmolLM2's random-weight shape
 #   tests   $TESTS in the GPU lane
 # Prints as it goes; everything under $OUT.
 . bench/device_prelude.sh
@@ -46,6 +48,12 @@ pf)
   timeout ${PF_S:-200} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_paged_prefill.py tests/test_gpu_decode_split.py 2>&1 | tail -4
   timeout ${PFB_S:-200} python3 bench/prefill_attention.py ${PCH:+--chunks $PCH} ${PPRE:+--prefix $PPRE} > $OUT/prefill_attention.txt 2>&1
   tail -40 $OUT/prefill_attention.txt ;;
+da)
+  timeout ${DA_S:-150} python3 bench/decode_attention.py ${DCTX:+--ctx $DCTX} ${DBATCH:+--batch $DBATCH} ${DSHAPES:+--shapes $DSHAPES} \
+    > $OUT/decode_attention.txt 2>&1; tail -30 $OUT/decode_attention.txt ;;
+server)
+  IMP_TEST_MODEL=/tmp/smol.gguf timeout ${SERVER_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu \
+    -o faulthandler_timeout=140 tests/test_gpu_server.py -k "${SERVER_K:-concurrent or replays}" 2>&1 | tail -3 ;;
 tests)
   IMP_TEST_MODEL=/tmp/smol.gguf timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
     -o faulthandler_timeout=250 $TESTS 2>&1 | grep -v "^\s*$" | tail -8 ;;

@@ -587,7 +587,7 @@ def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tiles: to
     n = 1 if last is None else splits(T, n_heads, last, seg)
     part = torch.empty(T * n_heads * n * TILE_ROWS * (D + 2), dtype=torch.float32, device=q.device) if n > 1 else None
     G, smem = n_heads // Hkv, 0
-    hpw = hpw or (2 if G % 2 == 0 else 1)
+    hpw = hpw or 1  # two heads a warp: 255 registers, 10-40 % slower on an H100 (bench/prefill_attention.py)
     if hpw not in (1, 2) or G % hpw:
         raise ValueError(f"{hpw} heads a warp for a group of {G}")
     if warp or G // hpw > 8:  # the one-warp kernel: the reference for the bits; past 8 warps (256 threads) a block

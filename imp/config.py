@@ -92,6 +92,10 @@ class ServerConfig:
     # 3 % (8B) and 11-14 % (135M) at one to eight streams of short contexts (a second launch a layer: the merge).
     # Other bits than paged's: one kernel for every decode row of a server
     gpu_decode_attention: str = "split"
+    # a BF16 / F16 / F32 model's matrices as stored at load: "native", or "q8_0" (imp/formats/requant.py: int8 with a
+    # scale per 32 weights, half BF16's bytes a step; 98.6 % of BF16's greedy tokens on SmolLM2 upcast, where FP8 E4M3
+    # kept 91.5-94.1 %: bench/fp8_accuracy.py). CPU and GPU executors alike; quantized matrices stay as they are
+    weights: str = "native"
     # GPU CUDA graphs: "all" (decode steps and steps with prompt rows, imp.gpu.mixed), "decode" (prompt steps
     # eager: a shorter boot, less memory) or "off" (every step eager)
     gpu_graphs: str = "all"
@@ -139,6 +143,7 @@ class ServerConfig:
             (self.device == "cpu" or self.device.startswith("cuda"), "--device must be cpu or cuda[:N]"),
             (self.gpu_activations in ("fp32", "int8"), "--gpu-activations must be fp32 or int8"),
             (self.gpu_decode_attention in ("paged", "split"), "--gpu-decode-attention must be paged or split"),
+            (self.weights in ("native", "q8_0"), "--weights must be native or q8_0"),
             (self.gpu_graphs in ("all", "decode", "off"), "--gpu-graphs must be all, decode or off"),
             (not self.batch_invariant or self.gpu_activations == "int8",
              "--batch-invariant needs --gpu-activations int8 (the fp32 path's matmuls are cuBLAS's)"),
@@ -250,8 +255,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="GPU matmuls of quantized weights at decode: int8 activations (default; dp4a, as "
                         "llama.cpp: faster at small batches, the CPU runner's numerics) or fp32 ones")
     p.add_argument("--gpu-decode-attention", choices=("paged", "split"), default=d.gpu_decode_attention,
-                   help="GPU decode rows' attention: paged (default: a CTA a query head) or split (a CTA a KV head, "
-                        "long contexts over several CTAs: far faster at 4-32k-token contexts)")
+                   help="GPU decode rows' attention: split (default: a CTA a KV head, long contexts over several "
+                        "CTAs: far faster at 4-32k-token contexts) or paged (a CTA a query head)")
+    p.add_argument("--weights", choices=("native", "q8_0"), default=d.weights,
+                   help="store a BF16 / F16 / F32 model's matrices as Q8_0 at load (half the bytes a decode step "
+                        "reads and the weights' memory; near BF16's tokens) or as they are (native, default)")
     p.add_argument("--gpu-graphs", choices=("all", "decode", "off"), default=d.gpu_graphs,
                    help="GPU CUDA graphs: all (default: decode steps and steps with prompt rows), decode (prompt "
                         "steps eager: shorter boot, less memory) or off (every step eager)")

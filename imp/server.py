@@ -194,11 +194,13 @@ def _load_models(cfg: ServerConfig) -> _Models:
             decided: dict = {}  # the first load's dense copies and matmul kernels, decided the same on a reload
             return lambda: GpuModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens,
                                                device=device, max_graph_batch=cfg.max_batch_size, decided=decided,
+                                               requant=cfg.weights,
                                                **gpu_runner_options(cfg),
                                                graphs=cfg.gpu_graphs != "off",
                                                max_prompt_rows=step_tokens(cfg) if cfg.gpu_graphs == "all" else 0)
         return lambda: ModelRunner.load(str(path), block_size=cfg.block_size, kv_tokens=cfg.kv_cache_tokens,
-                                        num_threads=cfg.threads, adaptive_threads=not cfg.fixed_threads)
+                                        num_threads=cfg.threads, adaptive_threads=not cfg.fixed_threads,
+                                        requant=cfg.weights)
 
     loaders = [loader(device) for device in replica_devices(cfg)]  # data parallel: one model copy each
     runners = [load() for load in loaders]
@@ -210,6 +212,8 @@ def _load_models(cfg: ServerConfig) -> _Models:
         f"ctx {runner.config.context_length}, KV pool {runner.num_blocks} x {runner.block_size} tokens"
         + (f" on each of {len(runners)} replicas ({', '.join(replica_devices(cfg))})" if len(runners) > 1 else "")
     )
+    if getattr(runner, "weights_note", ""):
+        _progress(runner.weights_note)
     text = TextModel.build(tokenizer, template, runner.metadata)
     boot_rate = warm_up_prefill(runner)
     if boot_rate:

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from imp.formats.gguf_file import GGUFHeader, TensorInfo, read_header, tensor_bytes
 from imp.formats.quants import dequantize
+from imp.formats.requant import Requant
 from typing import Any
 
 import numpy as np
@@ -141,10 +142,11 @@ def fingerprint(path: str, reader: "GGUFReader | GGUFHeader") -> str:
 class GGUFTensors(Mapping):
     """name -> dequantized tensor, computed on each access from the memory map."""
 
-    def __init__(self, path: str, header: GGUFHeader, dtype=None):
-        self.infos = header.tensors
+    def __init__(self, path: str, header: GGUFHeader, dtype=None, requant: str = "native"):
         self.dtype = dtype  # of the torch tensors `[]` returns (None: float32)
         self._mm = np.memmap(path, dtype=np.uint8, mode="r")
+        self.requant = Requant(header, self._mm, requant, blob=True)  # --weights: matrices stored another way
+        self.infos = self.requant.infos
 
     def __getitem__(self, name: str) -> "torch.Tensor":
         import torch  # only the torch forwards index tensors; the fused CPU path reads `array`/`raw`
@@ -160,8 +162,8 @@ class GGUFTensors(Mapping):
         return arr
 
     def raw(self, name: str) -> np.ndarray:
-        """[rows, bytes_per_row] uint8 view of the tensor's encoded bytes."""
-        return tensor_bytes(self._mm, self.infos[name])
+        """[rows, bytes_per_row] uint8 view of the tensor's encoded bytes (a converted matrix's: made once, kept)."""
+        return self.requant.raw(name)
 
     def rows(self, name: str, start: int, stop: int) -> "torch.Tensor":
         """Rows start..stop-1 of a matrix, dequantized (rows hold whole blocks)."""
@@ -174,10 +176,17 @@ class GGUFTensors(Mapping):
     def info(self, name: str) -> TensorInfo:
         return self.infos[name]
 
+    def base(self, names: list[str]) -> np.ndarray | None:
+        """The buffer these tensors' info offsets index (the file's map, or the converted matrices' buffer); None
+        where they are in two (the fused kernels read every layer matrix from one)."""
+        return self.requant.base(names)
+
     def drop_pages(self, name: str) -> None:
         """Tell the kernel this tensor's pages of the map are not needed now (MADV_DONTNEED on
         the whole pages inside it): a tensor copied elsewhere at load stops counting in RSS; a
         later read of it pages it in again from the file, as a first read would."""
+        if self.requant.is_converted(name):  # converted at load: its bytes are not the map's
+            return
         raw = self.raw(name)
         mm = getattr(self._mm, "_mmap", None)
         if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
@@ -198,18 +207,20 @@ class GGUFTensors(Mapping):
         return name in self.infos
 
 
-def open_gguf(path: str, dtype=None) -> LoadedGGUF:
-    """Metadata and config now; tensors dequantized lazily (see `GGUFTensors`)."""
+def open_gguf(path: str, dtype=None, requant: str = "native") -> LoadedGGUF:
+    """Metadata and config now; tensors dequantized lazily (see `GGUFTensors`). requant: `--weights` (imp.formats.
+    requant: "q8_0" serves a BF16 / F16 / F32 model's matrices as Q8_0)."""
     path = str(path)
     header = read_header(path)
     config = config_from_metadata(header.metadata, set(header.tensors))
+    tensors = GGUFTensors(path, header, dtype, requant)
     return LoadedGGUF(
         arch=config.arch,
         config=config,
         metadata=header.metadata,
-        tensors=GGUFTensors(path, header, dtype),
+        tensors=tensors,
         fingerprint=fingerprint(path, header),
-        qtypes={n: t.qtype.name for n, t in header.tensors.items()},
+        qtypes={n: t.qtype.name for n, t in tensors.infos.items()},
     )
 
 

@@ -105,6 +105,8 @@ class GpuModelRunner:
         self.device = torch.device(device)
         self.kv_dtype = kv_dtype
         self.notes: list[str] = []  # what fell back, for the bench/logs
+        self.weights_note = src.requant.summary()  # what --weights did, for the server's load line
+        self.layout_tag = src.requant.layout_tag()  # a converted model's KV is not the native one's (the disk tier)
         self._lock = threading.Lock()
         if cfg.arch not in SUPPORTED_ARCHS:
             raise ValueError(f"architecture {cfg.arch!r} not supported (have {SUPPORTED_ARCHS})")
@@ -217,8 +219,9 @@ class GpuModelRunner:
 
     @classmethod
     def load(cls, path: str, num_blocks: int | None = None, block_size: int = 16, kv_tokens: int | None = None,
-             device: str = "cuda:0", **kw) -> "GpuModelRunner":
-        src = GGUFSource(path)
+             device: str = "cuda:0", requant: str = "native", **kw) -> "GpuModelRunner":
+        """requant: --weights (imp.formats.requant: "q8_0" uploads a BF16 / F16 / F32 model's matrices as Q8_0)."""
+        src = GGUFSource(path, requant)
         if src.config.arch not in SUPPORTED_ARCHS:
             raise ValueError(f"{path}: architecture {src.config.arch!r} not supported (have {SUPPORTED_ARCHS})")
         if num_blocks is None:
@@ -308,7 +311,8 @@ class GpuModelRunner:
     # the prefix cache's disk tier and the swap area: the pool's blocks to host and back (imp.gpu.kvcopy), queued
     # on the step stream, in order with the steps (a tier load's from its read thread: see kv_fill_anywhere)
     supports_kv_tier = supports_swap = True
-    kv_layout = property(lambda self: self.blocks.layout)
+    def kv_layout(self) -> str:
+        return self.blocks.layout() + self.layout_tag
     kv_block_bytes = property(lambda self: self.blocks.block_bytes)
 
     def kv_block(self, b: int):

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from imp.formats.gguf_file import GGUFHeader, TensorInfo, read_header, tensor_bytes
+from imp.formats.gguf_file import GGUFHeader, TensorInfo, read_header
 from imp.formats.gguf_loader import ModelConfig, config_from_metadata, fingerprint
 from imp.formats.quants import dequantize
+from imp.formats.requant import Requant
 from imp.gpu.linear import Linear
 from imp.kernels.cuda import gemv_fp32_act
 
@@ -51,22 +52,23 @@ class Weights:
 class GGUFSource:
     """A GGUF file's header and its tensors' bytes (views of one read-only memory map)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, requant: str = "native"):
         self.path = str(path)
         self.header: GGUFHeader = read_header(self.path)
         self.config: ModelConfig = config_from_metadata(self.header.metadata, set(self.header.tensors))
         self.fingerprint = fingerprint(self.path, self.header)
         self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self.requant = Requant(self.header, self._mm, requant)  # --weights q8_0: a BF16 model's matrices as Q8_0
 
     @property
     def metadata(self) -> dict:
         return self.header.metadata
 
     def info(self, name: str) -> TensorInfo:
-        return self.header.tensors[name]
+        return self.requant.infos[name]
 
     def raw(self, name: str) -> np.ndarray:
-        return tensor_bytes(self._mm, self.info(name))
+        return self.requant.raw(name)
 
 
 def _upload(src: GGUFSource, name: str, device: torch.device) -> gemv_fp32_act.QWeight:
@@ -79,7 +81,9 @@ def _upload(src: GGUFSource, name: str, device: torch.device) -> gemv_fp32_act.Q
         return gemv_fp32_act.QWeight("BF16", rows, cols, {"w": w})
     if fmt not in gemv_fp32_act.FORMATS:
         raise ValueError(f"tensor {name}: GGML type {fmt} not supported on the GPU (have {gemv_fp32_act.FORMATS})")
-    return gemv_fp32_act.repack(src.raw(name), fmt, rows, cols).to(device)
+    w = gemv_fp32_act.repack(src.raw(name), fmt, rows, cols).to(device)
+    src.requant.release(name)  # a converted matrix's host bytes: on the device now
+    return w
 
 
 def _vec(src: GGUFSource, name: str, device: torch.device) -> torch.Tensor:

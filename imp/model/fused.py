@@ -77,9 +77,14 @@ class FusedModel:
         self.cfg = cfg
         self.weights = "gguf"
         t = tensors
-        self.blob = np.asarray(t._mm)  # the whole file, read-only map: rows are read in place
         L, D = cfg.n_layers, cfg.head_dim
         self.mats = np.array([[_mat(t, f"blk.{i}.{m}.weight") for m in MATS] for i in range(L)], dtype=np.int64)
+        # the whole file, read-only map: rows are read in place (or, under --weights q8_0, the converted matrices'
+        # buffer: imp.formats.requant)
+        base = t.base([f"blk.{i}.{m}.weight" for i in range(L) for m in MATS]) if hasattr(t, "base") else t._mm
+        if base is None:
+            raise Unsupported("layer matrices partly converted by --weights")
+        self.blob = np.asarray(base)
         if len({int(r) for r in self.mats[:, 4, 1]}) != 1:
             raise Unsupported("per-layer d_ff")
         vecs, fo, n = [], np.full((L, 7), -1, dtype=np.int64), 0

@@ -80,6 +80,8 @@ class ModelRunner:
         self.config: ModelConfig = model.cfg
         self.metadata = metadata
         self.fingerprint = fingerprint
+        self.layout_tag = ""  # ":w=q8_0" where --weights converted the matrices: their KV is another model's
+        self.weights_note = ""  # what --weights did, for the server's load line
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.fused = isinstance(model, FusedModel)
@@ -120,24 +122,27 @@ class ModelRunner:
         num_threads: int | None = None,
         compile: bool = False,
         adaptive_threads: bool = False,
+        requant: str = "native",
     ) -> ModelRunner:
         """Open the file and build the model, on the team's thread: torch ops on large
         tensors here (RoPE tables, dequantized fallbacks) start parallel regions too.
         kv_dtype: "float16" / "float32" (or the torch dtype); None: fp16 for the fused
         forward, fp32 for the torch ones."""
         return team.run(cls._load, path, num_blocks, block_size, kv_tokens, weights, kv_dtype, num_threads, compile,
-                        adaptive_threads)
+                        adaptive_threads, requant)
 
     @classmethod
     def _load(cls, path, num_blocks, block_size, kv_tokens, weights, kv_dtype, num_threads, compile,
-              adaptive_threads=False) -> ModelRunner:
+              adaptive_threads=False, requant="native") -> ModelRunner:
         if Path(path).is_dir():  # HF layout: config.json + *.safetensors, same tensor names as a GGUF
+            if requant != "native":
+                raise ValueError(f"--weights {requant} converts a GGUF's matrices; {path} is an HF folder")
             _need_torch(f"{path} is an HF model folder: its weights load through torch")
             from imp.formats.hf_dir import open_hf_dir
 
             g = open_hf_dir(path)
         else:
-            g = open_gguf(path)  # tensors are dequantized lazily, one at a time, as the model asks
+            g = open_gguf(path, requant=requant)  # tensors dequantized lazily, one at a time, as the model asks
         if g.arch not in ARCHS:
             raise ValueError(f"{path}: architecture {g.arch!r} not supported (have {tuple(ARCHS)})")
         if num_blocks is None:
@@ -158,8 +163,12 @@ class ModelRunner:
             model = torch_forward(g.arch)(g.config, g.tensors, weights=weights, compile=compile)
         if kv_dtype is None:
             kv_dtype = "float16" if isinstance(model, FusedModel) else "float32"
+        rq = getattr(g.tensors, "requant", None)
         del g.tensors  # the torch models hold their own copies; the fused one its own view of the map
-        return cls(model, g.metadata, g.fingerprint, num_blocks, block_size, kv_dtype, num_threads, adaptive_threads)
+        runner = cls(model, g.metadata, g.fingerprint, num_blocks, block_size, kv_dtype, num_threads, adaptive_threads)
+        if rq is not None:
+            runner.layout_tag, runner.weights_note = rq.layout_tag(), rq.summary()
+        return runner
 
     def _prepare(self, seqs: list[SeqWork]):
         assert seqs, "empty step"
@@ -212,7 +221,8 @@ class ModelRunner:
     def kv_layout(self) -> str:
         """What a saved block's bytes mean: the pool's dtype and a block's [layers, positions, kv heads, dim]."""
         c = self.cache
-        return f"{c.dtype}:{'x'.join(str(n) for n in (c.k.shape[0], *c.k.shape[2:]))}"
+        dt = str(getattr(c, "dtype", c.k.dtype)).removeprefix("torch.")  # the torch forward's KVCache: its tensors'
+        return f"{dt}:{'x'.join(str(n) for n in (c.k.shape[0], *c.k.shape[2:]))}{self.layout_tag}"
 
     def kv_block_bytes(self) -> int:
         c = self.cache

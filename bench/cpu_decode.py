@@ -22,14 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.cpu_prefill import llama_bench  # noqa: E402
 
 
-def imp_decode(model: str, tokens: int, threads: int, profile: bool = False) -> float:
+def imp_decode(model: str, tokens: int, threads: int, profile: bool = False, weights: str = "native") -> float:
     """Median decode step of one stream, in ms."""
     import torch
 
     from imp.messages import SamplingParams, SeqWork
     from imp.model.runner import ModelRunner
 
-    r = ModelRunner.load(model, kv_tokens=4096, num_threads=threads)
+    r = ModelRunner.load(model, kv_tokens=4096, num_threads=threads, requant=weights)
     prompt = tuple(range(100, 132))
     table = tuple(range((len(prompt) + tokens + r.block_size) // r.block_size + 1))
     p = SamplingParams(max_tokens=tokens + 1, temperature=0.0, repetition_penalty=1.0)
@@ -62,13 +62,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--weights", default="native", help="imp's --weights (q8_0: a BF16 file's matrices as Q8_0)")
+    ap.add_argument("--peer-model", default=None, help="the file llama-bench reads (default --model; e.g. the "
+                    "llama-quantize Q8_0 of a BF16 file, beside --weights q8_0)")
     a = ap.parse_args()
     rows = []
     for _ in range(a.rounds):
-        ms = imp_decode(a.model, a.tokens, a.threads, a.profile)
-        peer = llama_bench(a.llama_bench, a.model, a.tokens, a.threads, 3, test="tg") if a.llama_bench else None
+        ms = imp_decode(a.model, a.tokens, a.threads, a.profile, a.weights)
+        peer = (llama_bench(a.llama_bench, a.peer_model or a.model, a.tokens, a.threads, 3, test="tg")
+                if a.llama_bench else None)
         rows.append((1e3 / ms, peer))
-    print(f"\n{time.strftime('%Y-%m-%d %H:%M')}  {Path(a.model).name}  threads {a.threads}  tokens {a.tokens}\n")
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M')}  {Path(a.model).name} (--weights {a.weights}; llama-bench on "
+          f"{Path(a.peer_model or a.model).name})  threads {a.threads}  tokens {a.tokens}\n")
     print(f"| round | imp tok/s (one stream, in process) | llama-bench tg{a.tokens} tok/s | ratio |")
     print("|---|---|---|---|")
     for i, (ours, peer) in enumerate(rows, 1):

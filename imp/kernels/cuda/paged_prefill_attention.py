@@ -84,12 +84,15 @@ __device__ __forceinline__ float seg_mix(int how, float O, float a, float o, flo
     return how == 1 ? o : __fadd_rn(__fmul_rn(O, a), __fmul_rn(o, b));
 }
 
+// The one argument list of both prefill kernels (one host launch serves either)
+#define PAGED_PREFILL_ARGS                                                                   \
+    const float* __restrict__ q, int ldq, const u16* __restrict__ kc, const u16* __restrict__ vc, \
+    const int* __restrict__ tiles, const int* __restrict__ bt, int max_blocks,                \
+    float* __restrict__ out, int ldo, int H, int Hkv, int bs, float scale_log2,               \
+    int seg, float* __restrict__ part, int nsplit
+
 template <int D>
-__global__ void __launch_bounds__(32) paged_prefill_warp(
-    const float* __restrict__ q, int ldq, const u16* __restrict__ kc, const u16* __restrict__ vc,
-    const int* __restrict__ tiles, const int* __restrict__ bt, int max_blocks,
-    float* __restrict__ out, int ldo, int H, int Hkv, int bs, float scale_log2,
-    int seg, float* __restrict__ part, int nsplit) {
+__global__ void __launch_bounds__(32) paged_prefill_warp(PAGED_PREFILL_ARGS) {
     constexpr int KS = D / 16;        // k-steps of S = Q K^T
     constexpr int NT = D / 8;         // n-tiles of O
     constexpr int KP = D + 8;         // padded K row (bf16)
@@ -301,11 +304,7 @@ __device__ __forceinline__ void ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2
 // paged_prefill_warp's, in the same order, so the bits are the same (tests/test_gpu_paged_prefill.py compares them).
 // Dynamic shared memory: Q [G][16][D + 8], K and V [2][32][D + 8] each (`smem_bytes`).
 template <int D, int HPW>
-__global__ void __launch_bounds__(256) paged_prefill(
-    const float* __restrict__ q, int ldq, const u16* __restrict__ kc, const u16* __restrict__ vc,
-    const int* __restrict__ tiles, const int* __restrict__ bt, int max_blocks,
-    float* __restrict__ out, int ldo, int H, int Hkv, int bs, float scale_log2,
-    int seg, float* __restrict__ part, int nsplit) {
+__global__ void __launch_bounds__(256) paged_prefill(PAGED_PREFILL_ARGS) {
     constexpr int KS = D / 16;        // k-steps of S = Q K^T
     constexpr int NT = D / 8;         // n-tiles of O
     constexpr int KP = D + 8;         // padded row (bf16): conflict-free fragment and ldmatrix reads

@@ -145,6 +145,8 @@ def main() -> int:
     ap.add_argument("--llama-server", default=None, help="llama-server binary: measure it too, same run")
     ap.add_argument("--threads", type=int, default=2, help="threads for both servers")
     ap.add_argument("--cold", action="store_true", help="unique prompts: no prefix-cache hits")
+    ap.add_argument("--peer-model", default=None, help="the file llama-server serves (default --model; e.g. the "
+                    "llama-quantize Q8_0 of a BF16 file beside --server-args '--weights q8_0')")
     ns = ap.parse_args()
     COLD = ns.cold
     levels = [int(k) for k in ns.levels.split(",")]
@@ -158,13 +160,13 @@ def main() -> int:
                             log_path=Path("/tmp/imp-bench-server.log"))
         try:
             srv.wait_ready()
-            results.append((f"imp {ns.model}", [asyncio.run(run_level(srv.url, k, ns.tokens)) for k in levels]))
+            results.append((f"imp {ns.model} {ns.server_args}".rstrip(), [asyncio.run(run_level(srv.url, k, ns.tokens)) for k in levels]))
         finally:
             srv.stop()
     if ns.llama_server:
-        proc, url = llama_server(ns.llama_server, ns.model, ns.threads, max(levels))
+        proc, url = llama_server(ns.llama_server, ns.peer_model or ns.model, ns.threads, max(levels))
         try:
-            results.append((f"llama-server {ns.model}", [asyncio.run(run_level(url, k, ns.tokens)) for k in levels]))
+            results.append((f"llama-server {ns.peer_model or ns.model}", [asyncio.run(run_level(url, k, ns.tokens)) for k in levels]))
         finally:
             proc.terminate()
             proc.wait(30)

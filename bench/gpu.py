@@ -474,7 +474,9 @@ def bench_model(name: str, path: str, copy_Bps: float, prefills: list[int], rows
 # 2026-12-06 it was fp32 activations while the server ran int8 ones (issue 39): those rows were not what users run.
 CONFIGS = {"default": gpu_runner_options(ServerConfig(device="cuda:0")), "fp32": {"int8_act": False}, "int8": {"int8_act": True},
            "int8-nodense": {"int8_act": True, "dense": False}, "invariant": {"int8_act": True, "batch_invariant": True},
-           "split": dict(gpu_runner_options(ServerConfig(device="cuda:0")), decode_attention="split")}
+           "split": dict(gpu_runner_options(ServerConfig(device="cuda:0")), decode_attention="split"),
+           "paged": dict(gpu_runner_options(ServerConfig(device="cuda:0")), decode_attention="paged"),
+           "q8_0": dict(gpu_runner_options(ServerConfig(device="cuda:0")), requant="q8_0")}
 
 
 def table(rows: list, ceil: dict) -> str:
@@ -500,7 +502,8 @@ def main() -> None:
                     help="runner configurations per model, comma list of default (what `python -m imp --device "
                          "cuda:0` runs: its defaults, int8 activations today) | fp32 (--gpu-activations fp32) | int8 | "
                          "int8-nodense (and no fp16 dense copies) | invariant (--batch-invariant: every matmul on the "
-                         "int8 GEMM) | split (the default with --gpu-decode-attention split)")
+                         "int8 GEMM) | split / paged (the default with --gpu-decode-attention split / paged) | q8_0 (the default "
+                         "with --weights q8_0: a BF16 model's matrices as Q8_0)")
     ap.add_argument("--long-ctx", default="", help="decode at these contexts too (issue 39: e.g. 4096,16384,32768): "
                     "one shared prompt, --long-batch rows decoding after it; the models are written with a context "
                     "that holds the longest")

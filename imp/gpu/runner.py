@@ -311,9 +311,11 @@ class GpuModelRunner:
     # the prefix cache's disk tier and the swap area: the pool's blocks to host and back (imp.gpu.kvcopy), queued
     # on the step stream, in order with the steps (a tier load's from its read thread: see kv_fill_anywhere)
     supports_kv_tier = supports_swap = True
-    def kv_layout(self) -> str:
-        return self.blocks.layout() + self.layout_tag
     kv_block_bytes = property(lambda self: self.blocks.block_bytes)
+
+    def kv_layout(self) -> str:
+        """What a saved block's bytes mean: the pool's dtype and shape, and `:w=q8_0` under --weights q8_0."""
+        return self.blocks.layout() + self.layout_tag
 
     def kv_block(self, b: int):
         with self._lock:

@@ -128,6 +128,8 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[],
                     help="extra imp flags for one more imp row (repeat), e.g. --variant=--fixed-threads")
     ap.add_argument("--llama-server", default=None)
+    ap.add_argument("--peer-model", default=None, help="the file llama-server serves (default --model; e.g. the "
+                    "llama-quantize Q8_0 of a BF16 file beside --server-args '--weights q8_0')")
     ap.add_argument("--beside", default=None, help="a shell command run next to one server, measured too "
                     "(e.g. '.venv/bin/python -m pytest -q tests/test_dialects.py')")
     ns = ap.parse_args()
@@ -144,7 +146,7 @@ def main() -> int:
         rows.append((f"imp {v}", measure(imp_servers(ns.model, ns.threads, {}, ns.server_args.split() + v.split()),
                                          ns.streams, ns.tokens)))
     if ns.llama_server:
-        rows.append(("llama-server", measure(llama_servers(ns.llama_server, ns.model, ns.threads, ns.streams),
+        rows.append(("llama-server", measure(llama_servers(ns.llama_server, ns.peer_model or ns.model, ns.threads, ns.streams),
                                              ns.streams, ns.tokens)))
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}  {cpu_flags()}")
     print(f"model {ns.model}, {ns.threads} threads per server, {ns.tokens} tokens a stream, "

@@ -88,8 +88,9 @@ class ServerConfig:
     # GPU decode rows' attention: "split" (imp.kernels.cuda.paged_decode_split: a CTA a KV head and its query heads,
     # long contexts cut into segments over several CTAs; batch invariant) or "paged" (paged_decode_attention: a CTA a
     # query head and row). Split is the default since 2026-12-07 (H100, bench/gpu.py): the 8B shape one stream at
-    # 4k / 16k / 32k tokens 81 / 32 / 18 -> 134 / 126 / 100 tok/s, 64 rows at 128 tokens 6,378 -> 7,461; it costs
-    # 3 % (8B) and 11-14 % (135M) at one to eight streams of short contexts (a second launch a layer: the merge).
+    # 4k / 16k / 32k tokens 81 / 32 / 18 -> 134 / 126 / 100 tok/s, 64 rows at 128 tokens 6,378 -> 7,461; it cost
+    # 3 % (8B) and 11-14 % (135M) at one to eight streams of short contexts while its merge was a second launch a
+    # layer (now done by the CTA that finishes last; not re-timed through bench/gpu.py since).
     # Other bits than paged's: one kernel for every decode row of a server
     gpu_decode_attention: str = "split"
     # a BF16 / F16 / F32 model's matrices as stored at load: "native", or "q8_0" (imp/formats/requant.py: int8 with a

@@ -1,12 +1,13 @@
-"""Decode attention at agents' context lengths: paged_decode (a CTA a query head) against paged_decode_split (a CTA a
-KV head and its group, keys split over S CTAs), one layer, bf16 KV cache, on the GPU.
+"""Decode attention at agents' context lengths: paged_decode_split (a CTA a KV head and its group, keys split over S
+CTAs) against paged_decode_mma (tensor cores; rows sharing a prefix read it once), one layer, bf16 KV cache, on the
+GPU, with each row's own blocks and with the rows' tables sharing all but their last block.
 
     python3 bench/decode_attention.py [--ctx 1024,4096,16384,32768] [--batch 1,16,64]
 
 Shapes: the 8B (H 32, Hkv 8, D 128), SmolLM2 135M (H 9, Hkv 3, D 64), Gemma 3 270M (H 4, Hkv 1, D 256). Each cell:
 µs a call inside a CUDA graph of 10 calls (as the server replays them; CUDA events, median of 10 replays), the K+V bytes it must read (B x ctx x Hkv x D x 2 x 2) over
 that time, and the split kernel's S (`splits`: the server's rule; segments by `seg_keys_for`). Prints one table; checks each cell's outputs agree
-(rel < 1e-4) before timing it.
+(rel < 2e-2: mma rounds q and the probabilities to bf16) before timing it.
 """
 
 from __future__ import annotations
@@ -55,25 +56,32 @@ def main() -> int:
     ap.add_argument("--max-ctx", type=int, default=32768, help="the server's context: sets the segment length")
     ap.add_argument("--seg", type=int, default=0, help="keys a segment (default: the server's rule for --max-ctx)")
     a = ap.parse_args()
-    from imp.kernels.cuda import paged_decode_attention as pa
+    from imp.kernels.cuda import paged_decode_mma as pm
     from imp.kernels.cuda import paged_decode_split as ps
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name(0)}, {sms} SMs; segments of {a.seg or ps.seg_keys_for(a.max_ctx)} keys "
           f"(contexts up to {a.max_ctx:,})")
-    print("| shape | batch | context | paged_decode µs | GB/s | split µs (S) | GB/s | split / old |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("own: each row its own blocks; shared: the rows' tables hold the same blocks but for the last one (a "
+          "shared prompt). GB/s: the K+V bytes the rows attend to over the time (shared: counted once a row)")
+    print("| shape | batch | context | split µs (S) | GB/s | mma µs | GB/s | mma / split | shared: split µs | "
+          "mma µs | mma / split |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     bs = 16
     for name in a.shapes.split(","):
         H, Hkv, D = SHAPES[name]
+        mma = pm.supports(H, Hkv, D, torch.bfloat16)
         for B in (int(x) for x in a.batch.split(",")):
             for L in (int(x) for x in a.ctx.split(",")):
                 nb = -(-L // bs)
                 if B * nb * bs * Hkv * D * 2 * 2 > 24 << 30:
                     continue  # past 24 GiB of cache: not this bench's cell
-                kc = torch.randn(B * nb + 1, bs, Hkv, D, device="cuda").to(torch.bfloat16)
+                kc = torch.randn(B * nb + B + 1, bs, Hkv, D, device="cuda").to(torch.bfloat16)
                 vc = torch.randn_like(kc)
-                bt = torch.arange(B * nb, dtype=torch.int32, device="cuda").view(B, nb).contiguous()
+                own = torch.arange(B * nb, dtype=torch.int32, device="cuda").view(B, nb).contiguous()
+                shr = own[:1].repeat(B, 1)
+                shr[:, -1] = B * nb + torch.arange(B, dtype=torch.int32, device="cuda")
+                shr = shr.contiguous()
                 ln = torch.full((B,), L, dtype=torch.int32, device="cuda")
                 q = torch.randn(B, (H + 2 * Hkv) * D, device="cuda")
                 seg = a.seg or ps.seg_keys_for(a.max_ctx)
@@ -82,18 +90,28 @@ def main() -> int:
                 work = (torch.empty(B * H * nseg, 2, device="cuda"), torch.empty(B * H * nseg, D, device="cuda"),
                         torch.zeros(B * Hkv, dtype=torch.int32, device="cuda"))
                 o1, o2 = torch.empty(B, H * D, device="cuda"), torch.empty(B, H * D, device="cuda")
-                pa.paged_decode(q, kc, vc, bt, ln, H, out=o1)
-                ps.paged_decode_split(q, kc, vc, bt, ln, H, a.max_ctx, out=o2, work=work, seg_keys=seg)
-                rel = float((o1 - o2).norm() / o1.norm())
-                if rel > 1e-4:
-                    print(f"| {name} | {B} | {L} | outputs differ: rel {rel:.2e} |")
-                    continue
-                t1 = _time_graph(lambda: pa.paged_decode(q, kc, vc, bt, ln, H, out=o1))
-                t2 = _time_graph(lambda: ps.paged_decode_split(q, kc, vc, bt, ln, H, a.max_ctx, out=o2, work=work,
-                                                                seg_keys=seg))
+                split = lambda bt: ps.paged_decode_split(q, kc, vc, bt, ln, H, a.max_ctx, out=o1, work=work,  # noqa: E731
+                                                         seg_keys=seg)
                 gb = B * L * Hkv * D * 2 * 2 / 1e9
-                print(f"| {name} | {B} | {L:,} | {t1:,.1f} | {gb / t1 * 1e6:,.0f} | {t2:,.1f} ({S}) | "
-                      f"{gb / t2 * 1e6:,.0f} | {t2 / t1:.2f} |")
+                t1, t1s = _time_graph(lambda: split(own)), _time_graph(lambda: split(shr))
+                cells = ["-"] * 5
+                if mma:
+                    wk = pm.Work(pm.Shape(H, Hkv, D, seg, nseg, pm.target_items(sms, Hkv)), B, "cuda")
+                    run = lambda bt: pm.paged_decode_mma(q, kc, vc, bt, ln, wk, out=o2)  # noqa: E731
+                    bad = []
+                    for bt in (own, shr):
+                        split(bt)
+                        run(bt)
+                        rel = float((o1 - o2).norm() / o1.norm())
+                        if rel > 2e-2:
+                            bad.append(f"rel {rel:.2e}")
+                    if bad:
+                        print(f"| {name} | {B} | {L} | outputs differ: {bad} |")
+                        continue
+                    t2, t2s = _time_graph(lambda: run(own)), _time_graph(lambda: run(shr))
+                    cells = [f"{t2:,.1f}", f"{gb / t2 * 1e6:,.0f}", f"{t2 / t1:.2f}", f"{t2s:,.1f}", f"{t2s / t1s:.2f}"]
+                print(f"| {name} | {B} | {L:,} | {t1:,.1f} ({S}) | {gb / t1 * 1e6:,.0f} | {cells[0]} | {cells[1]} | "
+                      f"{cells[2]} | {t1s:,.1f} | {cells[3]} | {cells[4]} |")
                 del kc, vc
                 torch.cuda.empty_cache()
     return 0

@@ -476,6 +476,7 @@ CONFIGS = {"default": gpu_runner_options(ServerConfig(device="cuda:0")), "fp32":
            "int8-nodense": {"int8_act": True, "dense": False}, "invariant": {"int8_act": True, "batch_invariant": True},
            "split": dict(gpu_runner_options(ServerConfig(device="cuda:0")), decode_attention="split"),
            "paged": dict(gpu_runner_options(ServerConfig(device="cuda:0")), decode_attention="paged"),
+           "mma": dict(gpu_runner_options(ServerConfig(device="cuda:0")), decode_attention="mma"),
            "q8_0": dict(gpu_runner_options(ServerConfig(device="cuda:0")), requant="q8_0")}
 
 

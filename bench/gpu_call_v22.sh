@@ -11,6 +11,8 @@
 #           the same files, waiting up to $BUILD_WAIT s for the build
 #   pf      tests/test_gpu_paged_prefill.py (the staged kernel's bits = the one-warp kernel's), bench/prefill_attention.py
 #   da      bench/decode_attention.py alone ($DCTX, $DBATCH, $DSHAPES)
+#   mma     (39th session) tests/test_gpu_decode_mma.py (tensor-core decode, shared prefixes read once: plan, bits,
+#           graphs, the runner), the split kernel's and --weights q8_0's GPU tests, then bench/decode_attention.py
 #   server  tests/test_gpu_server.py -k $SERVER_K (default "concurrent or replays") on SmolLM2's random-weight shape
 #   tests   $TESTS in the GPU lane
 # Prints as it goes; everything under $OUT.
@@ -51,6 +53,11 @@ pf)
 da)
   timeout ${DA_S:-150} python3 bench/decode_attention.py ${DCTX:+--ctx $DCTX} ${DBATCH:+--batch $DBATCH} ${DSHAPES:+--shapes $DSHAPES} \
     > $OUT/decode_attention.txt 2>&1; tail -30 $OUT/decode_attention.txt ;;
+mma)
+  timeout ${MMA_S:-300} python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" -o faulthandler_timeout=280 \
+    tests/test_gpu_decode_mma.py tests/test_gpu_decode_split.py tests/test_requant.py 2>&1 | grep -v "^\s*$" | tail -25
+  timeout ${DA_S:-200} python3 bench/decode_attention.py ${DCTX:+--ctx $DCTX} ${DBATCH:+--batch $DBATCH} ${DSHAPES:+--shapes $DSHAPES} \
+    > $OUT/decode_attention.txt 2>&1; tail -40 $OUT/decode_attention.txt ;;
 server)
   IMP_TEST_MODEL=/tmp/smol.gguf timeout ${SERVER_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu \
     -o faulthandler_timeout=140 tests/test_gpu_server.py -k "${SERVER_K:-concurrent or replays}" 2>&1 | tail -3 ;;

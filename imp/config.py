@@ -91,7 +91,8 @@ class ServerConfig:
     # 4k / 16k / 32k tokens 81 / 32 / 18 -> 134 / 126 / 100 tok/s, 64 rows at 128 tokens 6,378 -> 7,461; it cost
     # 3 % (8B) and 11-14 % (135M) at one to eight streams of short contexts while its merge was a second launch a
     # layer (now done by the CTA that finishes last; not re-timed through bench/gpu.py since).
-    # Other bits than paged's: one kernel for every decode row of a server
+    # Other bits than paged's: one kernel for every decode row of a server. "mma" (paged_decode_mma: tensor cores,
+    # rows whose block tables share a cached prefix read it once; batch invariant; bf16 caches, D 64/128, G <= 16)
     gpu_decode_attention: str = "split"
     # a BF16 / F16 / F32 model's matrices as stored at load: "native", or "q8_0" (imp/formats/requant.py: int8 with a
     # scale per 32 weights, half BF16's bytes a step; 98.6 % of BF16's greedy tokens on SmolLM2 upcast, where FP8 E4M3
@@ -143,7 +144,7 @@ class ServerConfig:
              "--agent-port must be in 1..65535 and not --port (0 = off)"),
             (self.device == "cpu" or self.device.startswith("cuda"), "--device must be cpu or cuda[:N]"),
             (self.gpu_activations in ("fp32", "int8"), "--gpu-activations must be fp32 or int8"),
-            (self.gpu_decode_attention in ("paged", "split"), "--gpu-decode-attention must be paged or split"),
+            (self.gpu_decode_attention in ("paged", "split", "mma"), "--gpu-decode-attention must be paged, split or mma"),
             (self.weights in ("native", "q8_0"), "--weights must be native or q8_0"),
             (self.gpu_graphs in ("all", "decode", "off"), "--gpu-graphs must be all, decode or off"),
             (not self.batch_invariant or self.gpu_activations == "int8",
@@ -255,9 +256,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-activations", choices=("fp32", "int8"), default=d.gpu_activations,
                    help="GPU matmuls of quantized weights at decode: int8 activations (default; dp4a, as "
                         "llama.cpp: faster at small batches, the CPU runner's numerics) or fp32 ones")
-    p.add_argument("--gpu-decode-attention", choices=("paged", "split"), default=d.gpu_decode_attention,
+    p.add_argument("--gpu-decode-attention", choices=("paged", "split", "mma"), default=d.gpu_decode_attention,
                    help="GPU decode rows' attention: split (default: a CTA a KV head, long contexts over several "
-                        "CTAs: far faster at 4-32k-token contexts) or paged (a CTA a query head)")
+                        "CTAs: far faster at 4-32k-token contexts), mma (tensor cores; rows sharing a cached prefix "
+                        "read it once) or paged (a CTA a query head)")
     p.add_argument("--weights", choices=("native", "q8_0"), default=d.weights,
                    help="store a BF16 / F16 / F32 model's matrices as Q8_0 at load (half the bytes a decode step "
                         "reads and the weights' memory; near BF16's tokens) or as they are (native, default)")

@@ -24,6 +24,7 @@ from imp.kernels.cuda import fill_pending_tokens as k_pending
 from imp.kernels.cuda import gated_act as k_act
 from imp.kernels.cuda import gemv_fp32_act
 from imp.kernels.cuda import paged_decode_attention as k_attn
+from imp.kernels.cuda import paged_decode_mma as k_mma
 from imp.kernels.cuda import paged_decode_split as k_split
 from imp.kernels.cuda import paged_prefill_attention as k_pf
 from imp.kernels.cuda import prefill_attention_sdpa as k_prefill
@@ -48,6 +49,9 @@ class Forward:
         self.split_work: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.split_rows = 0
         self.max_ctx = cos.shape[0]  # the context the rope tables cover: the split kernel's segment length follows it
+        # decode rows on tensor cores, rows sharing a prefix reading it once (paged_decode_mma): its buffers for up to
+        # mma_work.rows rows; the plan is made once a forward (`decode_plan`)
+        self.mma_work: k_mma.Work | None = None
 
     def __call__(self, m: Meta, lora=None, keep: torch.Tensor | None = None):
         """logits [R, V] fp32 for m.out_rows (every row when None). lora: (imp.gpu.lora.DeviceLoras,
@@ -64,6 +68,7 @@ class Forward:
         delta = None  # [N, d] the residual add still pending (fused into the next norm)
         h = torch.empty_like(x)  # [N, d] normed input of the next matmul
         pr = bool(m.prefill)  # prompt rows here: the matmuls take their prompt numerics (Linear.mode)
+        plan = self.decode_plan(m)
         resid = None if keep is None else x.new_empty(len(w.layers), keep.shape[0], x.shape[1])
         for i, L in enumerate(w.layers):
             qm = L.wqkv.mode(N, pr)
@@ -85,9 +90,9 @@ class Forward:
             kn, vn = qkv[:, H * D:(H + Hkv) * D], qkv[:, (H + Hkv) * D:]  # [N, Hkv D] each
             om = L.wo.mode(N, pr)
             if m.all_decode and lora is None and L.wo.takes_q8(N, pr):  # attention writes O's int8 input directly
-                delta = L.wo.run(om, None, self.decode_attn(qkv, kc, vc, m.dec_bt, m.dec_lens, q8=True))
+                delta = L.wo.run(om, None, self.decode_attn(qkv, kc, vc, m.dec_bt, m.dec_lens, q8=True, plan=plan))
             else:
-                a = self.attention(qkv, kn, vn, kc, vc, m, N)  # [N, H D]
+                a = self.attention(qkv, kn, vn, kc, vc, m, N, plan)  # [N, H D]
                 delta = L.wo.run(om, a)  # [N, d]
                 if lora is not None:
                     lora[0].add(delta, a, i, 3, lora[1])
@@ -142,6 +147,7 @@ class Forward:
         x = w.tok_embd.index_select(0, m.tokens)  # [N, d]
         delta = None
         h = torch.empty_like(x)
+        plan = self.decode_plan(m)
         for i, L in enumerate(w.layers):
             k_norm.add_rmsnorm(x, delta, L.attn_norm, eps, out=h)
             qkv = L.wqkv.by_kind(P, h)  # [N, (H + 2 Hkv) D]
@@ -149,7 +155,7 @@ class Forward:
             kf, vf = kc.view(-1, Hkv * D), vc.view(-1, Hkv * D)
             k_rope.rope_kv(qkv, m.positions, self.cos, self.sin, H, Hkv, kf, vf, m.slots)
             kn, vn = qkv[:, H * D:(H + Hkv) * D], qkv[:, (H + Hkv) * D:]
-            delta = L.wo.by_kind(P, self.attention(qkv, kn, vn, kc, vc, m, N))
+            delta = L.wo.by_kind(P, self.attention(qkv, kn, vn, kc, vc, m, N, plan))
             k_norm.add_rmsnorm(x, delta, L.ffn_norm, eps, out=h)
             delta = L.w2.by_kind(P, k_act.gated_act(L.w13.by_kind(P, h), "silu"))
         x, delta = x.index_select(0, m.out_rows), delta.index_select(0, m.out_rows)  # [R, d]
@@ -163,25 +169,35 @@ class Forward:
         k_norm.add_rmsnorm(x, delta, weight, self.cfg.rms_eps, out=h)
         return None
 
-    def decode_attn(self, q, kc, vc, bt, lens, out=None, q8: bool = False):
-        """The decode rows' attention (paged_decode's contract) by the server's kernel (`split_work`)."""
+    def decode_plan(self, m: Meta):
+        """paged_decode_mma's items for the step's decode rows (one small launch a forward, read by every layer), or
+        None (another decode kernel, no decode rows, or more rows than the buffers: each launch plans its own)."""
+        wk = self.mma_work
+        if wk is None or m.dec_bt is None or m.dec_bt.shape[0] > wk.rows:
+            return None
+        return k_mma.decode_plan(m.dec_bt, m.dec_lens, self.k_cache.shape[2], wk)
+
+    def decode_attn(self, q, kc, vc, bt, lens, out=None, q8: bool = False, plan=None):
+        """The decode rows' attention (paged_decode's contract) by the server's kernel (`mma_work`, `split_work`)."""
         H = self.cfg.n_heads
+        if self.mma_work is not None:
+            return k_mma.paged_decode_mma(q, kc, vc, bt, lens, self.mma_work, out=out, q8=q8, plan=plan)
         if self.split_work is None:
             return k_attn.paged_decode(q, kc, vc, bt, lens, H, out=out, q8=q8)
         work = self.split_work if q.shape[0] <= self.split_rows else None
         return k_split.paged_decode_split(q, kc, vc, bt, lens, H, self.max_ctx, out=out, q8=q8, work=work)
 
-    def attention(self, qkv, kn, vn, kc, vc, m: Meta, N: int) -> torch.Tensor:
+    def attention(self, qkv, kn, vn, kc, vc, m: Meta, N: int, plan=None) -> torch.Tensor:
         """[N, H D] fp32: paged decode for one-token rows, paged prefill for the prompt rows."""
         H, D = self.cfg.n_heads, self.cfg.head_dim
         if m.all_decode:
-            return self.decode_attn(qkv, kc, vc, m.dec_bt, m.dec_lens)
+            return self.decode_attn(qkv, kc, vc, m.dec_bt, m.dec_lens, plan=plan)
         out = torch.empty(N, H * D, dtype=torch.float32, device=qkv.device)
         if m.dec_bt is not None and m.dec_from is not None:
-            self.decode_attn(qkv[m.dec_from:], kc, vc, m.dec_bt, m.dec_lens, out=out[m.dec_from:])
+            self.decode_attn(qkv[m.dec_from:], kc, vc, m.dec_bt, m.dec_lens, out=out[m.dec_from:], plan=plan)
         elif m.dec_bt is not None:
             qd = qkv.index_select(0, m.dec_rows)
-            out.index_copy_(0, m.dec_rows, self.decode_attn(qd, kc, vc, m.dec_bt, m.dec_lens))
+            out.index_copy_(0, m.dec_rows, self.decode_attn(qd, kc, vc, m.dec_bt, m.dec_lens, plan=plan))
         if m.pf_tiles is not None and PAGED_PREFILL and k_pf.supports(kc, H):  # every chunk in one launch, cached or not
             k_pf.paged_prefill(qkv, kc, vc, m.pf_tiles, m.pf_bt, H, out, last=m.pf_last)
             return out

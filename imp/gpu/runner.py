@@ -64,7 +64,9 @@ from imp.gpu.linear import FUSED_CREDIT_US, GEMV_MAX_ROWS
 from imp.gpu.weights import GGUFSource, Weights, load_weights
 from imp.kernels.cuda import runtime as cuda_rt
 from imp.kernels.cuda import kv_write as k_kv
+from imp.kernels.cuda import paged_decode_mma as k_mma
 from imp.kernels.cuda import paged_decode_split as k_split
+from imp.kernels.cuda.gemm_int8_act_tiles import sm_count
 from imp.messages import PENDING_TOKEN, LensLayer, SampledToken, SeqWork
 from imp.model.llama import default_num_blocks, rope_tables
 from imp.model.rows import head_rows, with_prompt_logprobs
@@ -141,6 +143,8 @@ class GpuModelRunner:
         self.fwd = Forward(cfg, self.w, self.k_cache, self.v_cache, cos.to(self.device), sin.to(self.device),
                            self._sampled, fuse=kv_dtype in (torch.float32, torch.bfloat16))
         buckets = tuple(b for i, b in enumerate(BUCKETS) if i == 0 or BUCKETS[i - 1] < max_graph_batch)
+        if decode_attention == "mma" and not self._mma_decode(max(buckets) if buckets else max_graph_batch):
+            decode_attention = "split"
         if decode_attention == "split":
             self._split_decode(max(buckets) if buckets else max_graph_batch)
         self.graphs = DecodeGraphs(buckets, (cfg.context_length + block_size - 1) // block_size, block_size,
@@ -167,6 +171,21 @@ class GpuModelRunner:
                                      cfg.n_heads)
         if graphs and buckets:
             self._capture_or_fall_back()
+
+    def _mma_decode(self, rows: int) -> bool:
+        """Decode rows' attention on paged_decode_mma (--gpu-decode-attention mma): its buffers for `rows` rows, made
+        once here so every captured graph holds the same ones. False (a note, and the split kernel) for a shape it
+        has no kernel for."""
+        cfg = self.config
+        if not k_mma.supports(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.kv_dtype) or rows > k_mma.MAX_ROWS:
+            self.notes.append(f"mma decode attention: no kernel for H {cfg.n_heads} / Hkv {cfg.n_kv_heads} / D "
+                              f"{cfg.head_dim} / {self.kv_dtype}; split")
+            log.warning(self.notes[-1])
+            return False
+        shape = k_mma.Shape.of(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.fwd.max_ctx,
+                               sm_count(self.device.index or 0))
+        self.fwd.mma_work = k_mma.Work(shape, rows, self.device)
+        return True
 
     def _split_decode(self, rows: int) -> None:
         """Decode rows' attention on paged_decode_split (--gpu-decode-attention split): its work buffers for `rows`

@@ -36,7 +36,8 @@ from imp.kernels.cuda.paged_decode_attention import LOAD8, check_args, outputs
 
 NW = 8  # warps a CTA
 
-SRC = quantize_act_int8.DEVICE + LOAD8 + r"""
+# One value of the output row (fp32, or int8 for an int8 O projection): also paged_decode_mma's merge
+PUT_OUT = r"""
 // One value of the output row (b, h, d): fp32, or with Q8 quantized per block of 32 (a whole warp holds a block:
 // threads d = 32 w .. 32 w + 31), by quantize_act_int8's rule.
 template <bool Q8>
@@ -56,7 +57,9 @@ __device__ __forceinline__ void put_out(float val, int b, int h, int d, int H, i
         if ((d & 31) == 0) xds[((size_t)b * K + (size_t)h * D + d) / 32] = make_float2(sc, __fmul_rn(sc, (float)sq));
     }
 }
+"""
 
+SRC = quantize_act_int8.DEVICE + LOAD8 + PUT_OUT + r"""
 // grid (Hkv, B, S), 256 threads. A row's keys are cut into segments of seg_keys positions; split s of S takes
 // segments s, s + S, ... Each segment is one online softmax from its first key, merged over the NSLOT slots in slot
 // order: a row with one segment writes the output here; else each segment writes part_ml [B, H, nseg_max] float2

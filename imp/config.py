@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+DECODE_ATTENTION = ("auto", "mma", "split", "paged")  # --gpu-decode-attention (imp.gpu.runner.decode_kernel)
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -86,14 +88,16 @@ class ServerConfig:
     # the CPU runner is batch invariant always
     batch_invariant: bool = False
     # GPU decode rows' attention: "split" (imp.kernels.cuda.paged_decode_split: a CTA a KV head and its query heads,
-    # long contexts cut into segments over several CTAs; batch invariant) or "paged" (paged_decode_attention: a CTA a
-    # query head and row). Split is the default since 2026-12-07 (H100, bench/gpu.py): the 8B shape one stream at
-    # 4k / 16k / 32k tokens 81 / 32 / 18 -> 134 / 126 / 100 tok/s, 64 rows at 128 tokens 6,378 -> 7,461; it cost
-    # 3 % (8B) and 11-14 % (135M) at one to eight streams of short contexts while its merge was a second launch a
-    # layer (now done by the CTA that finishes last; not re-timed through bench/gpu.py since).
-    # Other bits than paged's: one kernel for every decode row of a server. "mma" (paged_decode_mma: tensor cores,
-    # rows whose block tables share a cached prefix read it once; batch invariant; bf16 caches, D 64/128, G <= 16)
-    gpu_decode_attention: str = "split"
+    # long contexts cut into segments over several CTAs), "mma" (paged_decode_mma: tensor cores, rows whose block
+    # tables share a cached prefix read it once a step; bf16 caches, D 64/128, G <= 16), "paged" (paged_decode_attention:
+    # a CTA a query head and row), or "auto" (the default since 2026-12-07: mma at head dim 128, split else; the
+    # runner decides, imp.gpu.runner.decode_kernel). Measured on an H200 in one call (bench/gpu.py, PERFORMANCE.md):
+    # the 8B shape (D 128) with mma at least as fast in every cell (b1 / b64 at 128 tokens +3 %, b1 at 4-32k +5-11 %)
+    # and 16 rows after a shared 16k / 32k prompt 515 / 277 -> 1,478 / 1,181 tok/s; SmolLM2's shape (D 64, G 3) 4-7 %
+    # slower at short contexts and 15 % at one stream at 32k (the kernel bench: 1.4-1.9x a layer at 1k contexts),
+    # though 2.3-3.3x with 16 rows on a shared prompt. All three are batch invariant; each has its own bits: one
+    # kernel for every decode row of a server
+    gpu_decode_attention: str = "auto"
     # a BF16 / F16 / F32 model's matrices as stored at load: "native", or "q8_0" (imp/formats/requant.py: int8 with a
     # scale per 32 weights, half BF16's bytes a step; 98.6 % of BF16's greedy tokens on SmolLM2 upcast, where FP8 E4M3
     # kept 91.5-94.1 %: bench/fp8_accuracy.py). CPU and GPU executors alike; quantized matrices stay as they are
@@ -144,7 +148,7 @@ class ServerConfig:
              "--agent-port must be in 1..65535 and not --port (0 = off)"),
             (self.device == "cpu" or self.device.startswith("cuda"), "--device must be cpu or cuda[:N]"),
             (self.gpu_activations in ("fp32", "int8"), "--gpu-activations must be fp32 or int8"),
-            (self.gpu_decode_attention in ("paged", "split", "mma"), "--gpu-decode-attention must be paged, split or mma"),
+            (self.gpu_decode_attention in DECODE_ATTENTION, "--gpu-decode-attention must be auto, mma, split or paged"),
             (self.weights in ("native", "q8_0"), "--weights must be native or q8_0"),
             (self.gpu_graphs in ("all", "decode", "off"), "--gpu-graphs must be all, decode or off"),
             (not self.batch_invariant or self.gpu_activations == "int8",
@@ -256,10 +260,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-activations", choices=("fp32", "int8"), default=d.gpu_activations,
                    help="GPU matmuls of quantized weights at decode: int8 activations (default; dp4a, as "
                         "llama.cpp: faster at small batches, the CPU runner's numerics) or fp32 ones")
-    p.add_argument("--gpu-decode-attention", choices=("paged", "split", "mma"), default=d.gpu_decode_attention,
-                   help="GPU decode rows' attention: split (default: a CTA a KV head, long contexts over several "
-                        "CTAs: far faster at 4-32k-token contexts), mma (tensor cores; rows sharing a cached prefix "
-                        "read it once) or paged (a CTA a query head)")
+    p.add_argument("--gpu-decode-attention", choices=DECODE_ATTENTION, default=d.gpu_decode_attention,
+                   help="GPU decode rows' attention: auto (default: mma at head dim 128, split else), mma (tensor "
+                        "cores; rows sharing a cached prefix read it once a step), split (a CTA a KV head, long "
+                        "contexts over several CTAs) or paged (a CTA a query head)")
     p.add_argument("--weights", choices=("native", "q8_0"), default=d.weights,
                    help="store a BF16 / F16 / F32 model's matrices as Q8_0 at load (half the bytes a decode step "
                         "reads and the weights' memory; near BF16's tokens) or as they are (native, default)")

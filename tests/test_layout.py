@@ -41,12 +41,22 @@ def test_gpu_activations_is_validated_and_reaches_the_cli():
     # the server's loader and bench/gpu.py's default rows take the runner's numerics from here (issue 39: the bench
     # had measured fp32 activations while the server ran int8)
     assert gpu_runner_options(ServerConfig(device="cuda:0")) == {"int8_act": True, "batch_invariant": False,
-                                                                 "decode_attention": "split"}
+                                                                 "decode_attention": "auto"}
     assert gpu_runner_options(ServerConfig(gpu_activations="fp32"))["int8_act"] is False
     # the decode rows' attention kernel (issue 39's split decode), validated once here and passed to the runner
     assert gpu_runner_options(ServerConfig(gpu_decode_attention="paged"))["decode_attention"] == "paged"
     with pytest.raises(ValueError, match="--gpu-decode-attention"):
         ServerConfig(gpu_decode_attention="flash")
+    # auto, resolved per model by the runner: mma at head dim 128 on a bf16 cache (the 8B shape), split else
+    import torch
+
+    from imp.gpu.runner import decode_kernel
+
+    assert decode_kernel("auto", 32, 8, 128, torch.bfloat16) == "mma"
+    assert decode_kernel("auto", 9, 3, 64, torch.bfloat16) == "split"  # SmolLM2: mma measured slower at short contexts
+    assert decode_kernel("auto", 32, 8, 128, torch.float32) == "split"  # mma reads bf16 caches only
+    assert decode_kernel("auto", 4, 1, 256, torch.bfloat16) == "split"
+    assert decode_kernel("mma", 9, 3, 64, torch.bfloat16) == "mma" and decode_kernel("paged", 32, 8, 128, None) == "paged"
     with pytest.raises(ValueError, match="--gpu-activations"):
         ServerConfig(gpu_activations="int4")
     p = argparse.ArgumentParser()

@@ -88,11 +88,20 @@ MAX_SAMPLED = 4096  # sequences sampled in one step (the device buffer of sample
 RING = 4  # pinned buffers for sampled ids: a step's slot is reused 4 launches later (<= 2 are in flight)
 
 
+def decode_kernel(choice: str, n_heads: int, n_kv_heads: int, head_dim: int, kv_dtype) -> str:
+    """--gpu-decode-attention resolved for a model: "auto" is mma at head dim 128 (the 8B shape: as fast or faster in
+    every cell measured, shared prompts read once) where the kernel takes the shape, else split (SmolLM2's D 64:
+    mma measured 4-7 % slower at short contexts; imp.config's comment has the figures); the others as named."""
+    if choice != "auto":
+        return choice
+    return "mma" if head_dim == 128 and k_mma.supports(n_heads, n_kv_heads, head_dim, kv_dtype) else "split"
+
+
 class GpuModelRunner:
     def __init__(self, src: GGUFSource, num_blocks: int, block_size: int, device: str = "cuda:0",
                  kv_dtype=torch.bfloat16, dense: bool | None = None, graphs: bool = True, max_graph_batch: int = 64,
                  tune: bool = True, int8_act: bool = False, batch_invariant: bool = False,
-                 max_prompt_rows: int | None = 512, decided: dict | None = None, decode_attention: str = "split"):
+                 max_prompt_rows: int | None = 512, decided: dict | None = None, decode_attention: str = "auto"):
         """decided: what an earlier load of this model decided (dense copies or not, each matmul's kernel), to be
         decided the same again, else filled in here: a model reloaded after a suspend or a swap runs the same
         kernels, so it gives the same tokens and takes the same memory as before, whatever else the card holds
@@ -143,8 +152,10 @@ class GpuModelRunner:
         self.fwd = Forward(cfg, self.w, self.k_cache, self.v_cache, cos.to(self.device), sin.to(self.device),
                            self._sampled, fuse=kv_dtype in (torch.float32, torch.bfloat16))
         buckets = tuple(b for i, b in enumerate(BUCKETS) if i == 0 or BUCKETS[i - 1] < max_graph_batch)
+        decode_attention = decode_kernel(decode_attention, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
         if decode_attention == "mma" and not self._mma_decode(max(buckets) if buckets else max_graph_batch):
             decode_attention = "split"
+        self.decode_attention = decode_attention  # the kernel every decode row takes (its bits: one a server)
         if decode_attention == "split":
             self._split_decode(max(buckets) if buckets else max_graph_batch)
         self.graphs = DecodeGraphs(buckets, (cfg.context_length + block_size - 1) // block_size, block_size,

@@ -1,7 +1,7 @@
 """The llama forward on the device, over one step's rows (`imp.gpu.inputs.Meta`).
 
 Per layer: add+RMSNorm -> QKV GEMV -> RoPE + KV write (one kernel) -> paged
-attention (decode rows: `paged_decode_attention`; prompt rows, cached prefix or not: `paged_prefill_attention`) -> O GEMV -> add+RMSNorm -> gate/up GEMV -> SiLU*up -> down GEMV; where the
+attention (decode rows: the server's kernel, `paged_decode_mma` / `paged_decode_split` / `paged_decode_attention`; prompt rows, cached prefix or not: `paged_prefill_attention`) -> O GEMV -> add+RMSNorm -> gate/up GEMV -> SiLU*up -> down GEMV; where the
 tuner picks a `gemv_bf16x` variant the QKV GEMV also applies RoPE and writes
 k/v into the cache, and the gate/up GEMV writes SiLU(gate)*up (7 kernels a
 layer instead of 10). The residual add is fused into the next RMSNorm

@@ -170,29 +170,18 @@ class NextTokenForward:
         return torch.nn.functional.one_hot((m.tokens.long()[rows] + 1) % 64, 64).float()
 
 
-def test_verify_step_flattens_drafts_into_one_token_rows_and_keeps_the_agreeing_prefix(monkeypatch):
-    """The GPU runner's verify step (`_verify_step`), on the CPU with a next-token-is-token+1 model: each verify
-    share's drafted positions run as one-token rows in the step's order (a longer share's leading tokens as a
-    chunk that samples nothing), the plain rows are sampled as usual, and a draft is kept up to the first
-    position whose greedy token differs, in the order of the step's sampled shares."""
-    from imp.gpu.inputs import Landing
-
-    r = _runner(True)
+def _verify_runner(monkeypatch):
+    """A `host_only` GPU runner (CPU tensors, its real sampling and landing) with a next-token-is-token+1 model,
+    every step laid out eagerly."""
+    r = GpuModelRunner.host_only(vocab=64, block_size=16, num_blocks=64, context_length=512, max_batch=8)
     r.fwd = NextTokenForward()
-    r.graphs = type("NoGraphs", (), {"fits": staticmethod(lambda seqs, one=None: False)})()
-    r.mixed, r.use_numba_sampling = None, False
-    r._landed = lambda ids, ring, tokens, event=None: Landing(ids, None, None, tokens)
-    seen = []
+    monkeypatch.setattr(r.graphs, "fits", lambda seqs, one=None: False)
+    return r
 
-    def sample_and_land(logits, seqs, constraints=None):
-        seen.append([s.seq_id for s in seqs])
-        ids = logits.argmax(-1).tolist()
-        from imp.messages import SampledToken
-        return Landing([s.seq_id for s in seqs], None, None, [SampledToken(s.seq_id, t) for s, t in zip(seqs, ids)])
 
-    monkeypatch.setattr(r, "_sample_and_land", sample_and_land)
+def _verify_shares():
     g = SamplingParams(max_tokens=8)
-    seqs = [
+    return [
         SeqWork(seq_id="v0", token_ids=(10, 11, 12, 20), start_pos=30, block_table=(0, 1, 2), sample=True, params=g,
                 draft=3),  # keeps 11, 12; 20 is wrong: samples 13
         SeqWork(seq_id="d", token_ids=(40,), start_pos=5, block_table=(3,), sample=True, params=g),
@@ -200,8 +189,52 @@ def test_verify_step_flattens_drafts_into_one_token_rows_and_keeps_the_agreeing_
         SeqWork(seq_id="v1", token_ids=(1, 2, 3, 4, 5), start_pos=60, block_table=tuple(range(5, 10)), sample=True,
                 params=g, draft=2),  # 1, 2 written as a chunk; 3 known, draft 4, 5 all kept: samples 6
     ]
-    out = r._verify_step(seqs, {}, None, None).tokens
+
+
+def test_verify_step_flattens_drafts_into_one_token_rows_and_keeps_the_agreeing_prefix(monkeypatch):
+    """The GPU runner's verify step (`_verify_step`), on the CPU with a next-token-is-token+1 model: each verify
+    share's drafted positions run as one-token rows in the step's order (a longer share's leading tokens as a
+    chunk that samples nothing), the plain rows are sampled as usual, and a draft is kept up to the first
+    position whose greedy token differs, in the order of the step's sampled shares. The step lands as a
+    `VerifyLanding` (its ids in one ring slot, read when collected), and the plain rows' ids are where the
+    next step's PENDING_TOKEN rows read them (the previous step's landing and sampled buffer)."""
+    from imp.gpu.inputs import VerifyLanding
+
+    r = _verify_runner(monkeypatch)
+    h = r._verify_step(_verify_shares(), {}, None, None)
+    assert isinstance(h, VerifyLanding)
+    out = r.collect(h)
     assert [t.seq_id for t in out] == ["v0", "d", "p", "v1"]
     assert [(t.token_id, [a.token_id for a in t.accepted]) for t in out] == [
         (13, [11, 12]), (41, []), (58, []), (6, [4, 5])]
-    assert seen == [["d", "p"]]  # only the plain rows through the device sampler
+    assert all(a.seq_id == t.seq_id for t in out for a in t.accepted)
+    assert r._prev.seq_ids == ["d", "p"] and r._sampled[:2].tolist() == [41, 58]  # the plain rows feed the next step
+    sids, ids, tokens = r.collect_ids(h)
+    assert sids is None and tokens == out and h.ids() == [13, 41, 58, 6]
+
+
+def test_a_verify_step_of_drafts_alone_and_one_drawn_on_the_host_give_the_same_tokens(monkeypatch):
+    """No plain rows: the drafted ids take a ring slot of their own and nothing feeds the next step. A step with
+    prompt logprobs: everything drawn at launch (`_verify_now`), the same tokens."""
+    from imp.gpu.inputs import VerifyLanding
+
+    r = _verify_runner(monkeypatch)
+    shares = [s for s in _verify_shares() if s.draft]
+    h = r._verify_step(shares, {}, None, None)
+    assert isinstance(h, VerifyLanding) and r._prev_sids == []
+    want = [(13, [11, 12]), (6, [4, 5])]
+    assert [(t.token_id, [a.token_id for a in t.accepted]) for t in r.collect(h)] == want
+    r2 = _verify_runner(monkeypatch)
+    calls = []
+    now, head = r2._verify_now, r2._head_logits
+
+    def head_with_plp(flat, fsrc, la):  # as if a share asked for prompt logprobs
+        logits, row_of, _ = head(flat, fsrc, la)
+        return logits, row_of, {0: [0]}
+
+    monkeypatch.setattr(r2, "_verify_now", lambda *a: calls.append(1) or now(*a))
+    monkeypatch.setattr(r2, "_head_logits", head_with_plp)
+    monkeypatch.setattr("imp.gpu.runner.with_prompt_logprobs",
+                        lambda flat, drawn, plp_at, logits: [drawn[k] for k in sorted(drawn)])
+    got = r2.collect(r2._verify_step(shares, {}, None, None))
+    assert calls == [1] and [(t.token_id, [a.token_id for a in t.accepted]) for t in got] == want

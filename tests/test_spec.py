@@ -86,6 +86,21 @@ def test_draft_length_adapts_and_misses_cool_it_down():
     assert d.cool == 2 * spec.COOL_FIRST  # missing again: twice as long
 
 
+
+def test_pipelined_verifies_that_keep_less_than_a_token_each_cool_down():
+    """Depth 2 (min_kept 1): a window of two-token drafts keeping 6 of 16 (above LOW_ACCEPT), 0.75 a verify,
+    gives fewer tokens than decoding would (a verify costs its sequence a step there): it cools down; at depth 1
+    (min_kept 0) the same window keeps drafting. A window keeping one token a verify goes on."""
+    toks = prompt(40)
+    for min_kept, kept, cools in ((1.0, 2 * [2, 0, 0] + [2, 0], True), (0.0, 2 * [2, 0, 0] + [2, 0], False),
+                                  (1.0, [1] * spec.WINDOW, False)):
+        d = Drafter(min_kept=min_kept)
+        assert d.propose(toks, 64)
+        for k in kept:
+            d.observe(2, k)
+        assert (d.cool > 0) == cools, (min_kept, kept)
+
+
 # --------------------------------------------------------------------------- the scheduler
 
 

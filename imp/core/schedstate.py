@@ -46,6 +46,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     # (imp.core.spec), verified in the same step. 0: never (the executor cannot verify drafts, or the server
     # runs without speculation; logs written before this field replay identically)
     spec_k_max: int = 0
+    # draft tokens a sequence's verifies must keep on average over a window, or it stops drafting a while
+    # (imp.core.spec.Drafter.min_kept): 1 where steps are pipelined (depth 2: a verify costs its sequence a
+    # step), 0 = only the acceptance share decides (logs written before this field replay identically)
+    spec_min_kept: float = 0.0
     # swap instead of recompute: the executor's swap area holds swap_blocks blocks (0: none, every preempted
     # sequence computes its context again: the policy before these fields), and a preemption parks the
     # victim's KV there when the cost model says moving its blocks out and back (swap_ns_per_block each) is
@@ -79,7 +83,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     def __post_init__(self):
         if min(self.num_blocks, self.block_size, self.max_context, self.max_batch_size,
                self.max_step_tokens, self.aging_ns) < 1 or self.request_timeout_ns < 0 \
-                or self.pipeline_depth not in (1, 2) or self.itl_target_ns < 0 or self.spec_k_max < 0 or self.itl_ratio < 0 \
+                or self.pipeline_depth not in (1, 2) or self.itl_target_ns < 0 or self.spec_k_max < 0 \
+                or self.spec_min_kept < 0 or self.itl_ratio < 0 \
                 or min(self.swap_blocks, self.swap_ns_per_block, self.recompute_ns_per_token) < 0 \
                 or any(len(e) != 3 or min(e) < 0 or min(e[:2]) < 1 for e in self.prompt_step_ns) \
                 or self.prompt_ctx_ns < 0 or any(b <= 0 or ns < 0 for b, ns in self.prompt_ctx_by):

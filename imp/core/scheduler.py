@@ -461,10 +461,9 @@ class SchedulerCore(RequestBook):
         n = len(self.running)
         return [max(0, budget - n), max(0, self.kv.free - n)]
 
-    @staticmethod
-    def _drafter(s: Seq) -> Drafter:
+    def _drafter(self, s: Seq) -> Drafter:
         if s.drafter is None:  # from its first decode that might draft: its prompt is indexed then
-            s.drafter = Drafter()
+            s.drafter = Drafter(min_kept=self.config.spec_min_kept)
         return s.drafter
 
     def _would_draft(self, s: Seq) -> bool:

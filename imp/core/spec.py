@@ -111,9 +111,9 @@ class Drafter:
     """One sequence's n-gram indexes and draft-length policy."""
 
     __slots__ = ("index", "indexed", "k", "cool", "cool_len", "window_drafted", "window_accepted", "window_n",
-                 "_looked", "kept", "trials", "last")
+                 "_looked", "kept", "trials", "last", "min_kept")
 
-    def __init__(self):
+    def __init__(self, min_kept: float = 0.0):
         self.index: tuple[dict[int, int], dict[int, int]] = ({}, {})  # LONG, SHORT: hash -> end position
         self.indexed = 0  # n-grams ending before this position are in the indexes
         self.k = K_START
@@ -126,6 +126,11 @@ class Drafter:
         # sequence always gets one draft to show what it copies (a prior of 1/2 in a priced batch could
         # keep it from ever drafting)
         self.last = 1.0
+        # draft tokens a verify must keep on average over a window, or the sequence cools down (besides
+        # LOW_ACCEPT): 1 where steps are pipelined (depth 2), since there a verify costs its sequence a step
+        # (it waits for its token in flight before drafting and sits out the step after the verify), so a
+        # verify that keeps less than one token gives fewer tokens than decoding would have
+        self.min_kept = min_kept
 
     def _extend(self, tokens: list[int], upto: int) -> None:
         """Index the n-grams tokens[e-n .. e-1] for e = indexed .. upto-1 (e: where what followed starts)."""
@@ -191,7 +196,7 @@ class Drafter:
         self.window_accepted += accepted
         self.window_n += 1
         if self.window_n == WINDOW:
-            if self.window_accepted < LOW_ACCEPT * self.window_drafted:
+            if self.window_accepted < max(LOW_ACCEPT * self.window_drafted, self.min_kept * WINDOW):
                 self.cool, self.cool_len = self.cool_len, min(self.cool_len * 2, COOL_MAX)
                 self.k = K_START
             else:

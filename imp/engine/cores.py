@@ -57,6 +57,7 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
             itl_target_ns=int(cfg.itl_target_ms * 1e6),
             itl_ratio=itl_ratio(cfg),
             spec_k_max=(cfg.spec_draft_max if draft_max is None else draft_max) if verifies_drafts else 0,
+            spec_min_kept=1.0 if pipeline_depth(cfg) == 2 else 0.0,  # a verify costs its sequence a step there
             swap_blocks=swap.blocks,
             swap_ns_per_block=swap.ns_per_block,
             recompute_ns_per_token=swap.recompute_ns_per_token,

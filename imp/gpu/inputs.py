@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 
@@ -70,6 +71,47 @@ class Landing:
                 self.event.synchronize()
             return self.ring[:len(self.seq_ids)].numpy().astype(np.int64)
         return np.asarray(self.ids(), np.int64)
+
+
+class VerifyLanding(Landing):
+    """A launched step with verify shares (speculation): the plain rows' ids in `ring[:B]` as a `Landing`'s, every
+    drafted position's id after them (`ring[B:B + D]`), all there when `event` completes. `tokens` waits for it once
+    and gives the step's SampledTokens in the order of its sampled shares, each verify share's draft kept up to the
+    first position whose id differs (`accepted`). So the host does not wait for a step with drafts at its launch:
+    it is pipelined like any other (the scheduler plans nothing more for a verifying sequence until it lands)."""
+
+    def __init__(self, plain: list[str], ring: torch.Tensor, event, order: list, drawn: list[SampledToken] | None):
+        # order: per sampled share in the step's order, None for a plain row (the next of ring[:B]) or (seq id,
+        # its draft): len(draft) + 1 ids from the drafted part. drawn: those drafted positions' tokens where the
+        # host drew them at launch (final then; their ids are in the ring too)
+        self.seq_ids, self.ring, self.event = plain, ring, event
+        self.start, self._ids = None, None
+        self._order, self._drawn, self._tokens = order, drawn, None
+
+    @property
+    def tokens(self) -> list[SampledToken]:
+        if self._tokens is None:
+            if self.event is not None:
+                self.event.synchronize()
+            B = len(self.seq_ids)
+            n = B + sum(len(o[1]) + 1 for o in self._order if o is not None)
+            ids = self.ring[:n].tolist()
+            out, p, d = [], 0, B
+            for o in self._order:
+                if o is None:
+                    out.append(SampledToken(seq_id=self.seq_ids[p], token_id=ids[p]))
+                    p += 1
+                    continue
+                sid, draft = o
+                got = (self._drawn[d - B:d - B + len(draft) + 1] if self._drawn is not None else
+                       [SampledToken(seq_id=sid, token_id=t) for t in ids[d:d + len(draft) + 1]])
+                j = 0
+                while j < len(draft) and got[j].token_id == draft[j]:
+                    j += 1
+                out.append(msgspec.structs.replace(got[j], accepted=tuple(got[:j])))
+                d += len(draft) + 1
+            self._tokens = out
+        return self._tokens
 
 
 def eager_meta(seqs: list[SeqWork], rows: list[int], block_size: int, device: torch.device,

@@ -56,7 +56,7 @@ from imp.formats.gguf_loader import ModelConfig
 from imp.gpu.forward import Forward
 from imp.gpu.graphs import DecodeGraphs
 from imp.gpu.lora import DeviceLoras
-from imp.gpu.inputs import Landing, StaticInputs, eager_meta
+from imp.gpu.inputs import Landing, StaticInputs, VerifyLanding, eager_meta
 from imp.gpu.tables import Rows, Tables
 from imp.gpu.kvcopy import DeviceBlocks
 from imp.gpu.mixed import MixedGraphs, prompt_buckets
@@ -586,9 +586,12 @@ class GpuModelRunner:
         before them, if any, as a chunk that samples nothing), so the step takes the decode graph or a mixed
         graph like any other and each drafted position gets a decode row's numerics and attention (its
         own KV, written in the layer before attention reads it). The plain rows are sampled on the device
-        as usual; each verify share's rows are drawn position by position (`_verify`) and its draft kept up
-        to the first position that samples otherwise. Not pipelined: the step's tokens are known on return
-        (the scheduler plans nothing more for a verifying sequence until they land)."""
+        as usual, and every drafted position of every share in one more draw, position j as a decode step
+        there would draw it (`_draft_works`); each draft is kept up to the first position that samples
+        otherwise when the step is collected (`VerifyLanding`), so the host does not wait for the step here
+        and the rows beside the verify stay pipelined (the scheduler plans nothing more for a verifying
+        sequence until it lands). Mirostat (mu chained through the draws) and prompt logprobs: drawn on the
+        host at once (`_verify_now`)."""
         flat: list[SeqWork] = []
         fsrc: dict[int, int] = {}
         verifies: dict[int, tuple[SeqWork, int]] = {}  # flat index of a share's first drafted row -> (share, rows)
@@ -611,6 +614,51 @@ class GpuModelRunner:
         drafted = {k + j for k, (_, c) in verifies.items() for j in range(c)}
         logits, row_of, plp_at = self._head_logits(flat, fsrc, la)
         plain = [k for k in sorted(row_of) if k not in drafted]
+        keys = sorted(verifies)
+        if plp_at or any(verifies[k][0].params.mirostat for k in keys):
+            return self._verify_now(flat, plain, verifies, logits, row_of, plp_at, constraints)
+        dev = self.device
+        if plain:
+            sel = logits.index_select(0, cuda_rt.to_device([row_of[k] for k in plain], torch.int64, dev))
+            h = self._sample_and_land(sel, [flat[k] for k in plain], constraints)
+            ring = h.ring
+        else:
+            self._landed([], None, [])  # (nothing of this step feeds the next one's PENDING_TOKEN rows)
+            ring = self._ring[self._ring_i]
+            self._ring_i = (self._ring_i + 1) % RING
+        B = len(plain)
+        idx = [row_of[k + j] for k in keys for j in range(verifies[k][1])]
+        if B + len(idx) > MAX_SAMPLED:
+            raise ValueError(f"{B + len(idx)} rows sampled in one step (at most {MAX_SAMPLED})")
+        works = [wj for k in keys for wj in self._draft_works(verifies[k][0])]
+        rows = logits.index_select(0, cuda_rt.to_device(idx, torch.int64, dev))  # [D, V] a fresh tensor
+        if constraints is not None:  # one position at a time: the book follows each matcher to that state
+            for j, wj in enumerate(works):
+                if wj.params.constrained:
+                    constraints.apply(rows[j:j + 1], [wj])
+        ids, drawn = sampler.draw_ids(rows, works, self.use_numba_sampling, None, None)
+        ring[B:B + len(idx)].copy_(ids.to(torch.int32), non_blocking=True)
+        ev = None
+        if dev.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+        order = [(verifies[k][0].seq_id, drafts(verifies[k][0])) if k in verifies else None
+                 for k in sorted(set(plain) | set(keys))]
+        return VerifyLanding([flat[k].seq_id for k in plain], ring, ev, order, drawn)
+
+    @staticmethod
+    def _draft_works(w: SeqWork) -> list[SeqWork]:
+        """A verify share's drafted positions as the shares a decode step there would sample: gen_index + j, the
+        history with the draft's first j tokens (a seed gives the same tokens with drafts as without: the CPU
+        verifier's inverse-CDF draw is not the device's Gumbel-max one, imp.sampling.gpu)."""
+        d = drafts(w)
+        hist = tuple(w.history) if w.params.needs_history else ()
+        return [w if j == 0 else msgspec.structs.replace(w, gen_index=w.gen_index + j, history=hist + d[:j]
+                                                         if w.params.needs_history else ())
+                for j in range(len(d) + 1)]
+
+    def _verify_now(self, flat, plain, verifies, logits, row_of, plp_at, constraints) -> Landing:
+        """`_verify_step`'s draws on the host, waited for here: a step with prompt logprobs or a mirostat verify."""
         drawn: dict[int, SampledToken] = {}
         if plain:
             sel = logits.index_select(0, cuda_rt.to_device([row_of[k] for k in plain], torch.int64, self.device))
@@ -625,19 +673,13 @@ class GpuModelRunner:
 
     def _verify(self, rows: torch.Tensor, w: SeqWork, constraints) -> SampledToken:
         """rows [draft+1, V] (a fresh tensor) of one verify share -> its last sampled token, the kept draft in
-        `accepted`. Position j is drawn by this runner's own sampler as a decode step there would draw it
-        (gen_index + j, the history with the draft's first j tokens, the grammar state after them), so a
-        seed gives the same tokens with drafts as without: the CPU verifier's inverse-CDF draw is not the
-        device's Gumbel-max one (imp.sampling.gpu)."""
+        `accepted`, drawn now (`_draft_works`)."""
         if w.params.mirostat:  # the host sampler's draws chained through mu (imp.sampling.verify)
             t = verify(rows.float().cpu().numpy(), w, constraints)
             self._mirostat.keep([t])
             return t
         d = drafts(w)
-        hist = tuple(w.history) if w.params.needs_history else ()
-        works = [w if j == 0 else msgspec.structs.replace(w, gen_index=w.gen_index + j, history=hist + d[:j]
-                                                          if w.params.needs_history else ())
-                 for j in range(len(d) + 1)]
+        works = self._draft_works(w)
         if constraints is not None and w.params.constrained:
             for j, wj in enumerate(works):  # one at a time: the book follows the sequence's matcher to each state
                 constraints.apply(rows[j:j + 1], [wj])

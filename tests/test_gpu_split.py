@@ -5,6 +5,7 @@ PENDING_TOKEN rows, prompt-logprob rows and shares that sample nothing."""
 
 from __future__ import annotations
 
+import msgspec
 import torch
 
 from imp.gpu.runner import GpuModelRunner
@@ -211,6 +212,11 @@ def test_verify_step_flattens_drafts_into_one_token_rows_and_keeps_the_agreeing_
     assert r._prev.seq_ids == ["d", "p"] and r._sampled[:2].tolist() == [41, 58]  # the plain rows feed the next step
     sids, ids, tokens = r.collect_ids(h)
     assert sids is None and tokens == out and h.ids() == [13, 41, 58, 6]
+    # a plain row drawn on the host (logprobs asked) keeps what the host drew: its logprob and top ids
+    shares = _verify_shares()
+    shares[1] = msgspec.structs.replace(shares[1], params=SamplingParams(max_tokens=8, logprobs=2))
+    out = r.collect(r._verify_step(shares, {}, None, None))
+    assert [t.token_id for t in out] == [13, 41, 58, 6] and out[1].top and out[1].top[0][0] == 41
 
 
 def test_a_verify_step_of_drafts_alone_and_one_drawn_on_the_host_give_the_same_tokens(monkeypatch):

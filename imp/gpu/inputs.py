@@ -80,13 +80,15 @@ class VerifyLanding(Landing):
     first position whose id differs (`accepted`). So the host does not wait for a step with drafts at its launch:
     it is pipelined like any other (the scheduler plans nothing more for a verifying sequence until it lands)."""
 
-    def __init__(self, plain: list[str], ring: torch.Tensor, event, order: list, drawn: list[SampledToken] | None):
+    def __init__(self, plain: list[str], ring: torch.Tensor, event, order: list, plain_drawn: list[SampledToken] | None,
+                 drawn: list[SampledToken] | None):
         # order: per sampled share in the step's order, None for a plain row (the next of ring[:B]) or (seq id,
-        # its draft): len(draft) + 1 ids from the drafted part. drawn: those drafted positions' tokens where the
-        # host drew them at launch (final then; their ids are in the ring too)
+        # its draft): len(draft) + 1 ids from the drafted part. plain_drawn, drawn: the plain rows' and the drafted
+        # positions' tokens where the host drew them at launch (logprobs, DRY, ...: final then; their ids are in
+        # the ring too)
         self.seq_ids, self.ring, self.event = plain, ring, event
         self.start, self._ids = None, None
-        self._order, self._drawn, self._tokens = order, drawn, None
+        self._order, self._plain, self._drawn, self._tokens = order, plain_drawn, drawn, None
 
     @property
     def tokens(self) -> list[SampledToken]:
@@ -99,7 +101,8 @@ class VerifyLanding(Landing):
             out, p, d = [], 0, B
             for o in self._order:
                 if o is None:
-                    out.append(SampledToken(seq_id=self.seq_ids[p], token_id=ids[p]))
+                    out.append(self._plain[p] if self._plain is not None else
+                               SampledToken(seq_id=self.seq_ids[p], token_id=ids[p]))
                     p += 1
                     continue
                 sid, draft = o

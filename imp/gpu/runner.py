@@ -621,8 +621,9 @@ class GpuModelRunner:
         if plain:
             sel = logits.index_select(0, cuda_rt.to_device([row_of[k] for k in plain], torch.int64, dev))
             h = self._sample_and_land(sel, [flat[k] for k in plain], constraints)
-            ring = h.ring
+            ring, plain_drawn = h.ring, h.tokens
         else:
+            plain_drawn = None
             self._landed([], None, [])  # (nothing of this step feeds the next one's PENDING_TOKEN rows)
             ring = self._ring[self._ring_i]
             self._ring_i = (self._ring_i + 1) % RING
@@ -644,7 +645,7 @@ class GpuModelRunner:
             ev.record()
         order = [(verifies[k][0].seq_id, drafts(verifies[k][0])) if k in verifies else None
                  for k in sorted(set(plain) | set(keys))]
-        return VerifyLanding([flat[k].seq_id for k in plain], ring, ev, order, drawn)
+        return VerifyLanding([flat[k].seq_id for k in plain], ring, ev, order, plain_drawn, drawn)
 
     @staticmethod
     def _draft_works(w: SeqWork) -> list[SeqWork]:

@@ -4,6 +4,7 @@
 # cool down when their verifies keep < 1 token each. Sections by $WHAT:
 #   stash   the real SmolLM2 in xz parts (.dev6/ in one call, .dev7/ in the next: the carry limit) to /tmp/m;
 #           joined and checked (sha256) into /tmp/smollm2.gguf once both are there
+#   w8      the 8B BF16 random-weight shape written to /tmp/8b.gguf in the background (setsid: it outlives the call)
 #   old     /tmp/old = this tree with bench/pending/spec_async.patch reversed (verify steps waited for at launch)
 #   tests   the GPU lane files the change touches, then the GPU servers' speculation / concurrency / replay tests
 #           on $SERVER_MODEL (default the real SmolLM2 when joined, else the random shape /tmp/smol.gguf)
@@ -20,6 +21,9 @@ stash)
     cat /tmp/m/smol.xz.1 /tmp/m/smol.xz.2 | xz -d > /tmp/smollm2.gguf
     echo "$(sha256sum /tmp/smollm2.gguf | cut -c1-16) (want b179c9523d0e6a0f)"
   fi ;;
+w8)
+  [ -f /tmp/8b.gguf ] || (setsid nohup python3 bench/write_synth.py 8b-bf16 /tmp/8b.gguf < /dev/null > /tmp/w8.txt 2>&1 &)
+  echo "8B file: $(ls -la /tmp/8b.gguf 2>/dev/null || echo being written)" ;;
 old)
   mkdir -p /tmp/old && cp -r imp bench tests /tmp/old/ && (cd /tmp/old && patch -s -R -p1 < bench/pending/spec_async.patch \
     && echo "old tree made") ;;
@@ -33,6 +37,7 @@ tests)
   grep -E "verify steps|passed|failed|Error" $OUT/tests_server.txt | tail -12 ;;
 spec|eight)
   if [ $w = eight ]; then
+    while pgrep -f "write_synth.py 8b-bf16" > /dev/null; do sleep 2; done; cat /tmp/w8.txt 2>/dev/null
     [ -f /tmp/8b.gguf ] || python3 bench/write_synth.py 8b-bf16 /tmp/8b.gguf 2>&1 | tail -1
     M=/tmp/8b.gguf; TAG=_8b; EXTRA="--max-chars ${MAXC:-2500}"
   else

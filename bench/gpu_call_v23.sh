@@ -41,7 +41,7 @@ spec|eight)
     [ -f /tmp/8b.gguf ] || python3 bench/write_synth.py 8b-bf16 /tmp/8b.gguf 2>&1 | tail -1
     M=/tmp/8b.gguf; TAG=_8b; EXTRA="--max-chars ${MAXC:-2500}"
   else
-    M=${SPEC_MODEL:-/tmp/smollm2.gguf}; TAG=${STAG:-}; EXTRA=""
+    M=${SPEC_MODEL:-/tmp/smollm2.gguf}; TAG=${STAG:-}; EXTRA=${SEXTRA:-}
   fi
   for t in ${TREES:-new old}; do d=$here; [ $t != new ] && d=/tmp/$t
     (cd $d && timeout ${SPEC_S:-240} python3 bench/spec.py --model $M --workloads ${SWORK:-code,prose} --prompts ${SPROMPTS:-6} \

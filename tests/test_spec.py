@@ -68,6 +68,21 @@ def test_draft_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
     assert Drafter().propose(toks, 0) == ()
 
 
+def test_a_loop_drafts_as_far_as_asked_the_copy_overlapping_itself():
+    """Where what followed the match runs into the end of the tokens (the sequence loops), the draft goes on as
+    the copy would (LZ77's overlapping match): a loop of period p gives k tokens, not p."""
+    def drafter(k):
+        d = Drafter()
+        d.k = k  # (as after kept drafts)
+        return d
+
+    assert drafter(8).propose([9, 5, 5, 5, 5, 5], 6) == (5,) * 6  # period 1 ("5 5 5" ended at 5: one token after)
+    assert drafter(8).propose([0, 1, 2, 3, 1, 2, 3, 1, 2, 3], 8) == (1, 2, 3, 1, 2, 3, 1, 2)
+    assert Drafter().propose([9, 5, 5, 5, 5, 5], 6) == (5,) * spec.K_START  # a new sequence's length still holds
+    # a match whose continuation is longer than k: as before
+    assert Drafter().propose([4, 5, 6, 7, 8, 9, 1, 4, 5, 6], 3) == (7, 8, 9)
+
+
 def test_draft_length_adapts_and_misses_cool_it_down():
     d = Drafter()
     toks = prompt(40)

@@ -12,7 +12,8 @@ output without speculation, token for token, greedy or seeded.
 drafts, so a replayed log plans the same steps. It keeps two indexes of hashed n-grams (orders
 LONG and SHORT) -> the latest position where one ended, over every token but the last; a draft
 continues the latest earlier occurrence of the sequence's LONG-token suffix, else of its
-SHORT-token one. Hash collisions only make a bad draft: the verify step rejects it.
+SHORT-token one; where that continuation runs into the end of the tokens (the sequence loops), it is
+repeated as the copy would go on. Hash collisions only make a bad draft: the verify step rejects it.
 
 The draft length k adapts per sequence from what its verifies accepted (all of a draft: twice
 as many next time, up to k_max; a miss at j: j + 1), and a sequence whose drafts keep missing
@@ -159,7 +160,13 @@ class Drafter:
             self.cool -= 1
             return ()
         end = self._lookup(tokens)
-        return () if end is None else tuple(tokens[end:end + k])
+        if end is None:
+            return ()
+        run = tokens[end:end + k]
+        # where what followed reaches the end of the tokens (a loop: the latest occurrence is the last period
+        # of it), it goes on as it went: the copy overlaps itself (LZ77's overlapping match), so a loop of
+        # period p drafts k tokens, not p
+        return tuple(run[i % len(run)] for i in range(k)) if len(run) < k else tuple(run)
 
     def _lookup(self, tokens: list[int]) -> int | None:
         """Where what followed the latest earlier occurrence of the longest suffix found starts."""

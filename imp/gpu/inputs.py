@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import msgspec
 import numpy as np
 import torch
 
 from imp.kernels.cuda import paged_prefill_attention
 from imp.kernels.cuda.runtime import to_device
 from imp.messages import SampledToken, SeqWork
+from imp.sampling.verify import kept
 
 
 @dataclass
@@ -108,10 +108,7 @@ class VerifyLanding(Landing):
                 sid, draft = o
                 got = (self._drawn[d - B:d - B + len(draft) + 1] if self._drawn is not None else
                        [SampledToken(seq_id=sid, token_id=t) for t in ids[d:d + len(draft) + 1]])
-                j = 0
-                while j < len(draft) and got[j].token_id == draft[j]:
-                    j += 1
-                out.append(msgspec.structs.replace(got[j], accepted=tuple(got[:j])))
+                out.append(kept(got, draft))
                 d += len(draft) + 1
             self._tokens = out
         return self._tokens

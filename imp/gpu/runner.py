@@ -77,7 +77,7 @@ from imp.sampling.devcounts import DeviceCounts
 from imp.sampling.rowparams import RowParams, Step
 from imp.sampling.cpu import apply_bans, apply_guidance
 from imp.sampling.mirostat import MirostatState
-from imp.sampling.verify import drafts, verify
+from imp.sampling.verify import drafts, kept, verify
 from imp.sampling.works import Works, seq_ids_of
 
 log = logging.getLogger("imp.gpu")
@@ -679,17 +679,12 @@ class GpuModelRunner:
             t = verify(rows.float().cpu().numpy(), w, constraints)
             self._mirostat.keep([t])
             return t
-        d = drafts(w)
         works = self._draft_works(w)
         if constraints is not None and w.params.constrained:
             for j, wj in enumerate(works):  # one at a time: the book follows the sequence's matcher to each state
                 constraints.apply(rows[j:j + 1], [wj])
         ids, tokens = sampler.draw_ids(rows, works, self.use_numba_sampling, None, None)
-        tokens = tokens or [SampledToken(seq_id=w.seq_id, token_id=t) for t in ids.tolist()]
-        j = 0
-        while j < len(d) and tokens[j].token_id == d[j]:
-            j += 1
-        return msgspec.structs.replace(tokens[j], accepted=tuple(tokens[:j]))
+        return kept(tokens or [SampledToken(seq_id=w.seq_id, token_id=t) for t in ids.tolist()], drafts(w))
 
     def _head_logits(self, seqs: list[SeqWork], src: dict[int, int], la, one: bool | None = None,
                      tr: Rows | None = None):

@@ -29,6 +29,15 @@ def drafts(w: SeqWork) -> tuple[int, ...]:
     return tuple(w.token_ids[len(w.token_ids) - w.draft:]) if w.draft else ()
 
 
+def kept(drawn: list[SampledToken], draft: tuple[int, ...]) -> SampledToken:
+    """Each position's draw (len(draft) + 1 of them) -> the first that differs from the draft (or the one after
+    it), the draws before it in `accepted`."""
+    j = 0
+    while j < len(draft) and drawn[j].token_id == draft[j]:
+        j += 1
+    return msgspec.structs.replace(drawn[j], accepted=tuple(drawn[:j]))
+
+
 def verify(rows, w: SeqWork, constraints=None) -> SampledToken:
     """rows [draft+1, vocab] fp32 (any array numpy reads; a constrained share's are masked in
     place, one by one) -> the last token sampled, its kept draft tokens in `accepted`.

@@ -244,3 +244,34 @@ def test_a_verify_step_of_drafts_alone_and_one_drawn_on_the_host_give_the_same_t
                         lambda flat, drawn, plp_at, logits: [drawn[k] for k in sorted(drawn)])
     got = r2.collect(r2._verify_step(shares, {}, None, None))
     assert calls == [1] and [(t.token_id, [a.token_id for a in t.accepted]) for t in got] == want
+
+
+def test_a_verify_steps_penalty_counts_are_the_recounted_ones_with_each_history_counted_once():
+    """`_draft_counts`: position j of a penalized verify share samples after its history and the draft's first j
+    tokens; the counts (kept per sequence across verifies, a position's draft tokens added) pack the same
+    penalty segments as counting every position's whole history anew, step after step as histories grow (new
+    ids, repeats, ids past the vocabulary), and a forgotten sequence starts again."""
+    import numpy as np
+
+    from imp.sampling.gpu import penalty_segments
+
+    V = 50
+    r = GpuModelRunner.host_only(vocab=V, block_size=16, num_blocks=64, context_length=512, max_batch=8)
+    pen = SamplingParams(max_tokens=99, repetition_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.1)
+    rng = np.random.default_rng(5)
+    hists = {"a": [3, 3, 7], "b": [], "c": [49, 60]}
+    for step in range(6):
+        shares = []
+        for sid, h in hists.items():
+            d = tuple(int(x) for x in rng.integers(0, V + 3, 1 + step % 4))  # (some past the vocabulary)
+            shares.append(SeqWork(seq_id=sid, token_ids=(int(rng.integers(0, V)),) + d, start_pos=40 + step,
+                                  block_table=(0, 1, 2), sample=True, params=pen, draft=len(d), history=tuple(h)))
+        works = [wj for w in shares for wj in r._draft_works(w)]
+        got = penalty_segments(works, None, V, r._draft_counts(shares, V))
+        want = penalty_segments(works, None, V, None)
+        assert got[1] == want[1] > 0 and np.array_equal(got[0], want[0])
+        for sid, h in hists.items():  # the verify kept some of the draft and sampled one more
+            h.extend(int(x) for x in rng.integers(0, V, 1 + step % 3))
+        if step == 3:
+            r.forget(["a"])
+            hists["a"] = [9]

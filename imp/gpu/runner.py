@@ -73,6 +73,7 @@ from imp.model.rows import head_rows, with_prompt_logprobs
 from imp.model.runner import DEFAULT_KV_TOKENS
 from imp.sampling import gpu as sampler
 from imp.sampling import pending
+from imp.sampling.counts import DraftCounts, HistoryCounts
 from imp.sampling.devcounts import DeviceCounts
 from imp.sampling.rowparams import RowParams, Step
 from imp.sampling.cpu import apply_bans, apply_guidance
@@ -132,6 +133,7 @@ class GpuModelRunner:
         # the sequences' block tables by slot, the plan's check (imp.gpu.tables)
         self._tables = Tables(cfg.context_length, block_size, num_blocks, -(-cfg.context_length // block_size))
         self._counts = DeviceCounts(cfg.vocab_size, self.device)  # penalty counts kept on the device (imp.sampling.devcounts)
+        self._draft_hist = HistoryCounts()  # verify shares' histories counted across steps (`_draft_counts`)
         self._params = RowParams(self.device)  # the sequences' sampling params as columns (imp.sampling.rowparams)
         self._mirostat = MirostatState()  # mirostat's mu by sequence (its rows are sampled on the host)
         self._prev: Landing | None = None
@@ -234,6 +236,7 @@ class GpuModelRunner:
         r._prev_at = np.full(0, -1, np.int64)
         r._tables = Tables(context_length, block_size, num_blocks, -(-context_length // block_size))
         r._counts, r._params, r._mirostat = DeviceCounts(vocab, r.device), RowParams(r.device), MirostatState()
+        r._draft_hist = HistoryCounts()
         r._ring, r._ring_i = [torch.zeros(MAX_SAMPLED, dtype=torch.int32) for _ in range(RING)], 0
         r.use_numba_sampling, r.mixed = False, None
         buckets = tuple(b for i, b in enumerate(BUCKETS) if i == 0 or BUCKETS[i - 1] < max_batch)
@@ -396,6 +399,7 @@ class GpuModelRunner:
     def forget(self, seq_ids) -> None:
         """Freed sequences (the executor passes each plan's `freed`): their penalty counts and mirostat state go."""
         self._counts.forget(seq_ids)
+        self._draft_hist.forget(seq_ids)
         self._params.forget(seq_ids)
         self._mirostat.forget(seq_ids)
         self._tables.forget(seq_ids)
@@ -637,7 +641,8 @@ class GpuModelRunner:
             for j, wj in enumerate(works):
                 if wj.params.constrained:
                     constraints.apply(rows[j:j + 1], [wj])
-        ids, drawn = sampler.draw_ids(rows, works, self.use_numba_sampling, None, None)
+        counts = self._draft_counts([verifies[k][0] for k in keys], rows.shape[1])
+        ids, drawn = sampler.draw_ids(rows, works, self.use_numba_sampling, None, counts)
         ring[B:B + len(idx)].copy_(ids.to(torch.int32), non_blocking=True)
         ev = None
         if dev.type == "cuda":
@@ -657,6 +662,15 @@ class GpuModelRunner:
         return [w if j == 0 else msgspec.structs.replace(w, gen_index=w.gen_index + j, history=hist + d[:j]
                                                          if w.params.needs_history else ())
                 for j in range(len(d) + 1)]
+
+    def _draft_counts(self, shares: list[SeqWork], V: int) -> DraftCounts:
+        """The penalty counts of `_draft_works`' positions for these verify shares: each share's history counted
+        once (and only what it gained since its last verify), a position's draft tokens added to it."""
+        c = DraftCounts(self._draft_hist)
+        for w in shares:
+            if w.params.penalized:
+                c.add(w.seq_id, w.history, drafts(w), V)
+        return c
 
     def _verify_now(self, flat, plain, verifies, logits, row_of, plp_at, constraints) -> Landing:
         """`_verify_step`'s draws on the host, waited for here: a step with prompt logprobs or a mirostat verify."""
@@ -683,7 +697,8 @@ class GpuModelRunner:
         if constraints is not None and w.params.constrained:
             for j, wj in enumerate(works):  # one at a time: the book follows the sequence's matcher to each state
                 constraints.apply(rows[j:j + 1], [wj])
-        ids, tokens = sampler.draw_ids(rows, works, self.use_numba_sampling, None, None)
+        counts = self._draft_counts([w], rows.shape[1])
+        ids, tokens = sampler.draw_ids(rows, works, self.use_numba_sampling, None, counts)
         return kept(tokens or [SampledToken(seq_id=w.seq_id, token_id=t) for t in ids.tolist()], drafts(w))
 
     def _head_logits(self, seqs: list[SeqWork], src: dict[int, int], la, one: bool | None = None,

@@ -85,7 +85,8 @@ class Sim:
     def __init__(self, num_blocks=16, block_size=4, max_context=64, max_batch_size=8, max_step_tokens=16,
                  request_timeout_ns=0, aging_ns=20 * MS, max_queued_tokens=0, decode_reserve=8, pipeline_depth=1,
                  admit_tokens=0, history_once=False, share_in_flight=False, spec_k_max=0, token=None, tier_blocks=0,
-                 disk=None, swap_blocks=0, recompute_ns_per_token=1000, tier_demote=False, decode_lane=True):
+                 disk=None, swap_blocks=0, recompute_ns_per_token=1000, tier_demote=False, decode_lane=True,
+                 spec_max_rows=0):
         self.bs, self.num_blocks = block_size, num_blocks
         self.token = token or (lambda seed, g, sid: fake_token(seed, g, sid))  # the fake model: (seed, index, seq)
         self.max_len = min(max_context, num_blocks * block_size)
@@ -100,7 +101,7 @@ class Sim:
                                                    max_step_tokens, request_timeout_ns, aging_ns,
                                                    pipeline_depth=pipeline_depth, admit_tokens=admit_tokens,
                                                    history_once=history_once, spec_k_max=spec_k_max,
-                                                   swap_blocks=swap_blocks, swap_ns_per_block=1,
+                                                   spec_max_rows=spec_max_rows, swap_blocks=swap_blocks, swap_ns_per_block=1,
                                                    recompute_ns_per_token=recompute_ns_per_token,
                                                    decode_lane=decode_lane))
         self.hold_kv = HoldKv(self.kv)

@@ -218,17 +218,41 @@ def test_the_budget_keeps_a_row_for_every_decode(copying):
         assert sum(w.draft for w in p.shares()) <= 8 - len(decoding)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_row_cap_keeps_every_step_within_it_and_shares_the_drafts_evenly(copying, depth):
+    """spec_max_rows (a GPU's largest decode graph): a step's decode and drafted rows stay within it, each
+    sequence the step may draft for gets an even share of the rows past the decode rows (not the first ones
+    all of it), and the tokens are the ones without drafts."""
+    sim = Sim(num_blocks=256, max_context=256, max_step_tokens=256, spec_k_max=8, spec_max_rows=16,
+              pipeline_depth=depth)
+    for i in range(5):
+        sim.submit(f"c{i}", prompt(20, i), _spec_params(max_tokens=50, seed=i, ignore_eos=True))
+    sim.drain()
+    for i in range(5):
+        assert sim.output(f"c{i}") == sim.expected(f"c{i}", 0)
+    capped = 0
+    for p in sim.plans:
+        rows = [w for w in p.shares() if w.sample and len(w.token_ids) - w.draft == 1]
+        assert len(rows) + sum(w.draft for w in rows) <= 16
+        if len(rows) == 5:  # every sequence in the step: (16 - 5) // 5 = 2 drafted tokens each at most
+            assert max(w.draft for w in rows) <= 2
+            capped += any(w.draft for w in rows)
+    assert _verifies(sim) and (capped or depth == 2)
+
+
 @settings(max_examples=int(base.os.environ.get("IMP_SCHED_EXAMPLES", 200)), deadline=None)
 @given(num_blocks=st.integers(8, 60), block_size=st.sampled_from([2, 4, 8]), batch=st.integers(1, 6),
        step_tokens=st.integers(2, 24), depth=st.sampled_from([1, 2]), k_max=st.integers(1, 12),
+       rows_cap=st.sampled_from([0, 0, 3, 8]),
        reqs=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 40), st.booleans(), st.integers(0, 10)),
                      min_size=1, max_size=6), fails=st.lists(st.integers(0, 60), max_size=2))
 def test_any_pool_and_budget_gives_the_tokens_of_one_at_a_time(num_blocks, block_size, batch, step_tokens, depth,
-                                                               k_max, reqs, fails):
+                                                               k_max, rows_cap, reqs, fails):
     """Whatever the pool, budget, depth and draft cap (preemption, chunked prefill, failed steps
     included), every finished choice has the fake model's tokens and the pool ends empty."""
     sim = Sim(num_blocks=num_blocks, block_size=block_size, max_context=64, max_batch_size=batch,
-              max_step_tokens=step_tokens, pipeline_depth=depth, spec_k_max=k_max, token=copying_token,
+              max_step_tokens=step_tokens, pipeline_depth=depth, spec_k_max=k_max, spec_max_rows=rows_cap,
+              token=copying_token,
               decode_reserve=1)
     for i, (plen, max_tokens, eos, phase) in enumerate(reqs):
         sim.submit(f"h{i}", prompt(plen, phase), _spec_params(max_tokens=max_tokens, seed=i, ignore_eos=not eos))

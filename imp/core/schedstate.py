@@ -50,6 +50,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     # (imp.core.spec.Drafter.min_kept): 1 where steps are pipelined (depth 2: a verify costs its sequence a
     # step), 0 = only the acceptance share decides (logs written before this field replay identically)
     spec_min_kept: float = 0.0
+    # > 0: a step's decode and drafted rows at most this many, shared evenly by the sequences the step may
+    # draft for: the executor's largest captured decode graph (a GPU). Past it a verify step ran eager: 16
+    # streams of 8-token drafts (128 rows) took ~43 ms a step against a 64-row graph's few. 0 = no cap (a CPU,
+    # whose drafts are priced by the row; logs written before this field replay identically)
+    spec_max_rows: int = 0
     # swap instead of recompute: the executor's swap area holds swap_blocks blocks (0: none, every preempted
     # sequence computes its context again: the policy before these fields), and a preemption parks the
     # victim's KV there when the cost model says moving its blocks out and back (swap_ns_per_block each) is
@@ -84,7 +89,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
         if min(self.num_blocks, self.block_size, self.max_context, self.max_batch_size,
                self.max_step_tokens, self.aging_ns) < 1 or self.request_timeout_ns < 0 \
                 or self.pipeline_depth not in (1, 2) or self.itl_target_ns < 0 or self.spec_k_max < 0 \
-                or self.spec_min_kept < 0 or self.itl_ratio < 0 \
+                or self.spec_min_kept < 0 or self.spec_max_rows < 0 or self.itl_ratio < 0 \
                 or min(self.swap_blocks, self.swap_ns_per_block, self.recompute_ns_per_token) < 0 \
                 or any(len(e) != 3 or min(e) < 0 or min(e[:2]) < 1 for e in self.prompt_step_ns) \
                 or self.prompt_ctx_ns < 0 or any(b <= 0 or ns < 0 for b, ns in self.prompt_ctx_by):

@@ -453,13 +453,20 @@ class SchedulerCore(RequestBook):
     # ------------------------------------------------------------------ helpers
 
     def _spec_spare(self, budget: int) -> list[int]:
-        """[draft tokens, KV blocks] this step's drafts may take: what is left of the token budget once
-        every running sequence has one row, and the free blocks beyond one per running sequence (a
-        draft must never make a decode wait, nor the pool so dry that someone is preempted)."""
-        if not self.config.spec_k_max:
-            return [0, 0]
+        """[draft tokens, KV blocks, draft tokens a sequence] this step's drafts may take: what is left of the
+        token budget once every running sequence has one row, and the free blocks beyond one per running
+        sequence (a draft must never make a decode wait, nor the pool so dry that someone is preempted);
+        under spec_max_rows, the rows past this step's decode rows, an even share each."""
+        c = self.config
+        if not c.spec_k_max:
+            return [0, 0, 0]
         n = len(self.running)
-        return [max(0, budget - n), max(0, self.kv.free - n)]
+        tokens, each = budget - n, c.spec_k_max
+        if c.spec_max_rows:  # a verify in flight sits this step out (`_start`): it takes no row
+            rows = sum(not s.spec_inflight for s in self.running)
+            tokens = min(tokens, c.spec_max_rows - rows)
+            each = tokens // max(1, rows)
+        return [max(0, tokens), max(0, self.kv.free - n), max(0, each)]
 
     def _drafter(self, s: Seq) -> Drafter:
         if s.drafter is None:  # from its first decode that might draft: its prompt is indexed then
@@ -480,7 +487,7 @@ class SchedulerCore(RequestBook):
             return ()
         bs = self.config.block_size
         held = len(s.table) * bs  # positions its table holds; a draft may take `spare[1]` more blocks
-        cap = min(self.config.spec_k_max, spare[0], p.max_tokens - (vlen - s.n_prompt) - 1,
+        cap = min(spare[2], spare[0], p.max_tokens - (vlen - s.n_prompt) - 1,
                   self.max_len - vlen - 1, max(held, -(-(start + 1) // bs) * bs) + spare[1] * bs - start - 1)
         if cap <= 0:
             return ()

@@ -21,7 +21,7 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
                 verifies_drafts: bool = False, draft_max: int | None = None, tier_blocks: int = 0,
                 swap: SwapFacts = SwapFacts(), tier_demote: bool = False,
                 prompt_costs: tuple[tuple[int, int, int], ...] = (), prompt_ctx_ns: int = 0,
-                prompt_ctx_by: tuple[tuple[int, int], ...] = ()):
+                prompt_ctx_by: tuple[tuple[int, int], ...] = (), verify_rows: int = 0):
     """admission, scheduler, kv (lists of `replicas` each when > 1, wrapped to talk to
     their own replica). Boot facts (pool size, context, fingerprint, whether the executor
     verifies drafts) go into each core's frozen config, and the configs into the event-log header."""
@@ -41,7 +41,8 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
         pairs = [build_cores(cfg, num_blocks, max_context, fingerprint, verifies_drafts=verifies_drafts,
                              draft_max=draft_max, tier_blocks=tier_blocks, swap=swap,
                              tier_demote=tier_demote, prompt_costs=prompt_costs,
-                             prompt_ctx_ns=prompt_ctx_ns, prompt_ctx_by=prompt_ctx_by)[1:] for _ in range(replicas)]
+                             prompt_ctx_ns=prompt_ctx_ns, prompt_ctx_by=prompt_ctx_by,
+                             verify_rows=verify_rows)[1:] for _ in range(replicas)]
         return adm, [Routed(s, i) for i, (s, _) in enumerate(pairs)], [Routed(k, i) for i, (_, k) in enumerate(pairs)]
     sch = SchedulerCore(
         SchedulerConfig(
@@ -58,6 +59,7 @@ def build_cores(cfg: ServerConfig, num_blocks: int, max_context: int, fingerprin
             itl_ratio=itl_ratio(cfg),
             spec_k_max=(cfg.spec_draft_max if draft_max is None else draft_max) if verifies_drafts else 0,
             spec_min_kept=1.0 if pipeline_depth(cfg) == 2 else 0.0,  # a verify costs its sequence a step there
+            spec_max_rows=verify_rows if verifies_drafts else 0,  # the executor's largest decode graph (a GPU)
             swap_blocks=swap.blocks,
             swap_ns_per_block=swap.ns_per_block,
             recompute_ns_per_token=swap.recompute_ns_per_token,

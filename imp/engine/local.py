@@ -144,7 +144,8 @@ class LocalEngine:
                                           # the pool evicts (a copy only under pressure) instead of every block
                                           tier_demote=self.tiers[0] is not None and self.tiers[0].dir is None,
                                           prompt_costs=prompt_costs, prompt_ctx_ns=prompt_ctx_ns,
-                                          prompt_ctx_by=prompt_ctx_by)
+                                          prompt_ctx_by=prompt_ctx_by,
+                                          verify_rows=min(getattr(x, "verify_rows", 0) for x in self.runners))
         self.schs, self.kvs = (schs, kvs) if len(self.runners) > 1 else ([schs], [kvs])
         self.card = ModelCard(
             name=name, path=path, fingerprint=r.fingerprint, context_length=self.max_context,

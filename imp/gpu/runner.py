@@ -585,6 +585,12 @@ class GpuModelRunner:
     # and has not been measured on a GPU yet
     speculates_by_default = False
 
+    @property
+    def verify_rows(self) -> int:
+        """The most decode and drafted rows a step runs as a captured graph (the scheduler's spec_max_rows: past
+        it a verify step runs eager); 0 = no graphs."""
+        return max(self.graphs.graphs, default=0)
+
     def _verify_step(self, seqs: list[SeqWork], src: dict[int, int], constraints, la) -> Landing:
         """A step with verify shares. Each one's last draft + 1 positions run as one-token rows (its tokens
         before them, if any, as a chunk that samples nothing), so the step takes the decode graph or a mixed

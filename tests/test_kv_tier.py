@@ -6,6 +6,7 @@ the same files, a file that fails to load, the size limit."""
 from __future__ import annotations
 
 import os
+import random
 
 from imp.messages import KvStored
 from tests.test_scheduler_core import Sim, ids, params
@@ -163,7 +164,7 @@ def test_the_tier_files_refuse_what_is_not_theirs(tmp_path, caplog):
     from imp.actors import kvtier
 
     t = kvtier.KvTier(tmp_path, "a" * 64, "float16:2x16x1x8")
-    key, payload = bytes(range(32)), bytes(range(256)) * 4
+    key, payload = bytes(range(32)), random.Random(1).randbytes(16384) + b"tail"  # 4 pages and a tail
     assert t.save(key, payload) and bytes(t.load(key, len(payload))) == payload and t.scan() == (key,)
     buf = bytearray(len(payload))  # read into a caller's buffer (a GPU's pinned staging buffer)
     assert t.load(key, len(payload), into=buf) is buf and bytes(buf) == payload
@@ -171,16 +172,20 @@ def test_the_tier_files_refuse_what_is_not_theirs(tmp_path, caplog):
     t.save(key, payload)
     path = t._path(key)
     good = path.read_bytes()
-    cases = {"stale": b"IMPKV\x01\x00\x00" + good[8:], "foreign (another model": None, "foreign (another KV": None,
-             "short": good[:40], "corrupt": good[:-1] + bytes([good[-1] ^ 1])}
+    page = len(good) - len(payload) + 4096  # where the payload's second 4 KB page starts
     other = kvtier.KvTier(tmp_path / "o", "b" * 64, "float16:2x16x1x8")
     other.save(key, payload)
-    cases["foreign (another model"] = other._path(key).read_bytes()
     lay = kvtier.KvTier(tmp_path / "l", "a" * 64, "float32:2x16x1x8")
     lay.save(key, payload)
-    cases["foreign (another KV"] = lay._path(key).read_bytes()
+    cases = [("stale", b"IMPKV\x02\x00\x00" + good[8:]),  # (the CRC-32 format)
+             ("foreign (another model", other._path(key).read_bytes()),
+             ("foreign (another KV", lay._path(key).read_bytes()),
+             ("short", good[:40]), ("corrupt", good[:-1] + bytes([good[-1] ^ 1])),
+             ("corrupt", good[:page - 4096] + good[page:page + 4096] + good[page - 4096:page] + good[page + 4096:]),
+             ("corrupt", good[:page] + bytes(4096) + good[page + 4096:])]  # two pages swapped, a page zeroed
     with caplog.at_level(logging.WARNING, logger="imp.kvtier"):
-        for why, data in cases.items():
+        for why, data in cases:
+            assert data != good
             path.write_bytes(data)
             caplog.clear()
             assert t.load(key, len(payload)) is None, why

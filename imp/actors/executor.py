@@ -198,7 +198,7 @@ class _Burst:
         self.t0, self.flying, self.blocks, self.read_s, self.set_s, self.done = t0, 0, 0, 0.0, 0.0, False
 
 
-# the tiers' reads side by side (a file read and its CRC-32 let go of the GIL); on the GPU machine's 16 cores 8
+# the tiers' reads side by side (a file read and its digest let go of the GIL); on the GPU machine's 16 cores 8
 # threads read 2.6 GB back in 0.42 s with nothing else to do (bench/prompt_cache.py --null-kv-bytes)
 READ_THREADS = min(16, max(4, os.cpu_count() or 4))
 

@@ -275,3 +275,22 @@ def test_a_verify_steps_penalty_counts_are_the_recounted_ones_with_each_history_
         if step == 3:
             r.forget(["a"])
             hists["a"] = [9]
+
+
+def test_penalized_verify_shares_keep_their_counts_across_steps_and_forget_them(monkeypatch):
+    """Penalized verify shares (a history each) through `_verify_step` and through `_verify` (the host path):
+    the one-hot next-token model's tokens, each share's history counted once and kept for its next verify
+    (`_draft_hist`), dropped when the runner forgets the sequence."""
+    r = _verify_runner(monkeypatch)
+    pen = SamplingParams(max_tokens=8, repetition_penalty=1.3, presence_penalty=0.1)
+    shares = [msgspec.structs.replace(s, params=pen, history=(10, 11, 9, 9) if s.draft else (1,))
+              for s in _verify_shares()]
+    want = [(13, [11, 12]), (41, []), (58, []), (6, [4, 5])]
+    assert [(t.token_id, [a.token_id for a in t.accepted]) for t in r.collect(r._verify_step(shares, {}, None, None))
+            ] == want
+    assert set(r._draft_hist._by) == {"v0", "v1"} and r._draft_hist._by["v0"][0] == 4
+    grown = [msgspec.structs.replace(s, history=s.history + (11, 12, 13)) if s.draft else s for s in shares]
+    t = r._verify(torch.nn.functional.one_hot(torch.tensor([11, 12, 13, 21]), 64).float(), grown[0], None)
+    assert (t.token_id, [a.token_id for a in t.accepted]) == (13, [11, 12]) and r._draft_hist._by["v0"][0] == 7
+    r.forget(["v0", "v1"])
+    assert not len(r._draft_hist)

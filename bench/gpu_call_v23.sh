@@ -25,7 +25,7 @@ w8)
   [ -f /tmp/8b.gguf ] || (setsid nohup python3 bench/write_synth.py 8b-bf16 /tmp/8b.gguf < /dev/null > /tmp/w8.txt 2>&1 &)
   echo "8B file: $(ls -la /tmp/8b.gguf 2>/dev/null || echo being written)" ;;
 old)
-  mkdir -p /tmp/old && cp -r imp bench tests /tmp/old/ && (cd /tmp/old && patch -s -R -p1 < bench/pending/spec_async.patch \
+  mkdir -p /tmp/old && cp -r imp bench tests /tmp/old/ && (cd /tmp/old && patch -s -R -p1 < ${PATCH:-bench/pending/spec_async.patch} \
     && echo "old tree made") ;;
 tests)
   SM=${SERVER_MODEL:-$([ -f /tmp/smollm2.gguf ] && echo /tmp/smollm2.gguf || echo /tmp/smol.gguf)}

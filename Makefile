@@ -8,6 +8,8 @@ HOST    ?= 127.0.0.1
 PORT    ?= 8080
 MODEL   ?= smollm2-135m
 PYTEST_ARGS ?=
+# the suite's files on this many workers (pytest-xdist; 0 = in one process): two halve a 2-core box's wait
+PYTEST_WORKERS ?= 2
 
 .PHONY: serve test test-fast test-ui install install-test bench clean
 
@@ -33,10 +35,10 @@ serve: install
 	$(PY) -m imp --host $(HOST) --port $(PORT) --model $(MODEL)
 
 test: install-test
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: install-test
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 # Browser tests: Debian's Chromium driven by Playwright (never its own browser
 # download); installed here when missing and we are root, else the tests skip.

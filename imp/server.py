@@ -237,8 +237,17 @@ def compile_steps(cfg: ServerConfig, text_only: bool = False) -> None:
     if text_only:
         load_text(cfg)
     else:
+        _warm_tier(cfg)
         _load_models(cfg)
     load_embedder(cfg)
+
+
+def _warm_tier(cfg: ServerConfig) -> None:
+    """The prompt cache tier's compiled reads and digest (imp.actors.kvtier_io), where there is a tier."""
+    if cfg.prompt_cache_dir or cfg.host_cache_gb:
+        from imp.actors import kvtier_io
+
+        kvtier_io.warm()
 
 
 def compile_head(cfg: ServerConfig) -> None:
@@ -287,6 +296,7 @@ def load_engine(cfg: ServerConfig, store=None, embedder: bool = False, status_po
     from imp.model.lora import LoraTable
 
     def steps():
+        _warm_tier(cfg)
         return _load_models(cfg), (load_embedder(cfg) if embedder else None)
 
     (path, loaders, runners, tokenizer, name, text, boot_rate, grammars), enc = boot_warm(

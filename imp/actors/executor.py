@@ -175,17 +175,13 @@ def _fetch_fill_chunk(tier, runner, items: list[tuple[bytes, int]]):
     t0 = time.perf_counter()
     chunk = runner.kv_chunk_staging()
     n = runner.kv_block_bytes()
-    out, placed = [], []
     try:
-        arr = chunk[0].numpy()
-        for i, (key, block) in enumerate(items):
-            data, source = tier.fetch(key, n, into=arr[i * n:(i + 1) * n])
-            out.append((data is not None, source))
-            if data is not None:
-                placed.append((i, block))
+        where = tier.fetch_many([key for key, _ in items], n, chunk[0].numpy())
     except BaseException:
         runner.kv_chunk_unstage(chunk)  # the ring keeps its buffer
         raise
+    out = [(bool(w), w) for w in where]
+    placed = [(i, block) for i, (_, block) in enumerate(items) if where[i]]
     t1 = time.perf_counter()
     runner.set_kv_blocks(chunk, placed)  # gives the chunk back to its ring (behind its copies)
     return out, t1 - t0, time.perf_counter() - t1

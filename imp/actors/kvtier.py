@@ -17,9 +17,9 @@ it, so a file is only ever used for the same tokens of the same model in the sam
 
 (The digest guards against a torn or damaged file, not a forger: the sum of the payload's 64-bit words and
 the sum of its 4 KB pages' sums weighted by their place, mod 2**64, so a flipped bit, a zeroed or short
-stretch and a page moved or lost all show. One numpy pass, ~8 GB/s a thread from memory: CRC-32 ran at
-1-3.5 GB/s and held a restart's 20k-token read-back on the H200 to 0.62 s (8B shape: 2.6 GB, 16 threads;
-BLAKE2b before it at 0.9). The name and header already say whose KV it is; a file someone forged to match
+stretch and a page moved or lost all show. One compiled pass without the GIL, beside the read
+(imp.actors.kvtier_io, which also reads a chunk of files in one call): CRC-32 ran at 1-3.5 GB/s and held a
+restart's 20k-token read-back on the H200 to 0.62 s (8B shape: 2.6 GB, 16 threads; BLAKE2b before it at 0.9). The name and header already say whose KV it is; a file someone forged to match
 them is outside what a cache directory defends against.)
 
 A file that is foreign (another model's or layout's, moved in by hand), stale (an older format) or
@@ -40,6 +40,8 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+
+from imp.actors import kvtier_io
 
 log = logging.getLogger("imp.kvtier")
 
@@ -144,43 +146,78 @@ class KvTier:
             self._keep(key, bytes(data))
         return data, "disk" if data is not None else ""
 
+    def fetch_many(self, keys: list[bytes], size: int, out: np.ndarray) -> list[str]:
+        """`fetch` for a chunk: key i's payload into slot i of `out` (uint8, slot j at j x size), the disk's in one
+        read_files call. [where key i came from: "host", "disk", or "" when neither has it whole]."""
+        where = [""] * len(keys)
+        misses = []
+        with self._host_lock:
+            for i, key in enumerate(keys):
+                got = self.host.get(key)
+                if got is not None and len(got) == size:
+                    self.host.move_to_end(key)
+                    self.host_hits += 1
+                    out[i * size:(i + 1) * size] = np.frombuffer(got, np.uint8)
+                    where[i] = "host"
+                else:
+                    misses.append(i)
+        if misses:
+            read = self.load_many([keys[i] for i in misses], size, out, misses)
+            for i, ok in zip(misses, read):
+                if ok:
+                    where[i] = "disk"
+                    if self.host_blocks:
+                        self._keep(keys[i], out[i * size:(i + 1) * size].tobytes())
+        return where
+
     def load(self, key: bytes, size: int, into=None) -> memoryview | None:
         """The payload of key's file, if the file is whole and this model's and layout's (size bytes); read into
         `into` when given (no buffer of its own: a 2 MB read was an mmap and 512 page faults each)."""
-        if self.dir is None:
+        buf = np.empty(size, np.uint8) if into is None else np.frombuffer(memoryview(into).cast("B"), np.uint8)
+        if not self.load_many([key], size, buf)[0]:
             return None
-        p = self._path(key)
-        try:
-            with open(p, "rb") as f:
-                head = f.read(_HEAD.size)
-                if into is None:
-                    payload = memoryview(f.read())
-                else:
-                    payload = memoryview(into).cast("B")
-                    got = f.readinto(payload)
-                    payload = payload[:got] if not f.read(1) else payload[:0]  # longer than size: corrupt
-        except OSError:
-            return None  # dropped meanwhile (another replica, a person): computed again
-        why = ""
-        if len(head) < _HEAD.size:
-            why = "short"
-        else:
-            magic, k, fp, lay, n, digest = _HEAD.unpack_from(head)
-            if magic != MAGIC:
-                why = "stale (another format)"
-            elif fp.rstrip(b"\0").decode(errors="replace") != self.fingerprint[:64] or k != key:
-                why = "foreign (another model's or key's)"
-            elif lay.rstrip(b"\0").decode(errors="replace") != self.layout[:64]:
-                why = "foreign (another KV layout)"
-            elif n != len(payload) or n != size or _digest(payload) != digest:
-                why = "corrupt"
-        if why:
-            log.warning("[kvtier] %s: %s, not used", p, why)
-            _unlink(p)
-            return None
-        self.loaded += 1
-        self.bytes_in += len(head) + len(payload)
-        return into if into is not None else payload
+        return into if into is not None else memoryview(buf)
+
+    def load_many(self, keys: list[bytes], size: int, out: np.ndarray, slots=None) -> list[bool]:
+        """Each key's payload into its slot of `out` (uint8; key i's slot is slots[i], else i; slot j at j x size),
+        files read and summed in one call without the GIL (imp.actors.kvtier_io: a restart's read threads beside
+        a busy event loop). [whether key i's file was whole and this model's and layout's]; a bad one's slot holds
+        garbage, its file is gone with a log line. A file missing (dropped meanwhile, or never written) is False
+        without a word: that block is computed."""
+        if self.dir is None or not keys:
+            return [False] * len(keys)
+        paths = [os.fsencode(self._path(k)) for k in keys]
+        heads, got, sums = kvtier_io.read_files(paths, _HEAD.size, out, size, slots)
+        ok = []
+        for i, key in enumerate(keys):
+            n = int(got[i])
+            why = ""
+            if n == kvtier_io.NO_FILE:
+                ok.append(False)
+                continue
+            if n == kvtier_io.SHORT_HEAD:
+                why = "short"
+            else:
+                magic, k, fp, lay, length, digest = _HEAD.unpack(heads[i].tobytes())
+                j = i if slots is None else int(slots[i])
+                if magic != MAGIC:
+                    why = "stale (another format)"
+                elif fp.rstrip(b"\0").decode(errors="replace") != self.fingerprint[:64] or k != key:
+                    why = "foreign (another model's or key's)"
+                elif lay.rstrip(b"\0").decode(errors="replace") != self.layout[:64]:
+                    why = "foreign (another KV layout)"
+                elif n != size or length != size or _pack(int(sums[i, 0]), int(sums[i, 1]),
+                                                          out[j * size:(j + 1) * size]) != digest:
+                    why = "corrupt"
+            if why:
+                log.warning("[kvtier] %s: %s, not used", os.fsdecode(paths[i]), why)
+                _unlink(Path(os.fsdecode(paths[i])))
+                ok.append(False)
+                continue
+            self.loaded += 1
+            self.bytes_in += _HEAD.size + size
+            ok.append(True)
+        return ok
 
     def drop(self, key: bytes) -> None:
         with self._host_lock:
@@ -199,15 +236,13 @@ def _unlink(path: Path) -> None:
 
 def _digest(payload) -> bytes:
     """16 bytes: the sum of the payload's 64-bit words and the sum of its 4 KB pages' sums times 1, 3, 5, ...
-    (mod 2**64; numpy's integer arrays wrap), the bytes past the last whole word by CRC-32."""
+    (mod 2**64), the bytes past the last whole word by CRC-32 (imp.actors.kvtier_io's compiled loop)."""
+    return _pack(*kvtier_io.sums(payload), payload)
+
+
+def _pack(total: int, placed: int, payload) -> bytes:
+    """The digest from the words' two sums and the payload's bytes past its last whole word."""
     b = memoryview(payload).cast("B")
-    n = len(b) // 8
-    w = np.frombuffer(b, np.uint64, count=n)
-    p = n // 512
-    pages = np.add.reduce(w[:p * 512].reshape(p, 512), axis=1)
-    total = (int(pages.sum()) + int(np.add.reduce(w[p * 512:]))) & _MASK
-    placed = int((pages * np.arange(1, 2 * p, 2, dtype=np.uint64)).sum())
-    return struct.pack("<QQ", total, placed ^ zlib.crc32(b[n * 8:]))
+    return struct.pack("<QQ", total, placed ^ zlib.crc32(b[len(b) // 8 * 8:]))
 
 
-_MASK = (1 << 64) - 1

@@ -19,8 +19,9 @@ it, so a file is only ever used for the same tokens of the same model in the sam
 the sum of its 4 KB pages' sums weighted by their place, mod 2**64, so a flipped bit, a zeroed or short
 stretch and a page moved or lost all show. One compiled pass without the GIL, beside the read
 (imp.actors.kvtier_io, which also reads a chunk of files in one call): CRC-32 ran at 1-3.5 GB/s and held a
-restart's 20k-token read-back on the H200 to 0.62 s (8B shape: 2.6 GB, 16 threads; BLAKE2b before it at 0.9). The name and header already say whose KV it is; a file someone forged to match
-them is outside what a cache directory defends against.)
+restart's 20k-token read-back on the H200 to 0.62 s (8B shape: 2.6 GB, 16 threads; BLAKE2b before it at 0.9).
+The name and header already say whose KV it is; a file someone forged to match them is outside what a cache
+directory defends against.)
 
 A file that is foreign (another model's or layout's, moved in by hand), stale (an older format) or
 corrupt (short, bad digest) is not used: one log line, and the file is removed when it is ours but

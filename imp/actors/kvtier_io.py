@@ -117,9 +117,9 @@ def _read_files(names, starts, slots, flags, heads, out, size, extra, got, sums)
 
 def read_files(paths: list[bytes], head_size: int, out: np.ndarray, size: int, slots=None):
     """Each path's first head_size bytes and then up to `size` more into its slot of `out` (uint8, C-contiguous,
-    slot j at j x size; path i's slot is slots[i], else i), in one call without the GIL. (heads uint8 [n, head_size]; got int64 [n]: the payload
-    bytes read, or NO_FILE / SHORT_HEAD / LONGER (the file holds more than size after its head); sums uint64
-    [n, 2]: `_sums` of each whole payload's words, where got == size.)"""
+    slot j at j x size; path i's slot is slots[i], else i), in one call without the GIL. (heads uint8
+    [n, head_size]; got int64 [n]: the payload bytes read, or NO_FILE / SHORT_HEAD / LONGER (the file holds more
+    than size after its head); sums uint64 [n, 2]: `_sums` of each whole payload's words, where got == size.)"""
     n = len(paths)
     names = np.frombuffer(b"\0".join(paths) + b"\0", np.uint8)
     starts = np.zeros(n, np.int64)

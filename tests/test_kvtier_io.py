@@ -44,10 +44,12 @@ def test_read_files_puts_each_payload_in_its_slot_and_says_what_each_file_was(tm
     paths[2].write_bytes(paths[2].read_bytes() + b"x")  # one byte too many
     paths[3].write_bytes(b"abc")  # shorter than a head
     paths[4].write_bytes(paths[4].read_bytes()[:-5])  # a short payload
-    names = [str(p).encode() for p in paths] + [str(tmp_path / "none").encode()]
+    (tmp_path / "dir").mkdir()  # opens, but every read fails (EISDIR): a read error, not a bad file
+    names = [str(p).encode() for p in paths] + [str(tmp_path / "none").encode(), str(tmp_path / "dir").encode()]
     out = np.zeros(7 * size, np.uint8)
-    heads, got, sums = kvtier_io.read_files(names, head, out, size, slots=[6, 0, 1, 2, 3, 4])
-    assert got.tolist() == [size, size, kvtier_io.LONGER, kvtier_io.SHORT_HEAD, size - 5, kvtier_io.NO_FILE]
+    heads, got, sums = kvtier_io.read_files(names, head, out, size, slots=[6, 0, 1, 2, 3, 4, 5])
+    assert got.tolist() == [size, size, kvtier_io.LONGER, kvtier_io.SHORT_HEAD, size - 5, kvtier_io.NO_FILE,
+                            kvtier_io.FAILED]
     assert out[6 * size:].tobytes() == blocks[0] and out[:size].tobytes() == blocks[1]
     assert heads[0].tobytes() == bytes([0]) * head and heads[1].tobytes() == bytes([1]) * head
     assert tuple(int(x) for x in sums[0]) == _reference_sums(blocks[0])
@@ -84,6 +86,10 @@ def test_a_chunk_fetch_takes_host_hits_files_and_misses_side_by_side(tmp_path, c
     assert out[:size].tobytes() == pay[keys[3]] and out[size:2 * size].tobytes() == pay[keys[0]]
     assert out[4 * size:5 * size].tobytes() == pay[keys[2]]
     assert "corrupt" in caplog.text and not bad.exists() and caplog.text.count("[kvtier]") == 1
+    t._path(keys[4]).mkdir()  # unreadable where a file should be: not used, not removed, no log line
+    caplog.clear()
+    assert t.fetch_many([keys[4]], size, out) == [""] and t._path(keys[4]).is_dir() and "[kvtier]" not in caplog.text
+    t._path(keys[4]).rmdir()
     assert keys[0] in t.host and t.host[keys[0]] == pay[keys[0]]  # read from disk: now in host memory
     assert t.loaded == 1 and t.host_hits == 2
     alone = kvtier.KvTier(None, "a" * 64, "x")

@@ -193,7 +193,7 @@ class KvTier:
         for i, key in enumerate(keys):
             n = int(got[i])
             why = ""
-            if n == kvtier_io.NO_FILE:
+            if n in (kvtier_io.NO_FILE, kvtier_io.FAILED):  # not there, or unreadable now: computed, file left
                 ok.append(False)
                 continue
             if n == kvtier_io.SHORT_HEAD:

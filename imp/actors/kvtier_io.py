@@ -26,7 +26,7 @@ from numba.extending import intrinsic
 
 _I8P = ir.IntType(8).as_pointer()
 FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-NO_FILE, SHORT_HEAD, LONGER = -1, -2, -3  # read_files' codes besides a payload's byte count
+NO_FILE, SHORT_HEAD, LONGER, FAILED = -1, -2, -3, -4  # read_files' codes besides a payload's byte count
 PAGE_WORDS = 512  # 4 KB pages of 64-bit words: the digest's second sum weights each page's sum by its place
 
 
@@ -96,17 +96,22 @@ def _read_files(names, starts, slots, flags, heads, out, size, extra, got, sums)
         h = _pread(fd, heads[i].ctypes.data, np.int64(hsize), np.int64(0))
         if h < hsize:
             _close(fd)
-            got[i] = SHORT_HEAD
+            got[i] = FAILED if h < 0 else SHORT_HEAD
             continue
         dst = out[slots[i] * size:(slots[i] + 1) * size]
         n = 0
-        while n < size:  # a regular file's pread returns all it asked for but at its end; loop all the same
+        failed = False
+        while n < size and not failed:  # a regular file's pread returns all it asked for but at its end; loop
             r = _pread(fd, dst[n:].ctypes.data, np.int64(size - n), np.int64(hsize + n))
             if r <= 0:
+                failed = r < 0
                 break
             n += r
         more = _pread(fd, extra.ctypes.data, np.int64(1), np.int64(hsize + size)) if n == size else 0
         _close(fd)
+        if failed or more < 0:  # an I/O error, not a bad file: the block is computed, the file left alone
+            got[i] = FAILED
+            continue
         if more > 0:
             got[i] = LONGER
             continue
@@ -119,7 +124,8 @@ def read_files(paths: list[bytes], head_size: int, out: np.ndarray, size: int, s
     """Each path's first head_size bytes and then up to `size` more into its slot of `out` (uint8, C-contiguous,
     slot j at j x size; path i's slot is slots[i], else i), in one call without the GIL. (heads uint8
     [n, head_size]; got int64 [n]: the payload bytes read, or NO_FILE / SHORT_HEAD / LONGER (the file holds more
-    than size after its head); sums uint64 [n, 2]: `_sums` of each whole payload's words, where got == size.)"""
+    than size after its head) / FAILED (a read error: a directory, EIO); sums uint64 [n, 2]: `_sums` of each
+    whole payload's words, where got == size.)"""
     n = len(paths)
     names = np.frombuffer(b"\0".join(paths) + b"\0", np.uint8)
     starts = np.zeros(n, np.int64)

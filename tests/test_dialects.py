@@ -395,8 +395,9 @@ async def test_huge_bodies_never_stall_health_or_a_running_stream(make_client):
     assert (await refusals[0].json())["error"]["code"] == "context_length_exceeded"
     assert tok.status == 413 and (await tok.json())["error"]["param"] == "content"
     assert ok.status == 200 and (await ok.json())["count"] > 0
-    # 100 ms on a quiet machine (before: 8-12 s stalls); the bound leaves room for a loaded CI box
-    assert max(gaps[1:]) < 0.25 and max(health) < 0.25, (max(gaps[1:]), max(health))
+    # 100 ms on a quiet machine (before: 8-12 s stalls); the bound leaves room for a loaded CI box, where make
+    # test's second worker shares the two cores (0.30 s seen there once)
+    assert max(gaps[1:]) < 1.0 and max(health) < 1.0, (max(gaps[1:]), max(health))
 
 
 # --------------------------------------------------------------------------- keep-alive

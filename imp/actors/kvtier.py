@@ -130,18 +130,25 @@ class KvTier:
             while len(self.host) > self.host_blocks:  # the oldest leaves host memory (its file, if any, stays)
                 self.host.popitem(last=False)
 
+    def _from_host(self, key: bytes, size: int) -> bytes | None:
+        """key's payload from host memory (now its newest), if there whole; counted as a host hit."""
+        with self._host_lock:
+            got = self.host.get(key)
+            if got is None or len(got) != size:
+                return None
+            self.host.move_to_end(key)
+            self.host_hits += 1
+            return got
+
     def fetch(self, key: bytes, size: int, into=None) -> tuple[bytes | memoryview | None, str]:
         """(the payload saved under key, "host" or "disk"), or (None, "") when neither has it whole. into: a
         writable buffer of size bytes to put it in (a GPU's pinned staging buffer), returned as the payload."""
-        with self._host_lock:
-            got = self.host.get(key)
-            if got is not None and len(got) == size:
-                self.host.move_to_end(key)
-                self.host_hits += 1
-                if into is None:
-                    return got, "host"
-                memoryview(into).cast("B")[:] = got
-                return into, "host"
+        got = self._from_host(key, size)
+        if got is not None:
+            if into is None:
+                return got, "host"
+            memoryview(into).cast("B")[:] = got
+            return into, "host"
         data = self.load(key, size, into)
         if data is not None and self.host_blocks:
             self._keep(key, bytes(data))
@@ -152,16 +159,13 @@ class KvTier:
         read_files call. [where key i came from: "host", "disk", or "" when neither has it whole]."""
         where = [""] * len(keys)
         misses = []
-        with self._host_lock:
-            for i, key in enumerate(keys):
-                got = self.host.get(key)
-                if got is not None and len(got) == size:
-                    self.host.move_to_end(key)
-                    self.host_hits += 1
-                    out[i * size:(i + 1) * size] = np.frombuffer(got, np.uint8)
-                    where[i] = "host"
-                else:
-                    misses.append(i)
+        for i, key in enumerate(keys):
+            got = self._from_host(key, size)
+            if got is not None:
+                out[i * size:(i + 1) * size] = np.frombuffer(got, np.uint8)
+                where[i] = "host"
+            else:
+                misses.append(i)
         if misses:
             read = self.load_many([keys[i] for i in misses], size, out, misses)
             for i, ok in zip(misses, read):

@@ -110,7 +110,9 @@ def walk(m: SeqMatcher, eos_ids, V: int, seed: int, max_steps: int = 400, p_eos:
             apply_mask(logits, bm)
             probs = torch.softmax(logits, dim=-1)[0]
             assert torch.all(probs[~allowed] == 0), "a masked token kept probability > 0"
-            assert torch.isclose(probs[allowed].sum(), torch.tensor(1.0))
+            # (float64 sum: 49k float32 probabilities summed in float32 round past isclose's 1e-5 on some
+            # CPUs' kernels; a masked-out mass would show as far more)
+            assert abs(probs[allowed].double().sum().item() - 1.0) < 1e-4
         if eos_ok and (m.done() or rnd.random() < p_eos):
             tok = next(e for e in eos if allowed[e])
         else:

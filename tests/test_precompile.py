@@ -103,14 +103,16 @@ def test_two_boots_sharing_a_cache_compile_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))
     code = ("import numba, time; numba.config.CACHE_DIR = %r\nfrom imp import precompile\n"
-            "t = time.monotonic()\nwith precompile.compile_lock(print): print('got', round(time.monotonic() - t, 1))"
+            "with precompile.compile_lock(print): print('got', time.time())"
             % str(tmp_path))
     with precompile.compile_lock():
         other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
         time.sleep(1.5)
         assert other.poll() is None  # still waiting for the lock
+        released = time.time()
     out, _ = other.communicate(timeout=30)
-    assert "another boot is compiling" in out and float(out.split("got ")[1]) >= 1.0
+    # it took the lock only once this holder let go (its own wait depends on how long its imports took)
+    assert "another boot is compiling" in out and float(out.split("got ")[1]) >= released - 0.05, (out, released)
 
 
 def test_the_compile_child_dies_with_its_parent(tmp_path):

@@ -142,11 +142,12 @@ def test_a_device_fault_ends_every_request_and_later_ones_fail_fast(smollm2_path
         assert srv.proc.wait(30) == 0, srv.tail()
 
 
-async def _balancer(url: str, proc: subprocess.Popen, workers: int = 8, check_s: float = 0.2) -> dict[str, int]:
+async def _balancer(url: str, proc: subprocess.Popen, workers: int = 8, check_s: float = 0.5) -> dict[str, int]:
     """What a load balancer does around a SIGTERM: requests on fresh connections (HAProxy's http-server-close)
     from `workers` clients until its check has seen /ready fail twice, then none. The outcome of each:
     an answer (its status), a refused connection (never sent: safe to resend) or a reset (sent, then the
-    connection closed unanswered: what a balancer cannot resend)."""
+    connection closed unanswered: what a balancer cannot resend). check_s 0.5 (HAProxy's default inter is 2 s):
+    at 0.2 a slower 2-core box's in-flight chats outlasted the two failed checks, so no request met the drain."""
     import aiohttp
 
     seen: dict[str, int] = {}

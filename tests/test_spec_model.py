@@ -66,8 +66,12 @@ def _same_with_and_without(url: str):
 def test_smollm2_greedy_and_seeded_output_unchanged(imp_server):
     off, on = _same_with_and_without(imp_server.url)
     d = details(on)
-    # a 135M model re-emits (and paraphrases) the file: a good share of the drafts is right
-    assert d["imp_spec_accepted"] >= 0.3 * d["imp_spec_drafted"], d
+    # where the 135M model re-emits the file (it does on the AVX-512 tiers' rounding; on an AVX2 EPYC its greedy
+    # answer paraphrases it instead, 0 lines copied) a good share of the drafts is right
+    copied = sum(1 for line in text(on).splitlines() if len(line.strip()) > 12 and line in SOURCE)
+    print(f"\n{copied} source lines re-emitted; {d}")
+    if copied >= 5:
+        assert d["imp_spec_accepted"] >= 0.3 * d["imp_spec_drafted"], d
 
 
 def _batched(url: str) -> list[dict]:
